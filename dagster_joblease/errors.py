@@ -1,0 +1,169 @@
+"""Errors raised by dagster-joblease.
+
+Every error derives from :class:`JobLeaseError`, so one ``except`` catches them all. Invalid input also
+derives from :class:`ValueError`. Messages name the offending value, the rule, and the fix; they never
+contain a database URL or a credential.
+
+::
+
+    JobLeaseError
+    ├── InvalidJobIdentityError (ValueError)    type / code / run_key broke a rule
+    ├── InvalidLeaseOptionsError (ValueError)   lease_ms / heartbeat_ms out of range
+    ├── InvalidPayloadError (ValueError)        outbox payload not JSON, too large, bad topic or key
+    ├── ConfigurationError                      bad route, missing environment variable, bad URL
+    ├── LostLeaseError                          a fenced write found another owner (or none)
+    ├── OutboxConflictError                     same idempotency key, different payload
+    ├── InboxConflictError                      consumer saw the same key with a different payload
+    ├── InboxInProgressError                    consumer is still processing that key
+    ├── DispatchError                           delivery could not be attempted
+    ├── NotFoundError                           an admin command named a row that does not exist
+    ├── RetentionWindowError (ValueError)       purge window shorter than the configured minimum
+    └── StorageError                            database unreachable or failing (cause kept)
+        └── SchemaNotAtHeadError                the database schema is behind (or ahead of) this package
+"""
+
+from __future__ import annotations
+
+__all__ = [
+    "ConfigurationError",
+    "DispatchError",
+    "InboxConflictError",
+    "InboxInProgressError",
+    "InvalidJobIdentityError",
+    "InvalidLeaseOptionsError",
+    "InvalidPayloadError",
+    "JobLeaseError",
+    "LostLeaseError",
+    "NotFoundError",
+    "OutboxConflictError",
+    "RetentionWindowError",
+    "SchemaNotAtHeadError",
+    "StorageError",
+]
+
+_GUARANTEE = (
+    "dagster-joblease gives at-least-once delivery with end-to-end deduplication, not exactly-once: "
+    "any external effect must be deduplicated downstream by the idempotency key."
+)
+
+
+def _short(value: object, limit: int = 80) -> str:
+    text = repr(value)
+    return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
+class JobLeaseError(Exception):
+    """Base class of every dagster-joblease error."""
+
+
+class InvalidJobIdentityError(JobLeaseError, ValueError):
+    """A job identity field broke a rule; raised before any database work."""
+
+    def __init__(self, field: str, value: object, rule: str) -> None:
+        self.field = field
+        self.value = value
+        self.rule = rule
+        super().__init__(f"invalid {field} {_short(value)}: {rule}")
+
+
+class InvalidLeaseOptionsError(JobLeaseError, ValueError):
+    """A lease timing option is out of range; raised before any database work."""
+
+    def __init__(self, option: str, value: object, rule: str) -> None:
+        self.option = option
+        self.value = value
+        self.rule = rule
+        super().__init__(f"invalid {option} {_short(value)}: {rule}")
+
+
+class InvalidPayloadError(JobLeaseError, ValueError):
+    """An outbox row was refused before anything was written."""
+
+    def __init__(self, field: str, rule: str) -> None:
+        self.field = field
+        self.rule = rule
+        super().__init__(f"invalid outbox {field}: {rule}")
+
+
+class ConfigurationError(JobLeaseError):
+    """Configuration is missing or wrong (a route, an environment variable, a database URL)."""
+
+
+class LostLeaseError(JobLeaseError):
+    """A fenced write matched no row: the lease expired and was reclaimed, or was already finished.
+
+    The worker must stop. Effects it already performed may still happen again under the next owner; only
+    downstream deduplication by the idempotency key makes that harmless.
+    """
+
+    def __init__(self, *, lease_id: int, attempt: int, idempotency_key: str, action: str) -> None:
+        self.lease_id = lease_id
+        self.attempt = attempt
+        self.idempotency_key = idempotency_key
+        self.action = action
+        super().__init__(
+            f"cannot {action} lease {lease_id} (attempt {attempt}, key {idempotency_key}): this worker no "
+            "longer owns it (it expired and was reclaimed by another worker, or was already completed, "
+            f"failed or released). Stop work now. {_GUARANTEE}"
+        )
+
+
+class OutboxConflictError(JobLeaseError):
+    """The same idempotency key was enqueued with a different payload."""
+
+    def __init__(self, *, idempotency_key: str, existing_sha256: str, new_sha256: str) -> None:
+        self.idempotency_key = idempotency_key
+        self.existing_sha256 = existing_sha256
+        self.new_sha256 = new_sha256
+        super().__init__(
+            f"outbox key {idempotency_key!r} already holds a different payload (sha256 {existing_sha256[:12]}… "
+            f"vs {new_sha256[:12]}…): one identity must mean one effect. Derive a distinct key per effect "
+            "with effect_key(run_key, name), or keep the payload deterministic."
+        )
+
+
+class InboxConflictError(JobLeaseError):
+    """The consumer already saw this key with a different payload (HTTP 422)."""
+
+    def __init__(self, *, idempotency_key: str) -> None:
+        self.idempotency_key = idempotency_key
+        super().__init__(
+            f"idempotency key {idempotency_key!r} was already used with a different payload; "
+            "a key must not be reused for another request"
+        )
+
+
+class InboxInProgressError(JobLeaseError):
+    """Another consumer is processing this key right now (HTTP 409); retry later."""
+
+    def __init__(self, *, idempotency_key: str) -> None:
+        self.idempotency_key = idempotency_key
+        super().__init__(f"idempotency key {idempotency_key!r} is being processed; retry later")
+
+
+class DispatchError(JobLeaseError):
+    """Delivery could not be attempted (for example the dispatcher is misconfigured)."""
+
+
+class NotFoundError(JobLeaseError):
+    """An administrative command named a row that does not exist."""
+
+
+class RetentionWindowError(JobLeaseError, ValueError):
+    """A purge window is shorter than the configured minimum retention."""
+
+
+class StorageError(JobLeaseError):
+    """The database could not be reached or failed; the driver error is kept as ``__cause__``."""
+
+
+class SchemaNotAtHeadError(StorageError):
+    """The database schema does not match this version of dagster-joblease."""
+
+    def __init__(self, *, db_revision: str | None, head_revision: str) -> None:
+        self.db_revision = db_revision
+        self.head_revision = head_revision
+        super().__init__(
+            f"the joblease schema is at revision {db_revision or 'none (not installed)'} but this package "
+            f"needs {head_revision}; run `joblease db upgrade` (or dagster_joblease.migrate(engine))"
+        )

@@ -1,0 +1,315 @@
+"""A PostgreSQL (or SQLite) lease with one live winner per logical run, fenced by a rotating owner token.
+
+State machine of a row: ``RUNNING → SUCCESS | FAIL``; ``FAIL → RUNNING`` (reclaim); a ``RUNNING`` row
+whose ``expires_at`` has passed on the *database* clock ``→ RUNNING`` (reclaim by another worker).
+``SUCCESS`` is never reclaimed. Every claim rotates ``owner_token`` and increments ``attempt`` (a fencing
+number); heartbeat, complete, fail and release only touch the row while the caller's token is current.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+import json
+import logging
+import os
+import secrets
+import socket
+import threading
+from collections.abc import Callable
+from datetime import datetime
+from typing import Any, TypeVar
+
+import sqlalchemy as sa
+from sqlalchemy.dialects import postgresql, sqlite
+
+from dagster_joblease import errors, exclusive, identity, options
+from dagster_joblease.storage.clock import db_now, db_now_plus_ms, ms_until
+from dagster_joblease.storage.engine import translate_errors
+from dagster_joblease.storage.schema import lease_table
+
+__all__ = ["AcquireResult", "Lease", "LeaseService", "LeaseStatus", "NotAcquiredReason"]
+
+logger = logging.getLogger(__name__)
+
+T = TypeVar("T")
+
+MAX_ERROR_CHARS = 4_000
+RELEASED_ERROR = "released by its holder before finishing"
+
+
+class LeaseStatus(enum.StrEnum):
+    RUNNING = "RUNNING"  #: held; reclaimable once expires_at passes on the database clock
+    SUCCESS = "SUCCESS"  #: done for good; never reclaimed
+    FAIL = "FAIL"  #: failed or released; the next acquire reclaims it
+
+
+class NotAcquiredReason(enum.StrEnum):
+    """Why an acquire did not win."""
+
+    HELD = "held by a live lease"
+    SUCCEEDED = "already succeeded"
+    CONTENDED = "lost a race for the same run"
+
+
+def bound_error(text: str, limit: int = MAX_ERROR_CHARS) -> str:
+    """Error text as stored: bounded, so one huge traceback cannot bloat the row."""
+    return text if len(text) <= limit else text[: limit - 20] + f"… [{len(text) - limit + 20} chars cut]"
+
+
+def _holder() -> str:
+    return f"{socket.gethostname()}:{os.getpid()}"[:255]
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class Lease:
+    """A claim on a logical run. ``owner_token`` fences; ``attempt`` is the fencing number.
+
+    ``lost`` becomes true as soon as this process learns (by a heartbeat or a fenced write) that another
+    worker owns the run now.
+    """
+
+    id: int
+    identity: identity.JobIdentity
+    owner_token: str
+    attempt: int
+    lease_ms: int
+    expires_at: datetime
+    previous_error: str | None = None
+    _lost: threading.Event = dataclasses.field(default_factory=threading.Event, repr=False)
+
+    @property
+    def idempotency_key(self) -> str:
+        return self.identity.idempotency_key
+
+    @property
+    def reclaimed(self) -> bool:
+        """True when an earlier attempt held this run (it failed, was released, or expired)."""
+        return self.attempt > 1
+
+    @property
+    def lost(self) -> bool:
+        return self._lost.is_set()
+
+    def ensure_held(self) -> None:
+        """Raise :class:`LostLeaseError` if the lease is known to be lost; call it before an effect."""
+        if self.lost:
+            raise self._lost_error("continue under")
+
+    def _lost_error(self, action: str) -> errors.LostLeaseError:
+        return errors.LostLeaseError(
+            lease_id=self.id, attempt=self.attempt, idempotency_key=self.idempotency_key, action=action
+        )
+
+
+@dataclasses.dataclass(frozen=True)
+class AcquireResult:
+    """The outcome of an acquire: a lease, or the reason there is none."""
+
+    lease: Lease | None
+    reason: NotAcquiredReason | None = None
+
+    @property
+    def acquired(self) -> bool:
+        return self.lease is not None
+
+
+def _insert(dialect_name: str) -> Any:
+    return (postgresql.insert if dialect_name == "postgresql" else sqlite.insert)(lease_table)
+
+
+class LeaseService:
+    """Acquire, renew and finish leases on a SQLAlchemy engine (PostgreSQL or SQLite).
+
+    Args:
+        engine: an engine over a database migrated with :func:`dagster_joblease.migrate`.
+        lease_ms: default lease length (15 minutes).
+        heartbeat_ms: default renewal interval for :meth:`run_exclusive` (``min(60 s, lease_ms // 3)``).
+
+    Example::
+
+        service = LeaseService(create_engine("postgresql+psycopg://app@db/app"))
+        outcome = service.run_exclusive(JobIdentity.schedule("daily-billing", "2026-11-29"), bill)
+        if not outcome.acquired:
+            print("skipped:", outcome.reason)
+    """
+
+    def __init__(self, engine: sa.Engine, *, lease_ms: int | None = None, heartbeat_ms: int | None = None) -> None:
+        self.engine = engine
+        self.timing = options.resolve_timing(lease_ms, heartbeat_ms)
+
+    # -- acquire -----------------------------------------------------------------------------------
+
+    def try_acquire(self, job: identity.JobIdentity, *, lease_ms: int | None = None) -> AcquireResult:
+        """Claim or reclaim ``job`` in one statement; on a loss, say why (one cheap read)."""
+        if not isinstance(job, identity.JobIdentity):
+            raise errors.InvalidJobIdentityError("identity", job, "must be a JobIdentity")
+        length = options.resolve_timing(lease_ms, None, defaults=self.timing).lease_ms
+        token = secrets.token_hex(16)
+        t = lease_table
+        with translate_errors("acquire a lease"), self.engine.begin() as conn:
+            insert = _insert(conn.dialect.name)
+            stmt = insert.values(
+                lock_key=job.idempotency_key,
+                job_type=job.type.value,
+                code=job.code,
+                run_key=job.run_key,
+                status=LeaseStatus.RUNNING.value,
+                owner_token=token,
+                attempt=1,
+                lease_ms=length,
+                holder=_holder(),
+                created_at=db_now(),
+                acquired_at=db_now(),
+                heartbeat_at=db_now(),
+                expires_at=db_now_plus_ms(sa.literal(length, sa.BigInteger())),
+            )
+            reclaimable = sa.or_(
+                t.c.status == LeaseStatus.FAIL.value,
+                sa.and_(t.c.status == LeaseStatus.RUNNING.value, t.c.expires_at < db_now()),
+            )
+            stmt = stmt.on_conflict_do_update(
+                index_elements=[t.c.lock_key],
+                set_={
+                    "status": LeaseStatus.RUNNING.value,
+                    "owner_token": stmt.excluded.owner_token,
+                    "attempt": t.c.attempt + 1,
+                    "lease_ms": stmt.excluded.lease_ms,
+                    "holder": stmt.excluded.holder,
+                    "acquired_at": db_now(),
+                    "heartbeat_at": db_now(),
+                    "expires_at": db_now_plus_ms(sa.literal(length, sa.BigInteger())),
+                    "finished_at": None,
+                    "result": None,
+                    # Keep the previous attempt's error; say so when it simply stopped heartbeating.
+                    "last_error": sa.case(
+                        (
+                            t.c.status == LeaseStatus.RUNNING.value,
+                            sa.literal("attempt ")
+                            + sa.cast(t.c.attempt, sa.String)
+                            + sa.literal(" expired without finishing (worker died or stalled)"),
+                        ),
+                        else_=t.c.last_error,
+                    ),
+                },
+                where=reclaimable,
+            ).returning(t.c.id, t.c.attempt, t.c.expires_at, t.c.last_error)
+            row = conn.execute(stmt).first()
+            if row is None:
+                current = conn.execute(
+                    sa.select(t.c.status).where(t.c.lock_key == job.idempotency_key)
+                ).scalar_one_or_none()
+        if row is None:
+            reason = {
+                LeaseStatus.SUCCESS.value: NotAcquiredReason.SUCCEEDED,
+                LeaseStatus.RUNNING.value: NotAcquiredReason.HELD,
+            }.get(current or "", NotAcquiredReason.CONTENDED)
+            logger.info("lease not acquired for %s: %s", job, reason.value, extra={"action": "lease_skipped"})
+            return AcquireResult(lease=None, reason=reason)
+        lease = Lease(
+            id=row.id,
+            identity=job,
+            owner_token=token,
+            attempt=row.attempt,
+            lease_ms=length,
+            expires_at=row.expires_at,
+            previous_error=row.last_error if row.attempt > 1 else None,
+        )
+        logger.info(
+            "lease %s for %s (attempt %d)",
+            "reclaimed" if lease.reclaimed else "acquired",
+            job,
+            lease.attempt,
+            extra={"action": "lease_reclaimed" if lease.reclaimed else "lease_acquired"},
+        )
+        return AcquireResult(lease=lease)
+
+    def acquire(self, job: identity.JobIdentity, *, lease_ms: int | None = None) -> Lease | None:
+        """Claim or reclaim ``job``; ``None`` when another worker holds it or it already succeeded."""
+        return self.try_acquire(job, lease_ms=lease_ms).lease
+
+    # -- fenced writes -----------------------------------------------------------------------------
+
+    def _fenced_update(self, lease: Lease, action: str, values: dict[str, Any]) -> sa.Row[Any]:
+        t = lease_table
+        stmt = (
+            sa.update(t)
+            .where(
+                t.c.id == lease.id,
+                t.c.owner_token == lease.owner_token,
+                t.c.status == LeaseStatus.RUNNING.value,
+            )
+            .values(**values)
+            .returning(t.c.expires_at)
+        )
+        with translate_errors(f"{action} a lease"), self.engine.begin() as conn:
+            row = conn.execute(stmt).first()
+        if row is None:
+            lease._lost.set()
+            logger.warning("lease %d lost on %s", lease.id, action, extra={"action": "lease_lost"})
+            raise lease._lost_error(action)
+        return row
+
+    def heartbeat(self, lease: Lease) -> datetime:
+        """Extend the lease by its own length from the database's now; returns the new expiry."""
+        row = self._fenced_update(
+            lease,
+            "heartbeat",
+            {"heartbeat_at": db_now(), "expires_at": db_now_plus_ms(lease_table.c.lease_ms)},
+        )
+        expires_at: datetime = row.expires_at
+        return expires_at
+
+    def complete(self, lease: Lease, data: Any = None) -> None:
+        """Mark the run ``SUCCESS`` (never reclaimed again); ``data`` is stored as JSON."""
+        if data is not None:
+            try:
+                json.dumps(data, allow_nan=False)
+            except (TypeError, ValueError) as exc:
+                raise errors.InvalidPayloadError("result data", f"must be JSON-serializable ({exc})") from None
+        self._fenced_update(
+            lease,
+            "complete",
+            {"status": LeaseStatus.SUCCESS.value, "finished_at": db_now(), "result": data, "last_error": None},
+        )
+
+    def fail(self, lease: Lease, error: str | BaseException) -> None:
+        """Mark the run ``FAIL`` with bounded error text; the next acquire retries it with the same key."""
+        text = error if isinstance(error, str) else f"{type(error).__name__}: {error}"
+        self._fenced_update(
+            lease,
+            "fail",
+            {"status": LeaseStatus.FAIL.value, "finished_at": db_now(), "last_error": bound_error(text)},
+        )
+
+    def release(self, lease: Lease, reason: str = RELEASED_ERROR) -> None:
+        """Give the run back unfinished (``FAIL``, reason: released) so a later acquire may retry it."""
+        self._fenced_update(
+            lease,
+            "release",
+            {"status": LeaseStatus.FAIL.value, "finished_at": db_now(), "last_error": bound_error(reason)},
+        )
+
+    def remaining_ms(self, lease: Lease) -> int | None:
+        """Milliseconds left on the database clock, or ``None`` if this lease is no longer current."""
+        t = lease_table
+        with translate_errors("read a lease"), self.engine.connect() as conn:
+            value: int | None = conn.execute(
+                sa.select(ms_until(t.c.expires_at)).where(
+                    t.c.id == lease.id, t.c.owner_token == lease.owner_token, t.c.status == "RUNNING"
+                )
+            ).scalar_one_or_none()
+        return value
+
+    # -- run_exclusive -----------------------------------------------------------------------------
+
+    def run_exclusive(
+        self,
+        job: identity.JobIdentity,
+        fn: Callable[[Lease], T],
+        *,
+        lease_ms: int | None = None,
+        heartbeat_ms: int | None = None,
+    ) -> exclusive.ExclusiveOutcome[T]:
+        """Run ``fn(lease)`` only if this worker wins ``job``; see :func:`dagster_joblease.exclusive.run_exclusive`."""
+        return exclusive.run_exclusive(self, job, fn, lease_ms=lease_ms, heartbeat_ms=heartbeat_ms)

@@ -1,0 +1,125 @@
+"""Engines for PostgreSQL (psycopg 3) and the embedded SQLite default, and the one place that turns
+driver errors into :class:`StorageError` with the URL's password hidden."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import sqlalchemy as sa
+from sqlalchemy import event
+from sqlalchemy.engine import URL, make_url
+
+from dagster_joblease import errors
+
+__all__ = [
+    "DATABASE_URL_ENV",
+    "create_engine",
+    "default_sqlite_url",
+    "normalize_url",
+    "redact_url",
+    "translate_errors",
+]
+
+#: The environment variable every entry point (CLI, Dagster resource, demo) reads the URL from.
+DATABASE_URL_ENV = "JOBLEASE_DATABASE_URL"
+SQLITE_BUSY_TIMEOUT_MS = 30_000
+
+
+def default_sqlite_url() -> str:
+    """The embedded default: a file under ``$DAGSTER_HOME``, else under ``./.joblease/``."""
+    home = os.environ.get("DAGSTER_HOME")
+    folder = Path(home) if home else Path.cwd() / ".joblease"
+    folder.mkdir(parents=True, exist_ok=True)
+    return f"sqlite:///{folder / 'joblease.sqlite'}"
+
+
+def normalize_url(url: str | URL) -> URL:
+    """Parse a URL and pick psycopg 3 for bare ``postgresql://`` / ``postgres://`` URLs."""
+    try:
+        parsed = make_url(url) if isinstance(url, str) else url
+    except Exception:  # sqlalchemy.exc.ArgumentError and friends; the URL itself is never echoed
+        raise errors.ConfigurationError(
+            "the database URL could not be parsed; expected e.g. postgresql+psycopg://user@host:5432/db "
+            "or sqlite:///path/to/joblease.sqlite"
+        ) from None
+    if parsed.drivername in ("postgresql", "postgres"):
+        parsed = parsed.set(drivername="postgresql+psycopg")
+    backend = parsed.get_backend_name()
+    if backend not in ("postgresql", "sqlite"):
+        raise errors.ConfigurationError(
+            f"unsupported database backend {backend!r}; use postgresql+psycopg://… or sqlite:///…"
+        )
+    if backend == "postgresql" and parsed.get_driver_name() != "psycopg":
+        raise errors.ConfigurationError(
+            f"driver {parsed.get_driver_name()!r} is not supported for the joblease tables; use "
+            "postgresql+psycopg:// (psycopg 3). Dagster's own storage is the one that needs +psycopg2."
+        )
+    return parsed
+
+
+def redact_url(url: str | URL) -> str:
+    """The URL as it may appear in logs: password hidden; on failure, nothing of it at all."""
+    try:
+        parsed = make_url(url) if isinstance(url, str) else url
+        return parsed.render_as_string(hide_password=True)
+    except Exception:
+        return "<unparseable database URL>"
+
+
+def _install_sqlite_pragmas(engine: sa.Engine) -> None:
+    @event.listens_for(engine, "connect")
+    def _on_connect(dbapi_connection: Any, _record: Any) -> None:
+        # Let SQLAlchemy, not pysqlite, decide where transactions begin (see the "begin" hook).
+        dbapi_connection.isolation_level = None
+        cursor = dbapi_connection.cursor()
+        cursor.execute(f"PRAGMA busy_timeout = {SQLITE_BUSY_TIMEOUT_MS}")
+        cursor.execute("PRAGMA journal_mode = WAL")
+        cursor.execute("PRAGMA synchronous = NORMAL")
+        cursor.close()
+
+    @event.listens_for(engine, "begin")
+    def _on_begin(conn: sa.Connection) -> None:
+        # BEGIN IMMEDIATE takes the write lock up front, so a read-then-write transaction (a claim) cannot
+        # fail half-way with SQLITE_BUSY; writers simply queue behind busy_timeout.
+        conn.exec_driver_sql("BEGIN IMMEDIATE")
+
+
+def create_engine(url: str | URL | None = None, **kwargs: Any) -> sa.Engine:
+    """Create an engine configured for the joblease tables.
+
+    ``url`` defaults to ``$JOBLEASE_DATABASE_URL``, then to the embedded SQLite file. PostgreSQL URLs use
+    psycopg 3 (``postgresql://`` is rewritten to ``postgresql+psycopg://``). SQLite gets WAL, a busy
+    timeout and ``BEGIN IMMEDIATE`` transactions, which is what makes it safe for several processes.
+    """
+    if url is None:
+        url = os.environ.get(DATABASE_URL_ENV) or default_sqlite_url()
+    parsed = normalize_url(url)
+    if parsed.get_backend_name() == "sqlite":
+        database = parsed.database or ""
+        if database in ("", ":memory:"):
+            raise errors.ConfigurationError(
+                "an in-memory SQLite database is private to one connection; use a file, e.g. "
+                "sqlite:///joblease.sqlite"
+            )
+        Path(database).parent.mkdir(parents=True, exist_ok=True)
+        engine = sa.create_engine(parsed, **kwargs)
+        _install_sqlite_pragmas(engine)
+        return engine
+    kwargs.setdefault("pool_pre_ping", True)
+    return sa.create_engine(parsed, **kwargs)
+
+
+@contextlib.contextmanager
+def translate_errors(action: str) -> Iterator[None]:
+    """Re-raise driver errors as :class:`StorageError` naming the action, never the URL."""
+    try:
+        yield
+    except sa.exc.DBAPIError as exc:
+        detail = str(exc.orig).strip().splitlines()[0] if exc.orig is not None else type(exc).__name__
+        raise errors.StorageError(f"database error while trying to {action}: {detail}") from exc
+    except sa.exc.SQLAlchemyError as exc:
+        raise errors.StorageError(f"database error while trying to {action}: {type(exc).__name__}") from exc

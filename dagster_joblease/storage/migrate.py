@@ -1,0 +1,119 @@
+"""Alembic migrations run in code, on the caller's engine, with the package's own version table.
+
+``migrate`` is idempotent and safe when several processes call it at once: PostgreSQL serializes them
+with a transaction-scoped advisory lock, SQLite with ``BEGIN IMMEDIATE``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+from typing import Any
+
+import sqlalchemy as sa
+from alembic import command
+from alembic.autogenerate import compare_metadata
+from alembic.config import Config
+from alembic.migration import MigrationContext
+from alembic.script import ScriptDirectory
+
+from dagster_joblease import errors
+from dagster_joblease.storage import schema
+from dagster_joblease.storage.engine import translate_errors
+
+__all__ = ["SchemaDiff", "check_schema", "current_revision", "head_revision", "migrate", "require_schema"]
+
+_MIGRATIONS = Path(__file__).with_name("migrations")
+# An arbitrary constant: "joblease" as a 64-bit int, the advisory lock that serializes migrations.
+_ADVISORY_LOCK_ID = 0x6A6F626C65617365
+
+
+def _config(connection: sa.Connection | None = None) -> Config:
+    cfg = Config()
+    cfg.set_main_option("script_location", str(_MIGRATIONS))
+    if connection is not None:
+        cfg.attributes["connection"] = connection
+    return cfg
+
+
+def head_revision() -> str:
+    head = ScriptDirectory.from_config(_config()).get_current_head()
+    assert head is not None
+    return head
+
+
+def _current(connection: sa.Connection) -> str | None:
+    ctx = MigrationContext.configure(connection, opts={"version_table": schema.VERSION_TABLE})
+    return ctx.get_current_revision()
+
+
+def migrate(engine: sa.Engine, revision: str = "head") -> str | None:
+    """Upgrade the joblease tables to ``revision`` (default: the newest). Returns the revision before."""
+    with translate_errors("migrate the joblease schema"), engine.begin() as connection:
+        if connection.dialect.name == "postgresql":
+            connection.execute(sa.text("SELECT pg_advisory_xact_lock(:id)"), {"id": _ADVISORY_LOCK_ID})
+        before = _current(connection)
+        command.upgrade(_config(connection), revision)
+        return before
+
+
+def current_revision(engine: sa.Engine) -> str | None:
+    """The revision the database is at, or ``None`` when the joblease tables were never installed."""
+    with translate_errors("read the joblease schema revision"), engine.connect() as connection:
+        return _current(connection)
+
+
+@dataclasses.dataclass(frozen=True)
+class SchemaDiff:
+    """How the live schema differs from the package's models (empty when it matches)."""
+
+    db_revision: str | None
+    head_revision: str
+    differences: tuple[str, ...]
+
+    @property
+    def ok(self) -> bool:
+        return self.db_revision == self.head_revision and not self.differences
+
+
+def _include_object(obj: Any, name: str | None, type_: str, reflected: bool, compare_to: Any) -> bool:
+    # Only our own tables: the database may hold Dagster's storage or the host application's tables.
+    if type_ == "table":
+        return name in schema.metadata.tables
+    return True
+
+
+def check_schema(engine: sa.Engine) -> SchemaDiff:
+    """Compare the live schema with the package's models (Alembic's autogenerate comparison)."""
+    with translate_errors("compare the joblease schema"), engine.connect() as connection:
+        ctx = MigrationContext.configure(
+            connection,
+            opts={
+                "version_table": schema.VERSION_TABLE,
+                "include_object": _include_object,
+                "compare_type": True,
+            },
+        )
+        diffs = compare_metadata(ctx, schema.metadata)
+        db_rev = ctx.get_current_revision()
+    return SchemaDiff(
+        db_revision=db_rev, head_revision=head_revision(), differences=tuple(_describe(d) for d in diffs)
+    )
+
+
+def _describe(diff: Any) -> str:
+    if isinstance(diff, list):
+        return "; ".join(_describe(d) for d in diff)
+    if isinstance(diff, tuple) and diff:
+        kind = diff[0]
+        rest = [getattr(x, "name", None) or str(x) for x in diff[1:] if x is not None]
+        return f"{kind}: " + ", ".join(str(r) for r in rest[:4])
+    return str(diff)
+
+
+def require_schema(engine: sa.Engine) -> None:
+    """Raise :class:`SchemaNotAtHeadError` unless the database is at this package's head revision."""
+    current = current_revision(engine)
+    head = head_revision()
+    if current != head:
+        raise errors.SchemaNotAtHeadError(db_revision=current, head_revision=head)

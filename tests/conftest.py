@@ -1,0 +1,108 @@
+"""Shared fixtures: real PostgreSQL databases (one per test, cloned from a migrated template) and real
+SQLite files. No mocked database anywhere.
+
+Point the tests at another PostgreSQL with ``JOBLEASE_TEST_PG_URL`` (a URL of a role that may create
+databases; the path names the maintenance database), e.g.
+``JOBLEASE_TEST_PG_URL=postgresql+psycopg://me:secret@db.local:5432/postgres pytest``.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+import uuid
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import pytest
+import sqlalchemy as sa
+from sqlalchemy.engine import URL, make_url
+
+from dagster_joblease.storage import create_engine, migrate
+
+PG_URL_ENV = "JOBLEASE_TEST_PG_URL"
+DEFAULT_PG_URL = "postgresql+psycopg://postgres@127.0.0.1:5432/postgres"
+BACKENDS = ["sqlite", "postgresql"]
+
+
+def admin_url() -> URL:
+    return make_url(os.environ.get(PG_URL_ENV, DEFAULT_PG_URL)).set(drivername="postgresql+psycopg")
+
+
+def _admin_execute(sql: str) -> None:
+    engine = sa.create_engine(admin_url(), isolation_level="AUTOCOMMIT", poolclass=sa.pool.NullPool)
+    try:
+        with engine.connect() as conn:
+            conn.exec_driver_sql(sql)
+    finally:
+        engine.dispose()
+
+
+@pytest.fixture(scope="session")
+def pg_template() -> Iterator[str]:
+    """A database migrated once per session; each test clones it (fast, and isolated by database)."""
+    name = f"joblease_tpl_{os.getpid()}_{uuid.uuid4().hex[:6]}"
+    _admin_execute(f'CREATE DATABASE "{name}"')
+    engine = create_engine(admin_url().set(database=name), poolclass=sa.pool.NullPool)
+    migrate(engine)
+    engine.dispose()
+    yield name
+    _admin_execute(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
+
+
+@pytest.fixture
+def pg_url(pg_template: str) -> Iterator[str]:
+    """The URL of a fresh, migrated PostgreSQL database for this test (dropped afterwards)."""
+    name = f"joblease_t_{uuid.uuid4().hex[:10]}"
+    for attempt in range(20):
+        try:
+            _admin_execute(f'CREATE DATABASE "{name}" TEMPLATE "{pg_template}"')
+            break
+        except sa.exc.OperationalError:
+            # "source database is being accessed by other users": a clone in flight; try again shortly.
+            if attempt == 19:
+                raise
+            time.sleep(0.1)
+    yield admin_url().set(database=name).render_as_string(hide_password=False)
+    _admin_execute(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
+
+
+@pytest.fixture
+def sqlite_url(tmp_path: Path) -> str:
+    """The URL of a fresh, migrated SQLite file for this test."""
+    url = f"sqlite:///{tmp_path / 'joblease.sqlite'}"
+    engine = create_engine(url)
+    migrate(engine)
+    engine.dispose()
+    return url
+
+
+@pytest.fixture(params=BACKENDS)
+def db_url(request: pytest.FixtureRequest) -> str:
+    """A migrated database URL, once per backend: the contract suite runs against both."""
+    fixture = "pg_url" if request.param == "postgresql" else "sqlite_url"
+    return str(request.getfixturevalue(fixture))
+
+
+@pytest.fixture
+def engine(db_url: str) -> Iterator[sa.Engine]:
+    eng = create_engine(db_url)
+    yield eng
+    eng.dispose()
+
+
+@pytest.fixture
+def pg_engine(pg_url: str) -> Iterator[sa.Engine]:
+    eng = create_engine(pg_url)
+    yield eng
+    eng.dispose()
+
+
+def wait_until(predicate: Callable[[], bool], timeout: float = 10.0, interval: float = 0.02) -> None:
+    """Poll ``predicate`` until true; fail the test after ``timeout`` seconds. Never sleep to synchronize."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if predicate():
+            return
+        time.sleep(interval)
+    raise AssertionError(f"condition not met within {timeout} s")
