@@ -116,9 +116,10 @@ class OutboxConflictError(JobLeaseError):
         self.existing_sha256 = existing_sha256
         self.new_sha256 = new_sha256
         super().__init__(
-            f"outbox key {idempotency_key!r} already holds a different payload (sha256 {existing_sha256[:12]}… "
-            f"vs {new_sha256[:12]}…): one identity must mean one effect. Derive a distinct key per effect "
-            "with effect_key(run_key, name), or keep the payload deterministic."
+            f"outbox key {idempotency_key!r} already holds a different payload "
+            f"(sha256 {existing_sha256[:12]}… vs {new_sha256[:12]}…): one identity must mean one effect. "
+            "Derive a distinct key per effect with effect_key(run_key, name), or keep the payload "
+            "deterministic."
         )
 
 

@@ -65,7 +65,9 @@ def _normalize_text(field: str, value: object, max_length: int) -> str:
     for ch in text:
         if unicodedata.category(ch) == "Cc":
             raise errors.InvalidJobIdentityError(
-                field, value, f"contains the control character U+{ord(ch):04X}; control characters are not allowed"
+                field,
+                value,
+                f"contains the control character U+{ord(ch):04X}; control characters are not allowed",
             )
     return text
 
@@ -89,7 +91,9 @@ class JobIdentity:
         if job_type is JobType.INITIAL:
             if run_key is not None:
                 raise errors.InvalidJobIdentityError(
-                    "run_key", run_key, "INITIAL forbids a run_key (an INITIAL job runs once, forever); pass None"
+                    "run_key",
+                    run_key,
+                    "INITIAL forbids a run_key (an INITIAL job runs once, forever); pass None",
                 )
             norm_run_key = None
         else:

@@ -134,7 +134,9 @@ class LeaseService:
             print("skipped:", outcome.reason)
     """
 
-    def __init__(self, engine: sa.Engine, *, lease_ms: int | None = None, heartbeat_ms: int | None = None) -> None:
+    def __init__(
+        self, engine: sa.Engine, *, lease_ms: int | None = None, heartbeat_ms: int | None = None
+    ) -> None:
         self.engine = engine
         self.timing = options.resolve_timing(lease_ms, heartbeat_ms)
 
@@ -266,11 +268,18 @@ class LeaseService:
             try:
                 json.dumps(data, allow_nan=False)
             except (TypeError, ValueError) as exc:
-                raise errors.InvalidPayloadError("result data", f"must be JSON-serializable ({exc})") from None
+                raise errors.InvalidPayloadError(
+                    "result data", f"must be JSON-serializable ({exc})"
+                ) from None
         self._fenced_update(
             lease,
             "complete",
-            {"status": LeaseStatus.SUCCESS.value, "finished_at": db_now(), "result": data, "last_error": None},
+            {
+                "status": LeaseStatus.SUCCESS.value,
+                "finished_at": db_now(),
+                "result": data,
+                "last_error": None,
+            },
         )
 
     def fail(self, lease: Lease, error: str | BaseException) -> None:
@@ -311,5 +320,8 @@ class LeaseService:
         lease_ms: int | None = None,
         heartbeat_ms: int | None = None,
     ) -> exclusive.ExclusiveOutcome[T]:
-        """Run ``fn(lease)`` only if this worker wins ``job``; see :func:`dagster_joblease.exclusive.run_exclusive`."""
+        """Run ``fn(lease)`` only if this worker wins ``job``.
+
+        See :func:`dagster_joblease.exclusive.run_exclusive`.
+        """
         return exclusive.run_exclusive(self, job, fn, lease_ms=lease_ms, heartbeat_ms=heartbeat_ms)

@@ -23,7 +23,9 @@ def _check_lease_ms(value: object) -> int:
             "lease_ms", value, f"must be an int number of milliseconds, got {type(value).__name__}"
         )
     if not 2 < value <= MAX_LEASE_MS:
-        raise errors.InvalidLeaseOptionsError("lease_ms", value, f"must be greater than 2 and at most {MAX_LEASE_MS}")
+        raise errors.InvalidLeaseOptionsError(
+            "lease_ms", value, f"must be greater than 2 and at most {MAX_LEASE_MS}"
+        )
     return value
 
 
