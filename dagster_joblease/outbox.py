@@ -1,0 +1,250 @@
+"""The transactional outbox: record an effect in the same transaction as the domain change that causes it.
+
+A row is written once per idempotency key (``INSERT … ON CONFLICT DO NOTHING``), so re-running the
+producer is harmless; the dispatcher (:mod:`dagster_joblease.dispatch`) later delivers it with that key.
+Everything that could make a row undeliverable (a payload that is not JSON, too large, a bad topic or key)
+is refused here, before anything is written, rather than discovered by the dispatcher.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+import hashlib
+import json
+from typing import Any
+
+import sqlalchemy as sa
+from sqlalchemy.dialects import postgresql, sqlite
+
+from dagster_joblease import errors
+from dagster_joblease.storage.clock import db_now, ms_until
+from dagster_joblease.storage.engine import translate_errors
+from dagster_joblease.storage.schema import outbox_table
+
+__all__ = [
+    "DEFAULT_MAX_PAYLOAD_BYTES",
+    "MAX_KEY_LENGTH",
+    "MAX_TOPIC_LENGTH",
+    "DueSummary",
+    "OutboxStatus",
+    "canonical_json",
+    "due_clause",
+    "due_summary",
+    "enqueue_once",
+    "payload_fingerprint",
+]
+
+DEFAULT_MAX_PAYLOAD_BYTES = 256 * 1024
+MAX_TOPIC_LENGTH = 128
+MAX_KEY_LENGTH = 320
+
+
+class OutboxStatus(enum.StrEnum):
+    PENDING = "PENDING"  #: waiting for (another) delivery attempt at next_attempt_at
+    SENT = "SENT"  #: the downstream answered 2xx
+    DEAD = "DEAD"  #: parked: permanent failure or attempts exhausted; requeue deliberately
+
+
+# The partial index ix_joblease_outbox_due is declared WHERE status = 'PENDING'. PostgreSQL only uses it
+# when the query repeats that predicate with a literal (a bound parameter cannot be proven to match once
+# psycopg switches to a prepared, generic plan), so the predicate is spelled out as SQL text.
+_PENDING = sa.text("joblease_outbox.status = 'PENDING'")
+
+
+def due_clause() -> sa.ColumnElement[bool]:
+    """Rows a dispatcher may claim now: pending, due on the database clock, and not claimed (or expired)."""
+    t = outbox_table
+    return sa.and_(
+        _PENDING,
+        t.c.next_attempt_at <= db_now(),
+        sa.or_(t.c.claim_expires_at.is_(None), t.c.claim_expires_at < db_now()),
+    )
+
+
+def canonical_json(payload: Any) -> str:
+    """The payload as canonical JSON (sorted keys, compact, UTF-8 text); the basis of its fingerprint.
+
+    Raises :class:`InvalidPayloadError` for values JSON cannot represent faithfully: non-serializable
+    objects, NaN and ±Infinity, lone surrogates, and NUL characters (PostgreSQL's jsonb rejects them).
+    """
+    try:
+        text = json.dumps(payload, sort_keys=True, separators=(",", ":"), ensure_ascii=False, allow_nan=False)
+    except ValueError as exc:  # allow_nan=False, circular references
+        raise errors.InvalidPayloadError(
+            "payload",
+            f"is not valid JSON ({exc}); replace NaN/Infinity with null or a string, and break cycles",
+        ) from None
+    except TypeError as exc:
+        raise errors.InvalidPayloadError(
+            "payload",
+            f"is not JSON-serializable ({exc}); pass only dict/list/str/int/float/bool/None "
+            "(convert dates to ISO strings, Decimals to strings)",
+        ) from None
+    except RecursionError:
+        raise errors.InvalidPayloadError(
+            "payload", "is nested too deeply to serialize; keep payloads small and flat"
+        ) from None
+    if "\\u0000" in text:
+        raise errors.InvalidPayloadError(
+            "payload", "contains a NUL character (U+0000), which PostgreSQL jsonb cannot store; remove it"
+        )
+    return text
+
+
+def _encode(text: str) -> bytes:
+    try:
+        return text.encode("utf-8")
+    except UnicodeEncodeError:
+        raise errors.InvalidPayloadError(
+            "payload", "contains a lone surrogate that is not valid UTF-8; fix the string's encoding"
+        ) from None
+
+
+def payload_fingerprint(payload: Any) -> str:
+    """SHA-256 hex digest of :func:`canonical_json` (UTF-8): equal payloads, equal fingerprints."""
+    return hashlib.sha256(_encode(canonical_json(payload))).hexdigest()
+
+
+def _check_text(field: str, value: object, max_length: int, *, ascii_only: bool) -> str:
+    if not isinstance(value, str):
+        raise errors.InvalidPayloadError(field, f"must be a str, got {type(value).__name__}")
+    if not value.strip():
+        raise errors.InvalidPayloadError(field, f"{value!r} is blank; give a non-empty value")
+    if len(value) > max_length:
+        raise errors.InvalidPayloadError(
+            field, f"is {len(value)} characters; at most {max_length} are allowed, shorten it"
+        )
+    for ch in value:
+        if ord(ch) < 0x20 or 0x7F <= ord(ch) < 0xA0:
+            raise errors.InvalidPayloadError(
+                field, f"{value[:40]!r} contains the control character U+{ord(ch):04X}; remove it"
+            )
+    if ascii_only:
+        if not value.isascii():
+            raise errors.InvalidPayloadError(
+                field,
+                f"{value[:40]!r} is not ASCII; it travels as the Idempotency-Key HTTP header, so use "
+                "ASCII (e.g. a key from idempotency_key() or effect_key())",
+            )
+        if value != value.strip():
+            raise errors.InvalidPayloadError(
+                field,
+                f"{value[:40]!r} has surrounding whitespace, which HTTP strips from header values; trim it",
+            )
+    return value
+
+
+def _check_max_bytes(max_payload_bytes: object) -> int:
+    if isinstance(max_payload_bytes, bool) or not isinstance(max_payload_bytes, int) or max_payload_bytes < 2:
+        raise errors.InvalidPayloadError(
+            "max_payload_bytes", f"{max_payload_bytes!r} must be an int >= 2 (bytes of canonical JSON)"
+        )
+    return max_payload_bytes
+
+
+def _insert(dialect_name: str) -> Any:
+    return (postgresql.insert if dialect_name == "postgresql" else sqlite.insert)(outbox_table)
+
+
+def _payload_value(dialect_name: str, text: str) -> sa.ColumnElement[Any]:
+    # Bind the canonical text as-is instead of letting the JSON type encode the payload a second time.
+    bound = sa.type_coerce(text, sa.Text())
+    if dialect_name == "postgresql":
+        return sa.cast(bound, postgresql.JSONB())
+    return bound
+
+
+def enqueue_once(
+    connection: sa.Connection,
+    *,
+    idempotency_key: str,
+    topic: str,
+    payload: Any,
+    max_payload_bytes: int = DEFAULT_MAX_PAYLOAD_BYTES,
+) -> bool:
+    """Add a pending outbox row inside the caller's transaction; True if inserted, False if already there.
+
+    Call it on the connection that holds the domain change, so both commit (or roll back) together. A
+    repeat with the same key and the same payload is a no-op (returns False); the same key with a
+    different payload raises :class:`OutboxConflictError`. Invalid input raises
+    :class:`InvalidPayloadError` before any SQL is sent.
+
+    Example::
+
+        with engine.begin() as conn:
+            conn.execute(invoices.insert().values(...))
+            enqueue_once(conn, idempotency_key=effect_key(lease.idempotency_key, "invoice-mail"),
+                         topic="mail", payload={"v": 1, "invoice": 42})
+    """
+    _check_text("idempotency_key", idempotency_key, MAX_KEY_LENGTH, ascii_only=True)
+    _check_text("topic", topic, MAX_TOPIC_LENGTH, ascii_only=False)
+    limit = _check_max_bytes(max_payload_bytes)
+    text = canonical_json(payload)
+    data = _encode(text)
+    if len(data) > limit:
+        raise errors.InvalidPayloadError(
+            "payload",
+            f"is {len(data)} bytes of canonical JSON; at most {limit} are allowed. Keep payloads minimal "
+            "(send ids, let the consumer fetch the rest) or raise max_payload_bytes",
+        )
+    fingerprint = hashlib.sha256(data).hexdigest()
+    t = outbox_table
+    dialect_name = connection.dialect.name
+    stmt = (
+        _insert(dialect_name)
+        .values(
+            idempotency_key=idempotency_key,
+            topic=topic,
+            payload=_payload_value(dialect_name, text),
+            payload_sha256=fingerprint,
+            status=OutboxStatus.PENDING.value,
+            attempts=0,
+            next_attempt_at=db_now(),
+            created_at=db_now(),
+            updated_at=db_now(),
+        )
+        .on_conflict_do_nothing(index_elements=[t.c.idempotency_key])
+        .returning(t.c.id)
+    )
+    existing_stmt = sa.select(t.c.payload_sha256).where(t.c.idempotency_key == idempotency_key)
+    with translate_errors("enqueue an outbox row"):
+        # Two rounds: a conflicting row can vanish between the INSERT and the read (a concurrent purge or
+        # a rolled-back writer); the second INSERT then simply succeeds.
+        for _ in range(2):
+            if connection.execute(stmt).first() is not None:
+                return True
+            existing = connection.execute(existing_stmt).scalar_one_or_none()
+            if existing is None:
+                continue
+            if existing == fingerprint:
+                return False
+            raise errors.OutboxConflictError(
+                idempotency_key=idempotency_key, existing_sha256=existing, new_sha256=fingerprint
+            )
+    raise errors.StorageError(
+        f"outbox key {idempotency_key!r} conflicted but could not be read back twice; retry the transaction"
+    )
+
+
+@dataclasses.dataclass(frozen=True)
+class DueSummary:
+    """How much is waiting: rows a dispatcher could claim now, and how long the oldest has waited."""
+
+    due: int
+    oldest_due_age_ms: int | None
+
+
+def due_summary(engine_or_connection: sa.Engine | sa.Connection) -> DueSummary:
+    """Count due rows and the age of the oldest, in one query over the partial index of pending rows."""
+    t = outbox_table
+    oldest = sa.func.min(t.c.next_attempt_at)
+    stmt = sa.select(sa.func.count(), -ms_until(oldest)).select_from(t).where(due_clause())
+    with translate_errors("summarize the outbox"):
+        if isinstance(engine_or_connection, sa.Engine):
+            with engine_or_connection.connect() as conn:
+                row = conn.execute(stmt).one()
+        else:
+            row = engine_or_connection.execute(stmt).one()
+    due, age = row
+    return DueSummary(due=int(due), oldest_due_age_ms=None if age is None else max(0, int(age)))
