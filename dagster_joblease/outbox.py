@@ -49,7 +49,7 @@ class OutboxStatus(enum.StrEnum):
 # The partial index ix_joblease_outbox_due is declared WHERE status = 'PENDING'. PostgreSQL only uses it
 # when the query repeats that predicate with a literal (a bound parameter cannot be proven to match once
 # psycopg switches to a prepared, generic plan), so the predicate is spelled out as SQL text.
-_PENDING = sa.text("joblease_outbox.status = 'PENDING'")
+_PENDING = outbox_table.c.status == sa.literal_column("'PENDING'")
 
 
 def due_clause() -> sa.ColumnElement[bool]:

@@ -1,0 +1,504 @@
+"""The dispatcher: claim due outbox rows, POST them with their idempotency key, record each outcome.
+
+One batch is three phases, and no transaction is open while HTTP is in flight:
+
+1. **Claim** (one short transaction, one statement): due rows are locked with ``FOR UPDATE SKIP LOCKED``
+   (PostgreSQL; SQLite's ``BEGIN IMMEDIATE`` serializes claims instead), stamped with a fresh claim token and
+   a claim expiry on the database clock, and their ``attempts`` incremented, so an attempt that crashes the
+   process still counts.
+2. **Deliver** on a thread pool sharing one keep-alive ``httpx.Client``; a request starts only while the
+   claim has time left for its whole timeout, so two dispatchers never have one key in flight at once.
+3. **Record** each outcome as soon as it is known, with one UPDATE fenced by ``id`` *and* claim token: a
+   dispatcher whose claim expired and was re-claimed updates nothing (a *lost claim*), and the row's fate is
+   decided by its new owner.
+
+A dispatcher that dies leaves claims that expire and are claimed again; the receiver deduplicates the
+re-delivery by its ``Idempotency-Key``. That is at-least-once delivery with end-to-end deduplication.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import random
+import secrets
+import signal
+import threading
+import time
+from collections.abc import Callable, Mapping
+from concurrent.futures import ThreadPoolExecutor
+from types import FrameType, TracebackType
+from typing import Any
+
+import httpx
+import sqlalchemy as sa
+
+from dagster_joblease import errors, outbox
+from dagster_joblease.dispatch import policy
+from dagster_joblease.dispatch.routes import Route
+from dagster_joblease.storage.clock import db_now, db_now_plus_ms
+from dagster_joblease.storage.engine import translate_errors
+from dagster_joblease.storage.schema import outbox_table
+
+__all__ = ["DispatchReport", "Dispatcher", "RowOutcome"]
+
+logger = logging.getLogger(__name__)
+
+#: Response bytes read for the stored error snippet; the rest of a huge body is not downloaded.
+MAX_BODY_READ = 8 * 1024
+#: Rows kept in the report returned by :meth:`Dispatcher.run` (the counters cover everything).
+MAX_REPORT_ROWS = 1_000
+_OutcomeLabel = str
+
+
+@dataclasses.dataclass(frozen=True)
+class RowOutcome:
+    """What happened to one claimed row in this batch."""
+
+    id: int
+    idempotency_key: str
+    topic: str
+    outcome: _OutcomeLabel  #: "sent" | "retry" | "dead"
+    status_code: int | None
+    reason: str
+
+
+@dataclasses.dataclass
+class DispatchReport:
+    """Counters for one batch (or, from :meth:`Dispatcher.run`, for all of them).
+
+    ``lost_claims`` counts deliveries whose fenced write matched nothing (the claim expired and another
+    dispatcher owns the row now); ``released`` counts claims given back undelivered (stopping, or too
+    little claim time left); ``unrecorded`` counts outcomes the database refused to store (the claim
+    expires and the row is delivered again, which the receiver deduplicates).
+    """
+
+    claimed: int = 0
+    sent: int = 0
+    retried: int = 0
+    dead: int = 0
+    rows: list[RowOutcome] = dataclasses.field(default_factory=list)
+    lost_claims: int = 0
+    released: int = 0
+    unrecorded: int = 0
+
+    def merge(self, other: DispatchReport) -> DispatchReport:
+        """A new report with both reports' counters summed and rows concatenated."""
+        return DispatchReport(
+            claimed=self.claimed + other.claimed,
+            sent=self.sent + other.sent,
+            retried=self.retried + other.retried,
+            dead=self.dead + other.dead,
+            rows=[*self.rows, *other.rows],
+            lost_claims=self.lost_claims + other.lost_claims,
+            released=self.released + other.released,
+            unrecorded=self.unrecorded + other.unrecorded,
+        )
+
+
+@dataclasses.dataclass(frozen=True)
+class _Claimed:
+    id: int
+    idempotency_key: str
+    topic: str
+    attempts: int
+    payload: str
+
+
+@dataclasses.dataclass(frozen=True)
+class _Result:
+    kind: str  # an Outcome value, or "lost" / "released" / "unrecorded"
+    row: RowOutcome | None = None
+
+
+def _positive_int(name: str, value: object, minimum: int = 1) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+        raise errors.ConfigurationError(f"dispatcher option {name}={value!r} must be an int >= {minimum}")
+    return value
+
+
+def _safety_ms(claim_ms: int) -> int:
+    """Margin kept between a request's timeout and the claim's expiry (clock skew, recording time)."""
+    return min(1_000, claim_ms // 10)
+
+
+class Dispatcher:
+    """Deliver due outbox rows over HTTP, fenced by claim tokens; safe to run in several processes.
+
+    Args:
+        engine: an engine over a migrated joblease database.
+        routes: topic → :class:`Route`. A row whose topic has no route is parked ``DEAD``.
+        max_attempts: attempts before a retryable failure becomes ``DEAD``.
+        claim_ms: how long a claim lasts; it must exceed every route's timeout. A crashed dispatcher's rows
+            are delivered again after this long.
+        concurrency: deliveries in flight at once (threads sharing one keep-alive client).
+        backoff_base_ms, backoff_max_ms: full-jitter exponential backoff between attempts.
+        client: an ``httpx.Client`` to use instead of the dispatcher's own (redirects are never followed,
+            whatever the client's default).
+
+    Secret headers are read from the environment here, once; a missing variable raises
+    :class:`ConfigurationError` naming it.
+
+    Example::
+
+        with Dispatcher(engine, {"billing": Route("https://billing.internal/hook")}) as dispatcher:
+            totals = dispatcher.run(poll_interval_s=1.0)
+    """
+
+    def __init__(
+        self,
+        engine: sa.Engine,
+        routes: Mapping[str, Route],
+        *,
+        max_attempts: int = 10,
+        claim_ms: int = 60_000,
+        concurrency: int = 8,
+        backoff_base_ms: int = 1_000,
+        backoff_max_ms: int = 300_000,
+        client: httpx.Client | None = None,
+    ) -> None:
+        self.engine = engine
+        self.max_attempts = _positive_int("max_attempts", max_attempts)
+        self.claim_ms = _positive_int("claim_ms", claim_ms, 100)
+        self.concurrency = _positive_int("concurrency", concurrency)
+        self.backoff_base_ms = _positive_int("backoff_base_ms", backoff_base_ms)
+        self.backoff_max_ms = _positive_int("backoff_max_ms", backoff_max_ms, backoff_base_ms)
+        if not isinstance(routes, Mapping):
+            raise errors.ConfigurationError("routes must be a mapping of topic → Route")
+        self.routes: dict[str, Route] = {}
+        self._headers: dict[str, dict[str, str]] = {}
+        for topic, route in routes.items():
+            if not isinstance(route, Route):
+                raise errors.ConfigurationError(
+                    f"route for topic {topic!r} must be a Route, got {type(route).__name__}"
+                )
+            self.routes[topic] = route
+            self._headers[topic] = {**route.resolve_headers(), "Content-Type": "application/json"}
+        longest_ms = max((int(r.timeout_s * 1000) for r in self.routes.values()), default=0)
+        if longest_ms + _safety_ms(self.claim_ms) >= self.claim_ms:
+            raise errors.ConfigurationError(
+                f"claim_ms={self.claim_ms} must exceed the longest route timeout ({longest_ms} ms) plus a "
+                f"{_safety_ms(self.claim_ms)} ms margin, or a slow delivery could outlive its claim and "
+                "overlap with another dispatcher's; raise claim_ms or lower timeout_s"
+            )
+        self._owns_client = client is None
+        self._client = client or httpx.Client(
+            follow_redirects=False,
+            limits=httpx.Limits(max_connections=self.concurrency, max_keepalive_connections=self.concurrency),
+            timeout=httpx.Timeout(10.0),
+        )
+        self._pool = ThreadPoolExecutor(max_workers=self.concurrency, thread_name_prefix="joblease-dispatch")
+        self._stop = threading.Event()
+        self._rng = random.Random()
+        self._closed = False
+
+    # -- lifecycle ---------------------------------------------------------------------------------
+
+    def close(self) -> None:
+        """Wait for in-flight deliveries, then release the thread pool and (if ours) the HTTP client."""
+        if self._closed:
+            return
+        self._closed = True
+        self._pool.shutdown(wait=True)
+        if self._owns_client:
+            self._client.close()
+
+    def __enter__(self) -> Dispatcher:
+        return self
+
+    def __exit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        self.close()
+
+    # -- one batch ---------------------------------------------------------------------------------
+
+    def dispatch(self, limit: int = 100) -> DispatchReport:
+        """Claim up to ``limit`` due rows, deliver them concurrently, record every outcome; one batch."""
+        limit = _positive_int("limit", limit)
+        if self._closed:
+            raise errors.DispatchError("this dispatcher is closed; create a new one")
+        token = secrets.token_hex(16)
+        started = time.monotonic()
+        rows = self._claim(token, limit)
+        deadline = started + self.claim_ms / 1000.0
+        report = DispatchReport(claimed=len(rows))
+        if not rows:
+            return report
+        futures = [self._pool.submit(self._handle, row, token, deadline) for row in rows]
+        for future in futures:
+            result = future.result()
+            if result.row is not None:
+                report.rows.append(result.row)
+            if result.kind == policy.Outcome.SENT:
+                report.sent += 1
+            elif result.kind == policy.Outcome.RETRY:
+                report.retried += 1
+            elif result.kind == policy.Outcome.DEAD:
+                report.dead += 1
+            elif result.kind == "lost":
+                report.lost_claims += 1
+            elif result.kind == "released":
+                report.released += 1
+            else:
+                report.unrecorded += 1
+        logger.info(
+            "dispatched %d rows: %d sent, %d retry, %d dead, %d lost claims, %d released",
+            report.claimed,
+            report.sent,
+            report.retried,
+            report.dead,
+            report.lost_claims,
+            report.released,
+            extra={"action": "dispatch_batch"},
+        )
+        return report
+
+    def _claim(self, token: str, limit: int) -> list[_Claimed]:
+        t = outbox_table
+        due = sa.select(t.c.id).where(outbox.due_clause()).order_by(t.c.next_attempt_at, t.c.id).limit(limit)
+        values = {
+            "claim_token": token,
+            "claim_expires_at": db_now_plus_ms(sa.literal(self.claim_ms, sa.BigInteger())),
+            "attempts": t.c.attempts + 1,
+            "updated_at": db_now(),
+        }
+        with translate_errors("claim outbox rows"), self.engine.begin() as conn:
+            if conn.dialect.name == "postgresql":
+                # A locking CTE is evaluated exactly once; rows another dispatcher holds are skipped.
+                locked = due.with_for_update(skip_locked=True).cte("due")
+                stmt = sa.update(t).where(t.c.id == locked.c.id)
+                payload: sa.ColumnElement[Any] = sa.cast(t.c.payload, sa.Text())
+            else:
+                stmt = sa.update(t).where(t.c.id.in_(due.scalar_subquery()))
+                payload = sa.type_coerce(t.c.payload, sa.Text())
+            result = conn.execute(
+                stmt.values(**values).returning(t.c.id, t.c.idempotency_key, t.c.topic, t.c.attempts, payload)
+            )
+            rows = [_Claimed(*r) for r in result]
+        rows.sort(key=lambda r: r.id)
+        return rows
+
+    def _handle(self, row: _Claimed, token: str, deadline: float) -> _Result:
+        route = self.routes.get(row.topic)
+        if route is None:
+            decision = policy.Decision(
+                policy.Outcome.DEAD, None, f"no route configured for topic {row.topic!r}; add one and requeue"
+            )
+            return self._record(row, token, decision)
+        if (
+            self._stop.is_set()
+            or time.monotonic() + route.timeout_s + _safety_ms(self.claim_ms) / 1000 > deadline
+        ):
+            return self._release(row, token)
+        try:
+            classification = self._post(row, route)
+        except Exception as exc:  # any failure to get a response is judged, never allowed to stop the batch
+            classification = policy.classify_exception(exc)
+        decision = policy.decide(
+            classification,
+            attempts=row.attempts,
+            max_attempts=self.max_attempts,
+            base_ms=self.backoff_base_ms,
+            max_ms=self.backoff_max_ms,
+            rng=self._rng,
+        )
+        return self._record(row, token, decision)
+
+    def _post(self, row: _Claimed, route: Route) -> policy.Classification:
+        headers = {**self._headers[row.topic], "Idempotency-Key": row.idempotency_key}
+        request = self._client.build_request(
+            "POST", route.url, content=row.payload.encode("utf-8"), headers=headers, timeout=route.timeout
+        )
+        response = self._client.send(request, stream=True, follow_redirects=False)
+        try:
+            body = bytearray()
+            for chunk in response.iter_bytes():
+                body += chunk
+                if len(body) >= MAX_BODY_READ:
+                    break
+        finally:
+            response.close()
+        return policy.classify_response(response, body[:MAX_BODY_READ].decode("utf-8", "replace"))
+
+    # -- fenced writes -----------------------------------------------------------------------------
+
+    def _fenced(self, row: _Claimed, token: str) -> sa.Update:
+        t = outbox_table
+        return sa.update(t).where(
+            t.c.id == row.id, t.c.claim_token == token, t.c.status == outbox.OutboxStatus.PENDING.value
+        )
+
+    def _record(self, row: _Claimed, token: str, decision: policy.Decision) -> _Result:
+        values: dict[str, Any] = {
+            "claim_token": None,
+            "claim_expires_at": None,
+            "updated_at": db_now(),
+            "last_status": decision.status_code,
+        }
+        if decision.outcome is policy.Outcome.SENT:
+            values.update(status=outbox.OutboxStatus.SENT.value, sent_at=db_now(), last_error=None)
+        elif decision.outcome is policy.Outcome.RETRY:
+            values.update(
+                next_attempt_at=db_now_plus_ms(sa.literal(decision.delay_ms, sa.BigInteger())),
+                last_error=decision.reason,
+            )
+        else:
+            values.update(status=outbox.OutboxStatus.DEAD.value, last_error=decision.reason)
+        try:
+            with translate_errors("record a delivery outcome"), self.engine.begin() as conn:
+                matched = conn.execute(self._fenced(row, token).values(**values)).rowcount
+        except errors.StorageError as exc:
+            logger.warning(
+                "could not record %s for outbox row %d (key %s): %s; it will be delivered again after its "
+                "claim expires",
+                decision.outcome.value,
+                row.id,
+                row.idempotency_key,
+                exc,
+                extra={"action": "outbox_unrecorded"},
+            )
+            return _Result("unrecorded")
+        if matched != 1:
+            logger.warning(
+                "lost the claim on outbox row %d (key %s) before recording %s: it expired and another "
+                "dispatcher owns the row now",
+                row.id,
+                row.idempotency_key,
+                decision.outcome.value,
+                extra={"action": "outbox_claim_lost"},
+            )
+            return _Result("lost")
+        outcome = RowOutcome(
+            id=row.id,
+            idempotency_key=row.idempotency_key,
+            topic=row.topic,
+            outcome=decision.outcome.value,
+            status_code=decision.status_code,
+            reason=decision.reason,
+        )
+        if decision.outcome is policy.Outcome.DEAD:
+            logger.warning(
+                "outbox row %d (key %s, topic %s) is DEAD: %s",
+                row.id,
+                row.idempotency_key,
+                row.topic,
+                decision.reason,
+                extra={"action": "outbox_dead"},
+            )
+        elif decision.outcome is policy.Outcome.RETRY:
+            logger.info(
+                "outbox row %d (key %s) will be retried in %d ms: %s",
+                row.id,
+                row.idempotency_key,
+                decision.delay_ms,
+                decision.reason,
+                extra={"action": "outbox_retry"},
+            )
+        return _Result(decision.outcome.value, outcome)
+
+    def _release(self, row: _Claimed, token: str) -> _Result:
+        """Give a claim back undelivered; the attempt it counted is taken back too."""
+        t = outbox_table
+        stmt = self._fenced(row, token).values(
+            claim_token=None, claim_expires_at=None, attempts=t.c.attempts - 1, updated_at=db_now()
+        )
+        try:
+            with translate_errors("release an outbox claim"), self.engine.begin() as conn:
+                conn.execute(stmt)
+        except errors.StorageError as exc:
+            logger.warning(
+                "could not release outbox row %d: %s; its claim will expire",
+                row.id,
+                exc,
+                extra={"action": "outbox_release_failed"},
+            )
+        return _Result("released")
+
+    # -- the loop ----------------------------------------------------------------------------------
+
+    def run(
+        self,
+        *,
+        poll_interval_s: float = 1.0,
+        stop: threading.Event | None = None,
+        max_batches: int | None = None,
+        on_report: Callable[[DispatchReport], None] | None = None,
+        limit: int = 100,
+    ) -> DispatchReport:
+        """Dispatch batches until ``stop`` is set, ``max_batches`` ran, or SIGTERM/SIGINT arrives.
+
+        A full batch is followed at once by the next; otherwise the loop waits ``poll_interval_s``. A
+        database failure is logged and retried after the same pause. On a signal (handled only when called
+        from the main thread) in-flight deliveries finish and are recorded, unstarted ones are given back,
+        and the totals are returned.
+        """
+        if (
+            isinstance(poll_interval_s, bool)
+            or not isinstance(poll_interval_s, int | float)
+            or poll_interval_s < 0
+        ):
+            raise errors.ConfigurationError(f"poll_interval_s={poll_interval_s!r} must be a number >= 0")
+        if max_batches is not None:
+            _positive_int("max_batches", max_batches)
+        limit = _positive_int("limit", limit)
+        self._stop = stop if stop is not None else threading.Event()
+        previous = self._install_signal_handlers()
+        totals = DispatchReport()
+        batches = 0
+        try:
+            while not self._stop.is_set() and (max_batches is None or batches < max_batches):
+                batches += 1
+                try:
+                    report = self.dispatch(limit)
+                except errors.StorageError as exc:
+                    logger.warning(
+                        "dispatch batch failed, retrying in %.2f s: %s",
+                        poll_interval_s,
+                        exc,
+                        extra={"action": "dispatch_storage_error"},
+                    )
+                    self._stop.wait(max(poll_interval_s, 0.05))
+                    continue
+                totals = totals.merge(report)
+                del totals.rows[:-MAX_REPORT_ROWS]
+                if on_report is not None and report.claimed:
+                    on_report(report)
+                if report.claimed < limit:
+                    self._stop.wait(poll_interval_s)
+        finally:
+            self._restore_signal_handlers(previous)
+        logger.info(
+            "dispatcher stopped after %d batches: %d claimed, %d sent, %d retry, %d dead, %d lost claims",
+            batches,
+            totals.claimed,
+            totals.sent,
+            totals.retried,
+            totals.dead,
+            totals.lost_claims,
+            extra={"action": "dispatch_stopped"},
+        )
+        return totals
+
+    def _install_signal_handlers(self) -> dict[int, Any]:
+        if threading.current_thread() is not threading.main_thread():
+            return {}
+        stop = self._stop
+
+        def _on_signal(signum: int, _frame: FrameType | None) -> None:
+            logger.info(
+                "received %s: finishing in-flight deliveries, then stopping",
+                signal.Signals(signum).name,
+                extra={"action": "dispatch_stopping"},
+            )
+            stop.set()
+
+        previous: dict[int, Any] = {}
+        for signum in (signal.SIGTERM, signal.SIGINT):
+            previous[signum] = signal.signal(signum, _on_signal)
+        return previous
+
+    @staticmethod
+    def _restore_signal_handlers(previous: dict[int, Any]) -> None:
+        for signum, handler in previous.items():
+            signal.signal(signum, handler)

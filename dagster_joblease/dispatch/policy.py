@@ -1,0 +1,169 @@
+"""How a delivery attempt is judged, and when the next one happens: pure functions, no IO.
+
+* 2xx → ``sent``.
+* Transient trouble (network errors, timeouts, 408, 409, 425, 429, 5xx) → ``retry`` after an exponential
+  backoff with full jitter, or after the downstream's ``Retry-After`` when it gives one; once
+  ``max_attempts`` is reached → ``dead``.
+* 3xx → ``dead``: redirects are never followed, because httpx would carry custom credential headers to the
+  new origin.
+* Any other 4xx → ``dead`` at once: the request itself is wrong and repeating it cannot help.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import email.utils
+import enum
+import random
+from datetime import UTC, datetime
+
+import httpx
+
+__all__ = [
+    "MAX_REASON_CHARS",
+    "RETRYABLE_STATUSES",
+    "Classification",
+    "Decision",
+    "Outcome",
+    "backoff_ms",
+    "classify_exception",
+    "classify_response",
+    "decide",
+    "parse_retry_after_ms",
+]
+
+#: Bound on the stored ``last_error``: enough to diagnose, too little to bloat a row.
+MAX_REASON_CHARS = 500
+#: Client errors that mean "not now" rather than "never".
+RETRYABLE_STATUSES = frozenset({408, 409, 425, 429})
+
+
+class Outcome(enum.StrEnum):
+    SENT = "sent"
+    RETRY = "retry"
+    DEAD = "dead"
+
+
+@dataclasses.dataclass(frozen=True)
+class Classification:
+    """What one attempt's result means, before attempts and backoff are taken into account."""
+
+    outcome: Outcome
+    status_code: int | None
+    reason: str
+    retry_after_ms: int | None = None
+
+
+@dataclasses.dataclass(frozen=True)
+class Decision:
+    """The final verdict for a row: its outcome, and for a retry the delay until the next attempt."""
+
+    outcome: Outcome
+    status_code: int | None
+    reason: str
+    delay_ms: int = 0
+
+
+def _bound(text: str, limit: int = MAX_REASON_CHARS) -> str:
+    return text if len(text) <= limit else text[: limit - 1] + "…"
+
+
+def parse_retry_after_ms(value: str | None, *, now: datetime | None = None) -> int | None:
+    """``Retry-After`` as milliseconds from ``now``: delta-seconds or an HTTP date; None if absent/invalid."""
+    if value is None:
+        return None
+    value = value.strip()
+    if not value:
+        return None
+    if value.isdigit():
+        return int(value) * 1000
+    try:
+        when = email.utils.parsedate_to_datetime(value)
+    except (TypeError, ValueError, IndexError):
+        return None
+    if when.tzinfo is None:
+        when = when.replace(tzinfo=UTC)
+    reference = now or datetime.now(UTC)
+    return max(0, int((when - reference).total_seconds() * 1000))
+
+
+def _response_now(response: httpx.Response) -> datetime | None:
+    # An HTTP-date Retry-After is relative to the server's clock: use its Date header when it sent one.
+    date = response.headers.get("date")
+    if not date:
+        return None
+    try:
+        parsed = email.utils.parsedate_to_datetime(date)
+    except (TypeError, ValueError, IndexError):
+        return None
+    return parsed if parsed.tzinfo else parsed.replace(tzinfo=UTC)
+
+
+def classify_response(response: httpx.Response, body_snippet: str | None = None) -> Classification:
+    """Judge an HTTP response. ``body_snippet`` defaults to the (already read) response text."""
+    status = response.status_code
+    if body_snippet is None:
+        try:
+            body_snippet = response.text
+        except httpx.ResponseNotRead:
+            body_snippet = ""
+    detail = f"HTTP {status}: {' '.join(body_snippet.split())}".rstrip(": ")
+    if 200 <= status < 300:
+        return Classification(Outcome.SENT, status, _bound(f"HTTP {status}"))
+    if 300 <= status < 400:
+        location = response.headers.get("location", "")
+        return Classification(
+            Outcome.DEAD,
+            status,
+            _bound(
+                f"HTTP {status}: redirects are not followed (Location: {location[:200]}); point the route "
+                "at the final URL"
+            ),
+        )
+    if status in RETRYABLE_STATUSES or status >= 500:
+        retry_after = parse_retry_after_ms(response.headers.get("retry-after"), now=_response_now(response))
+        return Classification(Outcome.RETRY, status, _bound(detail), retry_after)
+    if 400 <= status < 500:
+        return Classification(Outcome.DEAD, status, _bound(detail))
+    return Classification(Outcome.RETRY, status, _bound(f"unexpected HTTP status {status}"))
+
+
+def classify_exception(exc: BaseException) -> Classification:
+    """Judge an attempt that produced no response: transient unless we built an invalid request."""
+    name = type(exc).__name__
+    if isinstance(exc, httpx.LocalProtocolError | httpx.UnsupportedProtocol | httpx.InvalidURL):
+        return Classification(Outcome.DEAD, None, _bound(f"invalid request ({name}: {exc}); fix the route"))
+    if isinstance(exc, httpx.TimeoutException):
+        return Classification(Outcome.RETRY, None, _bound(f"timeout ({name}: {exc})"))
+    return Classification(Outcome.RETRY, None, _bound(f"{name}: {exc}"))
+
+
+def backoff_ms(attempts: int, *, base_ms: int, max_ms: int, rng: random.Random | None = None) -> int:
+    """Full-jitter exponential backoff: uniform in [0, min(max_ms, base_ms * 2 ** (attempts - 1))]."""
+    exponent = min(max(attempts, 1) - 1, 62)
+    ceiling = min(max_ms, base_ms * (2**exponent))
+    return int((rng or random).uniform(0, ceiling))
+
+
+def decide(
+    classification: Classification,
+    *,
+    attempts: int,
+    max_attempts: int,
+    base_ms: int,
+    max_ms: int,
+    rng: random.Random | None = None,
+) -> Decision:
+    """Turn a classification into a verdict. ``attempts`` counts this attempt (1 for the first)."""
+    c = classification
+    if c.outcome is not Outcome.RETRY:
+        return Decision(c.outcome, c.status_code, c.reason)
+    if attempts >= max_attempts:
+        return Decision(
+            Outcome.DEAD, c.status_code, _bound(f"gave up after {attempts} attempts; last: {c.reason}")
+        )
+    if c.retry_after_ms is not None:
+        delay = min(max_ms, c.retry_after_ms)
+    else:
+        delay = backoff_ms(attempts, base_ms=base_ms, max_ms=max_ms, rng=rng)
+    return Decision(Outcome.RETRY, c.status_code, c.reason, delay)
