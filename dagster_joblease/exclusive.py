@@ -105,6 +105,9 @@ def run_exclusive(
             service.fail(lease, _error_text(exc))
         except errors.LostLeaseError as lost:
             raise lost from exc
+        except errors.StorageError as storage:
+            # fn's own exception is the one the caller must see; the lease simply expires later.
+            logger.warning("could not record the failure of lease %d: %s", lease.id, storage)
         raise
     except BaseException as exc:
         if heartbeat is not None:

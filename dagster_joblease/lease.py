@@ -53,8 +53,13 @@ class NotAcquiredReason(enum.StrEnum):
 
 
 def bound_error(text: str, limit: int = MAX_ERROR_CHARS) -> str:
-    """Error text as stored: bounded, so one huge traceback cannot bloat the row."""
-    return text if len(text) <= limit else text[: limit - 20] + f"… [{len(text) - limit + 20} chars cut]"
+    """Error text as stored: at most ``limit`` characters, so one huge traceback cannot bloat the row."""
+    if len(text) <= limit:
+        return text
+    # The marker's length depends on the number it reports; size it for the largest possible count.
+    marker_len = len(f"… [{len(text)} chars cut]")
+    kept = max(limit - marker_len, 0)
+    return (text[:kept] + f"… [{len(text) - kept} chars cut]")[:limit]
 
 
 def _holder() -> str:
