@@ -1,0 +1,61 @@
+"""The Dagster integration: the only part of dagster-joblease that imports Dagster.
+
+- :class:`JobLeaseResource`: engine, lease service, outbox and a fenced domain+outbox transaction.
+- :func:`build_leased_schedule`: partition key = Dagster run key = lease run key.
+- :func:`leased_op` / :func:`leased_asset` / :func:`run_leased`: bodies under ``run_exclusive``; skips
+  succeed and are recorded (``joblease/...`` run tags and output metadata).
+- :func:`build_outbox_sensor` / :func:`build_dispatcher_job` / :func:`build_dead_rows_check`: delivery.
+"""
+
+from __future__ import annotations
+
+from dagster_joblease.dagster.jobs import (
+    DEAD_ROWS_CHECK,
+    OUTBOX_ASSET_KEY,
+    DispatchConfig,
+    build_dead_rows_check,
+    build_dispatcher_job,
+    dead_rows_evaluation,
+    outbox_asset_spec,
+)
+from dagster_joblease.dagster.metadata import (
+    TAG_ATTEMPT,
+    TAG_CODE,
+    TAG_IDEMPOTENCY_KEY,
+    TAG_OUTBOX,
+    TAG_OUTCOME,
+    LeasedResult,
+    schedule_tags,
+)
+from dagster_joblease.dagster.ops import LeasedRun, leased_asset, leased_op, run_leased
+from dagster_joblease.dagster.resource import JobLeaseResource, assert_lease_held, fenced_transaction
+from dagster_joblease.dagster.schedules import build_leased_schedule, partition_for_tick
+from dagster_joblease.dagster.sensors import NOT_FINISHED_STATUSES, build_outbox_sensor
+
+__all__ = [
+    "DEAD_ROWS_CHECK",
+    "NOT_FINISHED_STATUSES",
+    "OUTBOX_ASSET_KEY",
+    "TAG_ATTEMPT",
+    "TAG_CODE",
+    "TAG_IDEMPOTENCY_KEY",
+    "TAG_OUTBOX",
+    "TAG_OUTCOME",
+    "DispatchConfig",
+    "JobLeaseResource",
+    "LeasedResult",
+    "LeasedRun",
+    "assert_lease_held",
+    "build_dead_rows_check",
+    "build_dispatcher_job",
+    "build_leased_schedule",
+    "build_outbox_sensor",
+    "dead_rows_evaluation",
+    "fenced_transaction",
+    "leased_asset",
+    "leased_op",
+    "outbox_asset_spec",
+    "partition_for_tick",
+    "run_leased",
+    "schedule_tags",
+]

@@ -1,0 +1,183 @@
+"""``JobLeaseResource``: the joblease engine, lease service and outbox for Dagster ops, sensors and assets.
+
+Two PostgreSQL drivers live side by side on purpose. This resource's engine uses psycopg 3
+(``postgresql+psycopg://``; a bare ``postgresql://`` is read as psycopg 3). Dagster's *own* storage on
+PostgreSQL (``dagster.yaml``, dagster-postgres) must be spelled ``postgresql+psycopg2://``: with
+SQLAlchemy 2.1 a bare ``postgresql://`` means psycopg 3 there too, and dagster-postgres breaks on it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+from collections.abc import Callable, Iterator
+from typing import Any, TypeVar
+
+import dagster as dg
+import sqlalchemy as sa
+from pydantic import Field, PrivateAttr
+
+from dagster_joblease import errors, exclusive, identity, lease, options, outbox
+from dagster_joblease.storage import engine as storage_engine
+from dagster_joblease.storage.clock import db_now
+from dagster_joblease.storage.migrate import current_revision, head_revision, migrate, require_schema
+from dagster_joblease.storage.schema import lease_table
+
+__all__ = ["JobLeaseResource", "assert_lease_held", "fenced_transaction"]
+
+T = TypeVar("T")
+
+
+def assert_lease_held(connection: sa.Connection, held: lease.Lease) -> None:
+    """Inside ``connection``'s transaction, make sure ``held`` is still this worker's live lease.
+
+    On PostgreSQL the lease row is locked (``FOR UPDATE``) until the transaction ends, so no reclaim can
+    slip in between this check and the commit; SQLite's ``BEGIN IMMEDIATE`` already holds the database
+    write lock. A lease that was reclaimed, finished or has expired raises :class:`LostLeaseError`, and
+    the caller's transaction (domain rows and outbox row) rolls back with it.
+    """
+    t = lease_table
+    stmt = sa.select(t.c.id).where(
+        t.c.id == held.id,
+        t.c.owner_token == held.owner_token,
+        t.c.status == lease.LeaseStatus.RUNNING.value,
+        t.c.expires_at > db_now(),
+    )
+    if connection.dialect.name == "postgresql":
+        stmt = stmt.with_for_update()
+    with storage_engine.translate_errors("check a lease"):
+        row = connection.execute(stmt).first()
+    if row is None:
+        raise errors.LostLeaseError(
+            lease_id=held.id,
+            attempt=held.attempt,
+            idempotency_key=held.idempotency_key,
+            action="commit a fenced transaction under",
+        )
+
+
+@contextlib.contextmanager
+def fenced_transaction(engine: sa.Engine, held: lease.Lease) -> Iterator[sa.Connection]:
+    """One transaction that only commits while ``held`` is still ours (see :func:`assert_lease_held`)."""
+    held.ensure_held()
+    with engine.begin() as connection:
+        assert_lease_held(connection, held)
+        yield connection
+
+
+class JobLeaseResource(dg.ConfigurableResource):  # type: ignore[type-arg]
+    """Leases and the transactional outbox for Dagster.
+
+    Example::
+
+        defs = dg.Definitions(
+            jobs=[daily_billing_job],
+            resources={"joblease": JobLeaseResource(database_url=dg.EnvVar("JOBLEASE_DATABASE_URL"))},
+        )
+
+    With ``database_url`` unset (or empty) the resource reads ``$JOBLEASE_DATABASE_URL`` when the run
+    starts and otherwise uses the embedded SQLite file under ``$DAGSTER_HOME`` (or ``./.joblease/``).
+    Note: Dagster's own storage on PostgreSQL must use ``postgresql+psycopg2://``; this resource uses
+    psycopg 3 (``postgresql+psycopg://``).
+    """
+
+    database_url: str | None = Field(
+        default=None,
+        description=(
+            "SQLAlchemy URL of the joblease tables (postgresql+psycopg://… or sqlite:///…). Unset: "
+            "$JOBLEASE_DATABASE_URL, else an SQLite file under $DAGSTER_HOME or ./.joblease/."
+        ),
+    )
+    lease_ms: int | None = Field(default=None, description="Lease length in ms (default 15 minutes).")
+    heartbeat_ms: int | None = Field(
+        default=None, description="Renewal interval in ms (default min(60 s, lease_ms / 3); 0: none)."
+    )
+    migrate_on_first_use: bool = Field(
+        default=True,
+        description="Upgrade the joblease schema when the resource starts; if false, require it at head.",
+    )
+
+    _engine: sa.Engine | None = PrivateAttr(default=None)
+    _service: lease.LeaseService | None = PrivateAttr(default=None)
+
+    # -- lifecycle ---------------------------------------------------------------------------------
+
+    def resolved_url(self) -> str:
+        """The URL this resource connects to (may hold a password: never log it, use redact_url)."""
+        return (
+            self.database_url
+            or os.environ.get(storage_engine.DATABASE_URL_ENV)
+            or storage_engine.default_sqlite_url()
+        )
+
+    def setup_for_execution(self, context: dg.InitResourceContext) -> None:
+        self._start()
+
+    def teardown_after_execution(self, context: dg.InitResourceContext) -> None:
+        self.close()
+
+    def _start(self) -> None:
+        # Validate the timing before any connection is opened: bad options must not touch the database.
+        options.resolve_timing(self.lease_ms, self.heartbeat_ms)
+        engine = storage_engine.create_engine(self.resolved_url())
+        try:
+            if self.migrate_on_first_use:
+                if current_revision(engine) != head_revision():
+                    migrate(engine)
+            else:
+                require_schema(engine)
+            service = lease.LeaseService(engine, lease_ms=self.lease_ms, heartbeat_ms=self.heartbeat_ms)
+        except BaseException:
+            engine.dispose()
+            raise
+        self._engine = engine
+        self._service = service
+
+    def close(self) -> None:
+        """Dispose of the engine (Dagster calls this after each run and each sensor tick)."""
+        if self._engine is not None:
+            self._engine.dispose()
+        self._engine = None
+        self._service = None
+
+    # -- what ops use ------------------------------------------------------------------------------
+
+    @property
+    def engine(self) -> sa.Engine:
+        if self._engine is None:
+            self._start()
+        assert self._engine is not None
+        return self._engine
+
+    @property
+    def lease_service(self) -> lease.LeaseService:
+        if self._service is None:
+            self._start()
+        assert self._service is not None
+        return self._service
+
+    @contextlib.contextmanager
+    def transaction(self, held: lease.Lease | None = None) -> Iterator[sa.Connection]:
+        """One transaction for a domain change and its outbox row; fenced by ``held`` when given."""
+        if held is None:
+            with self.engine.begin() as connection:
+                yield connection
+        else:
+            with fenced_transaction(self.engine, held) as connection:
+                yield connection
+
+    def enqueue_once(
+        self, connection: sa.Connection, *, idempotency_key: str, topic: str, payload: Any
+    ) -> bool:
+        """Add an outbox row in ``connection``'s transaction; False when the same row is already there."""
+        return outbox.enqueue_once(connection, idempotency_key=idempotency_key, topic=topic, payload=payload)
+
+    def run_exclusive(
+        self, job: identity.JobIdentity, fn: Callable[[lease.Lease], T]
+    ) -> exclusive.ExclusiveOutcome[T]:
+        """``LeaseService.run_exclusive`` with this resource's timing."""
+        return self.lease_service.run_exclusive(job, fn)
+
+    def due_summary(self) -> outbox.DueSummary:
+        """The outbox's due rows, in one indexed query (what the dispatch sensor polls)."""
+        return outbox.due_summary(self.engine)

@@ -1,0 +1,77 @@
+"""A schedule for a time-partitioned job: the partition key is both the Dagster and the lease run key.
+
+Dagster's ``run_key`` only dedupes a schedule within one tick, and backfills, manual launches,
+re-executions and retries never consult it; the lease does the real deduplication. Mapping the tick's
+partition key onto the lease's run key is what makes all of those paths one logical run.
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+
+import dagster as dg
+
+from dagster_joblease import errors, identity
+from dagster_joblease.dagster import metadata
+
+__all__ = ["build_leased_schedule", "partition_for_tick"]
+
+
+def _time_partitions(job: dg.JobDefinition, code: str) -> dg.TimeWindowPartitionsDefinition:
+    partitions_def = job.partitions_def
+    if not isinstance(partitions_def, dg.TimeWindowPartitionsDefinition):
+        raise errors.ConfigurationError(
+            f"job {job.name!r} (code {code!r}) has partitions_def {type(partitions_def).__name__}; a leased "
+            "schedule needs time-window partitions (DailyPartitionsDefinition, HourlyPartitionsDefinition, "
+            "TimeWindowPartitionsDefinition(cron_schedule=...)). Give the job one"
+        )
+    return partitions_def
+
+
+def partition_for_tick(
+    partitions_def: dg.TimeWindowPartitionsDefinition, tick_time: dt.datetime | None
+) -> str | None:
+    """The last *complete* partition at ``tick_time`` (``None`` before the first one ends)."""
+    with dg.partition_loading_context(effective_dt=tick_time):
+        return partitions_def.get_last_partition_key()
+
+
+def build_leased_schedule(
+    job: dg.JobDefinition,
+    *,
+    code: str,
+    cron_schedule: str | None = None,
+    execution_timezone: str | None = None,
+    name: str | None = None,
+    description: str | None = None,
+    default_status: dg.DefaultScheduleStatus = dg.DefaultScheduleStatus.STOPPED,
+) -> dg.ScheduleDefinition:
+    """A schedule that requests, on each tick, the last complete partition of ``job``.
+
+    Each request is ``RunRequest(run_key=<partition key>, partition_key=<partition key>)`` tagged with
+    ``joblease/code`` and ``joblease/idempotency_key``. The cron defaults to the partitions' own cadence
+    and the time zone to the partitions' time zone; e.g. ``cron_schedule="0 2 * * *"`` on daily UTC
+    partitions bills yesterday at 02:00 UTC.
+    """
+    identity.JobIdentity.initial(code)  # validate the code at definition time
+    partitions_def = _time_partitions(job, code)
+    cron = cron_schedule or partitions_def.cron_schedule
+    timezone = execution_timezone or partitions_def.timezone
+
+    @dg.schedule(
+        cron_schedule=cron,
+        job=job,
+        name=name or f"{job.name}_schedule",
+        description=description
+        or f"Requests the last complete partition of {job.name} under lease code {code!r}.",
+        execution_timezone=timezone,
+        default_status=default_status,
+        tags={metadata.TAG_CODE: identity.JobIdentity.initial(code).code},
+    )
+    def _schedule(context: dg.ScheduleEvaluationContext) -> dg.RunRequest | dg.SkipReason:
+        key = partition_for_tick(partitions_def, context.scheduled_execution_time)
+        if key is None:
+            return dg.SkipReason(f"no complete partition of {job.name} at this tick yet")
+        return dg.RunRequest(run_key=key, partition_key=key, tags=metadata.schedule_tags(code, key))
+
+    return _schedule

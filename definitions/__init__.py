@@ -1,0 +1,185 @@
+"""Example code location for dagster-joblease (``dagster dev`` in the repository root loads it).
+
+Scenarios: a daily billing job whose effect (a POST to the billing API) must happen once per day however
+many runs a partition gets (schedule ticks, backfills, re-executions, retries); a 5-minute order sync; a
+run-once settings seed; and the outbox sensor + dispatcher job that deliver the effects.
+
+Configuration (environment):
+- ``JOBLEASE_DATABASE_URL``: the joblease tables (``postgresql+psycopg://…``); unset, an SQLite file
+  under ``$DAGSTER_HOME`` (or ``./.joblease/``). Dagster's own storage on PostgreSQL, in ``dagster.yaml``,
+  must say ``postgresql+psycopg2://`` instead.
+- ``BILLING_API_URL`` / ``ORDERS_API_URL``: where the dispatcher delivers; by default the reference
+  receiver (``joblease receiver --database-url …``, port 8765).
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping
+
+import dagster as dg
+import sqlalchemy as sa
+
+from dagster_joblease.dagster import (
+    JobLeaseResource,
+    LeasedRun,
+    build_dead_rows_check,
+    build_dispatcher_job,
+    build_leased_schedule,
+    build_outbox_sensor,
+    leased_op,
+    outbox_asset_spec,
+)
+from dagster_joblease.dispatch import Route
+
+__all__ = [
+    "BILLING_CODE",
+    "BILLING_TOPIC",
+    "billing_table",
+    "daily_billing_job",
+    "daily_billing_schedule",
+    "defs",
+    "outbox_dispatch_job",
+    "outbox_dispatch_sensor",
+    "seed_default_settings_job",
+    "sync_orders_job",
+    "sync_orders_schedule",
+]
+
+BILLING_CODE = "daily-billing"
+BILLING_TOPIC = "billing.daily"
+ORDERS_CODE = "sync-orders"
+ORDERS_TOPIC = "orders.synced"
+SETTINGS_CODE = "seed-default-settings"
+DEFAULT_RECEIVER = "http://127.0.0.1:8765"
+
+# -- domain tables (the example application's own data, next to the joblease tables) ---------------
+
+domain = sa.MetaData()
+billing_table = sa.Table(
+    "example_billing_run",
+    domain,
+    sa.Column("billing_date", sa.String(32), primary_key=True),
+    sa.Column("amount_cents", sa.BigInteger(), nullable=False),
+    sa.Column("lease_attempt", sa.Integer(), nullable=False),
+)
+orders_table = sa.Table(
+    "example_order_sync",
+    domain,
+    sa.Column("window_start", sa.String(32), primary_key=True),
+    sa.Column("orders", sa.Integer(), nullable=False),
+)
+settings_table = sa.Table(
+    "example_setting",
+    domain,
+    sa.Column("key", sa.String(64), primary_key=True),
+    sa.Column("value", sa.String(256), nullable=False),
+)
+
+
+def _ensure_tables(connection: sa.Connection) -> None:
+    # Concurrent CREATE TABLE IF NOT EXISTS can collide on PostgreSQL; serialize it (SQLite already is).
+    if connection.dialect.name == "postgresql":
+        connection.execute(sa.text("SELECT pg_advisory_xact_lock(7370656)"))
+    domain.create_all(connection, checkfirst=True)
+
+
+def _insert_missing(connection: sa.Connection, table: sa.Table, values: Mapping[str, object]) -> None:
+    # A reclaimed run re-runs the body after a crash that may have come after the commit: stay a no-op.
+    (pk,) = table.primary_key.columns
+    if connection.execute(sa.select(pk).where(pk == values[pk.name])).first() is None:
+        connection.execute(table.insert().values(**values))
+
+
+# -- daily billing -------------------------------------------------------------------------------
+
+daily_partitions = dg.DailyPartitionsDefinition(start_date="2024-01-01", timezone="UTC")
+
+
+@leased_op(code=BILLING_CODE)
+def bill_day(run: LeasedRun) -> dict[str, object]:
+    """Record the day's bill and enqueue its POST to the billing API, in one fenced transaction."""
+    day = run.partition_key
+    assert day is not None
+    amount = 1_000 + sum(map(ord, day)) % 9_000
+    with run.transaction() as conn:
+        _ensure_tables(conn)
+        row = {"billing_date": day, "amount_cents": amount, "lease_attempt": run.lease.attempt}
+        _insert_missing(conn, billing_table, row)
+        run.enqueue_once(conn, topic=BILLING_TOPIC, payload={"billingDate": day})
+    return {"billingDate": day, "amountCents": amount}
+
+
+@dg.job(partitions_def=daily_partitions, description="Bill each day once (lease code daily-billing).")
+def daily_billing_job() -> None:
+    bill_day()
+
+
+daily_billing_schedule = build_leased_schedule(
+    daily_billing_job, code=BILLING_CODE, cron_schedule="0 2 * * *", name="daily_billing_schedule"
+)
+
+# -- order sync every 5 minutes ------------------------------------------------------------------
+
+five_minute_partitions = dg.TimeWindowPartitionsDefinition(
+    start="2024-01-01-00:00", cron_schedule="*/5 * * * *", fmt="%Y-%m-%d-%H:%M", timezone="UTC"
+)
+
+
+@leased_op(code=ORDERS_CODE)
+def sync_orders_window(run: LeasedRun) -> None:
+    """Sync one 5-minute window of orders and announce it downstream."""
+    window = run.partition_key
+    assert window is not None
+    with run.transaction() as conn:
+        _ensure_tables(conn)
+        _insert_missing(conn, orders_table, {"window_start": window, "orders": len(window)})
+        run.enqueue_once(conn, topic=ORDERS_TOPIC, payload={"window": window})
+
+
+@dg.job(partitions_def=five_minute_partitions, description="Sync each 5-minute window once.")
+def sync_orders_job() -> None:
+    sync_orders_window()
+
+
+sync_orders_schedule = build_leased_schedule(sync_orders_job, code=ORDERS_CODE, name="sync_orders_schedule")
+
+# -- run once, forever -----------------------------------------------------------------------------
+
+
+@leased_op(code=SETTINGS_CODE, initial=True)
+def seed_default_settings(run: LeasedRun) -> None:
+    """Insert the default settings exactly once per database (an INITIAL lease: done stays done)."""
+    with run.transaction() as conn:
+        _ensure_tables(conn)
+        for key, value in {"currency": "EUR", "billing.cutoff": "02:00Z"}.items():
+            _insert_missing(conn, settings_table, {"key": key, "value": value})
+
+
+@dg.job(description="Seed default settings once (INITIAL lease).")
+def seed_default_settings_job() -> None:
+    seed_default_settings()
+
+
+# -- delivery ----------------------------------------------------------------------------------------
+
+
+def routes() -> dict[str, Route]:
+    """Read at run start, so a changed BILLING_API_URL needs no code-location reload."""
+    return {
+        BILLING_TOPIC: Route(os.environ.get("BILLING_API_URL") or f"{DEFAULT_RECEIVER}/{BILLING_TOPIC}"),
+        ORDERS_TOPIC: Route(os.environ.get("ORDERS_API_URL") or f"{DEFAULT_RECEIVER}/{ORDERS_TOPIC}"),
+    }
+
+
+outbox_dispatch_job = build_dispatcher_job(routes, name="outbox_dispatch_job")
+outbox_dispatch_sensor = build_outbox_sensor(outbox_dispatch_job, name="outbox_dispatch_sensor")
+
+defs = dg.Definitions(
+    assets=[outbox_asset_spec],
+    asset_checks=[build_dead_rows_check()],
+    jobs=[daily_billing_job, sync_orders_job, seed_default_settings_job, outbox_dispatch_job],
+    schedules=[daily_billing_schedule, sync_orders_schedule],
+    sensors=[outbox_dispatch_sensor],
+    resources={"joblease": JobLeaseResource()},
+)
