@@ -1,0 +1,8 @@
+"""``python -m dagster_joblease.receiver``: run the reference receiver."""
+
+from __future__ import annotations
+
+from dagster_joblease.receiver.command import receiver_command
+
+if __name__ == "__main__":
+    receiver_command(prog_name="python -m dagster_joblease.receiver")
