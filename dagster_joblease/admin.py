@@ -1,0 +1,680 @@
+"""Administration of leases and the outbox: what an operator needs at 3 a.m., without writing SQL.
+
+Plain functions over an engine (the ``joblease`` CLI is a thin layer on top). Every time and age is read
+from the *database* clock (:mod:`dagster_joblease.storage.clock`), so two operators on different machines
+see the same "remaining" and "overdue" figures as the workers do.
+
+Safety rules these functions enforce:
+
+- ``admin_fail`` refuses a live ``RUNNING`` lease unless ``force=True`` (two holders could then run the
+  same effect), and refuses a ``SUCCESS`` row (it is final; see ``purge_leases``).
+- ``purge_leases`` deletes only finished ``SCHEDULE`` rows older than a window that must be at least the
+  configured replay window: a purged key can run again. ``INITIAL`` rows are never purged.
+- ``purge_sent`` deletes only ``SENT`` outbox rows older than a window that must be at least the
+  downstream's deduplication window.
+- ``requeue`` keeps the row's idempotency key, so the downstream deduplicates a redelivery.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+import secrets
+from collections.abc import Mapping, Sequence
+from datetime import UTC, datetime
+from typing import Any
+
+import sqlalchemy as sa
+
+from dagster_joblease import errors, identity
+from dagster_joblease.lease import LeaseStatus, bound_error
+from dagster_joblease.storage.clock import db_now, db_now_plus_ms, ms_until
+from dagster_joblease.storage.engine import translate_errors
+from dagster_joblease.storage.schema import lease_table, outbox_table
+
+__all__ = [
+    "ADMIN_RESET_PREFIX",
+    "DEFAULT_MIN_REPLAY_WINDOW_MS",
+    "DEFAULT_MIN_RETENTION_MS",
+    "FORCED_MARK",
+    "AdminArgumentError",
+    "AdminRefusedError",
+    "human_ms",
+    "LeaseRow",
+    "OutboxRow",
+    "OutboxStats",
+    "ResetOutcome",
+    "TopicCount",
+    "admin_fail",
+    "list_leases",
+    "list_outbox",
+    "outbox_stats",
+    "purge_leases",
+    "purge_sent",
+    "requeue",
+    "reset_lease",
+    "show_lease",
+]
+
+#: Default floor for ``purge_sent``: 24 hours, the usual downstream Idempotency-Key retention (Stripe's).
+DEFAULT_MIN_RETENTION_MS = 24 * 3_600_000
+#: Default floor for ``purge_leases``: 7 days. A purged SCHEDULE key can run again after it.
+DEFAULT_MIN_REPLAY_WINDOW_MS = 7 * 86_400_000
+#: Every admin reset's ``last_error`` starts with this, so monitoring can tell resets from real failures.
+ADMIN_RESET_PREFIX = "admin reset"
+#: In ``last_error`` when the reset was forced on a live lease (two holders were possible).
+FORCED_MARK = "forced while live"
+MAX_LIMIT = 10_000
+PURGE_BATCH = 5_000
+
+_OUTBOX_STATUSES = ("PENDING", "SENT", "DEAD")
+_LEASE_STATUSES = tuple(s.value for s in LeaseStatus)
+_KEY_RE = re.compile(r"v2:[0-9a-f]{64}")
+
+_TWO_HOLDERS_RISK = (
+    "forcing it risks two holders at once: the old holder may still be running its effect. Its fenced "
+    "writes (heartbeat, complete, fail) will fail with LostLeaseError, but an external effect it already "
+    "started may happen twice; only downstream deduplication by the idempotency key makes that harmless"
+)
+
+
+class AdminArgumentError(errors.JobLeaseError, ValueError):
+    """An administrative call got an argument outside its rules; nothing was read or changed."""
+
+
+class AdminRefusedError(errors.JobLeaseError):
+    """The row's current state makes the requested change unsafe; nothing was changed."""
+
+
+def human_ms(ms: int | None) -> str:
+    """A short human duration for messages and tables: 850ms, 12.5s, 4m12s, 2h05m, 3d04h."""
+    if ms is None:
+        return "-"
+    sign, ms = ("-" if ms < 0 else ""), abs(ms)
+    if ms < 1_000:
+        return f"{sign}{ms}ms"
+    if ms < 60_000:
+        return f"{sign}{ms / 1000:.1f}s"
+    days, rest = divmod(ms // 1_000, 86_400)
+    hours, rest = divmod(rest, 3_600)
+    minutes, secs = divmod(rest, 60)
+    if days:
+        return f"{sign}{days}d{hours:02d}h"
+    if hours:
+        return f"{sign}{hours}h{minutes:02d}m"
+    return f"{sign}{minutes}m{secs:02d}s"
+
+
+# -- rows ------------------------------------------------------------------------------------------
+
+
+def _utc(value: datetime | None) -> datetime | None:
+    """Timestamps as aware UTC: SQLite hands back naive UTC text, PostgreSQL the session's zone."""
+    if value is None:
+        return None
+    if value.tzinfo is None:
+        return value.replace(tzinfo=UTC)
+    return value.astimezone(UTC)
+
+
+def _json_value(value: Any) -> Any:
+    if isinstance(value, datetime):
+        return value.isoformat()
+    return value
+
+
+@dataclasses.dataclass(frozen=True)
+class LeaseRow:
+    """One lease row as an operator sees it. ``remaining_ms`` is on the database clock (RUNNING only;
+    negative when the holder is overdue); ``expired`` says a claim could reclaim it right now."""
+
+    id: int
+    idempotency_key: str
+    job_type: str
+    code: str
+    run_key: str | None
+    status: str
+    attempt: int
+    holder: str | None
+    lease_ms: int
+    remaining_ms: int | None
+    expired: bool
+    created_at: datetime
+    acquired_at: datetime
+    heartbeat_at: datetime
+    expires_at: datetime
+    finished_at: datetime | None
+    last_error: str | None
+    result: Any
+
+    @property
+    def live(self) -> bool:
+        """Held by a holder whose lease has not expired on the database clock."""
+        return self.status == LeaseStatus.RUNNING.value and not self.expired
+
+    def to_json(self) -> dict[str, Any]:
+        """Stable machine form (ISO 8601 UTC times); the keys are documented in docs/operations.md."""
+        return {f.name: _json_value(getattr(self, f.name)) for f in dataclasses.fields(self)}
+
+
+@dataclasses.dataclass(frozen=True)
+class OutboxRow:
+    """One outbox row without its payload. ``due_in_ms`` is on the database clock (PENDING only;
+    negative: overdue by that much); ``claimed`` means a dispatcher holds an unexpired claim on it."""
+
+    id: int
+    idempotency_key: str
+    topic: str
+    status: str
+    attempts: int
+    next_attempt_at: datetime
+    due_in_ms: int | None
+    claimed: bool
+    last_status: int | None
+    last_error: str | None
+    created_at: datetime
+    updated_at: datetime
+    sent_at: datetime | None
+
+    def to_json(self) -> dict[str, Any]:
+        return {f.name: _json_value(getattr(self, f.name)) for f in dataclasses.fields(self)}
+
+
+@dataclasses.dataclass(frozen=True)
+class TopicCount:
+    topic: str
+    status: str
+    count: int
+
+
+@dataclasses.dataclass(frozen=True)
+class OutboxStats:
+    """Counts by status and by (topic, status), plus the due backlog. ``oldest_due_age_ms`` is how long
+    the oldest due row has been waiting past its ``next_attempt_at`` (database clock), ``None`` if none."""
+
+    by_status: Mapping[str, int]
+    by_topic: tuple[TopicCount, ...]
+    due: int
+    oldest_due_age_ms: int | None
+
+    @property
+    def total(self) -> int:
+        return sum(self.by_status.values())
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "by_status": dict(self.by_status),
+            "by_topic": [dataclasses.asdict(t) for t in self.by_topic],
+            "due": self.due,
+            "oldest_due_age_ms": self.oldest_due_age_ms,
+            "total": self.total,
+        }
+
+
+# -- validation ------------------------------------------------------------------------------------
+
+
+def _check_ms(name: str, value: object) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+        raise AdminArgumentError(
+            f"invalid {name} {value!r}: must be a non-negative int number of milliseconds"
+        )
+    return value
+
+
+def _check_limit(value: object) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or not 1 <= value <= MAX_LIMIT:
+        raise AdminArgumentError(f"invalid limit {value!r}: must be an int from 1 to {MAX_LIMIT}")
+    return value
+
+
+def _check_status(value: str | None, allowed: Sequence[str], what: str) -> str | None:
+    if value is None:
+        return None
+    upper = value.strip().upper() if isinstance(value, str) else None
+    if upper not in allowed:
+        raise AdminArgumentError(
+            f"invalid {what} status {value!r}: allowed (any case): {', '.join(s.lower() for s in allowed)}"
+        )
+    return upper
+
+
+def _check_text(name: str, value: object) -> str:
+    if not isinstance(value, str) or not value.strip():
+        raise AdminArgumentError(f"invalid {name} {value!r}: must be a non-blank str")
+    return value.strip()
+
+
+# -- leases ----------------------------------------------------------------------------------------
+
+
+def _lease_select() -> sa.Select[Any]:
+    t = lease_table
+    running = t.c.status == LeaseStatus.RUNNING.value
+    return sa.select(
+        t,
+        sa.case((running, ms_until(t.c.expires_at)), else_=sa.null()).label("remaining_ms"),
+        sa.case((sa.and_(running, t.c.expires_at < db_now()), sa.true()), else_=sa.false()).label("expired"),
+    )
+
+
+def _lease_row(row: sa.Row[Any]) -> LeaseRow:
+    m = row._mapping
+    return LeaseRow(
+        id=m["id"],
+        idempotency_key=m["lock_key"],
+        job_type=m["job_type"],
+        code=m["code"],
+        run_key=m["run_key"],
+        status=m["status"],
+        attempt=m["attempt"],
+        holder=m["holder"],
+        lease_ms=m["lease_ms"],
+        remaining_ms=None if m["remaining_ms"] is None else int(m["remaining_ms"]),
+        expired=bool(m["expired"]),
+        created_at=_utc(m["created_at"]),  # type: ignore[arg-type]
+        acquired_at=_utc(m["acquired_at"]),  # type: ignore[arg-type]
+        heartbeat_at=_utc(m["heartbeat_at"]),  # type: ignore[arg-type]
+        expires_at=_utc(m["expires_at"]),  # type: ignore[arg-type]
+        finished_at=_utc(m["finished_at"]),
+        last_error=m["last_error"],
+        result=m["result"],
+    )
+
+
+def list_leases(
+    engine: sa.Engine,
+    *,
+    code: str | None = None,
+    status: str | None = None,
+    older_than_ms: int | None = None,
+    expired_only: bool = False,
+    limit: int = 100,
+) -> list[LeaseRow]:
+    """Lease rows, newest attempt first.
+
+    ``older_than_ms`` keeps rows whose current attempt started (``acquired_at``) more than that long ago on
+    the database clock, so ``status="running", older_than_ms=2h`` finds runs going for over two hours.
+    ``expired_only`` keeps RUNNING rows whose holder is past its expiry (stuck or dead; reclaimable).
+    """
+    t = lease_table
+    wanted = _check_status(status, _LEASE_STATUSES, "lease")
+    limit = _check_limit(limit)
+    stmt = _lease_select()
+    if code is not None:
+        stmt = stmt.where(t.c.code == _check_text("code", code))
+    if wanted is not None:
+        stmt = stmt.where(t.c.status == wanted)
+    if older_than_ms is not None:
+        ms = _check_ms("older_than_ms", older_than_ms)
+        stmt = stmt.where(t.c.acquired_at < db_now_plus_ms(sa.literal(-ms, sa.BigInteger())))
+    if expired_only:
+        stmt = stmt.where(t.c.status == LeaseStatus.RUNNING.value, t.c.expires_at < db_now())
+    stmt = stmt.order_by(t.c.acquired_at.desc(), t.c.id.desc()).limit(limit)
+    with translate_errors("list leases"), engine.connect() as conn:
+        return [_lease_row(r) for r in conn.execute(stmt)]
+
+
+def _lookup_key(key_or_code: str, run_key: str | None) -> tuple[str, identity.JobIdentity | None]:
+    """A ``v2:`` key as is; otherwise the key of (code, run_key) SCHEDULE, or of code alone INITIAL."""
+    text = key_or_code.strip()
+    if run_key is None and _KEY_RE.fullmatch(text):
+        return text, None
+    job = (
+        identity.JobIdentity.initial(text)
+        if run_key is None
+        else identity.JobIdentity.schedule(text, run_key)
+    )
+    return job.idempotency_key, job
+
+
+def _get_lease(conn: sa.Connection, where: sa.ColumnElement[bool]) -> LeaseRow | None:
+    row = conn.execute(_lease_select().where(where)).first()
+    return None if row is None else _lease_row(row)
+
+
+def show_lease(engine: sa.Engine, key_or_code: str | int, run_key: str | None = None) -> LeaseRow:
+    """One lease by its ``v2:`` key, by ``code`` + ``run_key`` (SCHEDULE), by ``code`` alone (INITIAL), or
+    by its numeric row id (an ``int``). Raises :class:`NotFoundError` naming what was looked up."""
+    t = lease_table
+    if isinstance(key_or_code, int) and not isinstance(key_or_code, bool):
+        if run_key is not None:
+            raise AdminArgumentError("a run key cannot be combined with a numeric lease id")
+        with translate_errors("read a lease"), engine.connect() as conn:
+            found = _get_lease(conn, t.c.id == key_or_code)
+        if found is None:
+            raise errors.NotFoundError(
+                f"no lease with id {key_or_code}; list them with `joblease leases list`"
+            )
+        return found
+    if not isinstance(key_or_code, str):
+        raise AdminArgumentError(f"invalid lease key or code {key_or_code!r}: must be a str or an int id")
+    key, job = _lookup_key(key_or_code, run_key)
+    with translate_errors("read a lease"), engine.connect() as conn:
+        found = _get_lease(conn, t.c.lock_key == key)
+        schedules = 0
+        if found is None and job is not None and run_key is None:
+            schedules = conn.execute(
+                sa.select(sa.func.count())
+                .select_from(t)
+                .where(t.c.code == job.code, t.c.job_type == "SCHEDULE")
+            ).scalar_one()
+    if found is not None:
+        return found
+    if job is None:
+        raise errors.NotFoundError(f"no lease with key {key}; list them with `joblease leases list`")
+    what = f"INITIAL run {job.code!r}" if run_key is None else f"SCHEDULE run {job.code!r} / {job.run_key!r}"
+    hint = (
+        f"; {schedules} SCHEDULE run(s) of that code exist: give the run key too"
+        if schedules
+        else "; list them with `joblease leases list --code CODE`"
+    )
+    raise errors.NotFoundError(f"no lease for {what} (key {key}){hint}")
+
+
+@dataclasses.dataclass(frozen=True)
+class ResetOutcome:
+    """What :func:`reset_lease` did: the row after it, whether it changed, and whether it was live."""
+
+    lease: LeaseRow
+    changed: bool
+    was_live: bool
+
+
+def admin_fail(
+    engine: sa.Engine, key: str | int, *, force: bool = False, reason: str = "marked failed by an operator"
+) -> LeaseRow:
+    """Reset a stuck or failed run to FAIL; see :func:`reset_lease` (this returns only the row)."""
+    return reset_lease(engine, key, force=force, reason=reason).lease
+
+
+def reset_lease(
+    engine: sa.Engine, key: str | int, *, force: bool = False, reason: str = "marked failed by an operator"
+) -> ResetOutcome:
+    """Reset a stuck or failed run so the next claim retries it with the same idempotency key.
+
+    ``key`` is a ``v2:`` key or a numeric lease id. A RUNNING row gets a new ``owner_token`` (the old
+    holder is fenced out: its heartbeat/complete/fail raise ``LostLeaseError``) and becomes ``FAIL`` with a
+    ``last_error`` starting with ``"admin reset"``. A row that is already ``FAIL`` is returned unchanged.
+
+    Refused (:class:`AdminRefusedError`, nothing changed): a ``SUCCESS`` row (final by design), and a live
+    RUNNING row (not expired on the database clock) unless ``force=True`` — which risks two holders.
+    """
+    t = lease_table
+    if isinstance(key, int) and not isinstance(key, bool):
+        where: sa.ColumnElement[bool] = t.c.id == key
+        label = f"id {key}"
+    elif isinstance(key, str) and _KEY_RE.fullmatch(key.strip()):
+        where = t.c.lock_key == key.strip()
+        label = f"key {key.strip()}"
+    else:
+        raise AdminArgumentError(
+            f"invalid lease key {key!r}: give a v2: idempotency key or a numeric lease id "
+            "(`joblease leases show CODE [RUN_KEY]` prints the key)"
+        )
+    why = _check_text("reason", reason)
+    with translate_errors("reset a lease"), engine.begin() as conn:
+        row = conn.execute(_lease_select().where(where).with_for_update(of=t)).first()
+        if row is None:
+            raise errors.NotFoundError(f"no lease with {label}; list them with `joblease leases list`")
+        before = _lease_row(row)
+        if before.status == LeaseStatus.FAIL.value:
+            return ResetOutcome(lease=before, changed=False, was_live=False)
+        if before.status == LeaseStatus.SUCCESS.value:
+            raise AdminRefusedError(
+                f"lease {before.id} ({_describe(before)}) already succeeded; SUCCESS is final and is never "
+                "retried. To let a SCHEDULE run happen again, purge it after its replay window "
+                "(`joblease leases purge`)."
+            )
+        if before.live and not force:
+            raise AdminRefusedError(
+                f"lease {before.id} ({_describe(before)}) is held by a live lease: holder {before.holder}, "
+                f"{human_ms(before.remaining_ms)} left on the database clock. Wait for it to finish or "
+                f"expire; force it (`--force`) only if that holder is truly gone — {_TWO_HOLDERS_RISK}."
+            )
+        state = (
+            f"{FORCED_MARK} (holder {before.holder}, {human_ms(before.remaining_ms)} left)"
+            if before.live
+            else f"holder {before.holder} was overdue by {human_ms(-(before.remaining_ms or 0))}"
+        )
+        text = bound_error(f"{ADMIN_RESET_PREFIX} of attempt {before.attempt}: {why} ({state})")
+        updated = conn.execute(
+            sa.update(t)
+            .where(
+                t.c.id == before.id, t.c.owner_token == row._mapping["owner_token"], t.c.status == "RUNNING"
+            )
+            .values(
+                status=LeaseStatus.FAIL.value,
+                owner_token=secrets.token_hex(16),
+                finished_at=db_now(),
+                last_error=text,
+            )
+        ).rowcount
+        if updated != 1:  # only reachable without row locks; the caller may simply retry
+            raise AdminRefusedError(
+                f"lease {before.id} changed while it was being reset; nothing was changed"
+            )
+        after = _get_lease(conn, t.c.id == before.id)
+    assert after is not None
+    return ResetOutcome(lease=after, changed=True, was_live=before.live)
+
+
+def _describe(row: LeaseRow) -> str:
+    return row.code if row.run_key is None else f"{row.code} / {row.run_key}"
+
+
+def _purge(
+    engine: sa.Engine, table: sa.Table, where: sa.ColumnElement[bool], action: str, *, dry_run: bool
+) -> int:
+    """Delete matching rows in short batches so a large purge never holds long locks."""
+    ids = sa.select(table.c.id).where(where)
+    with translate_errors(action):
+        if dry_run:
+            with engine.connect() as conn:
+                return int(conn.execute(sa.select(sa.func.count()).select_from(ids.subquery())).scalar_one())
+        total = 0
+        while True:
+            with engine.begin() as conn:
+                # correlate(None): the subquery reads the same table the DELETE targets.
+                batch = ids.limit(PURGE_BATCH).correlate(None).scalar_subquery()
+                deleted = conn.execute(sa.delete(table).where(table.c.id.in_(batch))).rowcount
+            total += deleted
+            if deleted < PURGE_BATCH:
+                return total
+
+
+def purge_leases(
+    engine: sa.Engine, *, finished_before_ms: int, min_replay_window_ms: int, dry_run: bool = False
+) -> int:
+    """Delete SUCCESS and FAIL rows of SCHEDULE runs that finished more than ``finished_before_ms`` ago.
+
+    A purged key is forgotten: the same (code, run key) can run again, as attempt 1 with the same
+    idempotency key. So the window must be at least ``min_replay_window_ms`` — longer than any schedule,
+    backfill or retry could replay that run key — or :class:`RetentionWindowError` is raised and nothing
+    is deleted. RUNNING rows and INITIAL rows (run once, forever) are never purged. Returns the count
+    (what would be deleted, with ``dry_run``).
+    """
+    window = _check_ms("finished_before_ms", finished_before_ms)
+    floor = _check_ms("min_replay_window_ms", min_replay_window_ms)
+    if window < floor:
+        raise errors.RetentionWindowError(
+            f"refusing to purge leases finished before {human_ms(window)}: below the minimum replay window "
+            f"of {human_ms(floor)}. A purged SCHEDULE key can run again (a late schedule tick, backfill or "
+            "re-execution of that run key would win a fresh lease), so keep rows at least as long as such "
+            "a replay is possible, or lower the configured minimum deliberately. Nothing was deleted."
+        )
+    t = lease_table
+    where = sa.and_(
+        t.c.job_type == "SCHEDULE",
+        t.c.status.in_([LeaseStatus.SUCCESS.value, LeaseStatus.FAIL.value]),
+        t.c.finished_at < db_now_plus_ms(sa.literal(-window, sa.BigInteger())),
+    )
+    return _purge(engine, t, where, "purge leases", dry_run=dry_run)
+
+
+# -- outbox ----------------------------------------------------------------------------------------
+
+
+def _due() -> sa.ColumnElement[bool]:
+    o = outbox_table
+    return sa.and_(
+        o.c.status == "PENDING",
+        o.c.next_attempt_at <= db_now(),
+        sa.or_(o.c.claim_expires_at.is_(None), o.c.claim_expires_at < db_now()),
+    )
+
+
+def outbox_stats(engine: sa.Engine) -> OutboxStats:
+    """Counts by status and by (topic, status), the due backlog and the age of its oldest row."""
+    o = outbox_table
+    with translate_errors("read outbox statistics"), engine.connect() as conn:
+        grouped = conn.execute(
+            sa.select(o.c.topic, o.c.status, sa.func.count())
+            .group_by(o.c.topic, o.c.status)
+            .order_by(o.c.topic, o.c.status)
+        ).all()
+        due, oldest_ms_until = conn.execute(
+            sa.select(sa.func.count(), ms_until(sa.func.min(o.c.next_attempt_at))).where(_due())
+        ).one()
+    by_status = dict.fromkeys(_OUTBOX_STATUSES, 0)
+    for _topic, status, count in grouped:
+        by_status[status] = by_status.get(status, 0) + int(count)
+    return OutboxStats(
+        by_status=by_status,
+        by_topic=tuple(TopicCount(topic=t, status=s, count=int(c)) for t, s, c in grouped),
+        due=int(due),
+        oldest_due_age_ms=None if oldest_ms_until is None else max(0, -int(oldest_ms_until)),
+    )
+
+
+def _outbox_select() -> sa.Select[Any]:
+    o = outbox_table
+    return sa.select(
+        o.c.id,
+        o.c.idempotency_key,
+        o.c.topic,
+        o.c.status,
+        o.c.attempts,
+        o.c.next_attempt_at,
+        sa.case((o.c.status == "PENDING", ms_until(o.c.next_attempt_at)), else_=sa.null()).label("due_in_ms"),
+        sa.case(
+            (sa.and_(o.c.claim_expires_at.is_not(None), o.c.claim_expires_at >= db_now()), sa.true()),
+            else_=sa.false(),
+        ).label("claimed"),
+        o.c.last_status,
+        o.c.last_error,
+        o.c.created_at,
+        o.c.updated_at,
+        o.c.sent_at,
+    )
+
+
+def _outbox_row(row: sa.Row[Any]) -> OutboxRow:
+    m = row._mapping
+    return OutboxRow(
+        id=m["id"],
+        idempotency_key=m["idempotency_key"],
+        topic=m["topic"],
+        status=m["status"],
+        attempts=m["attempts"],
+        next_attempt_at=_utc(m["next_attempt_at"]),  # type: ignore[arg-type]
+        due_in_ms=None if m["due_in_ms"] is None else int(m["due_in_ms"]),
+        claimed=bool(m["claimed"]),
+        last_status=m["last_status"],
+        last_error=m["last_error"],
+        created_at=_utc(m["created_at"]),  # type: ignore[arg-type]
+        updated_at=_utc(m["updated_at"]),  # type: ignore[arg-type]
+        sent_at=_utc(m["sent_at"]),
+    )
+
+
+def list_outbox(
+    engine: sa.Engine, *, status: str | None = None, topic: str | None = None, limit: int = 100
+) -> list[OutboxRow]:
+    """Outbox rows (without payloads), newest first; ``status`` is ``pending``, ``sent`` or ``dead``."""
+    o = outbox_table
+    wanted = _check_status(status, _OUTBOX_STATUSES, "outbox")
+    limit = _check_limit(limit)
+    stmt = _outbox_select()
+    if wanted is not None:
+        stmt = stmt.where(o.c.status == wanted)
+    if topic is not None:
+        stmt = stmt.where(o.c.topic == _check_text("topic", topic))
+    stmt = stmt.order_by(o.c.id.desc()).limit(limit)
+    with translate_errors("list outbox rows"), engine.connect() as conn:
+        return [_outbox_row(r) for r in conn.execute(stmt)]
+
+
+def requeue(
+    engine: sa.Engine, *, row_id: int | None = None, all_dead: bool = False, topic: str | None = None
+) -> int:
+    """Make rows due again with their original idempotency key; returns how many were requeued.
+
+    Exactly one selection: ``row_id`` (a DEAD row, or a PENDING row waiting out its backoff — not one a
+    dispatcher is delivering right now), ``all_dead`` (every DEAD row) or ``topic`` (every DEAD row of that
+    topic; ``all_dead`` may be given with it). Each row gets ``status=PENDING``, ``attempts=0``,
+    ``next_attempt_at`` = database now and no claim. ``last_status``/``last_error`` are kept as history until
+    the next delivery attempt overwrites them. SENT rows are never requeued.
+    """
+    o = outbox_table
+    if row_id is not None and (all_dead or topic is not None):
+        raise AdminArgumentError("requeue takes one selection: a row id, or all_dead / topic, not both")
+    values = {
+        "status": "PENDING",
+        "attempts": 0,
+        "next_attempt_at": db_now(),
+        "claim_token": None,
+        "claim_expires_at": None,
+        "updated_at": db_now(),
+    }
+    if row_id is not None:
+        if isinstance(row_id, bool) or not isinstance(row_id, int):
+            raise AdminArgumentError(f"invalid outbox row id {row_id!r}: must be an int")
+        with translate_errors("requeue an outbox row"), engine.begin() as conn:
+            current = conn.execute(
+                sa.select(o.c.status, _outbox_select().selected_columns.claimed)
+                .where(o.c.id == row_id)
+                .with_for_update()
+            ).first()
+            if current is None:
+                raise errors.NotFoundError(f"no outbox row with id {row_id}; see `joblease outbox list`")
+            status, claimed = current
+            if status == "SENT":
+                raise AdminRefusedError(
+                    f"outbox row {row_id} was already SENT; requeueing delivered rows is not supported"
+                )
+            if status == "PENDING" and claimed:
+                raise AdminRefusedError(
+                    f"outbox row {row_id} is being delivered by a dispatcher right now (unexpired claim); "
+                    "try again after the attempt finishes"
+                )
+            return conn.execute(sa.update(o).where(o.c.id == row_id).values(**values)).rowcount
+    if not all_dead and topic is None:
+        raise AdminArgumentError("requeue needs a selection: a row id, all_dead=True or a topic")
+    where = o.c.status == "DEAD"
+    if topic is not None:
+        where = sa.and_(where, o.c.topic == _check_text("topic", topic))
+    with translate_errors("requeue outbox rows"), engine.begin() as conn:
+        return conn.execute(sa.update(o).where(where).values(**values)).rowcount
+
+
+def purge_sent(engine: sa.Engine, *, older_than_ms: int, min_retention_ms: int, dry_run: bool = False) -> int:
+    """Delete SENT rows delivered more than ``older_than_ms`` ago (database clock).
+
+    Once a row is gone, enqueueing the same key again inserts a new row and delivers it again; only the
+    downstream's own deduplication then stops a second effect. So the window must be at least
+    ``min_retention_ms``, which documents the downstream's deduplication window, or
+    :class:`RetentionWindowError` is raised and nothing is deleted. PENDING and DEAD rows are never purged.
+    """
+    window = _check_ms("older_than_ms", older_than_ms)
+    floor = _check_ms("min_retention_ms", min_retention_ms)
+    if window < floor:
+        raise errors.RetentionWindowError(
+            f"refusing to purge outbox rows sent before {human_ms(window)}: below the minimum retention of "
+            f"{human_ms(floor)}, which must cover the downstream's deduplication window. After a purge, a "
+            "re-enqueue of the same key is delivered again, and only the downstream can still deduplicate "
+            "it. Nothing was deleted."
+        )
+    o = outbox_table
+    where = sa.and_(o.c.status == "SENT", o.c.sent_at < db_now_plus_ms(sa.literal(-window, sa.BigInteger())))
+    return _purge(engine, o, where, "purge sent outbox rows", dry_run=dry_run)

@@ -1,0 +1,771 @@
+"""The ``joblease`` operator CLI: schema, leases, outbox, dispatch, and the reference receiver and demo.
+
+A thin layer over :mod:`dagster_joblease.admin` and friends. Exit codes: 0 ok; 1 the operation failed or
+the database state refused it (unknown key, live lease, storage failure); 2 usage or configuration error
+(bad option, malformed/unreachable database URL, a schema that is behind, a refused purge window) — in
+every exit-2 case nothing was changed. No output ever contains a password or a full database URL.
+
+``receiver`` and ``demo`` are loaded lazily so ``joblease --help`` never imports Dagster.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib
+import json
+import re
+import sys
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from pathlib import Path
+from typing import Any, TypeVar
+
+import click
+import sqlalchemy as sa
+from sqlalchemy.engine import make_url
+
+from dagster_joblease import admin, errors, storage
+from dagster_joblease.storage import engine as storage_engine
+
+__all__ = ["main"]
+
+F = TypeVar("F", bound=Callable[..., Any])
+
+EXIT_FAILED = 1
+EXIT_USAGE = 2
+MIN_RETENTION_ENV = "JOBLEASE_OUTBOX_MIN_RETENTION"
+MIN_REPLAY_WINDOW_ENV = "JOBLEASE_LEASE_MIN_REPLAY_WINDOW"
+ERROR_CELL_CHARS = 60
+
+# -- errors and exit codes -------------------------------------------------------------------------
+
+
+class CliError(click.ClickException):
+    """The operation failed or the rows' state refused it (exit 1)."""
+
+    exit_code = EXIT_FAILED
+
+
+class CliConfigError(CliError):
+    """Usage or configuration error; nothing was changed (exit 2)."""
+
+    exit_code = EXIT_USAGE
+
+
+def cli_error(message: str, exit_code: int) -> CliError:
+    return CliConfigError(message) if exit_code == EXIT_USAGE else CliError(message)
+
+
+def exit_code_for(exc: errors.JobLeaseError) -> int:
+    """2 for configuration and for input refused before any change (ValueError family, schema behind);
+    1 for everything the database or the rows' state refused or failed."""
+    if isinstance(exc, errors.SchemaNotAtHeadError | errors.ConfigurationError | ValueError):
+        return EXIT_USAGE
+    return EXIT_FAILED
+
+
+def _target(url: str) -> str:
+    """Where we are connected, for messages: backend, host, port, database — never user, password, query."""
+    try:
+        parsed = make_url(url)
+    except Exception:
+        return "the configured database"
+    if parsed.get_backend_name() == "sqlite":
+        return f"sqlite file {parsed.database}"
+    return f"{parsed.get_backend_name()} database {parsed.database!r} on {parsed.host}:{parsed.port or 5432}"
+
+
+# -- shared state ----------------------------------------------------------------------------------
+
+
+class State:
+    """The configured URL and, once a command needs it, one engine (disposed when the command ends)."""
+
+    def __init__(self, url: str | None) -> None:
+        self.url = url or storage.default_sqlite_url()
+        self._engine: sa.Engine | None = None
+
+    def scrub(self, text: str) -> str:
+        """Belt and braces: drop the password and the raw URL from any text we print."""
+        try:
+            password = make_url(self.url).password
+        except Exception:
+            password = None
+        text = text.replace(self.url, "<database URL>")
+        if password:
+            text = text.replace(str(password), "***")
+        return text
+
+    def engine(self, *, require_head: bool = True) -> sa.Engine:
+        """An engine that has connected once; ``require_head``: the schema must be at this package's head."""
+        if self._engine is None:
+            url = self.url
+            kwargs: dict[str, Any] = {}
+            parsed = storage_engine.normalize_url(url)
+            if parsed.get_backend_name() == "postgresql" and "connect_timeout" not in parsed.query:
+                kwargs["connect_args"] = {"connect_timeout": 10}
+            self._engine = storage.create_engine(parsed, **kwargs)
+            try:
+                with storage_engine.translate_errors("connect"), self._engine.connect():
+                    pass
+            except errors.StorageError as exc:
+                raise CliConfigError(
+                    self.scrub(
+                        f"cannot connect to {_target(url)}: {exc}. Check --database-url / "
+                        f"${storage.DATABASE_URL_ENV}."
+                    )
+                ) from exc
+        if require_head:
+            storage.require_schema(self._engine)
+        return self._engine
+
+    def close(self) -> None:
+        if self._engine is not None:
+            self._engine.dispose()
+
+
+def _state() -> State:
+    state = click.get_current_context().find_object(State)
+    assert state is not None
+    return state
+
+
+# -- lazy subcommands ------------------------------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class LazyCommand:
+    module: str
+    attribute: str
+    short_help: str
+
+
+def _unavailable(name: str, spec: LazyCommand, reason: str) -> click.Command:
+    def callback(**_: Any) -> None:
+        raise CliConfigError(
+            f"`joblease {name}` is unavailable: {spec.module}.{spec.attribute} could not be loaded ({reason})"
+        )
+
+    return click.Command(
+        name,
+        callback=callback,
+        help=f"Unavailable in this installation: {reason}",
+        context_settings={"ignore_unknown_options": True, "allow_extra_args": True},
+        params=[click.Argument(["args"], nargs=-1, type=click.UNPROCESSED)],
+    )
+
+
+class JobleaseGroup(click.Group):
+    """The top-level group: lazy subcommands (the click docs' LazyGroup pattern, with static short help so
+    ``--help`` imports nothing) and one place that maps library errors onto messages and exit codes."""
+
+    def __init__(self, *args: Any, lazy_subcommands: Mapping[str, LazyCommand] | None = None, **kwargs: Any):
+        super().__init__(*args, **kwargs)
+        self.lazy_subcommands = dict(lazy_subcommands or {})
+
+    def list_commands(self, ctx: click.Context) -> list[str]:
+        return sorted([*super().list_commands(ctx), *self.lazy_subcommands])
+
+    def get_command(self, ctx: click.Context, cmd_name: str) -> click.Command | None:
+        spec = self.lazy_subcommands.get(cmd_name)
+        if spec is None:
+            return super().get_command(ctx, cmd_name)
+        try:
+            command = getattr(importlib.import_module(spec.module), spec.attribute)
+        except (ImportError, AttributeError) as exc:
+            return _unavailable(cmd_name, spec, f"{type(exc).__name__}: {exc}")
+        if not isinstance(command, click.Command):
+            return _unavailable(cmd_name, spec, f"{spec.attribute} is not a click command")
+        return command
+
+    def format_commands(self, ctx: click.Context, formatter: click.HelpFormatter) -> None:
+        rows: list[tuple[str, str]] = []
+        names = self.list_commands(ctx)
+        limit = formatter.width - 6 - max((len(n) for n in names), default=0)
+        for name in names:
+            spec = self.lazy_subcommands.get(name)
+            if spec is not None:
+                rows.append((name, spec.short_help))
+                continue
+            command = self.get_command(ctx, name)
+            if command is not None and not command.hidden:
+                rows.append((name, command.get_short_help_str(limit)))
+        if rows:
+            with formatter.section("Commands"):
+                formatter.write_dl(rows)
+
+    def invoke(self, ctx: click.Context) -> Any:
+        try:
+            return super().invoke(ctx)
+        except errors.JobLeaseError as exc:
+            state = ctx.find_object(State)
+            message = str(exc) if state is None else state.scrub(str(exc))
+            raise cli_error(message, exit_code_for(exc)) from exc
+
+
+LAZY_SUBCOMMANDS = {
+    "receiver": LazyCommand(
+        "dagster_joblease.receiver",
+        "receiver_command",
+        "Run the reference downstream HTTP receiver (inbox).",
+    ),
+    "demo": LazyCommand(
+        "dagster_joblease.demo",
+        "demo_command",
+        "Run the end-to-end demo (Dagster, leases, outbox, receiver).",
+    ),
+}
+
+# -- parameters and formatting ---------------------------------------------------------------------
+
+_UNITS = {"ms": 1, "s": 1_000, "m": 60_000, "h": 3_600_000, "d": 86_400_000, "w": 7 * 86_400_000}
+_DURATION_PART = re.compile(r"(\d+)(ms|s|m|h|d|w)")
+
+
+class Duration(click.ParamType[int]):
+    """``90s``, ``30m``, ``2h``, ``7d``, ``1w``, ``1h30m``, ``500ms`` → milliseconds."""
+
+    name = "duration"
+
+    def convert(self, value: Any, param: click.Parameter | None, ctx: click.Context | None) -> int:
+        if isinstance(value, int):
+            return value
+        text = str(value).strip().lower()
+        if not re.fullmatch(r"(?:\d+(?:ms|s|m|h|d|w))+", text):
+            self.fail(f"{value!r} is not a duration; use e.g. 90s, 30m, 2h, 7d or 1h30m", param, ctx)
+        return sum(int(n) * _UNITS[u] for n, u in _DURATION_PART.findall(text))
+
+
+DURATION = Duration()
+
+
+human_ms = admin.human_ms
+
+
+def _cell(value: Any, limit: int | None) -> str:
+    text = "-" if value is None or value == "" else " ".join(str(value).split())
+    if limit is not None and len(text) > limit:
+        text = text[: limit - 1] + "…"
+    return text
+
+
+def render_table(
+    headers: Sequence[str], rows: Iterable[Sequence[Any]], limits: Mapping[str, int] = {}
+) -> str:
+    """Columns aligned on the widest cell; cells on one line, long ones cut with an ellipsis."""
+    body = [[_cell(v, limits.get(h)) for h, v in zip(headers, row, strict=True)] for row in rows]
+    widths = [max([len(h), *(len(r[i]) for r in body)]) for i, h in enumerate(headers)]
+    lines = [
+        "  ".join(c.ljust(w) for c, w in zip(line, widths, strict=True)).rstrip()
+        for line in [list(headers), *body]
+    ]
+    return "\n".join(lines)
+
+
+def _echo_json(value: Any) -> None:
+    click.echo(json.dumps(value, indent=2, ensure_ascii=False))
+
+
+def json_option(fn: F) -> F:
+    return click.option(
+        "--json", "as_json", is_flag=True, help="Print stable machine-readable JSON (ISO 8601 UTC times)."
+    )(fn)
+
+
+# -- the group -------------------------------------------------------------------------------------
+
+
+@click.group(
+    cls=JobleaseGroup,
+    lazy_subcommands=LAZY_SUBCOMMANDS,
+    context_settings={"help_option_names": ["-h", "--help"], "max_content_width": 110},
+)
+@click.option(
+    "--database-url",
+    envvar=storage.DATABASE_URL_ENV,
+    show_envvar=True,
+    metavar="URL",
+    help="SQLAlchemy URL of the joblease database, e.g. postgresql+psycopg://user@host:5432/db "
+    "(default: the embedded SQLite file under $DAGSTER_HOME, else ./.joblease/joblease.sqlite).",
+)
+@click.version_option(package_name="dagster-joblease", prog_name="joblease")
+@click.pass_context
+def main(ctx: click.Context, database_url: str | None) -> None:
+    """Operate dagster-joblease: schema, leases, outbox, dispatch.
+
+    Exit codes: 0 ok; 1 the operation failed or was refused by the rows' state (unknown key, live lease,
+    database failure); 2 usage or configuration error (bad option, malformed or unreachable database URL,
+    schema behind: run `joblease db upgrade`, purge window below its minimum) — nothing was changed.
+    """
+    state = State(database_url)
+    ctx.obj = state
+    ctx.call_on_close(state.close)
+
+
+# -- db --------------------------------------------------------------------------------------------
+
+
+@main.group()
+def db() -> None:
+    """Install, inspect and check the joblease schema."""
+
+
+@db.command("upgrade")
+def db_upgrade() -> None:
+    """Upgrade the joblease tables to this package's head revision (idempotent; safe to run concurrently)."""
+    state = _state()
+    engine = state.engine(require_head=False)
+    before = storage.migrate(engine)
+    head = storage.head_revision()
+    if before == head:
+        click.echo(f"{_target(state.url)}: already at head revision {head}")
+    else:
+        click.echo(f"{_target(state.url)}: upgraded from {before or 'none'} to {head}")
+
+
+@db.command("current")
+@json_option
+def db_current(as_json: bool) -> None:
+    """Show the schema revision of the database and the one this package needs."""
+    state = _state()
+    current = storage.current_revision(state.engine(require_head=False))
+    head = storage.head_revision()
+    if as_json:
+        _echo_json({"current_revision": current, "head_revision": head, "at_head": current == head})
+        return
+    verdict = "at head" if current == head else "behind: run `joblease db upgrade`"
+    click.echo(
+        f"database: {_target(state.url)}\ncurrent:  {current or 'none (not installed)'}\nhead:     {head}"
+    )
+    click.echo(f"status:   {verdict}")
+
+
+@db.command("check")
+@json_option
+def db_check(as_json: bool) -> None:
+    """Compare the live schema with the package's models.
+
+    Exit 0 when they match; 2 when the schema is behind (run `joblease db upgrade`); 1 when it is at head
+    but differs (changed by hand) — the differences are listed.
+    """
+    diff = storage.check_schema(_state().engine(require_head=False))
+    behind = diff.db_revision != diff.head_revision
+    if as_json:
+        _echo_json(
+            {
+                "ok": diff.ok,
+                "current_revision": diff.db_revision,
+                "head_revision": diff.head_revision,
+                "differences": list(diff.differences),
+            }
+        )
+    elif diff.ok:
+        click.echo(f"schema matches the models (revision {diff.head_revision})")
+    else:
+        if behind:
+            click.echo(
+                f"schema is behind: database at {diff.db_revision or 'none (not installed)'}, this package "
+                f"needs {diff.head_revision}; run `joblease db upgrade`"
+            )
+        if diff.differences:
+            click.echo("differences between the live schema and the models:")
+            for line in diff.differences:
+                click.echo(f"  - {line}")
+    if not diff.ok:
+        sys.exit(EXIT_USAGE if behind else EXIT_FAILED)
+
+
+# -- leases ----------------------------------------------------------------------------------------
+
+
+@main.group()
+def leases() -> None:
+    """Inspect, reset and purge lease rows (one per logical run)."""
+
+
+def _remaining(row: admin.LeaseRow) -> str:
+    if row.status != "RUNNING":
+        return "-"
+    if row.expired:
+        return f"expired {human_ms(-(row.remaining_ms or 0))} ago"
+    return human_ms(row.remaining_ms)
+
+
+@leases.command("list")
+@click.option("--code", help="Only this job code.")
+@click.option("--status", type=click.Choice(["running", "success", "fail"], case_sensitive=False))
+@click.option(
+    "--older-than", type=DURATION, help="Only runs whose current attempt started longer ago (30m, 2h, 7d)."
+)
+@click.option("--expired", is_flag=True, help="Only RUNNING rows past their expiry (holder stalled or dead).")
+@click.option("--limit", type=click.IntRange(1, admin.MAX_LIMIT), default=100, show_default=True)
+@json_option
+def leases_list(
+    code: str | None, status: str | None, older_than: int | None, expired: bool, limit: int, as_json: bool
+) -> None:
+    """List leases, newest attempt first. REMAINING is the holder's lease left on the database clock."""
+    rows = admin.list_leases(
+        _state().engine(),
+        code=code,
+        status=status,
+        older_than_ms=older_than,
+        expired_only=expired,
+        limit=limit,
+    )
+    if as_json:
+        _echo_json([r.to_json() for r in rows])
+        return
+    if not rows:
+        click.echo("no leases match")
+        return
+    click.echo(
+        render_table(
+            ["ID", "CODE", "RUN KEY", "STATUS", "ATTEMPT", "REMAINING", "HOLDER", "LAST ERROR"],
+            [
+                [r.id, r.code, r.run_key, r.status, r.attempt, _remaining(r), r.holder, r.last_error]
+                for r in rows
+            ],
+            {"LAST ERROR": ERROR_CELL_CHARS, "RUN KEY": 40, "HOLDER": 40},
+        )
+    )
+
+
+@leases.command("show")
+@click.argument("key_or_code", required=False)
+@click.argument("run_key", required=False)
+@click.option("--id", "lease_id", type=int, help="Look the lease up by its numeric row id instead.")
+@json_option
+def leases_show(key_or_code: str | None, run_key: str | None, lease_id: int | None, as_json: bool) -> None:
+    """Show one lease: KEY (v2:…), CODE RUN_KEY (a SCHEDULE run), CODE (an INITIAL run) or --id N."""
+    if (lease_id is None) == (key_or_code is None):
+        raise click.UsageError("give KEY, CODE [RUN_KEY] or --id N (exactly one)")
+    target: str | int = lease_id if lease_id is not None else key_or_code  # type: ignore[assignment]
+    row = admin.show_lease(_state().engine(), target, run_key)
+    if as_json:
+        _echo_json(row.to_json())
+        return
+    fields = [
+        ("id", row.id),
+        ("key", row.idempotency_key),
+        ("type", row.job_type),
+        ("code", row.code),
+        ("run key", row.run_key),
+        ("status", row.status),
+        ("attempt", row.attempt),
+        ("holder", row.holder),
+        ("lease length", human_ms(row.lease_ms)),
+        ("remaining", _remaining(row)),
+        ("created", row.created_at.isoformat()),
+        ("acquired", row.acquired_at.isoformat()),
+        ("heartbeat", row.heartbeat_at.isoformat()),
+        ("expires", row.expires_at.isoformat()),
+        ("finished", row.finished_at.isoformat() if row.finished_at else None),
+        ("last error", row.last_error),
+        ("result", None if row.result is None else json.dumps(row.result, ensure_ascii=False)),
+    ]
+    width = max(len(k) for k, _ in fields)
+    for name, value in fields:
+        click.echo(f"{name.ljust(width)}  {'-' if value is None else value}")
+
+
+def _lease_ref(text: str) -> str | int:
+    return int(text) if text.isdigit() else text
+
+
+@leases.command("fail")
+@click.argument("keys", nargs=-1, required=True, metavar="KEY_OR_ID...")
+@click.option(
+    "--force",
+    is_flag=True,
+    help="Also reset a live RUNNING lease. Risk: two holders — the old one may still be running its effect; "
+    "its fenced writes will fail, but an effect it already started may happen twice (harmless only if the "
+    "downstream deduplicates by the idempotency key).",
+)
+@click.option(
+    "--reason", default="marked failed by an operator", show_default=True, help="Recorded in last_error."
+)
+def leases_fail(keys: tuple[str, ...], force: bool, reason: str) -> None:
+    """Reset stuck or failed runs to FAIL so the next claim retries them with the same idempotency key.
+
+    Each KEY_OR_ID is a v2: key or a numeric lease id. The old holder is fenced out (new owner token).
+    A live lease is refused unless --force; a SUCCESS row is always refused (purge it instead).
+    """
+    engine = _state().engine()
+    worst = 0
+    for ref in keys:
+        try:
+            outcome = admin.reset_lease(engine, _lease_ref(ref), force=force, reason=reason)
+        except (errors.NotFoundError, admin.AdminRefusedError, admin.AdminArgumentError) as exc:
+            click.echo(f"Error: {ref}: {exc}", err=True)
+            worst = max(worst, exit_code_for(exc))
+            continue
+        row = outcome.lease
+        if outcome.was_live:
+            click.echo(
+                f"warning: lease {row.id} was live; its old holder may still run its effect and a retry may "
+                "repeat it — harmless only if the downstream deduplicates by the idempotency key",
+                err=True,
+            )
+        run = row.code if row.run_key is None else f"{row.code} / {row.run_key}"
+        click.echo(
+            f"lease {row.id} ({run}) {'is now' if outcome.changed else 'was already'} FAIL: the next claim "
+            f"retries it as attempt {row.attempt + 1} with key {row.idempotency_key}"
+        )
+    if worst:
+        sys.exit(worst)
+
+
+@leases.command("purge")
+@click.option(
+    "--finished-before", type=DURATION, required=True, help="Delete rows finished longer ago (e.g. 30d)."
+)
+@click.option(
+    "--min-replay-window",
+    type=DURATION,
+    default="7d",
+    show_default=True,
+    envvar=MIN_REPLAY_WINDOW_ENV,
+    show_envvar=True,
+    help="Refuse a --finished-before below this: a purged run key can run again.",
+)
+@click.option("--dry-run", is_flag=True, help="Only count the rows that would be deleted.")
+def leases_purge(finished_before: int, min_replay_window: int, dry_run: bool) -> None:
+    """Delete SUCCESS/FAIL rows of SCHEDULE runs finished before the window (INITIAL, RUNNING rows kept).
+
+    After a purge the same (code, run key) can win a fresh lease again (attempt 1, same key), so the window
+    must cover every way that run key could be replayed (late ticks, backfills, re-executions).
+    """
+    count = admin.purge_leases(
+        _state().engine(),
+        finished_before_ms=finished_before,
+        min_replay_window_ms=min_replay_window,
+        dry_run=dry_run,
+    )
+    click.echo(f"{'would delete' if dry_run else 'deleted'} {count} finished SCHEDULE lease row(s)")
+
+
+# -- outbox ----------------------------------------------------------------------------------------
+
+
+@main.group()
+def outbox() -> None:
+    """Inspect, requeue and purge outbox rows."""
+
+
+@outbox.command("stats")
+@json_option
+def outbox_stats(as_json: bool) -> None:
+    """Counts by status and by topic, the due backlog and the age of its oldest row (database clock)."""
+    stats = admin.outbox_stats(_state().engine())
+    if as_json:
+        _echo_json(stats.to_json())
+        return
+    click.echo(render_table(["STATUS", "COUNT"], [[s, n] for s, n in stats.by_status.items()]))
+    click.echo(f"due now: {stats.due}   oldest due waiting: {human_ms(stats.oldest_due_age_ms)}")
+    if stats.by_topic:
+        click.echo("")
+        click.echo(
+            render_table(["TOPIC", "STATUS", "COUNT"], [[t.topic, t.status, t.count] for t in stats.by_topic])
+        )
+
+
+def _next_attempt(row: admin.OutboxRow) -> str:
+    if row.status != "PENDING" or row.due_in_ms is None:
+        return "-"
+    if row.claimed:
+        return "in flight"
+    return f"in {human_ms(row.due_in_ms)}" if row.due_in_ms > 0 else f"due {human_ms(-row.due_in_ms)} ago"
+
+
+@outbox.command("list")
+@click.option("--status", type=click.Choice(["pending", "sent", "dead"], case_sensitive=False))
+@click.option("--topic", help="Only this topic.")
+@click.option("--limit", type=click.IntRange(1, admin.MAX_LIMIT), default=100, show_default=True)
+@json_option
+def outbox_list(status: str | None, topic: str | None, limit: int, as_json: bool) -> None:
+    """List outbox rows (newest first, without payloads) with their last HTTP status and error."""
+    rows = admin.list_outbox(_state().engine(), status=status, topic=topic, limit=limit)
+    if as_json:
+        _echo_json([r.to_json() for r in rows])
+        return
+    if not rows:
+        click.echo("no outbox rows match")
+        return
+    click.echo(
+        render_table(
+            ["ID", "TOPIC", "STATUS", "ATTEMPTS", "NEXT ATTEMPT", "LAST STATUS", "LAST ERROR"],
+            [
+                [r.id, r.topic, r.status, r.attempts, _next_attempt(r), r.last_status, r.last_error]
+                for r in rows
+            ],
+            {"LAST ERROR": ERROR_CELL_CHARS, "TOPIC": 40},
+        )
+    )
+
+
+@outbox.command("requeue")
+@click.argument("row_id", type=int, required=False, metavar="[ID]")
+@click.option("--all-dead", is_flag=True, help="Requeue every DEAD row.")
+@click.option("--topic", help="Requeue every DEAD row of this topic.")
+def outbox_requeue(row_id: int | None, all_dead: bool, topic: str | None) -> None:
+    """Make rows due again with their original idempotency key: one ID, --all-dead, or --topic T.
+
+    Attempts restart at 0 and the claim is cleared; the last status and error stay visible until the next
+    attempt. SENT rows, and rows a dispatcher is delivering right now, are refused.
+    """
+    if row_id is None and not all_dead and topic is None:
+        raise click.UsageError("give an ID, --all-dead or --topic TOPIC")
+    if row_id is not None and (all_dead or topic is not None):
+        raise click.UsageError("give either an ID or --all-dead/--topic, not both")
+    count = admin.requeue(_state().engine(), row_id=row_id, all_dead=all_dead, topic=topic)
+    click.echo(f"requeued {count} row(s); they keep their idempotency keys and are due now")
+
+
+@outbox.command("purge")
+@click.option(
+    "--sent-before", type=DURATION, required=True, help="Delete SENT rows delivered longer ago (e.g. 7d)."
+)
+@click.option(
+    "--min-retention",
+    type=DURATION,
+    default="24h",
+    show_default=True,
+    envvar=MIN_RETENTION_ENV,
+    show_envvar=True,
+    help="Refuse a --sent-before below this; set it to at least the downstream's deduplication window.",
+)
+@click.option("--dry-run", is_flag=True, help="Only count the rows that would be deleted.")
+def outbox_purge(sent_before: int, min_retention: int, dry_run: bool) -> None:
+    """Delete SENT rows older than the window; PENDING and DEAD rows are kept.
+
+    After a purge, enqueueing the same key again delivers it again, so the window must be at least the
+    downstream's deduplication window.
+    """
+    count = admin.purge_sent(
+        _state().engine(), older_than_ms=sent_before, min_retention_ms=min_retention, dry_run=dry_run
+    )
+    click.echo(f"{'would delete' if dry_run else 'deleted'} {count} SENT outbox row(s)")
+
+
+# -- dispatch --------------------------------------------------------------------------------------
+
+
+class _Progress:
+    """One rewritten line on a terminal, plain lines otherwise; totals for the final summary."""
+
+    def __init__(self, *, tty: bool, quiet: bool) -> None:
+        self.tty = tty
+        self.quiet = quiet
+        self.batches = 0
+        self.totals = {"claimed": 0, "sent": 0, "retried": 0, "dead": 0}
+        self._line_open = False
+
+    def __call__(self, report: Any) -> None:
+        self.batches += 1
+        for name in self.totals:
+            self.totals[name] += int(getattr(report, name))
+        if self.quiet:
+            return
+        for row in getattr(report, "rows", []):
+            if row.outcome == "dead":
+                self._newline()
+                click.echo(
+                    f"dead: row {row.id} topic {row.topic} status {row.status_code or '-'}: {row.reason}"
+                )
+        if self.tty:
+            line = "  ".join(f"{k} {v}" for k, v in self.totals.items())
+            sys.stdout.write(f"\r{self.batches} batches  {line}\033[K")
+            sys.stdout.flush()
+            self._line_open = True
+        elif report.claimed:
+            click.echo(
+                f"batch {self.batches}: claimed {report.claimed} sent {report.sent} "
+                f"retried {report.retried} dead {report.dead}"
+            )
+
+    def _newline(self) -> None:
+        if self._line_open:
+            sys.stdout.write("\n")
+            self._line_open = False
+
+    def summary(self) -> str:
+        self._newline()
+        t = self.totals
+        return f"done: claimed {t['claimed']}, sent {t['sent']}, retried {t['retried']}, dead {t['dead']}"
+
+
+@main.command("dispatch")
+@click.option("--once", "mode", flag_value="once", help="Deliver every row due now, then exit.")
+@click.option(
+    "--loop", "mode", flag_value="loop", help="Keep polling until SIGTERM/SIGINT (or --max-batches)."
+)
+@click.option(
+    "--routes",
+    "routes_file",
+    type=click.Path(exists=True, dir_okay=False, path_type=Path),
+    help="TOML or JSON file: {topic: {url, headers, secret_headers, timeout_s}}.",
+)
+@click.option("--route", "route_specs", multiple=True, metavar="TOPIC=URL", help="A route; repeat for more.")
+@click.option("--max-attempts", type=click.IntRange(min=1), default=10, show_default=True)
+@click.option("--concurrency", type=click.IntRange(1, 256), default=8, show_default=True)
+@click.option("--batch-size", type=click.IntRange(1, admin.MAX_LIMIT), default=100, show_default=True)
+@click.option(
+    "--poll-interval",
+    type=click.FloatRange(min=0.01),
+    default=1.0,
+    show_default=True,
+    help="Seconds between polls when idle (--loop).",
+)
+@click.option("--max-batches", type=click.IntRange(min=1), help="Stop after this many claim batches.")
+@json_option
+def dispatch_command(
+    mode: str | None,
+    routes_file: Path | None,
+    route_specs: tuple[str, ...],
+    max_attempts: int,
+    concurrency: int,
+    batch_size: int,
+    poll_interval: float,
+    max_batches: int | None,
+    as_json: bool,
+) -> None:
+    """Deliver due outbox rows over HTTP (Idempotency-Key header).
+
+    --once delivers every row due now and exits; --loop keeps polling.
+
+    Prints a live progress line on a terminal, plain lines otherwise, and a final summary (claimed, sent,
+    retried, dead). With --json only the final totals are printed, as JSON.
+    """
+    if mode is None:
+        raise click.UsageError("give --once or --loop")
+    if not routes_file and not route_specs:
+        raise click.UsageError("no routes: give --routes FILE or --route TOPIC=URL")
+    try:
+        from dagster_joblease import dispatch
+    except ImportError as exc:
+        raise CliConfigError(f"dispatch is unavailable in this installation: {exc}") from exc
+    routes: dict[str, Any] = dict(dispatch.load_routes(routes_file)) if routes_file else {}
+    for spec in route_specs:
+        topic, sep, url = spec.partition("=")
+        if not sep or not topic.strip() or not url.strip():
+            raise click.BadParameter(f"{spec!r} is not TOPIC=URL", param_hint="--route")
+        routes[topic.strip()] = dispatch.Route(url.strip())
+    engine = _state().engine()
+    progress = _Progress(tty=sys.stdout.isatty() and not as_json, quiet=as_json)
+    with dispatch.Dispatcher(
+        engine, routes, max_attempts=max_attempts, concurrency=concurrency
+    ) as dispatcher:
+        if mode == "once":
+            while max_batches is None or progress.batches < max_batches:
+                report = dispatcher.dispatch(limit=batch_size)
+                progress(report)
+                if report.claimed == 0:
+                    break
+        else:
+            totals = dispatcher.run(
+                poll_interval_s=poll_interval, max_batches=max_batches, on_report=progress, limit=batch_size
+            )
+            progress.totals = {k: int(getattr(totals, k)) for k in progress.totals}
+    if as_json:
+        _echo_json({**progress.totals, "batches": progress.batches})
+    else:
+        click.echo(progress.summary())
