@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import contextlib
 import os
+import sqlite3
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -70,6 +72,26 @@ def redact_url(url: str | URL) -> str:
         return "<unparseable database URL>"
 
 
+def _enable_wal(cursor: Any) -> None:
+    """Switch the file to WAL (a persistent, once-per-file setting).
+
+    SQLite answers a journal-mode switch that races another connection with SQLITE_BUSY at once, without
+    consulting busy_timeout, so several processes opening a fresh file at the same moment retry here.
+    """
+    deadline = time.monotonic() + SQLITE_BUSY_TIMEOUT_MS / 1000
+    delay = 0.002
+    while True:
+        try:
+            if str(cursor.execute("PRAGMA journal_mode").fetchone()[0]).lower() != "wal":
+                cursor.execute("PRAGMA journal_mode = WAL")
+            return
+        except sqlite3.OperationalError as exc:
+            if "locked" not in str(exc) or time.monotonic() >= deadline:
+                raise
+            time.sleep(delay)
+            delay = min(delay * 2, 0.1)
+
+
 def _install_sqlite_pragmas(engine: sa.Engine) -> None:
     @event.listens_for(engine, "connect")
     def _on_connect(dbapi_connection: Any, _record: Any) -> None:
@@ -77,7 +99,7 @@ def _install_sqlite_pragmas(engine: sa.Engine) -> None:
         dbapi_connection.isolation_level = None
         cursor = dbapi_connection.cursor()
         cursor.execute(f"PRAGMA busy_timeout = {SQLITE_BUSY_TIMEOUT_MS}")
-        cursor.execute("PRAGMA journal_mode = WAL")
+        _enable_wal(cursor)
         cursor.execute("PRAGMA synchronous = NORMAL")
         cursor.close()
 

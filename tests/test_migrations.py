@@ -1,0 +1,152 @@
+"""Migrations: idempotent, safe when several processes race them, independent of a host's Alembic."""
+
+from __future__ import annotations
+
+import multiprocessing
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import sqlalchemy as sa
+from alembic.migration import MigrationContext
+
+from dagster_joblease import errors
+from dagster_joblease.storage import (
+    check_schema,
+    create_engine,
+    current_revision,
+    head_revision,
+    metadata,
+    migrate,
+    require_schema,
+)
+from dagster_joblease.storage.migrate import SchemaDiff
+from dagster_joblease.storage.schema import VERSION_TABLE
+from tests import lease_workers
+from tests.conftest import _admin_execute, admin_url
+
+OUR_TABLES = {"joblease_lease", "joblease_outbox", "joblease_inbox", VERSION_TABLE}
+
+
+@pytest.fixture
+def empty_pg_url() -> Iterator[str]:
+    """A brand-new PostgreSQL database with nothing in it (not cloned from the migrated template)."""
+    name = f"joblease_empty_{uuid.uuid4().hex[:10]}"
+    _admin_execute(f'CREATE DATABASE "{name}"')
+    yield admin_url().set(database=name).render_as_string(hide_password=False)
+    _admin_execute(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
+
+
+@pytest.fixture(params=["sqlite", "postgresql"])
+def empty_url(request: pytest.FixtureRequest, tmp_path: Path) -> str:
+    if request.param == "sqlite":
+        return f"sqlite:///{tmp_path / 'fresh' / 'joblease.sqlite'}"
+    return str(request.getfixturevalue("empty_pg_url"))
+
+
+@pytest.fixture
+def empty_engine(empty_url: str) -> Iterator[sa.Engine]:
+    eng = create_engine(empty_url)
+    yield eng
+    eng.dispose()
+
+
+def table_names(engine: sa.Engine) -> set[str]:
+    return set(sa.inspect(engine).get_table_names())
+
+
+def test_migrate_from_empty_and_again(empty_engine: sa.Engine) -> None:
+    with pytest.raises(errors.SchemaNotAtHeadError) as info:
+        require_schema(empty_engine)
+    assert info.value.db_revision is None and info.value.head_revision == head_revision()
+    assert current_revision(empty_engine) is None
+    assert not check_schema(empty_engine).ok
+
+    assert migrate(empty_engine) is None
+    assert current_revision(empty_engine) == head_revision() == "0001"
+    assert migrate(empty_engine) == head_revision()  # idempotent: nothing to do the second time
+    assert migrate(empty_engine) == head_revision()
+    require_schema(empty_engine)
+    assert OUR_TABLES <= table_names(empty_engine)
+    with empty_engine.connect() as conn:
+        versions = conn.execute(sa.text(f"SELECT version_num FROM {VERSION_TABLE}")).scalars().all()
+    assert versions == ["0001"]
+
+
+def test_check_schema_is_ok_after_migrate(engine: sa.Engine) -> None:
+    diff = check_schema(engine)
+    assert isinstance(diff, SchemaDiff)
+    assert diff.differences == ()
+    assert diff.db_revision == diff.head_revision == head_revision()
+    assert diff.ok
+
+
+def test_check_schema_reports_a_dropped_index(engine: sa.Engine) -> None:
+    with engine.begin() as conn:
+        conn.execute(sa.text("DROP INDEX ix_joblease_lease_status_finished_at"))
+    diff = check_schema(engine)
+    assert not diff.ok
+    assert any("ix_joblease_lease_status_finished_at" in d for d in diff.differences), diff.differences
+    # The revision alone would not have told us: it still says head.
+    assert diff.db_revision == head_revision()
+
+
+def test_check_schema_reports_an_added_column(engine: sa.Engine) -> None:
+    with engine.begin() as conn:
+        conn.execute(sa.text("ALTER TABLE joblease_outbox ADD COLUMN surprise INTEGER"))
+    diff = check_schema(engine)
+    assert not diff.ok
+    assert any("surprise" in d for d in diff.differences), diff.differences
+
+
+def test_check_schema_ignores_foreign_tables(engine: sa.Engine) -> None:
+    with engine.begin() as conn:
+        conn.execute(sa.text("CREATE TABLE host_orders (id INTEGER PRIMARY KEY, total INTEGER)"))
+    assert check_schema(engine).ok
+
+
+def test_coexists_with_a_foreign_alembic_version_table(empty_engine: sa.Engine) -> None:
+    with empty_engine.begin() as conn:
+        conn.execute(sa.text("CREATE TABLE alembic_version (version_num VARCHAR(32) NOT NULL PRIMARY KEY)"))
+        conn.execute(sa.text("INSERT INTO alembic_version (version_num) VALUES ('hostapp_7f3a')"))
+        conn.execute(sa.text("CREATE TABLE host_orders (id INTEGER PRIMARY KEY)"))
+    migrate(empty_engine)
+    migrate(empty_engine)
+    with empty_engine.connect() as conn:
+        assert conn.execute(sa.text("SELECT version_num FROM alembic_version")).scalars().all() == [
+            "hostapp_7f3a"
+        ]
+        # The host application's Alembic still sees its own revision, ours sees ours.
+        assert MigrationContext.configure(conn).get_current_revision() == "hostapp_7f3a"
+    assert current_revision(empty_engine) == head_revision()
+    assert check_schema(empty_engine).ok
+    assert {"alembic_version", "host_orders"} | OUR_TABLES <= table_names(empty_engine)
+    assert set(metadata.tables) <= table_names(empty_engine)
+
+
+@pytest.mark.chaos
+def test_six_processes_migrate_a_fresh_database_at_once(empty_url: str) -> None:
+    mp = multiprocessing.get_context("fork")
+    processes = 6
+    barrier = mp.Barrier(processes)
+    results = mp.Queue()
+    workers = [
+        mp.Process(target=lease_workers.migrate_worker, args=(empty_url, barrier, results))
+        for _ in range(processes)
+    ]
+    for proc in workers:
+        proc.start()
+    outcomes = [results.get(timeout=120) for _ in workers]
+    for proc in workers:
+        proc.join(timeout=60)
+    assert [o[0] for o in outcomes] == ["ok"] * processes, outcomes
+    assert [proc.exitcode for proc in workers] == [0] * processes
+    engine = create_engine(empty_url)
+    try:
+        assert current_revision(engine) == head_revision()
+        assert check_schema(engine).ok
+        with engine.connect() as conn:
+            assert conn.execute(sa.text(f"SELECT count(*) FROM {VERSION_TABLE}")).scalar_one() == 1
+    finally:
+        engine.dispose()
