@@ -1,0 +1,347 @@
+"""Dispatcher behaviour against real HTTP servers: the reference receiver in its own process, and small
+recording servers in a thread where the test must see exact headers or a redirect."""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+from collections.abc import Callable, Iterator
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
+from typing import Any
+
+import pytest
+import sqlalchemy as sa
+
+from dagster_joblease import errors, outbox
+from dagster_joblease.dispatch import Dispatcher, DispatchReport, Route, load_routes
+from dagster_joblease.receiver import effect_count, effects, request_count
+from dagster_joblease.storage.schema import outbox_table
+from tests.conftest import wait_until
+from tests.dispatch_workers import enqueue_many, status_counts
+from tests.receiver_proc import start_receiver
+
+FAST = {"backoff_base_ms": 10, "backoff_max_ms": 100}
+
+
+def _pending(engine: sa.Engine) -> int:
+    return status_counts(engine).get("PENDING", 0)
+
+
+def drain(
+    dispatcher: Dispatcher, engine: sa.Engine, timeout: float = 30.0, limit: int = 500
+) -> DispatchReport:
+    """Dispatch until no row is PENDING; fail after ``timeout`` seconds."""
+    totals = DispatchReport()
+    deadline = time.monotonic() + timeout
+    while _pending(engine):
+        assert time.monotonic() < deadline, f"rows still pending after {timeout} s: {status_counts(engine)}"
+        report = dispatcher.dispatch(limit)
+        totals = totals.merge(report)
+        if report.claimed == 0:
+            time.sleep(0.01)  # rows are waiting out a backoff of a few ms
+    return totals
+
+
+def _row(engine: sa.Engine, key: str) -> Any:
+    t = outbox_table
+    with engine.connect() as conn:
+        return conn.execute(sa.select(t).where(t.c.idempotency_key == key)).one()
+
+
+# -- a recording server in a thread ----------------------------------------------------------------
+
+
+class Recorder:
+    """A tiny HTTP server that records each request; ``respond(path)`` gives (status, headers)."""
+
+    def __init__(self, respond: Callable[[str], tuple[int, dict[str, str]]] | None = None) -> None:
+        self.requests: list[dict[str, Any]] = []
+        recorder = self
+
+        class Handler(BaseHTTPRequestHandler):
+            protocol_version = "HTTP/1.1"
+            disable_nagle_algorithm = True
+
+            def log_message(self, format: str, *args: Any) -> None:
+                pass
+
+            def do_POST(self) -> None:
+                body = self.rfile.read(int(self.headers.get("Content-Length", "0")))
+                recorder.requests.append({"path": self.path, "headers": dict(self.headers), "body": body})
+                status, headers = respond(self.path) if respond else (200, {})
+                self.send_response(status)
+                for name, value in headers.items():
+                    self.send_header(name, value)
+                self.send_header("Content-Length", "2")
+                self.end_headers()
+                self.wfile.write(b"{}")
+
+        self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.thread = threading.Thread(target=self.server.serve_forever, daemon=True)
+        self.thread.start()
+        self.url = f"http://127.0.0.1:{self.server.server_address[1]}"
+
+    def close(self) -> None:
+        self.server.shutdown()
+        self.server.server_close()
+
+
+@pytest.fixture
+def recorder() -> Iterator[Recorder]:
+    rec = Recorder()
+    yield rec
+    rec.close()
+
+
+# -- configuration -----------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "fragment"),
+    [
+        ({"url": "ftp://host/x"}, "http:// or https://"),
+        ({"url": "https:///nohost"}, "with a host"),
+        ({"url": "https://user:pw@host/x"}, "must not embed credentials"),
+        ({"url": "https://h/x", "headers": {"Idempotency-Key": "k"}}, "set by the dispatcher"),
+        ({"url": "https://h/x", "headers": {"Bad Name": "v"}}, "not a valid HTTP header name"),
+        ({"url": "https://h/x", "headers": {"X-A": "line\nbreak"}}, "printable ASCII"),
+        ({"url": "https://h/x", "secret_headers": {"Authorization": "not-a-var!"}}, "environment variable"),
+        ({"url": "https://h/x", "timeout_s": 0}, "timeout_s"),
+        ({"url": "https://h/x", "headers": {"X-A": "1"}, "secret_headers": {"x-a": "A"}}, "both static"),
+    ],
+)
+def test_route_validation(kwargs: dict[str, Any], fragment: str) -> None:
+    url = kwargs.pop("url")
+    with pytest.raises(errors.ConfigurationError) as info:
+        Route(url, **kwargs)
+    assert fragment in str(info.value)
+    assert "pw" not in str(info.value)
+
+
+def test_load_routes_from_toml_and_json(tmp_path: Path) -> None:
+    toml = tmp_path / "routes.toml"
+    toml.write_text(
+        '[billing]\nurl = "https://billing.internal/hook"\nheaders = { "X-Source" = "joblease" }\n'
+        'secret_headers = { "Authorization" = "BILLING_TOKEN" }\ntimeout_s = 5\n'
+        '[mail]\nurl = "http://mail.internal/send"\n'
+    )
+    routes = load_routes(toml)
+    assert routes["billing"] == Route(
+        "https://billing.internal/hook",
+        headers={"X-Source": "joblease"},
+        secret_headers={"Authorization": "BILLING_TOKEN"},
+        timeout_s=5.0,
+    )
+    assert routes["mail"].timeout_s == 10.0
+    js = tmp_path / "routes.json"
+    js.write_text(json.dumps({"mail": {"url": "http://mail.internal/send", "timeout_s": 2}}))
+    assert load_routes(js) == {"mail": Route("http://mail.internal/send", timeout_s=2)}
+    js.write_text(json.dumps({"mail": {"url": "http://m/x", "destination": "x"}}))
+    with pytest.raises(errors.ConfigurationError, match="unknown keys"):
+        load_routes(js)
+    with pytest.raises(errors.ConfigurationError, match="cannot be read"):
+        load_routes(tmp_path / "missing.toml")
+
+
+def test_missing_secret_variable_is_named_at_construction(
+    sqlite_url: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from dagster_joblease.storage import create_engine
+
+    engine = create_engine(sqlite_url)
+    route = Route("https://h/x", secret_headers={"Authorization": "JOBLEASE_TEST_TOKEN"})
+    monkeypatch.delenv("JOBLEASE_TEST_TOKEN", raising=False)
+    with pytest.raises(errors.ConfigurationError, match="JOBLEASE_TEST_TOKEN"):
+        Dispatcher(engine, {"t": route})
+    with pytest.raises(errors.ConfigurationError, match="claim_ms=1000 must exceed"):
+        Dispatcher(engine, {"t": Route("https://h/x", timeout_s=1.0)}, claim_ms=1_000)
+    with pytest.raises(errors.ConfigurationError, match="concurrency=0"):
+        Dispatcher(engine, {}, concurrency=0)
+    engine.dispose()
+
+
+# -- delivery ------------------------------------------------------------------------------------------
+
+
+def test_headers_body_and_destination_come_from_the_route(
+    engine: sa.Engine, recorder: Recorder, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("JOBLEASE_TEST_TOKEN", "Bearer s3cret")
+    payload = {"v": 1, "url": "http://attacker.example/", "text": "é ü", "n": [1, 2.5, None]}
+    with engine.begin() as conn:
+        outbox.enqueue_once(conn, idempotency_key="v2:hdr", topic="billing", payload=payload)
+    route = Route(
+        recorder.url + "/hooks/billing",
+        headers={"X-Source": "joblease"},
+        secret_headers={"Authorization": "JOBLEASE_TEST_TOKEN"},
+    )
+    with Dispatcher(engine, {"billing": route}) as dispatcher:
+        report = dispatcher.dispatch()
+    assert (report.claimed, report.sent) == (1, 1)
+    assert report.rows[0].outcome == "sent" and report.rows[0].status_code == 200
+    (request,) = recorder.requests
+    headers = {k.lower(): v for k, v in request["headers"].items()}
+    assert request["path"] == "/hooks/billing"
+    assert headers["idempotency-key"] == "v2:hdr"
+    assert headers["content-type"] == "application/json"
+    assert headers["x-source"] == "joblease"
+    assert headers["authorization"] == "Bearer s3cret"
+    assert json.loads(request["body"]) == payload
+    row = _row(engine, "v2:hdr")
+    assert (row.status, row.attempts, row.last_status, row.claim_token) == ("SENT", 1, 200, None)
+    assert row.sent_at is not None
+
+
+def test_redirects_are_not_followed_and_secrets_stay_home(
+    engine: sa.Engine, recorder: Recorder, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("JOBLEASE_TEST_TOKEN", "s3cret")
+    redirector = Recorder(lambda path: (307, {"Location": recorder.url + "/stolen"}))
+    try:
+        with engine.begin() as conn:
+            outbox.enqueue_once(conn, idempotency_key="v2:redir", topic="t", payload={"v": 1})
+        route = Route(redirector.url + "/hook", secret_headers={"X-Api-Key": "JOBLEASE_TEST_TOKEN"})
+        with Dispatcher(engine, {"t": route}) as dispatcher:
+            report = dispatcher.dispatch()
+    finally:
+        redirector.close()
+    assert report.dead == 1
+    assert len(redirector.requests) == 1 and recorder.requests == []
+    row = _row(engine, "v2:redir")
+    assert row.status == "DEAD" and row.last_status == 307
+    assert "redirects are not followed" in row.last_error
+
+
+def test_delivers_through_the_receiver_and_parks_unknown_topics(engine: sa.Engine, db_url: str) -> None:
+    keys = enqueue_many(engine, 40, topic="work")
+    with engine.begin() as conn:
+        outbox.enqueue_once(conn, idempotency_key="v2:orphan", topic="nowhere", payload={"v": 1})
+    with (
+        start_receiver(db_url) as receiver,
+        Dispatcher(engine, {"work": Route(receiver.url + "/work")}, concurrency=8) as dispatcher,
+    ):
+        report = dispatcher.dispatch(limit=100)
+    assert (report.claimed, report.sent, report.dead, report.retried) == (41, 40, 1, 0)
+    assert status_counts(engine) == {"SENT": 40, "DEAD": 1}
+    applied = effects(engine)
+    assert sorted(k for k, _, _ in applied) == keys
+    assert all(json.loads(body)["v"] == 1 and topic == "work" for _, topic, body in applied)
+    orphan = _row(engine, "v2:orphan")
+    assert orphan.last_error.startswith("no route configured for topic 'nowhere'")
+    assert orphan.last_status is None
+    assert outbox.due_summary(engine).due == 0
+
+
+def test_transient_failures_retry_and_land_while_a_400_goes_dead_at_once(
+    pg_engine: sa.Engine, pg_url: str
+) -> None:
+    keys = enqueue_many(pg_engine, 30, topic="work")
+    with pg_engine.begin() as conn:
+        outbox.enqueue_once(conn, idempotency_key="v2:poison", topic="bad", payload={"v": 1})
+    faults = {
+        "drop_first": 3,
+        "hang_first": 2,
+        "hang_ms": 1_500,
+        "fail_first": 4,
+        "fail_status": 503,
+        "always_status_for_topic": {"bad": 400},
+    }
+    with start_receiver(pg_url, **faults) as receiver:
+        routes = {
+            "work": Route(receiver.url + "/work", timeout_s=0.5),
+            "bad": Route(receiver.url + "/bad", timeout_s=0.5),
+        }
+        with Dispatcher(pg_engine, routes, concurrency=8, **FAST) as dispatcher:
+            first = dispatcher.dispatch(limit=100)
+            # The poison row is judged in the first batch, alongside the others, and never retried.
+            assert first.claimed == 31 and first.dead == 1
+            totals = first.merge(drain(dispatcher, pg_engine))
+    assert status_counts(pg_engine) == {"SENT": 30, "DEAD": 1}
+    assert totals.retried >= 9 and totals.sent == 30 and totals.lost_claims == 0
+    assert effect_count(pg_engine) == 30
+    assert request_count(pg_engine) == 31 + totals.retried
+    poison = _row(pg_engine, "v2:poison")
+    assert (poison.attempts, poison.last_status) == (1, 400)
+    assert poison.last_error.startswith("HTTP 400: ") and "always answers 400" in poison.last_error
+    assert len(poison.last_error) <= 500
+    retried = [_row(pg_engine, k) for k in keys]
+    assert sum(r.attempts > 1 for r in retried) >= 9
+    assert all(r.last_error is None and r.last_status == 200 for r in retried)
+
+    # A deliberate requeue brings the dead row back with its original key.
+    t = outbox_table
+    with pg_engine.begin() as conn:
+        conn.execute(
+            sa.update(t)
+            .where(t.c.idempotency_key == "v2:poison")
+            .values(status="PENDING", attempts=0, next_attempt_at=sa.func.now())
+        )
+    with (
+        start_receiver(pg_url) as receiver,
+        Dispatcher(pg_engine, {"bad": Route(receiver.url + "/bad")}) as dispatcher,
+    ):
+        assert dispatcher.dispatch().sent == 1
+    assert _row(pg_engine, "v2:poison").status == "SENT"
+    assert effect_count(pg_engine, idempotency_key="v2:poison") == 1
+
+
+def test_exhausted_attempts_go_dead(pg_engine: sa.Engine, pg_url: str) -> None:
+    enqueue_many(pg_engine, 5, topic="work")
+    with (
+        start_receiver(pg_url, fail_first=1_000, fail_status=500) as receiver,
+        Dispatcher(pg_engine, {"work": Route(receiver.url + "/work")}, max_attempts=3, **FAST) as dispatcher,
+    ):
+        totals = drain(dispatcher, pg_engine)
+    assert (totals.sent, totals.retried, totals.dead) == (0, 10, 5)
+    assert status_counts(pg_engine) == {"DEAD": 5}
+    t = outbox_table
+    with pg_engine.connect() as conn:
+        rows = conn.execute(sa.select(t.c.attempts, t.c.last_status, t.c.last_error)).all()
+    assert all(r.attempts == 3 and r.last_status == 500 for r in rows)
+    assert all(r.last_error.startswith("gave up after 3 attempts; last: HTTP 500") for r in rows)
+    assert request_count(pg_engine) == 15 and effect_count(pg_engine) == 0
+
+
+def test_a_stale_dispatcher_cannot_record_over_a_new_claim(pg_engine: sa.Engine, pg_url: str) -> None:
+    """Fencing: the row was re-claimed while its first delivery was in flight; that one records nothing."""
+    enqueue_many(pg_engine, 1, topic="work", prefix="v2:fence")
+    t = outbox_table
+    with (
+        start_receiver(pg_url, delay_after_apply_ms=600) as receiver,
+        Dispatcher(pg_engine, {"work": Route(receiver.url + "/work")}) as dispatcher,
+    ):
+        result: list[DispatchReport] = []
+        thread = threading.Thread(target=lambda: result.append(dispatcher.dispatch()))
+        thread.start()
+        wait_until(lambda: effect_count(pg_engine) == 1)
+        # What another dispatcher does once this claim has expired: take the row over with its own token.
+        with pg_engine.begin() as conn:
+            conn.execute(sa.update(t).values(claim_token="another-dispatcher"))
+        thread.join(10)
+    (report,) = result
+    assert (report.claimed, report.sent, report.lost_claims) == (1, 0, 1)
+    row = _row(pg_engine, "v2:fence-00000")
+    assert (row.status, row.claim_token, row.sent_at) == ("PENDING", "another-dispatcher", None)
+
+
+def test_run_stops_on_its_event_and_returns_totals(engine: sa.Engine, db_url: str) -> None:
+    enqueue_many(engine, 12, topic="work")
+    stop = threading.Event()
+    reports: list[DispatchReport] = []
+    with (
+        start_receiver(db_url) as receiver,
+        Dispatcher(engine, {"work": Route(receiver.url + "/work")}, concurrency=4) as dispatcher,
+    ):
+
+        def on_report(report: DispatchReport) -> None:
+            reports.append(report)
+            if sum(r.sent for r in reports) == 12:
+                stop.set()
+
+        totals = dispatcher.run(poll_interval_s=0.01, stop=stop, limit=5, on_report=on_report)
+    assert (totals.claimed, totals.sent) == (12, 12)
+    assert [r.claimed for r in reports] == [5, 5, 2]
+    assert len(totals.rows) == 12
+    assert status_counts(engine) == {"SENT": 12}
