@@ -87,7 +87,7 @@ class AdminRefusedError(errors.JobLeaseError):
 
 
 def human_ms(ms: int | None) -> str:
-    """A short human duration for messages and tables: 850ms, 12.5s, 4m12s, 2h05m, 3d04h."""
+    """A short human duration for messages and tables: 850ms, 12.5s, 4m12s, 2h05m, 7d."""
     if ms is None:
         return "-"
     sign, ms = ("-" if ms < 0 else ""), abs(ms)
@@ -99,10 +99,10 @@ def human_ms(ms: int | None) -> str:
     hours, rest = divmod(rest, 3_600)
     minutes, secs = divmod(rest, 60)
     if days:
-        return f"{sign}{days}d{hours:02d}h"
+        return f"{sign}{days}d{hours:02d}h" if hours else f"{sign}{days}d"
     if hours:
-        return f"{sign}{hours}h{minutes:02d}m"
-    return f"{sign}{minutes}m{secs:02d}s"
+        return f"{sign}{hours}h{minutes:02d}m" if minutes else f"{sign}{hours}h"
+    return f"{sign}{minutes}m{secs:02d}s" if secs else f"{sign}{minutes}m"
 
 
 # -- rows ------------------------------------------------------------------------------------------

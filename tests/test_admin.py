@@ -1,0 +1,228 @@
+"""Lease and outbox administration on both backends (real PostgreSQL and real SQLite files)."""
+
+from __future__ import annotations
+
+import pytest
+import sqlalchemy as sa
+
+from dagster_joblease import admin, errors
+from dagster_joblease.identity import JobIdentity
+from dagster_joblease.lease import LeaseService, NotAcquiredReason
+from dagster_joblease.storage.schema import lease_table, outbox_table
+from tests.admin_helpers import (
+    DAY_MS,
+    HOUR_MS,
+    add_outbox_row,
+    backdate_acquired,
+    backdate_finished,
+    count,
+    lease_statuses,
+)
+from tests.conftest import wait_until
+
+
+def _boom(_: object) -> None:
+    raise ZeroDivisionError("division by zero")
+
+
+def test_list_and_show_leases(engine: sa.Engine) -> None:
+    svc = LeaseService(engine)
+    assert svc.run_exclusive(JobIdentity.initial("bootstrap"), lambda _: None).acquired
+    held = svc.acquire(JobIdentity.schedule("daily", "2026-01-02"), lease_ms=600_000)
+    assert held is not None
+    with pytest.raises(ZeroDivisionError):
+        svc.run_exclusive(JobIdentity.schedule("daily", "2026-01-01"), _boom)
+
+    rows = admin.list_leases(engine)
+    assert [(r.code, r.run_key, r.status) for r in rows] == [
+        ("daily", "2026-01-01", "FAIL"),
+        ("daily", "2026-01-02", "RUNNING"),
+        ("bootstrap", None, "SUCCESS"),
+    ]
+    assert rows[0].last_error == "ZeroDivisionError: division by zero"
+    assert rows[0].remaining_ms is None and not rows[0].live
+
+    (running,) = admin.list_leases(engine, status="running")
+    assert running.id == held.id and running.live and not running.expired
+    assert running.remaining_ms is not None and 0 < running.remaining_ms <= 600_000
+    assert running.idempotency_key == held.idempotency_key
+    assert running.expires_at.tzinfo is not None
+    assert [r.job_type for r in admin.list_leases(engine, code="bootstrap")] == ["INITIAL"]
+    assert len(admin.list_leases(engine, limit=1)) == 1
+
+    assert admin.list_leases(engine, older_than_ms=HOUR_MS) == []
+    backdate_acquired(engine, held.id, 2 * HOUR_MS)
+    assert [r.id for r in admin.list_leases(engine, older_than_ms=HOUR_MS)] == [held.id]
+    assert admin.list_leases(engine, expired_only=True) == []
+
+    assert admin.show_lease(engine, held.idempotency_key).id == held.id
+    assert admin.show_lease(engine, " daily ", "2026-01-02").id == held.id
+    assert admin.show_lease(engine, held.id).code == "daily"
+    assert admin.show_lease(engine, "bootstrap").status == "SUCCESS"
+    with pytest.raises(errors.NotFoundError, match="2 SCHEDULE run"):
+        admin.show_lease(engine, "daily")
+    with pytest.raises(errors.NotFoundError, match="no lease for SCHEDULE run 'daily' / '1999'"):
+        admin.show_lease(engine, "daily", "1999")
+    with pytest.raises(errors.NotFoundError, match="no lease with key v2:0000"):
+        admin.show_lease(engine, "v2:" + "0" * 64)
+    with pytest.raises(errors.NotFoundError):
+        admin.show_lease(engine, 10_000)
+
+    with pytest.raises(admin.AdminArgumentError, match="allowed"):
+        admin.list_leases(engine, status="bogus")
+    with pytest.raises(admin.AdminArgumentError, match="limit"):
+        admin.list_leases(engine, limit=0)
+    with pytest.raises(errors.InvalidJobIdentityError):
+        admin.show_lease(engine, "x" * 65)
+
+
+def test_admin_fail_refuses_a_live_lease_then_force_fences_the_old_holder(engine: sa.Engine) -> None:
+    svc = LeaseService(engine)
+    job = JobIdentity.schedule("export", "2026-02-01")
+    lease = svc.acquire(job, lease_ms=600_000)
+    assert lease is not None
+
+    with pytest.raises(admin.AdminRefusedError, match=r"live lease.*two holders"):
+        admin.admin_fail(engine, lease.idempotency_key)
+    svc.heartbeat(lease)  # untouched: the holder still owns it
+
+    outcome = admin.reset_lease(engine, lease.idempotency_key, force=True, reason="node lost")
+    assert outcome.changed and outcome.was_live
+    row = outcome.lease
+    assert row.status == "FAIL" and row.finished_at is not None
+    assert row.last_error is not None and row.last_error.startswith("admin reset of attempt 1: node lost")
+    assert admin.FORCED_MARK in row.last_error
+    with pytest.raises(errors.LostLeaseError):
+        svc.heartbeat(lease)
+    with pytest.raises(errors.LostLeaseError):
+        svc.complete(lease)
+
+    again = svc.acquire(job)
+    assert again is not None and again.attempt == 2 and again.idempotency_key == lease.idempotency_key
+    assert again.previous_error == row.last_error
+
+
+def test_admin_fail_resets_an_expired_lease_without_force_and_refuses_success(engine: sa.Engine) -> None:
+    svc = LeaseService(engine)
+    stuck = svc.acquire(JobIdentity.schedule("sync", "a"), lease_ms=300)
+    assert stuck is not None
+    wait_until(lambda: admin.show_lease(engine, stuck.idempotency_key).expired)
+    (listed,) = admin.list_leases(engine, expired_only=True)
+    assert listed.id == stuck.id and listed.remaining_ms is not None and listed.remaining_ms <= 0
+
+    outcome = admin.reset_lease(engine, stuck.id)
+    assert outcome.changed and not outcome.was_live
+    assert outcome.lease.status == "FAIL" and "overdue" in (outcome.lease.last_error or "")
+    repeat = admin.reset_lease(engine, stuck.idempotency_key, reason="again")
+    assert not repeat.changed and repeat.lease.last_error == outcome.lease.last_error
+
+    assert svc.run_exclusive(JobIdentity.initial("once"), lambda _: None).acquired
+    done = admin.show_lease(engine, "once")
+    with pytest.raises(admin.AdminRefusedError, match="SUCCESS is final"):
+        admin.admin_fail(engine, done.idempotency_key, force=True)
+    assert admin.show_lease(engine, "once").status == "SUCCESS"
+
+    with pytest.raises(errors.NotFoundError):
+        admin.admin_fail(engine, "v2:" + "1" * 64)
+    with pytest.raises(admin.AdminArgumentError, match="v2: idempotency key or a numeric lease id"):
+        admin.admin_fail(engine, "sync")
+    with pytest.raises(admin.AdminArgumentError, match="reason"):
+        admin.admin_fail(engine, stuck.id, reason="  ")
+
+
+def test_replay_after_retention(engine: sa.Engine) -> None:
+    """A purged SCHEDULE run can run again (attempt 1, same key); INITIAL and RUNNING rows survive."""
+    svc = LeaseService(engine)
+    nightly = JobIdentity.schedule("nightly", "2026-01-01")
+    assert svc.run_exclusive(nightly, lambda _: "done").acquired
+    assert svc.try_acquire(nightly).reason is NotAcquiredReason.SUCCEEDED
+    with pytest.raises(ZeroDivisionError):
+        svc.run_exclusive(JobIdentity.schedule("nightly", "2026-01-02"), _boom)
+    assert svc.run_exclusive(JobIdentity.initial("bootstrap"), lambda _: None).acquired
+    running = svc.acquire(JobIdentity.schedule("nightly", "2026-01-03"), lease_ms=600_000)
+    assert running is not None
+    backdate_finished(engine, 8 * DAY_MS)
+    before = lease_statuses(engine)
+
+    with pytest.raises(errors.RetentionWindowError, match="can run again"):
+        admin.purge_leases(engine, finished_before_ms=DAY_MS, min_replay_window_ms=7 * DAY_MS)
+    assert lease_statuses(engine) == before
+    assert admin.purge_leases(engine, finished_before_ms=9 * DAY_MS, min_replay_window_ms=7 * DAY_MS) == 0
+    assert (
+        admin.purge_leases(
+            engine, finished_before_ms=7 * DAY_MS, min_replay_window_ms=7 * DAY_MS, dry_run=True
+        )
+        == 2
+    )
+    assert lease_statuses(engine) == before
+
+    assert admin.purge_leases(engine, finished_before_ms=7 * DAY_MS, min_replay_window_ms=7 * DAY_MS) == 2
+    assert sorted(r.code + ":" + r.status for r in admin.list_leases(engine)) == [
+        "bootstrap:SUCCESS",
+        "nightly:RUNNING",
+    ]
+    replay = svc.acquire(nightly)
+    assert replay is not None and replay.attempt == 1 and replay.idempotency_key == nightly.idempotency_key
+    assert svc.acquire(JobIdentity.initial("bootstrap")) is None
+
+    with pytest.raises(admin.AdminArgumentError):
+        admin.purge_leases(engine, finished_before_ms=-1, min_replay_window_ms=0)
+
+
+def test_outbox_stats_list_requeue_and_purge(engine: sa.Engine) -> None:
+    due_old = add_outbox_row(engine, "k-due-old", "billing", next_in_ms=-5 * 60_000)
+    add_outbox_row(engine, "k-due", "billing")
+    add_outbox_row(engine, "k-later", "mail", attempts=2, last_status=503, next_in_ms=HOUR_MS)
+    in_flight = add_outbox_row(engine, "k-flight", "mail", attempts=1, claimed_for_ms=60_000)
+    dead_billing = add_outbox_row(
+        engine, "k-dead-1", "billing", status="DEAD", attempts=1, last_status=400, last_error="400: bad"
+    )
+    add_outbox_row(engine, "k-dead-2", "mail", status="DEAD", attempts=10, last_status=503, last_error="503")
+    old_sent = add_outbox_row(
+        engine, "k-sent-old", "billing", status="SENT", attempts=1, sent_ago_ms=2 * DAY_MS
+    )
+    add_outbox_row(engine, "k-sent-new", "billing", status="SENT", attempts=1, sent_ago_ms=0)
+
+    stats = admin.outbox_stats(engine)
+    assert dict(stats.by_status) == {"PENDING": 4, "SENT": 2, "DEAD": 2}
+    assert stats.total == 8
+    assert stats.due == 2  # the backed-off and the claimed rows are not due
+    assert stats.oldest_due_age_ms is not None and stats.oldest_due_age_ms >= 5 * 60_000
+    assert admin.TopicCount("mail", "DEAD", 1) in stats.by_topic
+    assert stats.to_json()["by_status"]["SENT"] == 2
+
+    dead = admin.list_outbox(engine, status="dead")
+    assert [(r.idempotency_key, r.last_status) for r in dead] == [("k-dead-2", 503), ("k-dead-1", 400)]
+    assert [r.idempotency_key for r in admin.list_outbox(engine, status="Dead", topic="mail")] == ["k-dead-2"]
+    flight = next(r for r in admin.list_outbox(engine, status="pending") if r.id == in_flight)
+    assert flight.claimed
+    (old,) = [r for r in admin.list_outbox(engine) if r.id == due_old]
+    assert old.due_in_ms is not None and old.due_in_ms <= -5 * 60_000 and not old.claimed
+    assert len(admin.list_outbox(engine, limit=3)) == 3
+
+    assert admin.requeue(engine, row_id=dead_billing) == 1
+    (requeued,) = [r for r in admin.list_outbox(engine) if r.id == dead_billing]
+    assert (requeued.status, requeued.attempts, requeued.idempotency_key) == ("PENDING", 0, "k-dead-1")
+    assert requeued.last_error == "400: bad" and requeued.due_in_ms is not None and requeued.due_in_ms <= 0
+    assert admin.requeue(engine, topic="mail") == 1
+    assert admin.requeue(engine, all_dead=True) == 0
+    assert admin.outbox_stats(engine).due == 4
+
+    with pytest.raises(admin.AdminRefusedError, match="already SENT"):
+        admin.requeue(engine, row_id=old_sent)
+    with pytest.raises(admin.AdminRefusedError, match="being delivered"):
+        admin.requeue(engine, row_id=in_flight)
+    with pytest.raises(errors.NotFoundError, match="no outbox row with id 99999"):
+        admin.requeue(engine, row_id=99_999)
+    with pytest.raises(admin.AdminArgumentError, match="needs a selection"):
+        admin.requeue(engine)
+    with pytest.raises(admin.AdminArgumentError, match="not both"):
+        admin.requeue(engine, row_id=1, all_dead=True)
+
+    with pytest.raises(errors.RetentionWindowError, match="deduplication window"):
+        admin.purge_sent(engine, older_than_ms=HOUR_MS, min_retention_ms=DAY_MS)
+    assert count(engine, outbox_table) == 8
+    assert admin.purge_sent(engine, older_than_ms=DAY_MS, min_retention_ms=DAY_MS, dry_run=True) == 1
+    assert admin.purge_sent(engine, older_than_ms=DAY_MS, min_retention_ms=DAY_MS) == 1
+    assert [r.idempotency_key for r in admin.list_outbox(engine, status="sent")] == ["k-sent-new"]
+    assert count(engine, lease_table) == 0
