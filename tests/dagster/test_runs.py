@@ -1,0 +1,263 @@
+"""Real Dagster runs on a PostgreSQL-backed instance: concurrent backfills and schedule runs, a
+re-execution, a run retry, a single-run backfill of a partitioned asset, and what GraphQL shows."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import dagster as dg
+import pytest
+import sqlalchemy as sa
+from dagster_graphql.test.utils import define_out_of_process_context, execute_dagster_graphql
+
+from dagster_joblease import JobIdentity, create_engine
+from dagster_joblease.dagster import (
+    TAG_ATTEMPT,
+    TAG_IDEMPOTENCY_KEY,
+    TAG_OUTBOX,
+    TAG_OUTCOME,
+    JobLeaseResource,
+)
+from dagster_joblease.receiver import effect_count
+from dagster_joblease.storage.schema import lease_table, outbox_table
+from tests.dagster import jobs
+from tests.dagster.conftest import DagsterPg
+from tests.receiver_proc import ReceiverProcess
+
+DAYS = [f"2024-02-{d:02d}" for d in range(1, 30)] + ["2024-03-01"]  # 30 daily partitions
+SCHEDULED = DAYS[20:]  # the last 10 also get schedule-style runs
+QUIET = {"loggers": {"console": {"config": {"log_level": "ERROR"}}}}
+
+
+def _outbox_keys(url: str, keys: list[str]) -> dict[str, str]:
+    engine = create_engine(url)
+    try:
+        with engine.connect() as conn:
+            rows = conn.execute(
+                sa.select(outbox_table.c.idempotency_key, outbox_table.c.status).where(
+                    outbox_table.c.idempotency_key.in_(keys)
+                )
+            ).all()
+    finally:
+        engine.dispose()
+    return {key: status for key, status in rows}
+
+
+def _lease(url: str, key: str) -> Any:
+    engine = create_engine(url)
+    try:
+        with engine.connect() as conn:
+            return conn.execute(sa.select(lease_table).where(lease_table.c.lock_key == key)).one()
+    finally:
+        engine.dispose()
+
+
+def _key(code: str, day: str) -> str:
+    return JobIdentity.schedule(code, day).idempotency_key
+
+
+@pytest.mark.chaos
+def test_two_concurrent_backfills_and_schedule_runs_give_one_effect_per_partition(
+    dagster_pg: DagsterPg,
+) -> None:
+    launches = [
+        ("backfill-a", {"dagster/backfill": "bf-a"}, DAYS),
+        ("backfill-b", {"dagster/backfill": "bf-b"}, DAYS),
+        (
+            "schedule",
+            {"dagster/schedule_name": "backfill_job_schedule", "dagster/run_key": "{day}"},
+            SCHEDULED,
+        ),
+    ]
+    procs = [
+        subprocess.Popen(
+            [sys.executable, "-m", "tests.dagster.launcher", label, "backfill_job", json.dumps(tags), *days],
+            stdout=subprocess.PIPE,
+            text=True,
+            env=dagster_pg.env(),
+        )
+        for label, tags, days in launches
+    ]
+    printed = [proc.communicate(timeout=240)[0] for proc in procs]
+    assert [proc.returncode for proc in procs] == [0, 0, 0]
+    lines = [json.loads(line) for out in printed for line in out.splitlines()]
+    assert len(lines) == 70 and all(line["ok"] for line in lines)
+
+    runs = dagster_pg.instance.get_runs(dg.RunsFilter(job_name="backfill_job"))
+    assert len(runs) == 70
+    assert {run.status for run in runs} == {dg.DagsterRunStatus.SUCCESS}
+    winners = [run for run in runs if run.tags[TAG_OUTCOME] in ("won", "reclaimed")]
+    losers = [run for run in runs if run not in winners]
+    assert sorted(run.tags["dagster/partition"] for run in winners) == DAYS
+    assert len(losers) == 40
+    assert {run.tags[TAG_OUTCOME] for run in losers} <= {
+        "skipped: already succeeded",
+        "skipped: held by a live lease",
+    }
+    assert {run.tags[TAG_OUTBOX] for run in losers} == {"not enqueued"}
+    assert {run.tags[TAG_OUTBOX] for run in winners} == {"inserted"}
+    for run in runs:
+        assert run.tags[TAG_IDEMPOTENCY_KEY] == _key("t-backfill", run.tags["dagster/partition"])
+
+    keys = [_key("t-backfill", day) for day in DAYS]
+    assert _outbox_keys(dagster_pg.joblease_url, keys) == dict.fromkeys(keys, "PENDING")
+
+    with ReceiverProcess(dagster_pg.joblease_url) as receiver:
+        os.environ[jobs.RECEIVER_ENV] = receiver.url
+        try:
+            result = jobs.defs.resolve_job_def("test_dispatch_job").execute_in_process(
+                instance=dagster_pg.instance, run_config=QUIET
+            )
+        finally:
+            os.environ.pop(jobs.RECEIVER_ENV)
+    assert result.success
+    counts = result.output_for_node("test_dispatch_job_dispatch")
+    assert counts["sent"] >= 30 and counts["dead"] == 0 and counts["due_after"] == 0
+    assert _outbox_keys(dagster_pg.joblease_url, keys) == dict.fromkeys(keys, "SENT")
+    engine = create_engine(dagster_pg.joblease_url)
+    try:
+        assert [effect_count(engine, idempotency_key=key) for key in keys] == [1] * 30
+    finally:
+        engine.dispose()
+
+
+def test_reexecution_of_a_successful_run_skips_without_a_new_effect(dagster_pg: DagsterPg) -> None:
+    job = dg.reconstructable(jobs.retry_job)
+    day, key = "2024-05-01", _key("t-retry", "2024-05-01")
+    tags = {"dagster/partition": day}
+    with dg.execute_job(job, dagster_pg.instance, run_config=QUIET, tags=tags) as first:
+        assert first.success
+    with dg.execute_job(
+        job,
+        dagster_pg.instance,
+        run_config=QUIET,
+        tags=tags,
+        reexecution_options=dg.ReexecutionOptions(parent_run_id=first.run_id),
+    ) as again:
+        assert again.success
+    child = dagster_pg.instance.get_run_by_id(again.run_id)
+    assert child is not None and child.parent_run_id == first.run_id
+    assert child.tags[TAG_OUTCOME] == "skipped: already succeeded"
+    assert child.tags[TAG_ATTEMPT] == "1" and child.tags[TAG_IDEMPOTENCY_KEY] == key
+    assert _outbox_keys(dagster_pg.joblease_url, [key]) == {key: "PENDING"}
+    assert _lease(dagster_pg.joblease_url, key).status == "SUCCESS"
+
+
+def test_a_retry_of_a_failed_run_takes_over_with_the_same_key(dagster_pg: DagsterPg, tmp_path: Path) -> None:
+    job = dg.reconstructable(jobs.retry_job)
+    day, key = "2024-05-02", _key("t-retry", "2024-05-02")
+    marker = tmp_path / "fail-once"
+    marker.touch()
+    os.environ[jobs.FAIL_ONCE_ENV] = str(marker)
+    try:
+        with dg.execute_job(
+            job, dagster_pg.instance, run_config=QUIET, tags={"dagster/partition": day}
+        ) as failed:
+            assert not failed.success
+        assert _lease(dagster_pg.joblease_url, key).status == "FAIL"
+        assert _outbox_keys(dagster_pg.joblease_url, [key]) == {}
+        with dg.execute_job(
+            job,
+            dagster_pg.instance,
+            run_config=QUIET,
+            tags={"dagster/partition": day, "dagster/retry_number": "1"},
+            reexecution_options=dg.ReexecutionOptions.from_failure(failed.run_id, dagster_pg.instance),
+        ) as retried:
+            assert retried.success
+    finally:
+        os.environ.pop(jobs.FAIL_ONCE_ENV)
+    run = dagster_pg.instance.get_run_by_id(retried.run_id)
+    assert run is not None
+    assert run.tags[TAG_OUTCOME] == "reclaimed"
+    assert run.tags[TAG_ATTEMPT] == "2"
+    assert run.tags[TAG_IDEMPOTENCY_KEY] == key
+    assert run.tags[TAG_OUTBOX] == "inserted"
+    row = _lease(dagster_pg.joblease_url, key)
+    assert (row.status, row.attempt) == ("SUCCESS", 2)
+    assert _outbox_keys(dagster_pg.joblease_url, [key]) == {key: "PENDING"}
+
+
+def test_single_run_backfill_of_a_partitioned_asset_takes_one_lease_per_key(dagster_pg: DagsterPg) -> None:
+    resources = {"joblease": JobLeaseResource()}
+    single = dg.materialize(
+        [jobs.leased_daily_asset],
+        partition_key="2024-01-03",
+        instance=dagster_pg.instance,
+        resources=resources,
+    )
+    assert single.success
+    ranged = dg.materialize(
+        [jobs.leased_daily_asset],
+        instance=dagster_pg.instance,
+        resources=resources,
+        tags={
+            "dagster/asset_partition_range_start": "2024-01-01",
+            "dagster/asset_partition_range_end": "2024-01-05",
+        },
+    )
+    assert ranged.success
+    (materialization, *_) = ranged.asset_materializations_for_node("leased_daily_asset")
+    meta = materialization.metadata
+    assert meta["joblease/won"] == dg.MetadataValue.int(4)
+    assert meta["joblease/skipped"] == dg.MetadataValue.int(1)
+    assert "2024-01-03 | skipped: already succeeded" in str(meta["joblease/results"])
+    run = dagster_pg.instance.get_run_by_id(ranged.run_id)
+    assert run is not None
+    assert run.tags[TAG_OUTCOME] == "skipped: already succeeded x1, won x4"
+    assert run.tags["joblease/partitions"] == "5"
+    keys = [_key("t-asset", f"2024-01-0{d}") for d in range(1, 6)]
+    assert _outbox_keys(dagster_pg.joblease_url, keys) == dict.fromkeys(keys, "PENDING")
+
+
+RUN_QUERY = """
+query RunQuery($runId: ID!) {
+  runOrError(runId: $runId) {
+    __typename
+    ... on Run {
+      status
+      tags { key value }
+      eventConnection {
+        events {
+          __typename
+          ... on ExecutionStepOutputEvent {
+            metadataEntries {
+              label
+              ... on TextMetadataEntry { text }
+              ... on IntMetadataEntry { intValue }
+            }
+          }
+        }
+      }
+    }
+  }
+}
+"""
+
+
+def test_graphql_shows_the_lease_tags_and_metadata(dagster_pg: DagsterPg) -> None:
+    job = jobs.defs.resolve_job_def("retry_job")
+    day = "2024-07-01"
+    result = job.execute_in_process(partition_key=day, instance=dagster_pg.instance, run_config=QUIET)
+    assert result.success
+    with define_out_of_process_context(jobs.__file__, "defs", dagster_pg.instance) as context:
+        response = execute_dagster_graphql(context, RUN_QUERY, {"runId": result.run_id})
+    run = response.data["runOrError"]
+    assert run["__typename"] == "Run" and run["status"] == "SUCCESS"
+    tags = {tag["key"]: tag["value"] for tag in run["tags"]}
+    assert tags[TAG_OUTCOME] == "won"
+    assert tags[TAG_ATTEMPT] == "1"
+    assert tags[TAG_IDEMPOTENCY_KEY] == _key("t-retry", day)
+    assert tags[TAG_OUTBOX] == "inserted"
+    (output,) = [e for e in run["eventConnection"]["events"] if e["__typename"] == "ExecutionStepOutputEvent"]
+    entries = {
+        entry["label"]: entry.get("text", entry.get("intValue")) for entry in output["metadataEntries"]
+    }
+    assert entries[TAG_OUTCOME] == "won"
+    assert entries[TAG_ATTEMPT] == 1
+    assert entries[TAG_IDEMPOTENCY_KEY] == _key("t-retry", day)
+    assert entries[TAG_OUTBOX] == "inserted"
