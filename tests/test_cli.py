@@ -15,6 +15,7 @@ import click
 import pytest
 import sqlalchemy as sa
 from click.testing import CliRunner, Result
+from sqlalchemy.engine import make_url
 
 from dagster_joblease import cli
 from dagster_joblease.identity import JobIdentity
@@ -211,6 +212,53 @@ def test_bad_urls_exit_2_without_leaking_the_password(tmp_path: Path) -> None:
         assert result.output.startswith("Error: ")
 
 
+def test_own_schema_via_search_path_and_no_prepared_statements(empty_pg_url: str) -> None:
+    """The operations guide's URLs: a dedicated schema via options, and PgBouncer-safe prepare_threshold."""
+    engine = sa.create_engine(empty_pg_url, poolclass=sa.pool.NullPool)
+    with engine.begin() as conn:
+        conn.exec_driver_sql("CREATE SCHEMA joblease")
+    url = f"{empty_pg_url}?options=-csearch_path%3Djoblease&prepare_threshold=none"
+    assert run(url, "db", "upgrade").exit_code == 0
+    assert run(url, "db", "check").exit_code == 0
+    assert run(url, "leases", "list").output.strip() == "no leases match"
+    with engine.connect() as conn:
+        placed = conn.execute(
+            sa.text(
+                "SELECT table_schema, table_name FROM information_schema.tables "
+                "WHERE table_name LIKE 'joblease%'"
+            )
+        ).all()
+    assert sorted(placed) == [
+        ("joblease", "joblease_alembic_version"),
+        ("joblease", "joblease_inbox"),
+        ("joblease", "joblease_lease"),
+        ("joblease", "joblease_outbox"),
+    ]
+    engine.dispose()
+
+    parsed, args = cli.postgres_connect_args(make_url(url))
+    assert (
+        args == {"connect_timeout": 10, "prepare_threshold": None} and "prepare_threshold" not in parsed.query
+    )
+
+    def prepared_after_repeats(connect_args: dict[str, object]) -> int:
+        eng = create_engine(parsed, connect_args=connect_args)
+        try:
+            with eng.connect() as conn:
+                for _ in range(8):
+                    conn.execute(
+                        sa.text("SELECT count(*) FROM joblease_lease WHERE status = :s"), {"s": "FAIL"}
+                    )
+                return int(conn.execute(sa.text("SELECT count(*) FROM pg_prepared_statements")).scalar_one())
+        finally:
+            eng.dispose()
+
+    assert prepared_after_repeats({}) > 0  # psycopg's default: prepared after 5 executions
+    assert prepared_after_repeats(args) == 0
+    bad = run(f"{empty_pg_url}?prepare_threshold=soon", "leases", "list")
+    assert bad.exit_code == 2 and "prepare_threshold='soon'" in bad.output
+
+
 def test_leases_list_show_and_json(populated: tuple[str, sa.Engine, dict[str, str]]) -> None:
     url, _, keys = populated
     table = run(url, "leases", "list")
@@ -350,8 +398,8 @@ def test_dispatch_once_delivers_and_parks_the_poison_row(pg_url: str, tmp_path: 
         add_outbox_row(engine, f"bill-{i}", "billing")
     add_outbox_row(engine, "poison-1", "poison")
     with start_receiver(pg_url, always_status_for_topic={"poison": 400}) as receiver:
-        routes = tmp_path / "routes.json"
-        routes.write_text(json.dumps({"billing": {"url": f"{receiver.url}/billing", "timeout_s": 5}}))
+        routes = tmp_path / "routes.toml"
+        routes.write_text(f'[billing]\nurl = "{receiver.url}/billing"\ntimeout_s = 5\n')
         result = run(
             pg_url, "dispatch", "--once", "--routes", str(routes), "--route", f"poison={receiver.url}/poison"
         )
