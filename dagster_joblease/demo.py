@@ -243,6 +243,7 @@ def run_demo(
     engine = create_engine(joblease_url)
     receiver_engine = create_engine(receiver_url)
     procs: list[subprocess.Popen[Any]] = []
+    saved_env = {k: os.environ.get(k) for k in ("DAGSTER_HOME", "BILLING_API_URL", "JOBLEASE_DATABASE_URL")}
     try:
         progress.update("[1/5] preparing the joblease database and the Dagster home")
         migrate(engine)
@@ -361,6 +362,11 @@ def run_demo(
                     proc.kill()
         engine.dispose()
         receiver_engine.dispose()
+        for key, value in saved_env.items():
+            if value is None:
+                os.environ.pop(key, None)
+            else:
+                os.environ[key] = value
 
 
 @click.command("demo")
@@ -389,8 +395,8 @@ def demo_command(partitions: int, workdir: Path | None, keep: bool) -> None:
         click.echo(report.table())
         click.echo(
             f"\nEvery partition ran twice (two launchers at once); the lease let one run win, the other "
-            f"succeeded as a recorded skip. The dispatcher was SIGKILLed after {report.killed_after_posts} "
-            f"POSTs and the rest was redelivered: {report.posts} POSTs, {report.effects} effects applied "
+            "succeeded as a recorded skip. The dispatcher was SIGKILLed mid-delivery (the receiver had "
+            f"{report.killed_after_posts} POSTs by then) and its rows were redelivered: {report.posts} POSTs, {report.effects} effects applied "
             "(the receiver deduplicated by Idempotency-Key). Each partition's effect carries its own key "
             f"and payload: {report.partitions_with_one_effect}/{report.partitions}."
         )

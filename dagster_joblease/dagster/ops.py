@@ -107,13 +107,15 @@ def _current_attempt(engine: sa.Engine, key: str) -> int | None:
 def _partition_keys(context: dg.OpExecutionContext, code: str, initial: bool) -> list[str | None]:
     if initial:
         return [None]
-    if not context.has_partitions:
-        raise errors.ConfigurationError(
-            f"leased op for code {code!r} ran without a partition: a SCHEDULE lease needs a partition key "
-            "as its run key. Give the job or asset a partitions_def, or pass initial=True for a job that "
-            "runs once, forever"
-        )
-    return list(context.partition_keys)
+    if context.has_partition_key_range:  # a single-run backfill: one lease per key in the range
+        return list(context.partition_keys)
+    if context.has_partition_key:
+        return [context.partition_key]
+    raise errors.ConfigurationError(
+        f"leased op for code {code!r} ran without a partition: a SCHEDULE lease needs a partition key "
+        "as its run key. Give the job or asset a partitions_def, or pass initial=True for a job that "
+        "runs once, forever"
+    )
 
 
 def _set_run_tags(context: dg.OpExecutionContext, tags: Mapping[str, str]) -> None:
