@@ -396,7 +396,8 @@ def demo_command(partitions: int, workdir: Path | None, keep: bool) -> None:
         click.echo(
             f"\nEvery partition ran twice (two launchers at once); the lease let one run win, the other "
             "succeeded as a recorded skip. The dispatcher was SIGKILLed mid-delivery (the receiver had "
-            f"{report.killed_after_posts} POSTs by then) and its rows were redelivered: {report.posts} POSTs, {report.effects} effects applied "
+            f"{report.killed_after_posts} POSTs by then) and its rows were redelivered: {report.posts} "
+            f"POSTs, {report.effects} effects applied "
             "(the receiver deduplicated by Idempotency-Key). Each partition's effect carries its own key "
             f"and payload: {report.partitions_with_one_effect}/{report.partitions}."
         )
