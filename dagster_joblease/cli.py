@@ -10,12 +10,14 @@ every exit-2 case nothing was changed. No output ever contains a password or a f
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import importlib
 import json
+import logging
 import re
 import sys
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -671,6 +673,32 @@ def outbox_purge(sent_before: int, min_retention: int, dry_run: bool) -> None:
 # -- dispatch --------------------------------------------------------------------------------------
 
 
+class _LogToProgress(logging.Handler):
+    def __init__(self, progress: _Progress) -> None:
+        super().__init__()
+        self.progress = progress
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.progress.log(f"{record.levelname.lower()}: {record.getMessage()}")
+
+
+@contextlib.contextmanager
+def _library_logs(progress: _Progress, level: int) -> Iterator[None]:
+    """Route the package's log records through the progress printer for the duration of a command."""
+    logger = logging.getLogger("dagster_joblease")
+    handler = _LogToProgress(progress)
+    saved = (logger.level, logger.propagate)
+    logger.addHandler(handler)
+    logger.setLevel(level)
+    logger.propagate = False
+    try:
+        yield
+    finally:
+        logger.removeHandler(handler)
+        logger.setLevel(saved[0])
+        logger.propagate = saved[1]
+
+
 class _Progress:
     """One rewritten line on a terminal, plain lines otherwise; totals for the final summary."""
 
@@ -687,12 +715,6 @@ class _Progress:
             self.totals[name] += int(getattr(report, name))
         if self.quiet:
             return
-        for row in getattr(report, "rows", []):
-            if row.outcome == "dead":
-                self._newline()
-                click.echo(
-                    f"dead: row {row.id} topic {row.topic} status {row.status_code or '-'}: {row.reason}"
-                )
         if self.tty:
             line = "  ".join(f"{k} {v}" for k, v in self.totals.items())
             sys.stdout.write(f"\r{self.batches} batches  {line}\033[K")
@@ -703,6 +725,11 @@ class _Progress:
                 f"batch {self.batches}: claimed {report.claimed} sent {report.sent} "
                 f"retried {report.retried} dead {report.dead}"
             )
+
+    def log(self, message: str) -> None:
+        """A library warning (a dead row, a lost claim, a database hiccup) on stderr, below the live line."""
+        self._newline()
+        click.echo(message, err=True)
 
     def _newline(self) -> None:
         if self._line_open:
@@ -738,6 +765,9 @@ class _Progress:
     help="Seconds between polls when idle (--loop).",
 )
 @click.option("--max-batches", type=click.IntRange(min=1), help="Stop after this many claim batches.")
+@click.option(
+    "-v", "--verbose", is_flag=True, help="Also log each retry (warnings are always shown on stderr)."
+)
 @json_option
 def dispatch_command(
     mode: str | None,
@@ -748,6 +778,7 @@ def dispatch_command(
     batch_size: int,
     poll_interval: float,
     max_batches: int | None,
+    verbose: bool,
     as_json: bool,
 ) -> None:
     """Deliver due outbox rows over HTTP (Idempotency-Key header).
@@ -755,7 +786,8 @@ def dispatch_command(
     --once delivers every row due now and exits; --loop keeps polling.
 
     Prints a live progress line on a terminal, plain lines otherwise, and a final summary (claimed, sent,
-    retried, dead). With --json only the final totals are printed, as JSON.
+    retried, dead); dead rows and other warnings go to stderr. With --json, stdout holds only the final
+    totals as JSON.
     """
     if mode is None:
         raise click.UsageError("give --once or --loop")
@@ -773,9 +805,10 @@ def dispatch_command(
         routes[topic.strip()] = dispatch.Route(url.strip())
     engine = _state().engine()
     progress = _Progress(tty=sys.stdout.isatty() and not as_json, quiet=as_json)
-    with dispatch.Dispatcher(
-        engine, routes, max_attempts=max_attempts, concurrency=concurrency
-    ) as dispatcher:
+    with (
+        _library_logs(progress, logging.INFO if verbose else logging.WARNING),
+        dispatch.Dispatcher(engine, routes, max_attempts=max_attempts, concurrency=concurrency) as dispatcher,
+    ):
         if mode == "once":
             while max_batches is None or progress.batches < max_batches:
                 report = dispatcher.dispatch(limit=batch_size)

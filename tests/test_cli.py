@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import pty
 import socket
 import subprocess
 import sys
@@ -108,6 +109,7 @@ def test_help_of_every_command_and_no_dagster_import() -> None:
         ["outbox", "purge"],
         ["dispatch"],
         ["receiver"],
+        ["demo"],
     ]
     for path in paths:
         result = run(None, *path, "--help")
@@ -392,6 +394,25 @@ def test_outbox_commands(populated: tuple[str, sa.Engine, dict[str, str]]) -> No
     assert count(engine, outbox_table) == 3
 
 
+def _run_on_a_terminal(argv: list[str]) -> str:
+    """Run ``argv`` with stdout on a pseudo-terminal (so isatty() is true); return what it wrote."""
+    master, slave = pty.openpty()
+    proc = subprocess.Popen(argv, stdout=slave, stderr=subprocess.PIPE)
+    os.close(slave)
+    chunks = []
+    while True:
+        try:
+            chunk = os.read(master, 4096)
+        except OSError:  # EIO: the child closed the terminal
+            break
+        if not chunk:
+            break
+        chunks.append(chunk)
+    os.close(master)
+    assert proc.wait(timeout=60) == 0, proc.stderr.read() if proc.stderr else ""
+    return b"".join(chunks).decode()
+
+
 def test_dispatch_once_delivers_and_parks_the_poison_row(pg_url: str, tmp_path: Path) -> None:
     engine = create_engine(pg_url)
     for i in range(5):
@@ -405,7 +426,8 @@ def test_dispatch_once_delivers_and_parks_the_poison_row(pg_url: str, tmp_path: 
         )
         assert result.exit_code == 0, result.output
         assert "batch 1: claimed 6 sent 5 retried 0 dead 1" in result.output
-        assert "dead: row" in result.output and "topic poison status 400" in result.output
+        assert "warning: outbox row" in result.stderr and "topic poison) is DEAD: HTTP 400" in result.stderr
+        assert "DEAD" not in result.stdout
         assert "done: claimed 6, sent 5, retried 0, dead 1" in result.output
         assert effect_count(engine) == 5
 
@@ -423,6 +445,17 @@ def test_dispatch_once_delivers_and_parks_the_poison_row(pg_url: str, tmp_path: 
         )
         assert loop.exit_code == 0, loop.output
         assert json.loads(loop.output)["claimed"] == 0
+
+        for i in range(3):
+            add_outbox_row(engine, f"tty-{i}", "billing")
+        route = f"billing={receiver.url}/billing"
+        cmd = [sys.executable, "-m", "dagster_joblease", "--database-url", pg_url, "dispatch", "--once"]
+        screen = _run_on_a_terminal([*cmd, "--route", route])
+        assert "\r1 batches  claimed 3  sent 3  retried 0  dead 0" in screen
+        assert "batch 1:" not in screen and screen.rstrip().endswith(
+            "done: claimed 3, sent 3, retried 0, dead 0"
+        )
+        assert effect_count(engine) == 8
     assert run(pg_url, "dispatch", "--once").exit_code == 2
     assert run(pg_url, "dispatch", "--route", "x=http://127.0.0.1:9/x").exit_code == 2
     assert run(pg_url, "dispatch", "--once", "--route", "nonsense").exit_code == 2
