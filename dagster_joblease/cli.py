@@ -83,16 +83,25 @@ class State:
     """The configured URL and, once a command needs it, one engine (disposed when the command ends)."""
 
     def __init__(self, url: str | None) -> None:
-        self.url = url or storage.default_sqlite_url()
+        self._url = url
         self._engine: sa.Engine | None = None
+
+    @property
+    def url(self) -> str:
+        # Resolved on first use: the default creates its folder, which `--help` must not do.
+        if not self._url:
+            self._url = storage.default_sqlite_url()
+        return self._url
 
     def scrub(self, text: str) -> str:
         """Belt and braces: drop the password and the raw URL from any text we print."""
+        if not self._url:
+            return text
         try:
-            password = make_url(self.url).password
+            password = make_url(self._url).password
         except Exception:
             password = None
-        text = text.replace(self.url, "<database URL>")
+        text = text.replace(self._url, "<database URL>")
         if password:
             text = text.replace(str(password), "***")
         return text

@@ -90,7 +90,10 @@ def populated(pg_url: str) -> Iterator[tuple[str, sa.Engine, dict[str, str]]]:
     engine.dispose()
 
 
-def test_help_of_every_command_and_no_dagster_import() -> None:
+def test_help_of_every_command_and_no_dagster_import(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.delenv("DAGSTER_HOME", raising=False)
+    monkeypatch.delenv("JOBLEASE_DATABASE_URL", raising=False)
     paths = [
         [],
         ["db"],
@@ -118,6 +121,7 @@ def test_help_of_every_command_and_no_dagster_import() -> None:
     top = run(None, "--help").output
     for name in ("db", "leases", "outbox", "dispatch", "receiver", "demo", "JOBLEASE_DATABASE_URL"):
         assert name in top
+    assert list(tmp_path.iterdir()) == []  # --help never creates the default SQLite folder
     assert "--force" in run(None, "leases", "fail", "--help").output
     assert "two holders" in run(None, "leases", "fail", "--help").output
 
@@ -506,3 +510,15 @@ def test_duration_and_human_formats() -> None:
         "7d",
         "-2m",
     ]
+
+
+def test_default_is_the_embedded_sqlite_file(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.delenv("DAGSTER_HOME", raising=False)
+    monkeypatch.delenv("JOBLEASE_DATABASE_URL", raising=False)
+    assert run(None, "leases", "list").exit_code == 2  # not installed yet: run `joblease db upgrade`
+    upgraded = run(None, "db", "upgrade")
+    assert upgraded.exit_code == 0 and "sqlite file" in upgraded.output
+    assert (tmp_path / ".joblease" / "joblease.sqlite").is_file()
+    assert run(None, "leases", "list").output.strip() == "no leases match"
+    assert json.loads(run(None, "outbox", "stats", "--json").output)["total"] == 0
