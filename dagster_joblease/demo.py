@@ -410,7 +410,8 @@ def demo_command(partitions: int, workdir: Path | None, keep: bool) -> None:
             )
         if keep:
             click.echo(
-                f"\nKept {work}. See the runs in the UI:\n  DAGSTER_HOME={work / 'dagster_home'} "
+                f"\nKept {work}. See the runs in the UI (from the repository root):\n"
+                f"  DAGSTER_HOME={work / 'dagster_home'} "
                 f"JOBLEASE_DATABASE_URL=sqlite:///{work / 'joblease.sqlite'} dagster dev"
             )
     finally:
