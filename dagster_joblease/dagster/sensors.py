@@ -36,6 +36,9 @@ def build_outbox_sensor(
     with the count. Rows due while a dispatcher run is queued or running: a ``SkipReason`` naming that
     run. Otherwise a ``RunRequest`` whose ``run_key`` is unique per request (a sensor's run keys dedupe
     forever, so a constant key would fire once, ever).
+
+    Test it with ``sensor.evaluate_tick(ctx)`` inside ``with build_sensor_context(resources=...) as ctx``
+    (the resource has setup/teardown hooks, so the ``with`` is required).
     """
 
     @dg.sensor(
