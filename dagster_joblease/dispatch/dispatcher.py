@@ -48,6 +48,8 @@ logger = logging.getLogger(__name__)
 MAX_BODY_READ = 8 * 1024
 #: Rows kept in the report returned by :meth:`Dispatcher.run` (the counters cover everything).
 MAX_REPORT_ROWS = 1_000
+#: Pauses before re-trying to record an outcome after a database error (then the claim is left to expire).
+RECORD_RETRY_PAUSES_S = (0.05, 0.25, 1.0)
 _OutcomeLabel = str
 
 
@@ -346,8 +348,7 @@ class Dispatcher:
         else:
             values.update(status=outbox.OutboxStatus.DEAD.value, last_error=decision.reason)
         try:
-            with translate_errors("record a delivery outcome"), self.engine.begin() as conn:
-                matched = conn.execute(self._fenced(row, token).values(**values)).rowcount
+            matched = self._write_with_retry(self._fenced(row, token).values(**values))
         except errors.StorageError as exc:
             logger.warning(
                 "could not record %s for outbox row %d (key %s): %s; it will be delivered again after its "
@@ -396,6 +397,28 @@ class Dispatcher:
                 extra={"action": "outbox_retry"},
             )
         return _Result(decision.outcome.value, outcome)
+
+    def _write_with_retry(self, stmt: sa.Update) -> int:
+        """Run one fenced UPDATE; a dropped connection gets a few quick retries on a fresh one.
+
+        The outcome is already known (the downstream answered), so losing it to a brief database hiccup
+        would mean a needless re-delivery once the claim expires. Retrying is safe: the write is fenced.
+        """
+        retries = 0
+        while True:
+            try:
+                with translate_errors("record a delivery outcome"), self.engine.begin() as conn:
+                    return int(conn.execute(stmt).rowcount)
+            except errors.StorageError as exc:
+                if retries == len(RECORD_RETRY_PAUSES_S) or self._stop.is_set():
+                    raise
+                logger.info(
+                    "retrying an outcome write after a database error: %s",
+                    exc,
+                    extra={"action": "outbox_record_retry"},
+                )
+                time.sleep(RECORD_RETRY_PAUSES_S[retries])
+                retries += 1
 
     def _release(self, row: _Claimed, token: str) -> _Result:
         """Give a claim back undelivered; the attempt it counted is taken back too."""
