@@ -423,14 +423,24 @@ def _remaining(row: admin.LeaseRow) -> str:
     return human_ms(row.remaining_ms)
 
 
-@leases.command("list")
+@leases.command("list", short_help="List leases with remaining time on the database clock.")
 @click.option("--code", help="Only this job code.")
-@click.option("--status", type=click.Choice(["running", "success", "fail"], case_sensitive=False))
+@click.option(
+    "--status",
+    type=click.Choice(["running", "success", "fail"], case_sensitive=False),
+    help="Only this status.",
+)
 @click.option(
     "--older-than", type=DURATION, help="Only runs whose current attempt started longer ago (30m, 2h, 7d)."
 )
 @click.option("--expired", is_flag=True, help="Only RUNNING rows past their expiry (holder stalled or dead).")
-@click.option("--limit", type=click.IntRange(1, admin.MAX_LIMIT), default=100, show_default=True)
+@click.option(
+    "--limit",
+    type=click.IntRange(1, admin.MAX_LIMIT),
+    default=100,
+    show_default=True,
+    help="At most this many rows.",
+)
 @json_option
 def leases_list(
     code: str | None, status: str | None, older_than: int | None, expired: bool, limit: int, as_json: bool
@@ -462,7 +472,7 @@ def leases_list(
     )
 
 
-@leases.command("show")
+@leases.command("show", short_help="Show one lease by key, code [run key] or id.")
 @click.argument("key_or_code", required=False)
 @click.argument("run_key", required=False)
 @click.option("--id", "lease_id", type=int, help="Look the lease up by its numeric row id instead.")
@@ -504,7 +514,7 @@ def _lease_ref(text: str) -> str | int:
     return int(text) if text.isdigit() else text
 
 
-@leases.command("fail")
+@leases.command("fail", short_help="Reset stuck or failed runs so the next claim retries them.")
 @click.argument("keys", nargs=-1, required=True, metavar="KEY_OR_ID...")
 @click.option(
     "--force",
@@ -547,7 +557,7 @@ def leases_fail(keys: tuple[str, ...], force: bool, reason: str) -> None:
         sys.exit(worst)
 
 
-@leases.command("purge")
+@leases.command("purge", short_help="Delete finished SCHEDULE rows older than a window.")
 @click.option(
     "--finished-before", type=DURATION, required=True, help="Delete rows finished longer ago (e.g. 30d)."
 )
@@ -584,7 +594,7 @@ def outbox() -> None:
     """Inspect, requeue and purge outbox rows."""
 
 
-@outbox.command("stats")
+@outbox.command("stats", short_help="Counts by status and topic, due backlog and its age.")
 @json_option
 def outbox_stats(as_json: bool) -> None:
     """Counts by status and by topic, the due backlog and the age of its oldest row (database clock)."""
@@ -609,10 +619,18 @@ def _next_attempt(row: admin.OutboxRow) -> str:
     return f"in {human_ms(row.due_in_ms)}" if row.due_in_ms > 0 else f"due {human_ms(-row.due_in_ms)} ago"
 
 
-@outbox.command("list")
-@click.option("--status", type=click.Choice(["pending", "sent", "dead"], case_sensitive=False))
+@outbox.command("list", short_help="List outbox rows with their last status and error.")
+@click.option(
+    "--status", type=click.Choice(["pending", "sent", "dead"], case_sensitive=False), help="Only this status."
+)
 @click.option("--topic", help="Only this topic.")
-@click.option("--limit", type=click.IntRange(1, admin.MAX_LIMIT), default=100, show_default=True)
+@click.option(
+    "--limit",
+    type=click.IntRange(1, admin.MAX_LIMIT),
+    default=100,
+    show_default=True,
+    help="At most this many rows.",
+)
 @json_option
 def outbox_list(status: str | None, topic: str | None, limit: int, as_json: bool) -> None:
     """List outbox rows (newest first, without payloads) with their last HTTP status and error."""
@@ -635,7 +653,7 @@ def outbox_list(status: str | None, topic: str | None, limit: int, as_json: bool
     )
 
 
-@outbox.command("requeue")
+@outbox.command("requeue", short_help="Make dead rows due again with their original key.")
 @click.argument("row_id", type=int, required=False, metavar="[ID]")
 @click.option("--all-dead", is_flag=True, help="Requeue every DEAD row.")
 @click.option("--topic", help="Requeue every DEAD row of this topic.")
@@ -653,7 +671,7 @@ def outbox_requeue(row_id: int | None, all_dead: bool, topic: str | None) -> Non
     click.echo(f"requeued {count} row(s); they keep their idempotency keys and are due now")
 
 
-@outbox.command("purge")
+@outbox.command("purge", short_help="Delete SENT rows older than a window.")
 @click.option(
     "--sent-before", type=DURATION, required=True, help="Delete SENT rows delivered longer ago (e.g. 7d)."
 )
@@ -763,9 +781,23 @@ class _Progress:
     help="TOML or JSON file: {topic: {url, headers, secret_headers, timeout_s}}.",
 )
 @click.option("--route", "route_specs", multiple=True, metavar="TOPIC=URL", help="A route; repeat for more.")
-@click.option("--max-attempts", type=click.IntRange(min=1), default=10, show_default=True)
-@click.option("--concurrency", type=click.IntRange(1, 256), default=8, show_default=True)
-@click.option("--batch-size", type=click.IntRange(1, admin.MAX_LIMIT), default=100, show_default=True)
+@click.option(
+    "--max-attempts",
+    type=click.IntRange(min=1),
+    default=10,
+    show_default=True,
+    help="Attempts before a retryable failure parks a row as DEAD.",
+)
+@click.option(
+    "--concurrency", type=click.IntRange(1, 256), default=8, show_default=True, help="Deliveries in flight."
+)
+@click.option(
+    "--batch-size",
+    type=click.IntRange(1, admin.MAX_LIMIT),
+    default=100,
+    show_default=True,
+    help="Rows claimed per batch.",
+)
 @click.option(
     "--poll-interval",
     type=click.FloatRange(min=0.01),
