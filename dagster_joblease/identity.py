@@ -83,6 +83,8 @@ class JobIdentity:
     type: JobType
     code: str
     run_key: str | None
+    # The key, computed once: lease calls read it several times per claim.
+    _key: str = dataclasses.field(init=False, repr=False, compare=False)
 
     def __init__(self, type: JobType | str, code: str, run_key: str | None = None) -> None:
         job_type = _parse_type(type)
@@ -105,6 +107,8 @@ class JobIdentity:
         object.__setattr__(self, "type", job_type)
         object.__setattr__(self, "code", norm_code)
         object.__setattr__(self, "run_key", norm_run_key)
+        digest = hashlib.sha256(self.canonical.encode("utf-8")).hexdigest()
+        object.__setattr__(self, "_key", f"{KEY_VERSION}:{digest}")
 
     @classmethod
     def initial(cls, code: str) -> JobIdentity:
@@ -123,8 +127,7 @@ class JobIdentity:
 
     @property
     def idempotency_key(self) -> str:
-        digest = hashlib.sha256(self.canonical.encode("utf-8")).hexdigest()
-        return f"{KEY_VERSION}:{digest}"
+        return self._key
 
     def __str__(self) -> str:
         return self.code if self.run_key is None else f"{self.code}@{self.run_key}"

@@ -8,15 +8,17 @@ number); heartbeat, complete, fail and release only touch the row while the call
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import enum
+import functools
 import json
 import logging
 import os
 import secrets
 import socket
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from datetime import datetime
 from typing import Any, TypeVar
 
@@ -119,8 +121,66 @@ class AcquireResult:
         return self.lease is not None
 
 
-def _insert(dialect_name: str) -> Any:
-    return (postgresql.insert if dialect_name == "postgresql" else sqlite.insert)(lease_table)
+_RECLAIM_NOTE = " expired without finishing (worker died or stalled)"
+
+
+@functools.cache
+def acquire_statement(dialect_name: str) -> Any:
+    """The one-statement claim, built once per dialect (SQLAlchemy then reuses its compiled form).
+
+    ``INSERT … ON CONFLICT (lock_key) DO UPDATE … WHERE status = 'FAIL' OR (status = 'RUNNING' AND
+    expires_at < db now) RETURNING …``, with bound parameters ``p_lock_key``, ``p_job_type``, ``p_code``,
+    ``p_run_key``, ``p_owner_token``, ``p_lease_ms`` and ``p_holder``.
+    """
+    t = lease_table
+    insert = (postgresql.insert if dialect_name == "postgresql" else sqlite.insert)(t)
+    lease_ms = sa.bindparam("p_lease_ms", type_=sa.BigInteger())
+    stmt = insert.values(
+        lock_key=sa.bindparam("p_lock_key", type_=sa.String()),
+        job_type=sa.bindparam("p_job_type", type_=sa.String()),
+        code=sa.bindparam("p_code", type_=sa.String()),
+        run_key=sa.bindparam("p_run_key", type_=sa.String()),
+        status=LeaseStatus.RUNNING.value,
+        owner_token=sa.bindparam("p_owner_token", type_=sa.String()),
+        attempt=1,
+        lease_ms=lease_ms,
+        holder=sa.bindparam("p_holder", type_=sa.String()),
+        created_at=db_now(),
+        acquired_at=db_now(),
+        heartbeat_at=db_now(),
+        expires_at=db_now_plus_ms(lease_ms),
+    )
+    reclaimable = sa.or_(
+        t.c.status == LeaseStatus.FAIL.value,
+        sa.and_(t.c.status == LeaseStatus.RUNNING.value, t.c.expires_at < db_now()),
+    )
+    return stmt.on_conflict_do_update(
+        index_elements=[t.c.lock_key],
+        set_={
+            "status": LeaseStatus.RUNNING.value,
+            "owner_token": stmt.excluded.owner_token,
+            "attempt": t.c.attempt + 1,
+            "lease_ms": stmt.excluded.lease_ms,
+            "holder": stmt.excluded.holder,
+            "acquired_at": db_now(),
+            "heartbeat_at": db_now(),
+            "expires_at": db_now_plus_ms(lease_ms),
+            "finished_at": None,
+            "result": sa.null(),  # SQL NULL, not the JSON literal null that None would become
+            # Keep the previous attempt's error; say so when it simply stopped heartbeating.
+            "last_error": sa.case(
+                (
+                    t.c.status == LeaseStatus.RUNNING.value,
+                    sa.literal("attempt ") + sa.cast(t.c.attempt, sa.String) + sa.literal(_RECLAIM_NOTE),
+                ),
+                else_=t.c.last_error,
+            ),
+        },
+        where=reclaimable,
+    ).returning(t.c.id, t.c.attempt, t.c.expires_at, t.c.last_error)
+
+
+_STATUS_OF = sa.select(lease_table.c.status).where(lease_table.c.lock_key == sa.bindparam("p_lock_key"))
 
 
 class LeaseService:
@@ -145,6 +205,21 @@ class LeaseService:
         self.engine = engine
         self.timing = options.resolve_timing(lease_ms, heartbeat_ms)
 
+    @contextlib.contextmanager
+    def _one_statement(self, action: str) -> Iterator[sa.Connection]:
+        """A connection for self-contained statements (each one atomic on its own).
+
+        On PostgreSQL they run in autocommit, so a claim or a heartbeat is one round trip instead of three
+        (BEGIN, statement, COMMIT). SQLite keeps its ``BEGIN IMMEDIATE`` transaction (see storage.engine).
+        """
+        with translate_errors(action):
+            if self.engine.dialect.name == "postgresql":
+                with self.engine.connect() as conn:
+                    yield conn.execution_options(isolation_level="AUTOCOMMIT")
+            else:
+                with self.engine.begin() as conn:
+                    yield conn
+
     # -- acquire -----------------------------------------------------------------------------------
 
     def try_acquire(self, job: identity.JobIdentity, *, lease_ms: int | None = None) -> AcquireResult:
@@ -153,59 +228,19 @@ class LeaseService:
             raise errors.InvalidJobIdentityError("identity", job, "must be a JobIdentity")
         length = options.resolve_timing(lease_ms, None, defaults=self.timing).lease_ms
         token = secrets.token_hex(16)
-        t = lease_table
-        with translate_errors("acquire a lease"), self.engine.begin() as conn:
-            insert = _insert(conn.dialect.name)
-            stmt = insert.values(
-                lock_key=job.idempotency_key,
-                job_type=job.type.value,
-                code=job.code,
-                run_key=job.run_key,
-                status=LeaseStatus.RUNNING.value,
-                owner_token=token,
-                attempt=1,
-                lease_ms=length,
-                holder=_holder(),
-                created_at=db_now(),
-                acquired_at=db_now(),
-                heartbeat_at=db_now(),
-                expires_at=db_now_plus_ms(sa.literal(length, sa.BigInteger())),
-            )
-            reclaimable = sa.or_(
-                t.c.status == LeaseStatus.FAIL.value,
-                sa.and_(t.c.status == LeaseStatus.RUNNING.value, t.c.expires_at < db_now()),
-            )
-            stmt = stmt.on_conflict_do_update(
-                index_elements=[t.c.lock_key],
-                set_={
-                    "status": LeaseStatus.RUNNING.value,
-                    "owner_token": stmt.excluded.owner_token,
-                    "attempt": t.c.attempt + 1,
-                    "lease_ms": stmt.excluded.lease_ms,
-                    "holder": stmt.excluded.holder,
-                    "acquired_at": db_now(),
-                    "heartbeat_at": db_now(),
-                    "expires_at": db_now_plus_ms(sa.literal(length, sa.BigInteger())),
-                    "finished_at": None,
-                    "result": None,
-                    # Keep the previous attempt's error; say so when it simply stopped heartbeating.
-                    "last_error": sa.case(
-                        (
-                            t.c.status == LeaseStatus.RUNNING.value,
-                            sa.literal("attempt ")
-                            + sa.cast(t.c.attempt, sa.String)
-                            + sa.literal(" expired without finishing (worker died or stalled)"),
-                        ),
-                        else_=t.c.last_error,
-                    ),
-                },
-                where=reclaimable,
-            ).returning(t.c.id, t.c.attempt, t.c.expires_at, t.c.last_error)
-            row = conn.execute(stmt).first()
+        params = {
+            "p_lock_key": job.idempotency_key,
+            "p_job_type": job.type.value,
+            "p_code": job.code,
+            "p_run_key": job.run_key,
+            "p_owner_token": token,
+            "p_lease_ms": length,
+            "p_holder": _holder(),
+        }
+        with self._one_statement("acquire a lease") as conn:
+            row = conn.execute(acquire_statement(conn.dialect.name), params).first()
             if row is None:
-                current = conn.execute(
-                    sa.select(t.c.status).where(t.c.lock_key == job.idempotency_key)
-                ).scalar_one_or_none()
+                current = conn.execute(_STATUS_OF, {"p_lock_key": job.idempotency_key}).scalar_one_or_none()
         if row is None:
             reason = {
                 LeaseStatus.SUCCESS.value: NotAcquiredReason.SUCCEEDED,
@@ -249,7 +284,7 @@ class LeaseService:
             .values(**values)
             .returning(t.c.expires_at)
         )
-        with translate_errors(f"{action} a lease"), self.engine.begin() as conn:
+        with self._one_statement(f"{action} a lease") as conn:
             row = conn.execute(stmt).first()
         if row is None:
             lease._lost.set()
@@ -282,7 +317,7 @@ class LeaseService:
             {
                 "status": LeaseStatus.SUCCESS.value,
                 "finished_at": db_now(),
-                "result": data,
+                "result": sa.null() if data is None else data,
                 "last_error": None,
             },
         )

@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
+import pickle
 import re
 from pathlib import Path
 from typing import Any
@@ -132,3 +134,12 @@ def test_effect_key_is_deterministic_and_distinct() -> None:
         effect_key(key, "")
     with pytest.raises(errors.InvalidJobIdentityError):
         effect_key("", "send-invoice")
+
+
+def test_identity_survives_pickle_and_replace() -> None:
+    job = JobIdentity.schedule("daily-billing", "2026-11-29")
+    copy = pickle.loads(pickle.dumps(job))
+    assert copy == job and hash(copy) == hash(job) and copy.idempotency_key == job.idempotency_key
+    moved = dataclasses.replace(job, run_key=" 2026-11-30 ")
+    assert moved.run_key == "2026-11-30"
+    assert moved.idempotency_key == idempotency_key("SCHEDULE", "daily-billing", "2026-11-30")

@@ -22,6 +22,7 @@ from dagster_joblease.lease import (
     NotAcquiredReason,
 )
 from dagster_joblease.storage import create_engine, lease_table
+from dagster_joblease.storage import engine as engine_module
 from dagster_joblease.storage.clock import ms_until
 from tests.conftest import wait_until
 
@@ -356,3 +357,46 @@ def test_invalid_identities_never_reach_the_database(engine: sa.Engine) -> None:
         with pytest.raises(errors.InvalidJobIdentityError):
             JobIdentity(*args)
     assert row_count(engine) == 0
+
+
+def test_no_data_is_sql_null(service: LeaseService, engine: sa.Engine) -> None:
+    first = service.acquire(JOB)
+    assert first is not None
+    service.fail(first, "x")
+    second = service.acquire(JOB)
+    assert second is not None
+    service.complete(second)
+    with engine.connect() as conn:
+        nulls = conn.execute(
+            sa.select(sa.func.count()).select_from(lease_table).where(lease_table.c.result.is_(None))
+        ).scalar_one()
+    assert nulls == 1
+
+
+def _terminate_pooled_backend(engine: sa.Engine, admin: sa.Engine) -> None:
+    with engine.connect() as conn:
+        pid = conn.execute(sa.text("SELECT pg_backend_pid()")).scalar_one()
+    with admin.connect() as conn:
+        assert conn.execute(sa.text("SELECT pg_terminate_backend(:pid)"), {"pid": pid}).scalar_one()
+
+
+def test_a_dead_idle_connection_is_replaced_before_use(
+    pg_engine: sa.Engine, pg_url: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    admin = create_engine(pg_url)
+    try:
+        service = LeaseService(pg_engine, lease_ms=60_000)
+        assert service.acquire(JobIdentity.schedule("ping", "1")) is not None
+        _terminate_pooled_backend(pg_engine, admin)
+        # Idle past the threshold: the checkout ping finds it dead and the pool reconnects, unseen.
+        monkeypatch.setattr(engine_module, "IDLE_PING_AFTER_S", 0.0)
+        assert service.acquire(JobIdentity.schedule("ping", "2")) is not None
+
+        # A connection reused at once is not pinged: the failure surfaces once, then the pool recovers.
+        monkeypatch.setattr(engine_module, "IDLE_PING_AFTER_S", 3600.0)
+        _terminate_pooled_backend(pg_engine, admin)
+        with pytest.raises(errors.StorageError):
+            service.acquire(JobIdentity.schedule("ping", "3"))
+        assert service.acquire(JobIdentity.schedule("ping", "3")) is not None
+    finally:
+        admin.dispose()
