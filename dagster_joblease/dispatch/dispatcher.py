@@ -40,7 +40,7 @@ from dagster_joblease.storage.clock import db_now, db_now_plus_ms
 from dagster_joblease.storage.engine import translate_errors
 from dagster_joblease.storage.schema import outbox_table
 
-__all__ = ["DispatchReport", "Dispatcher", "RowOutcome"]
+__all__ = ["DispatchReport", "Dispatcher", "RowOutcome", "claim_statement"]
 
 logger = logging.getLogger(__name__)
 
@@ -122,6 +122,33 @@ def _positive_int(name: str, value: object, minimum: int = 1) -> int:
 def _safety_ms(claim_ms: int) -> int:
     """Margin kept between a request's timeout and the claim's expiry (clock skew, recording time)."""
     return min(1_000, claim_ms // 10)
+
+
+def claim_statement(dialect_name: str, *, token: str, limit: int, claim_ms: int) -> sa.Update:
+    """The claim as one statement: lock up to ``limit`` due rows, stamp ``token`` and an expiry, count the
+    attempt, and return ``(id, idempotency_key, topic, attempts, payload as text)``.
+
+    The payload comes back as text (``jsonb::text`` on PostgreSQL) and is sent as-is: decoding it to
+    Python only to encode it again would cost time and could change it.
+    """
+    t = outbox_table
+    due = sa.select(t.c.id).where(outbox.due_clause()).order_by(t.c.next_attempt_at, t.c.id).limit(limit)
+    payload: sa.ColumnElement[Any]
+    if dialect_name == "postgresql":
+        # A locking CTE is evaluated exactly once; rows another dispatcher holds are skipped.
+        locked = due.with_for_update(skip_locked=True).cte("due")
+        stmt = sa.update(t).where(t.c.id == locked.c.id)
+        payload = sa.cast(t.c.payload, sa.Text())
+    else:
+        # SQLite: the engine's BEGIN IMMEDIATE already serializes claimers.
+        stmt = sa.update(t).where(t.c.id.in_(due.scalar_subquery()))
+        payload = sa.type_coerce(t.c.payload, sa.Text())
+    return stmt.values(
+        claim_token=token,
+        claim_expires_at=db_now_plus_ms(sa.literal(claim_ms, sa.BigInteger())),
+        attempts=t.c.attempts + 1,
+        updated_at=db_now(),
+    ).returning(t.c.id, t.c.idempotency_key, t.c.topic, t.c.attempts, payload)
 
 
 class Dispatcher:
@@ -257,27 +284,9 @@ class Dispatcher:
         return report
 
     def _claim(self, token: str, limit: int) -> list[_Claimed]:
-        t = outbox_table
-        due = sa.select(t.c.id).where(outbox.due_clause()).order_by(t.c.next_attempt_at, t.c.id).limit(limit)
-        values = {
-            "claim_token": token,
-            "claim_expires_at": db_now_plus_ms(sa.literal(self.claim_ms, sa.BigInteger())),
-            "attempts": t.c.attempts + 1,
-            "updated_at": db_now(),
-        }
         with translate_errors("claim outbox rows"), self.engine.begin() as conn:
-            if conn.dialect.name == "postgresql":
-                # A locking CTE is evaluated exactly once; rows another dispatcher holds are skipped.
-                locked = due.with_for_update(skip_locked=True).cte("due")
-                stmt = sa.update(t).where(t.c.id == locked.c.id)
-                payload: sa.ColumnElement[Any] = sa.cast(t.c.payload, sa.Text())
-            else:
-                stmt = sa.update(t).where(t.c.id.in_(due.scalar_subquery()))
-                payload = sa.type_coerce(t.c.payload, sa.Text())
-            result = conn.execute(
-                stmt.values(**values).returning(t.c.id, t.c.idempotency_key, t.c.topic, t.c.attempts, payload)
-            )
-            rows = [_Claimed(*r) for r in result]
+            stmt = claim_statement(conn.dialect.name, token=token, limit=limit, claim_ms=self.claim_ms)
+            rows = [_Claimed(*r) for r in conn.execute(stmt)]
         rows.sort(key=lambda r: r.id)
         return rows
 
