@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import enum
+import functools
 import hashlib
 import json
 from typing import Any
@@ -143,16 +144,35 @@ def _check_max_bytes(max_payload_bytes: object) -> int:
     return max_payload_bytes
 
 
-def _insert(dialect_name: str) -> Any:
-    return (postgresql.insert if dialect_name == "postgresql" else sqlite.insert)(outbox_table)
-
-
-def _payload_value(dialect_name: str, text: str) -> sa.ColumnElement[Any]:
+@functools.cache
+def _insert_statement(dialect_name: str) -> Any:
+    """The enqueue INSERT, built once per dialect with bound parameters (its compiled form is cached too)."""
+    t = outbox_table
     # Bind the canonical text as-is instead of letting the JSON type encode the payload a second time.
-    bound = sa.type_coerce(text, sa.Text())
+    payload: sa.ColumnElement[Any] = sa.bindparam("payload_text", type_=sa.Text())
     if dialect_name == "postgresql":
-        return sa.cast(bound, postgresql.JSONB())
-    return bound
+        payload = sa.cast(payload, postgresql.JSONB())
+    insert = (postgresql.insert if dialect_name == "postgresql" else sqlite.insert)(t)
+    return (
+        insert.values(
+            idempotency_key=sa.bindparam("key", type_=sa.String()),
+            topic=sa.bindparam("topic", type_=sa.String()),
+            payload=payload,
+            payload_sha256=sa.bindparam("sha256", type_=sa.String()),
+            status=OutboxStatus.PENDING.value,
+            attempts=0,
+            next_attempt_at=db_now(),
+            created_at=db_now(),
+            updated_at=db_now(),
+        )
+        .on_conflict_do_nothing(index_elements=[t.c.idempotency_key])
+        .returning(t.c.id)
+    )
+
+
+_EXISTING = sa.select(outbox_table.c.payload_sha256).where(
+    outbox_table.c.idempotency_key == sa.bindparam("key", type_=sa.String())
+)
 
 
 def enqueue_once(
@@ -189,32 +209,15 @@ def enqueue_once(
             "(send ids, let the consumer fetch the rest) or raise max_payload_bytes",
         )
     fingerprint = hashlib.sha256(data).hexdigest()
-    t = outbox_table
-    dialect_name = connection.dialect.name
-    stmt = (
-        _insert(dialect_name)
-        .values(
-            idempotency_key=idempotency_key,
-            topic=topic,
-            payload=_payload_value(dialect_name, text),
-            payload_sha256=fingerprint,
-            status=OutboxStatus.PENDING.value,
-            attempts=0,
-            next_attempt_at=db_now(),
-            created_at=db_now(),
-            updated_at=db_now(),
-        )
-        .on_conflict_do_nothing(index_elements=[t.c.idempotency_key])
-        .returning(t.c.id)
-    )
-    existing_stmt = sa.select(t.c.payload_sha256).where(t.c.idempotency_key == idempotency_key)
+    stmt = _insert_statement(connection.dialect.name)
+    params = {"key": idempotency_key, "topic": topic, "payload_text": text, "sha256": fingerprint}
     with translate_errors("enqueue an outbox row"):
         # Two rounds: a conflicting row can vanish between the INSERT and the read (a concurrent purge or
         # a rolled-back writer); the second INSERT then simply succeeds.
         for _ in range(2):
-            if connection.execute(stmt).first() is not None:
+            if connection.execute(stmt, params).first() is not None:
                 return True
-            existing = connection.execute(existing_stmt).scalar_one_or_none()
+            existing = connection.execute(_EXISTING, {"key": idempotency_key}).scalar_one_or_none()
             if existing is None:
                 continue
             if existing == fingerprint:

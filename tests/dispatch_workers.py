@@ -81,6 +81,7 @@ def drain(
     engine, counter = _setup(database_url, application_name)
     totals = DispatchReport()
     with Dispatcher(engine, _routes(routes), **options) as dispatcher:
+        started = time.time()
         while True:
             try:
                 report = dispatcher.dispatch(limit)
@@ -92,7 +93,8 @@ def drain(
                 continue
             if report.claimed == 0:
                 time.sleep(0.02)
-    _write(result_path, totals, counter)
+        finished = time.time()
+    _write(result_path, totals, counter, started=started, finished=finished)
     engine.dispose()
 
 
