@@ -500,6 +500,8 @@ class Dispatcher:
                     self._stop.wait(poll_interval_s)
         finally:
             self._restore_signal_handlers(previous)
+            # A later dispatch() must not inherit this run's stop request.
+            self._stop = threading.Event()
         logger.info(
             "dispatcher stopped after %d batches: %d claimed, %d sent, %d retry, %d dead, %d lost claims",
             batches,
