@@ -352,6 +352,17 @@ def test_non_identity_is_refused_before_any_sql(bad: Any) -> None:
         engine.dispose()
 
 
+def test_storage_errors_never_show_the_password() -> None:
+    engine = create_engine("postgresql+psycopg://app:s3cret-pw@127.0.0.1:1/app_db?connect_timeout=2")
+    try:
+        with pytest.raises(errors.StorageError) as info:
+            LeaseService(engine).acquire(JOB)
+    finally:
+        engine.dispose()
+    assert "s3cret-pw" not in str(info.value)
+    assert "acquire a lease" in str(info.value)
+
+
 def test_invalid_identities_never_reach_the_database(engine: sa.Engine) -> None:
     for args in [("SCHEDULE", "code", None), ("INITIAL", "code", "k"), ("SCHEDULE", "c\x00", "k")]:
         with pytest.raises(errors.InvalidJobIdentityError):
