@@ -15,7 +15,7 @@ import pytest
 import sqlalchemy as sa
 from dagster_graphql.test.utils import define_out_of_process_context, execute_dagster_graphql
 
-from dagster_joblease import JobIdentity, create_engine
+from dagster_joblease import JobIdentity, create_engine, outbox
 from dagster_joblease.dagster import (
     TAG_ATTEMPT,
     TAG_IDEMPOTENCY_KEY,
@@ -25,6 +25,7 @@ from dagster_joblease.dagster import (
 )
 from dagster_joblease.receiver import effect_count
 from dagster_joblease.storage.schema import lease_table, outbox_table
+from tests.conftest import wait_until
 from tests.dagster import jobs
 from tests.dagster.conftest import DagsterPg
 from tests.receiver_proc import ReceiverProcess
@@ -53,6 +54,14 @@ def _lease(url: str, key: str) -> Any:
     try:
         with engine.connect() as conn:
             return conn.execute(sa.select(lease_table).where(lease_table.c.lock_key == key)).one()
+    finally:
+        engine.dispose()
+
+
+def _due(url: str) -> int:
+    engine = create_engine(url)
+    try:
+        return outbox.due_summary(engine).due
     finally:
         engine.dispose()
 
@@ -107,17 +116,22 @@ def test_two_concurrent_backfills_and_schedule_runs_give_one_effect_per_partitio
     keys = [_key("t-backfill", day) for day in DAYS]
     assert _outbox_keys(dagster_pg.joblease_url, keys) == dict.fromkeys(keys, "PENDING")
 
+    dispatch_job = jobs.defs.resolve_job_def("test_dispatch_job")
     with ReceiverProcess(dagster_pg.joblease_url) as receiver:
         os.environ[jobs.RECEIVER_ENV] = receiver.url
         try:
-            result = jobs.defs.resolve_job_def("test_dispatch_job").execute_in_process(
-                instance=dagster_pg.instance, run_config=QUIET
-            )
+            result = dispatch_job.execute_in_process(instance=dagster_pg.instance, run_config=QUIET)
+            for _ in range(5):
+                # On a loaded machine a delivery can time out and be retried after a backoff.
+                if set(_outbox_keys(dagster_pg.joblease_url, keys).values()) == {"SENT"}:
+                    break
+                wait_until(lambda: _due(dagster_pg.joblease_url) > 0, timeout=10)
+                dispatch_job.execute_in_process(instance=dagster_pg.instance, run_config=QUIET)
         finally:
             os.environ.pop(jobs.RECEIVER_ENV)
     assert result.success
     counts = result.output_for_node("test_dispatch_job_dispatch")
-    assert counts["sent"] >= 30 and counts["dead"] == 0 and counts["due_after"] == 0
+    assert counts["claimed"] >= 30 and counts["sent"] + counts["retried"] >= 30 and counts["dead"] == 0
     assert _outbox_keys(dagster_pg.joblease_url, keys) == dict.fromkeys(keys, "SENT")
     engine = create_engine(dagster_pg.joblease_url)
     try:

@@ -19,6 +19,7 @@ from dagster_joblease.dagster import (
 )
 from dagster_joblease.receiver import effect_count
 from dagster_joblease.storage.schema import outbox_table
+from tests.conftest import wait_until
 from tests.dagster import jobs
 from tests.dagster.conftest import DagsterPg
 from tests.receiver_proc import ReceiverProcess
@@ -108,17 +109,26 @@ def test_sensor_requests_one_dispatcher_run_at_a_time_and_the_job_reports(
         os.environ[jobs.RECEIVER_ENV] = receiver.url
         try:
             result = job_def.execute_in_process(instance=instance, run_config=QUIET)
+            counts = result.output_for_node("test_dispatch_job_dispatch")
+            sent = counts["sent"]
+            for _ in range(5):
+                # On a loaded machine a delivery can time out: a retry (with backoff) is the dispatcher
+                # working as designed; the retried row goes out on a later run.
+                if sent == 2:
+                    break
+                wait_until(lambda: outbox.due_summary(engine).due > 0, timeout=10)
+                again = job_def.execute_in_process(instance=instance, run_config=QUIET)
+                sent += again.output_for_node("test_dispatch_job_dispatch")["sent"]
         finally:
             os.environ.pop(jobs.RECEIVER_ENV)
     assert result.success
-    counts = result.output_for_node("test_dispatch_job_dispatch")
-    assert (counts["claimed"], counts["sent"], counts["retried"], counts["dead"]) == (3, 2, 0, 1)
-    assert counts["due_after"] == 0
+    assert (counts["claimed"], counts["dead"], counts["sent"] + counts["retried"]) == (3, 1, 2), counts
+    assert sent == 2
     assert effect_count(engine) == 2
 
     (observation,) = result.asset_observations_for_node("test_dispatch_job_dispatch")
     assert observation.asset_key == OUTBOX_ASSET_KEY
-    assert observation.metadata["sent"] == dg.MetadataValue.int(2)
+    assert observation.metadata["sent"] == dg.MetadataValue.int(counts["sent"])
     (check,) = result.get_asset_check_evaluations()
     assert check.asset_key == OUTBOX_ASSET_KEY and check.check_name == "no_dead_rows"
     assert not check.passed and check.severity == dg.AssetCheckSeverity.ERROR
