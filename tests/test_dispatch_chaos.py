@@ -92,23 +92,27 @@ def test_parallel_dispatchers_deliver_every_row_once(
         routes = {"work": {"url": receiver.url + "/work"}}
         paths = [tmp_path / f"d{i}.json" for i in range(dispatchers)]
         workers = [
-            processes(dispatch_workers.drain, fast_pg_url, routes, {"concurrency": 12}, str(path), 250)
+            processes(dispatch_workers.drain, fast_pg_url, routes, {"concurrency": 8}, str(path), 250)
             for path in paths
         ]
         for worker in workers:
             _join(worker, 120)
     results = [_result(p) for p in paths]
+    retried = sum(r["retried"] for r in results)
     assert status_counts(engine) == {"SENT": 2_000}
     assert sum(r["sent"] for r in results) == 2_000
-    assert sum(r["claimed"] for r in results) == 2_000
-    assert all(r["lost_claims"] == 0 and r["retried"] == 0 for r in results)
+    assert sum(r["claimed"] for r in results) == 2_000 + retried, results
+    assert all(r["lost_claims"] == 0 and r["released"] == 0 and r["dead"] == 0 for r in results), results
     applied = effects(engine)
     assert len(applied) == 2_000 and sorted(k for k, _, _ in applied) == keys
-    # One POST per key, all answered 200 as first deliveries: no key was ever in flight twice (an
-    # overlapping second delivery would have been logged, and answered 409 while the first was in progress).
-    assert request_count(engine) == 2_000
-    assert keys_requested_more_than_once(engine) == {}
-    assert statuses_answered(engine) == {200: 2_000}
+    # No key was ever in flight from two dispatchers at once: the receiver's inbox answers 409 to a second
+    # delivery of a key whose first is still in progress, and none was seen. Without transient failures
+    # (a loaded shared server can refuse a connection, which is retried) every key is POSTed exactly once.
+    answered = statuses_answered(engine)
+    assert 409 not in answered, answered
+    assert answered.get(200) == 2_000
+    assert 2_000 <= request_count(engine) <= 2_000 + retried
+    assert len(keys_requested_more_than_once(engine)) <= retried
     _report(
         f"{dispatchers} dispatchers",
         rows=2_000,
@@ -116,6 +120,7 @@ def test_parallel_dispatchers_deliver_every_row_once(
         effects=len(applied),
         lost=2_000 - status_counts(engine).get("SENT", 0),
         sent_per_process=[r["sent"] for r in results],
+        retried=retried,
     )
     engine.dispose()
 
