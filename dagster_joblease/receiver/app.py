@@ -237,6 +237,9 @@ def _problem(status: int, title: str, detail: str) -> bytes:
 
 class _Handler(BaseHTTPRequestHandler):
     protocol_version = "HTTP/1.1"
+    # Headers and body go out in two writes; with Nagle's algorithm on, keep-alive clients wait ~40 ms
+    # for a delayed ACK on every request.
+    disable_nagle_algorithm = True
     server: ReceiverServer
 
     def log_message(self, format: str, *args: Any) -> None:
