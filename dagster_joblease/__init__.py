@@ -10,11 +10,34 @@ This top-level package never imports Dagster; the integration lives in :mod:`dag
 
 from __future__ import annotations
 
+from dagster_joblease.admin import (
+    LeaseRow,
+    OutboxRow,
+    OutboxStats,
+    admin_fail,
+    list_leases,
+    list_outbox,
+    outbox_stats,
+    purge_leases,
+    purge_sent,
+    requeue,
+    show_lease,
+)
+from dagster_joblease.dispatch import (
+    Dispatcher,
+    DispatchReport,
+    Route,
+    RowOutcome,
+    load_routes,
+)
 from dagster_joblease.errors import (
+    AdminArgumentError,
+    AdminRefusedError,
     ConfigurationError,
     DispatchError,
     InboxConflictError,
     InboxInProgressError,
+    InvalidInboxInputError,
     InvalidJobIdentityError,
     InvalidLeaseOptionsError,
     InvalidPayloadError,
@@ -26,9 +49,36 @@ from dagster_joblease.errors import (
     SchemaNotAtHeadError,
     StorageError,
 )
-from dagster_joblease.exclusive import ExclusiveOutcome
-from dagster_joblease.identity import JobIdentity, JobType, colon_free_id, effect_key, idempotency_key
-from dagster_joblease.lease import AcquireResult, Lease, LeaseService, LeaseStatus, NotAcquiredReason
+from dagster_joblease.exclusive import (
+    ExclusiveOutcome,
+)
+from dagster_joblease.identity import (
+    JobIdentity,
+    JobType,
+    colon_free_id,
+    effect_key,
+    idempotency_key,
+)
+from dagster_joblease.inbox import (
+    Inbox,
+    InboxResult,
+    InboxStatus,
+)
+from dagster_joblease.lease import (
+    AcquireResult,
+    Lease,
+    LeaseService,
+    LeaseStatus,
+    NotAcquiredReason,
+)
+from dagster_joblease.outbox import (
+    DueSummary,
+    OutboxStatus,
+    canonical_json,
+    due_summary,
+    enqueue_once,
+    payload_fingerprint,
+)
 from dagster_joblease.storage import (
     DATABASE_URL_ENV,
     check_schema,
@@ -41,11 +91,20 @@ from dagster_joblease.storage import (
 __all__ = [
     "DATABASE_URL_ENV",
     "AcquireResult",
+    "AdminArgumentError",
+    "AdminRefusedError",
     "ConfigurationError",
     "DispatchError",
+    "DispatchReport",
+    "Dispatcher",
+    "DueSummary",
     "ExclusiveOutcome",
+    "Inbox",
     "InboxConflictError",
     "InboxInProgressError",
+    "InboxResult",
+    "InboxStatus",
+    "InvalidInboxInputError",
     "InvalidJobIdentityError",
     "InvalidLeaseOptionsError",
     "InvalidPayloadError",
@@ -53,21 +112,40 @@ __all__ = [
     "JobLeaseError",
     "JobType",
     "Lease",
+    "LeaseRow",
     "LeaseService",
     "LeaseStatus",
     "LostLeaseError",
     "NotAcquiredReason",
     "NotFoundError",
     "OutboxConflictError",
+    "OutboxRow",
+    "OutboxStats",
+    "OutboxStatus",
     "RetentionWindowError",
+    "Route",
+    "RowOutcome",
     "SchemaNotAtHeadError",
     "StorageError",
+    "admin_fail",
+    "canonical_json",
     "check_schema",
     "colon_free_id",
     "create_engine",
     "current_revision",
+    "due_summary",
     "effect_key",
+    "enqueue_once",
     "idempotency_key",
+    "list_leases",
+    "list_outbox",
+    "load_routes",
     "migrate",
+    "outbox_stats",
+    "payload_fingerprint",
+    "purge_leases",
+    "purge_sent",
     "redact_url",
+    "requeue",
+    "show_lease",
 ]

@@ -78,12 +78,8 @@ _TWO_HOLDERS_RISK = (
 )
 
 
-class AdminArgumentError(errors.JobLeaseError, ValueError):
-    """An administrative call got an argument outside its rules; nothing was read or changed."""
-
-
-class AdminRefusedError(errors.JobLeaseError):
-    """The row's current state makes the requested change unsafe; nothing was changed."""
+AdminArgumentError = errors.AdminArgumentError
+AdminRefusedError = errors.AdminRefusedError
 
 
 def human_ms(ms: int | None) -> str:

@@ -10,6 +10,9 @@ contain a database URL or a credential.
     ├── InvalidJobIdentityError (ValueError)    type / code / run_key broke a rule
     ├── InvalidLeaseOptionsError (ValueError)   lease_ms / heartbeat_ms out of range
     ├── InvalidPayloadError (ValueError)        outbox payload not JSON, too large, bad topic or key
+    │   └── InvalidInboxInputError              inbox key, lock time or effect result broke a rule
+    ├── AdminArgumentError (ValueError)         an admin call's argument is out of its rules
+    ├── AdminRefusedError                       the row's state makes an admin change unsafe
     ├── ConfigurationError                      bad route, missing environment variable, bad URL
     ├── LostLeaseError                          a fenced write found another owner (or none)
     ├── OutboxConflictError                     same idempotency key, different payload
@@ -25,10 +28,13 @@ contain a database URL or a credential.
 from __future__ import annotations
 
 __all__ = [
+    "AdminArgumentError",
+    "AdminRefusedError",
     "ConfigurationError",
     "DispatchError",
     "InboxConflictError",
     "InboxInProgressError",
+    "InvalidInboxInputError",
     "InvalidJobIdentityError",
     "InvalidLeaseOptionsError",
     "InvalidPayloadError",
@@ -83,6 +89,23 @@ class InvalidPayloadError(JobLeaseError, ValueError):
         self.field = field
         self.rule = rule
         super().__init__(f"invalid outbox {field}: {rule}")
+
+
+class InvalidInboxInputError(InvalidPayloadError):
+    """An inbox argument (key, lock time, effect result) broke a rule; raised before anything is written."""
+
+    def __init__(self, field: str, rule: str) -> None:
+        self.field = field
+        self.rule = rule
+        JobLeaseError.__init__(self, f"invalid inbox {field}: {rule}")
+
+
+class AdminArgumentError(JobLeaseError, ValueError):
+    """An administrative call got an argument outside its rules; nothing was read or changed."""
+
+
+class AdminRefusedError(JobLeaseError):
+    """The row's current state makes the requested change unsafe; nothing was changed."""
 
 
 class ConfigurationError(JobLeaseError):

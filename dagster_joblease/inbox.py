@@ -63,13 +63,7 @@ class InboxStatus(enum.StrEnum):
     DONE = "DONE"  #: the effect committed; the stored response is replayed
 
 
-class InvalidInboxInputError(errors.InvalidPayloadError):
-    """An inbox argument (key, lock time, effect result) broke a rule; raised before anything is written."""
-
-    def __init__(self, field: str, rule: str) -> None:
-        self.field = field
-        self.rule = rule
-        errors.JobLeaseError.__init__(self, f"invalid inbox {field}: {rule}")
+InvalidInboxInputError = errors.InvalidInboxInputError
 
 
 @dataclasses.dataclass(frozen=True)
