@@ -239,10 +239,13 @@ def test_dispatcher_survives_terminated_connections_and_a_postgres_restart(
     keys = enqueue_many(engine, total, topic="work", prefix="v2:restart")
     app_name = f"jl-dispatch-{uuid.uuid4().hex[:8]}"
     # A short claim: rows whose outcome could not be recorded while the server was down come back soon.
-    options = {"concurrency": 8, "claim_ms": 4_000, **FAST}
+    # A receiver connection killed mid-effect leaves its inbox claim until the claim's lock expires; the
+    # receiver answers 409 with Retry-After meanwhile, so the retries must be allowed to wait that long
+    # (backoff_max_ms above the Retry-After) and the lock is kept short.
+    options = {"concurrency": 8, "claim_ms": 4_000, "backoff_base_ms": 10, "backoff_max_ms": 1_000}
     path = tmp_path / "loop.json"
     try:
-        with start_receiver(fast_pg_url) as receiver:
+        with start_receiver(fast_pg_url, "--lock-ms", "2000") as receiver:
             routes = {"work": {"url": receiver.url + "/work", "timeout_s": 2.0}}
             worker = processes(
                 dispatch_workers.run_loop, fast_pg_url, routes, options, str(path), 50, app_name
