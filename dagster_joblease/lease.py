@@ -358,6 +358,42 @@ class LeaseService:
             raise lease._lost_error(action)
         return row
 
+    def assert_held(self, connection: sa.Connection, lease: Lease) -> None:
+        """Inside ``connection``'s transaction, make sure ``lease`` is still this worker's live lease.
+
+        This fences the caller's own writes (domain rows, the outbox row), not just ours: on PostgreSQL the
+        lease row stays locked (``FOR UPDATE``) until the transaction ends, so no reclaim can slip in
+        between this check and the commit; SQLite's ``BEGIN IMMEDIATE`` already holds the write lock. A
+        lease that was reclaimed, finished or expired raises :class:`LostLeaseError`, and the caller's
+        transaction rolls back with it.
+        """
+        t = lease_table
+        stmt = sa.select(t.c.id).where(
+            t.c.id == lease.id,
+            t.c.owner_token == lease.owner_token,
+            t.c.status == LeaseStatus.RUNNING.value,
+            t.c.expires_at > db_now(),
+        )
+        if connection.dialect.name == "postgresql":
+            stmt = stmt.with_for_update()
+        with translate_errors("check a lease"):
+            row = connection.execute(stmt).first()
+        if row is None:
+            lease._lost.set()
+            raise lease._lost_error("commit a fenced transaction under")
+
+    @contextlib.contextmanager
+    def fenced_transaction(self, lease: Lease) -> Iterator[sa.Connection]:
+        """One transaction that commits only while ``lease`` is still ours (see :meth:`assert_held`).
+
+        Write the domain change and its outbox row here: either both commit under a live lease, or
+        neither does.
+        """
+        lease.ensure_held()
+        with self.engine.begin() as connection:
+            self.assert_held(connection, lease)
+            yield connection
+
     def heartbeat(self, lease: Lease) -> datetime:
         """Extend the lease by its own length from the database's now; returns the new expiry."""
         row = self._fenced_update(

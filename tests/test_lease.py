@@ -411,3 +411,56 @@ def test_a_dead_idle_connection_is_replaced_before_use(
         assert service.acquire(JobIdentity.schedule("ping", "3")) is not None
     finally:
         admin.dispose()
+
+
+def _domain_table(engine: sa.Engine) -> sa.Table:
+    table = sa.Table("fenced_domain", sa.MetaData(), sa.Column("k", sa.String(32), primary_key=True))
+    table.create(engine, checkfirst=True)
+    return table
+
+
+def _domain_keys(engine: sa.Engine, table: sa.Table) -> list[str]:
+    with engine.connect() as conn:
+        return sorted(conn.execute(sa.select(table.c.k)).scalars())
+
+
+def test_fenced_transaction_commits_while_held(service: LeaseService, engine: sa.Engine) -> None:
+    table = _domain_table(engine)
+    lease = service.acquire(JobIdentity.schedule("fenced", "held"), lease_ms=60_000)
+    assert lease is not None
+    with service.fenced_transaction(lease) as conn:
+        conn.execute(table.insert().values(k="held"))
+    assert _domain_keys(engine, table) == ["held"]
+    assert not lease.lost
+
+
+def test_fenced_transaction_rolls_back_the_domain_change_after_a_reclaim(
+    service: LeaseService, rival: LeaseService, engine: sa.Engine
+) -> None:
+    table = _domain_table(engine)
+    job = JobIdentity.schedule("fenced", "reclaimed")
+    stale = service.acquire(job, lease_ms=60_000)
+    assert stale is not None
+    force_expire(engine, job)
+    fresh = rival.acquire(job)
+    assert fresh is not None and fresh.attempt == 2
+    with pytest.raises(errors.LostLeaseError), service.fenced_transaction(stale) as conn:
+        conn.execute(table.insert().values(k="stale"))
+    assert stale.lost
+    assert _domain_keys(engine, table) == []
+    with rival.fenced_transaction(fresh) as conn:
+        conn.execute(table.insert().values(k="fresh"))
+    assert _domain_keys(engine, table) == ["fresh"]
+
+
+def test_fenced_transaction_refuses_an_expired_lease_nobody_reclaimed(
+    service: LeaseService, engine: sa.Engine
+) -> None:
+    table = _domain_table(engine)
+    job = JobIdentity.schedule("fenced", "expired")
+    lease = service.acquire(job, lease_ms=60_000)
+    assert lease is not None
+    force_expire(engine, job)
+    with pytest.raises(errors.LostLeaseError), service.fenced_transaction(lease) as conn:
+        conn.execute(table.insert().values(k="late"))
+    assert _domain_keys(engine, table) == []

@@ -17,11 +17,9 @@ import dagster as dg
 import sqlalchemy as sa
 from pydantic import Field, PrivateAttr
 
-from dagster_joblease import errors, exclusive, identity, lease, options, outbox
+from dagster_joblease import exclusive, identity, lease, options, outbox
 from dagster_joblease.storage import engine as storage_engine
-from dagster_joblease.storage.clock import db_now
 from dagster_joblease.storage.migrate import current_revision, head_revision, migrate, require_schema
-from dagster_joblease.storage.schema import lease_table
 
 __all__ = ["JobLeaseResource", "assert_lease_held", "fenced_transaction"]
 
@@ -29,39 +27,14 @@ T = TypeVar("T")
 
 
 def assert_lease_held(connection: sa.Connection, held: lease.Lease) -> None:
-    """Inside ``connection``'s transaction, make sure ``held`` is still this worker's live lease.
-
-    On PostgreSQL the lease row is locked (``FOR UPDATE``) until the transaction ends, so no reclaim can
-    slip in between this check and the commit; SQLite's ``BEGIN IMMEDIATE`` already holds the database
-    write lock. A lease that was reclaimed, finished or has expired raises :class:`LostLeaseError`, and
-    the caller's transaction (domain rows and outbox row) rolls back with it.
-    """
-    t = lease_table
-    stmt = sa.select(t.c.id).where(
-        t.c.id == held.id,
-        t.c.owner_token == held.owner_token,
-        t.c.status == lease.LeaseStatus.RUNNING.value,
-        t.c.expires_at > db_now(),
-    )
-    if connection.dialect.name == "postgresql":
-        stmt = stmt.with_for_update()
-    with storage_engine.translate_errors("check a lease"):
-        row = connection.execute(stmt).first()
-    if row is None:
-        raise errors.LostLeaseError(
-            lease_id=held.id,
-            attempt=held.attempt,
-            idempotency_key=held.idempotency_key,
-            action="commit a fenced transaction under",
-        )
+    """Inside ``connection``'s transaction, make sure ``held`` is still ours; see LeaseService.assert_held."""
+    lease.LeaseService(connection.engine).assert_held(connection, held)
 
 
 @contextlib.contextmanager
 def fenced_transaction(engine: sa.Engine, held: lease.Lease) -> Iterator[sa.Connection]:
-    """One transaction that only commits while ``held`` is still ours (see :func:`assert_lease_held`)."""
-    held.ensure_held()
-    with engine.begin() as connection:
-        assert_lease_held(connection, held)
+    """One transaction that only commits while ``held`` is still ours; see LeaseService.fenced_transaction."""
+    with lease.LeaseService(engine).fenced_transaction(held) as connection:
         yield connection
 
 
