@@ -23,7 +23,7 @@ from typing import Any, TypeVar
 
 import click
 import sqlalchemy as sa
-from sqlalchemy.engine import URL, make_url
+from sqlalchemy.engine import make_url
 
 from dagster_joblease import admin, errors, storage
 from dagster_joblease.storage import engine as storage_engine
@@ -110,9 +110,7 @@ class State:
         """An engine that has connected once; ``require_head``: the schema must be at this package's head."""
         if self._engine is None:
             url = self.url
-            parsed, connect_args = postgres_connect_args(storage_engine.normalize_url(url))
-            kwargs: dict[str, Any] = {"connect_args": connect_args} if connect_args else {}
-            self._engine = storage.create_engine(parsed, **kwargs)
+            self._engine = storage.create_engine(url)
             try:
                 with storage_engine.translate_errors("connect"), self._engine.connect():
                     pass
@@ -130,30 +128,6 @@ class State:
     def close(self) -> None:
         if self._engine is not None:
             self._engine.dispose()
-
-
-def postgres_connect_args(url: URL) -> tuple[URL, dict[str, Any]]:
-    """Driver options a URL cannot carry as text: ``?prepare_threshold=none`` (PgBouncer in transaction
-    mode) becomes psycopg's ``prepare_threshold=None``; a 10 s connect timeout unless the URL sets one."""
-    if url.get_backend_name() != "postgresql":
-        return url, {}
-    args: dict[str, Any] = {}
-    if "connect_timeout" not in url.query:
-        args["connect_timeout"] = 10
-    if "prepare_threshold" in url.query:
-        raw = url.query["prepare_threshold"]
-        text = (raw if isinstance(raw, str) else raw[-1]).strip().lower()
-        if text in ("none", "null", ""):
-            args["prepare_threshold"] = None
-        elif text.isdigit():
-            args["prepare_threshold"] = int(text)
-        else:
-            raise errors.ConfigurationError(
-                f"prepare_threshold={text!r} in the database URL must be a non-negative integer or 'none' "
-                "(none disables server-side prepared statements, as PgBouncer's transaction mode needs)"
-            )
-        url = url.difference_update_query(["prepare_threshold"])
-    return url, args
 
 
 def _state() -> State:

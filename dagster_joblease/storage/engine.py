@@ -134,11 +134,38 @@ def create_engine(url: str | URL | None = None, **kwargs: Any) -> sa.Engine:
         engine = sa.create_engine(parsed, **kwargs)
         _install_sqlite_pragmas(engine)
         return engine
+    parsed, driver_args = _postgres_connect_args(parsed)
+    if driver_args:
+        kwargs["connect_args"] = {**driver_args, **kwargs.get("connect_args", {})}
     if "pool_pre_ping" in kwargs:
         return sa.create_engine(parsed, **kwargs)
     engine = sa.create_engine(parsed, **kwargs)
     _install_idle_ping(engine)
     return engine
+
+
+def _postgres_connect_args(url: URL) -> tuple[URL, dict[str, Any]]:
+    """Driver options a URL cannot carry as text: ``?prepare_threshold=none`` (PgBouncer in transaction
+    mode) becomes psycopg's ``prepare_threshold=None``; a 10 s connect timeout unless the URL sets one."""
+    if url.get_backend_name() != "postgresql":
+        return url, {}
+    args: dict[str, Any] = {}
+    if "connect_timeout" not in url.query:
+        args["connect_timeout"] = 10
+    if "prepare_threshold" in url.query:
+        raw = url.query["prepare_threshold"]
+        text = (raw if isinstance(raw, str) else raw[-1]).strip().lower()
+        if text in ("none", "null", ""):
+            args["prepare_threshold"] = None
+        elif text.isdigit():
+            args["prepare_threshold"] = int(text)
+        else:
+            raise errors.ConfigurationError(
+                f"prepare_threshold={text!r} in the database URL must be a non-negative integer or 'none' "
+                "(none disables server-side prepared statements, as PgBouncer's transaction mode needs)"
+            )
+        url = url.difference_update_query(["prepare_threshold"])
+    return url, args
 
 
 def _install_idle_ping(engine: sa.Engine) -> None:
