@@ -175,6 +175,44 @@ _EXISTING = sa.select(outbox_table.c.payload_sha256).where(
 )
 
 
+@functools.cache
+def _psycopg_sql(dialect: sa.Dialect) -> tuple[str, dict[str, Any], str]:
+    """The INSERT and the fingerprint read, compiled once by SQLAlchemy for psycopg, with constants."""
+    compiled = _insert_statement("postgresql").compile(dialect=dialect)
+    constants = {
+        k: v for k, v in compiled.params.items() if k not in ("key", "topic", "payload_text", "sha256")
+    }
+    return str(compiled), constants, str(_EXISTING.compile(dialect=dialect))
+
+
+def _run_psycopg(connection: sa.Connection, params: dict[str, Any]) -> tuple[bool, str | None]:
+    """The enqueue on the caller's own psycopg connection (so inside its transaction), without
+    SQLAlchemy's per-execution work, which cost as much as the INSERT's round trip on this hot path."""
+    insert_sql, constants, existing_sql = _psycopg_sql(connection.dialect)
+    dbapi = connection.dialect.loaded_dbapi
+    driver = connection.connection.driver_connection
+    assert driver is not None, "the connection is closed"
+    try:
+        with driver.cursor() as cursor:
+            cursor.execute(insert_sql, {**constants, **params})
+            if cursor.fetchone() is not None:
+                return True, None
+            cursor.execute(existing_sql, {"key": params["key"]})
+            row = cursor.fetchone()
+            return False, None if row is None else row[0]
+    except dbapi.Error as exc:
+        detail = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
+        raise errors.StorageError(f"database error while trying to enqueue an outbox row: {detail}") from exc
+
+
+def _run_generic(connection: sa.Connection, params: dict[str, Any]) -> tuple[bool, str | None]:
+    with translate_errors("enqueue an outbox row"):
+        if connection.execute(_insert_statement(connection.dialect.name), params).first() is not None:
+            return True, None
+        existing: str | None = connection.execute(_EXISTING, {"key": params["key"]}).scalar_one_or_none()
+        return False, existing
+
+
 def enqueue_once(
     connection: sa.Connection,
     *,
@@ -209,22 +247,22 @@ def enqueue_once(
             "(send ids, let the consumer fetch the rest) or raise max_payload_bytes",
         )
     fingerprint = hashlib.sha256(data).hexdigest()
-    stmt = _insert_statement(connection.dialect.name)
     params = {"key": idempotency_key, "topic": topic, "payload_text": text, "sha256": fingerprint}
-    with translate_errors("enqueue an outbox row"):
-        # Two rounds: a conflicting row can vanish between the INSERT and the read (a concurrent purge or
-        # a rolled-back writer); the second INSERT then simply succeeds.
-        for _ in range(2):
-            if connection.execute(stmt, params).first() is not None:
-                return True
-            existing = connection.execute(_EXISTING, {"key": idempotency_key}).scalar_one_or_none()
-            if existing is None:
-                continue
-            if existing == fingerprint:
-                return False
-            raise errors.OutboxConflictError(
-                idempotency_key=idempotency_key, existing_sha256=existing, new_sha256=fingerprint
-            )
+    dialect = connection.dialect
+    run = _run_psycopg if (dialect.name, dialect.driver) == ("postgresql", "psycopg") else _run_generic
+    # Two rounds: a conflicting row can vanish between the INSERT and the read (a concurrent purge or a
+    # rolled-back writer); the second INSERT then simply succeeds.
+    for _ in range(2):
+        inserted, existing = run(connection, params)
+        if inserted:
+            return True
+        if existing is None:
+            continue
+        if existing == fingerprint:
+            return False
+        raise errors.OutboxConflictError(
+            idempotency_key=idempotency_key, existing_sha256=existing, new_sha256=fingerprint
+        )
     raise errors.StorageError(
         f"outbox key {idempotency_key!r} conflicted but could not be read back twice; retry the transaction"
     )

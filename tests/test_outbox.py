@@ -216,3 +216,22 @@ def test_concurrent_enqueue_of_one_key_inserts_once(pg_engine: sa.Engine) -> Non
         else:
             assert isinstance(result, errors.OutboxConflictError)
         assert len(_rows(pg_engine)) == 1
+
+
+def test_driver_errors_surface_as_storage_errors_inside_the_callers_transaction(pg_engine: sa.Engine) -> None:
+    """On psycopg the INSERT runs on the caller's driver connection; its errors still become StorageError."""
+    with pg_engine.begin() as conn:
+        conn.exec_driver_sql("ALTER TABLE joblease_outbox RENAME TO joblease_outbox_moved")
+    with pytest.raises(errors.StorageError, match="enqueue an outbox row"), pg_engine.begin() as conn:
+        outbox.enqueue_once(conn, idempotency_key="v2:missing-table", topic="t", payload={"v": 1})
+    with pg_engine.begin() as conn:
+        conn.exec_driver_sql("ALTER TABLE joblease_outbox_moved RENAME TO joblease_outbox")
+        conn.exec_driver_sql("CREATE TABLE domain_probe (k text PRIMARY KEY)")
+    # The caller's transaction is one unit: its domain row and the outbox row commit or vanish together.
+    with pytest.raises(RuntimeError), pg_engine.begin() as conn:
+        conn.exec_driver_sql("INSERT INTO domain_probe VALUES ('a')")
+        assert outbox.enqueue_once(conn, idempotency_key="v2:unit", topic="t", payload={"v": 1})
+        raise RuntimeError("the domain change failed after the enqueue")
+    with pg_engine.connect() as conn:
+        assert conn.exec_driver_sql("SELECT count(*) FROM domain_probe").scalar_one() == 0
+        assert conn.exec_driver_sql("SELECT count(*) FROM joblease_outbox").scalar_one() == 0
