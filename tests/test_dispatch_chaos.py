@@ -245,7 +245,8 @@ def test_dispatcher_survives_terminated_connections_and_a_postgres_restart(
     options = {"concurrency": 8, "claim_ms": 4_000, "backoff_base_ms": 10, "backoff_max_ms": 1_000}
     path = tmp_path / "loop.json"
     try:
-        with start_receiver(fast_pg_url, "--lock-ms", "2000") as receiver:
+        # Each effect takes 10 ms, so the restart surely lands while rows are still being delivered.
+        with start_receiver(fast_pg_url, "--lock-ms", "2000", "--effect-delay-ms", "10") as receiver:
             routes = {"work": {"url": receiver.url + "/work", "timeout_s": 2.0}}
             worker = processes(
                 dispatch_workers.run_loop, fast_pg_url, routes, options, str(path), 50, app_name
@@ -261,9 +262,11 @@ def test_dispatcher_survives_terminated_connections_and_a_postgres_restart(
                 ).scalar_one()
             assert terminated >= 1
             wait_until(_progress(worker, lambda: effect_count(engine) >= 300), timeout=60)
+            # Count what is still to do right before the restart (after it, a fast dispatcher may already
+            # have finished): the server goes down with work in flight.
+            pending_at_restart = status_counts(engine).get("PENDING", 0)
             engine.dispose()
             _pg_ctl("restart")
-            pending_at_restart = status_counts(engine).get("PENDING", 0)
             assert pending_at_restart > 0
             wait_until(
                 _progress(worker, lambda: status_counts(engine) == {"SENT": total}), timeout=90, interval=0.2
