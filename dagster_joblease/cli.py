@@ -216,7 +216,7 @@ LAZY_SUBCOMMANDS = {
         "Run the reference downstream HTTP receiver (inbox).",
     ),
     "demo": LazyCommand(
-        "dagster_joblease.demo",
+        "dagster_joblease.dagster.demo",
         "demo_command",
         "Run the end-to-end demo (Dagster, leases, outbox, receiver).",
     ),

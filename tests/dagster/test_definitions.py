@@ -29,7 +29,7 @@ def test_definitions_validate_and_the_demo_pass_in_subprocesses(tmp_path: Path) 
         [
             sys.executable,
             "-m",
-            "dagster_joblease.demo",
+            "dagster_joblease.dagster.demo",
             "--partitions",
             "4",
             "--workdir",

@@ -267,7 +267,7 @@ def run_demo(
 
         def launch(label: str) -> tuple[subprocess.Popen[str], threading.Thread]:
             proc = subprocess.Popen(
-                [sys.executable, "-m", "dagster_joblease.demo", "_worker", label, *days],
+                [sys.executable, "-m", "dagster_joblease.dagster.demo", "_worker", label, *days],
                 stdout=subprocess.PIPE,
                 stderr=(work / f"{label}.log").open("w"),
                 env=env,
@@ -301,7 +301,7 @@ def run_demo(
         progress.update("[4/5] dispatching; killing the dispatcher mid-delivery (SIGKILL)")
         killed_at = max(1, partitions // 3)
         dispatcher = subprocess.Popen(
-            [sys.executable, "-m", "dagster_joblease.demo", "_dispatch", joblease_url, billing_url],
+            [sys.executable, "-m", "dagster_joblease.dagster.demo", "_dispatch", joblease_url, billing_url],
             stderr=(work / "dispatcher.log").open("w"),
             env=env,
         )
