@@ -25,7 +25,6 @@ __all__ = [
     "DEAD_ROWS_CHECK",
     "OUTBOX_ASSET_KEY",
     "DispatchConfig",
-    "DispatchTotals",
     "build_dead_rows_check",
     "build_dispatcher_job",
     "dead_rows_evaluation",
@@ -55,24 +54,6 @@ class DispatchConfig(dg.Config):
 
     max_batches: int = 50
     batch_size: int = 100
-
-
-@dataclasses.dataclass
-class DispatchTotals:
-    """The counts a dispatcher run reports: claimed, sent, retried, dead-lettered, over its batches."""
-
-    batches: int = 0
-    claimed: int = 0
-    sent: int = 0
-    retried: int = 0
-    dead: int = 0
-
-    def add(self, report: dispatch.DispatchReport) -> None:
-        self.batches += 1
-        self.claimed += report.claimed
-        self.sent += report.sent
-        self.retried += report.retried
-        self.dead += report.dead
 
 
 def _cell(value: object) -> str:
@@ -162,13 +143,15 @@ def build_dispatcher_job(
     def _dispatch(context: OpExecutionContext, config: DispatchConfig) -> dg.Output[dict[str, int]]:
         resource = getattr(context.resources, resource_key)
         route_map = dict(routes() if callable(routes) else routes)
-        totals = DispatchTotals()
+        totals = dispatch.DispatchReport()
+        batches = 0
         with dispatch.Dispatcher(
             resource.engine, route_map, max_attempts=max_attempts, claim_ms=claim_ms, concurrency=concurrency
         ) as dispatcher:
             for _ in range(config.max_batches):
                 report = dispatcher.dispatch(limit=config.batch_size)
-                totals.add(report)
+                batches += 1
+                totals = totals.merge(dataclasses.replace(report, rows=[]))
                 for row in report.rows:
                     if row.outcome != "sent":
                         context.log.warning(
@@ -178,10 +161,14 @@ def build_dispatcher_job(
                 if report.claimed == 0:
                     break
         remaining = outbox.due_summary(resource.engine)
-        counts = dataclasses.asdict(totals) | {"due_after": remaining.due}
+        counts = {"batches": batches} | {
+            key: value for key, value in dataclasses.asdict(totals).items() if key != "rows"
+        }
+        counts["due_after"] = remaining.due
         context.log.info(
             f"dispatched: claimed {totals.claimed}, sent {totals.sent}, retried {totals.retried}, "
-            f"dead {totals.dead} in {totals.batches} batch(es); {remaining.due} still due"
+            f"dead {totals.dead} in {batches} batch(es); lost claims {totals.lost_claims}, released "
+            f"{totals.released}, unrecorded {totals.unrecorded}; {remaining.due} still due"
         )
         meta = {key: dg.MetadataValue.int(value) for key, value in counts.items()}
         context.log_event(dg.AssetObservation(asset_key=OUTBOX_ASSET_KEY, metadata=meta))

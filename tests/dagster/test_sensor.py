@@ -129,6 +129,8 @@ def test_sensor_requests_one_dispatcher_run_at_a_time_and_the_job_reports(
     (observation,) = result.asset_observations_for_node("test_dispatch_job_dispatch")
     assert observation.asset_key == OUTBOX_ASSET_KEY
     assert observation.metadata["sent"] == dg.MetadataValue.int(counts["sent"])
+    assert {"batches", "lost_claims", "released", "unrecorded", "due_after"} <= set(observation.metadata)
+    assert (counts["lost_claims"], counts["released"], counts["unrecorded"]) == (0, 0, 0), counts
     (check,) = result.get_asset_check_evaluations()
     assert check.asset_key == OUTBOX_ASSET_KEY and check.check_name == "no_dead_rows"
     assert not check.passed and check.severity == dg.AssetCheckSeverity.ERROR
