@@ -160,8 +160,10 @@ class InboxConflictError(JobLeaseError):
 class InboxInProgressError(JobLeaseError):
     """Another consumer is processing this key right now (HTTP 409); retry later."""
 
-    def __init__(self, *, idempotency_key: str) -> None:
+    def __init__(self, *, idempotency_key: str, retry_after_ms: int | None = None) -> None:
         self.idempotency_key = idempotency_key
+        #: How long the current claim lasts at most (database clock), when known: a fair Retry-After.
+        self.retry_after_ms = retry_after_ms
         super().__init__(f"idempotency key {idempotency_key!r} is being processed; retry later")
 
 

@@ -30,7 +30,7 @@ import sqlalchemy as sa
 from sqlalchemy.dialects import postgresql, sqlite
 
 from dagster_joblease import errors, outbox
-from dagster_joblease.storage.clock import db_now, db_now_plus_ms
+from dagster_joblease.storage.clock import db_now, db_now_plus_ms, ms_until
 from dagster_joblease.storage.engine import translate_errors
 from dagster_joblease.storage.schema import inbox_table
 
@@ -258,9 +258,13 @@ class Inbox:
                 if conn.execute(stmt).first() is not None:
                     return None
                 row = conn.execute(
-                    sa.select(t.c.status, t.c.payload_sha256, t.c.response_status, t.c.response_body).where(
-                        t.c.idempotency_key == key
-                    )
+                    sa.select(
+                        t.c.status,
+                        t.c.payload_sha256,
+                        t.c.response_status,
+                        t.c.response_body,
+                        ms_until(t.c.locked_until).label("lock_left_ms"),
+                    ).where(t.c.idempotency_key == key)
                 ).first()
                 if row is None:
                     continue
@@ -270,7 +274,10 @@ class Inbox:
                     return InboxResult(
                         status_code=int(row.response_status), body=row.response_body or "", replayed=True
                     )
-                raise errors.InboxInProgressError(idempotency_key=key)
+                left = row.lock_left_ms
+                raise errors.InboxInProgressError(
+                    idempotency_key=key, retry_after_ms=None if left is None else max(0, int(left))
+                )
         raise errors.InboxInProgressError(idempotency_key=key)
 
     def _release(self, key: str, token: str) -> None:

@@ -153,8 +153,10 @@ def test_live_claim_answers_in_progress_and_another_payload_still_conflicts(
 ) -> None:
     _insert_claim(engine, "busy", {"v": 1}, lock_ms=60_000)
     effect = _writer("busy", "mine")
-    with pytest.raises(errors.InboxInProgressError, match="'busy' is being processed"):
+    with pytest.raises(errors.InboxInProgressError, match="'busy' is being processed") as busy:
         inbox.process("busy", {"v": 1}, effect)
+    # The claim's remaining lock on the database clock: what a fair Retry-After says.
+    assert busy.value.retry_after_ms is not None and 50_000 < busy.value.retry_after_ms <= 60_000
     with pytest.raises(errors.InboxConflictError):
         inbox.process("busy", {"v": 2}, effect)
     assert effect.calls == []

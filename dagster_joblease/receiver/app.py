@@ -15,6 +15,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import logging
+import math
 import signal
 import threading
 import time
@@ -346,7 +347,9 @@ class _Handler(BaseHTTPRequestHandler):
         except errors.InboxConflictError as exc:
             return self._send_problem(422, "Idempotency-Key reused with another payload", str(exc))
         except errors.InboxInProgressError as exc:
-            return self._send_problem(409, "Request in progress", str(exc), **{"Retry-After": "1"})
+            # Retry-After: when the in-flight claim ends at the latest (a crashed consumer's claim included).
+            wait_s = 1 if exc.retry_after_ms is None else max(1, math.ceil(exc.retry_after_ms / 1000))
+            return self._send_problem(409, "Request in progress", str(exc), **{"Retry-After": str(wait_s)})
         except errors.StorageError as exc:
             return self._send_problem(503, "Service Unavailable", str(exc), **{"Retry-After": "1"})
         except Exception as exc:
