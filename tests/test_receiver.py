@@ -70,6 +70,8 @@ def test_idempotency_key_contract_over_http(db_url: str, engine: sa.Engine, clie
         assert effects(engine) == [("k-1", "mail", '{"v": 1, "id": 7}'), ("k-2", "sms", '{"v": 1}')]
         assert request_count(engine) == 5
         assert request_count(engine, idempotency_key="k-1") == 2  # the quoted spelling is logged raw
+        # The receiver logs a status just after its answer leaves: wait for the last one.
+        wait_until(lambda: None not in [status for _, _, status in request_log(engine)])
         assert [status for _, _, status in request_log(engine)] == [400, 200, 200, 422, 200]
 
         assert receiver.stop() == 0
@@ -135,6 +137,7 @@ def test_fault_flags(pg_url: str, pg_engine: sa.Engine, client: httpx.Client) ->
         assert replay.status_code == 200 and replay.headers["Idempotent-Replayed"] == "true"
         assert effect_count(pg_engine) == 1
         wait_until(lambda: request_log(pg_engine)[1][2] == 503)  # the hung POST answers once it wakes
+        wait_until(lambda: request_log(pg_engine)[-1][2] == 200)  # logged just after its answer leaves
         assert [s for _, _, s in request_log(pg_engine)] == [None, 503, 503, 400, 410, 200, 200]
 
 
