@@ -24,6 +24,7 @@ from typing import Any, TypeVar
 
 import sqlalchemy as sa
 from sqlalchemy.dialects import postgresql, sqlite
+from sqlalchemy.dialects.postgresql import psycopg as psycopg_dialect
 
 from dagster_joblease import errors, exclusive, identity, options
 from dagster_joblease.storage.clock import db_now, db_now_plus_ms, ms_until
@@ -183,23 +184,17 @@ def acquire_statement(dialect_name: str) -> Any:
 _STATUS_OF = sa.select(lease_table.c.status).where(lease_table.c.lock_key == sa.bindparam("p_lock_key"))
 
 
-def _storage_error(exc: BaseException) -> errors.StorageError:
-    detail = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
-    return errors.StorageError(f"database error while trying to acquire a lease: {detail}")
+@functools.cache
+def _psycopg_sql() -> tuple[str, dict[str, Any], str]:
+    """The claim and the status read compiled once for psycopg, with the claim's constant parameters.
 
-
-_DRIVER_SQL: dict[tuple[str, str, str], tuple[str, dict[str, Any], str]] = {}
-
-
-def _psycopg_sql(dialect: sa.Dialect) -> tuple[str, dict[str, Any], str]:
-    """The claim and the status read compiled once for the driver, with the claim's constant parameters."""
-    key = (dialect.name, dialect.driver, dialect.paramstyle)
-    found = _DRIVER_SQL.get(key)
-    if found is None:
-        compiled = acquire_statement("postgresql").compile(dialect=dialect)
-        constants = {k: v for k, v in compiled.params.items() if not k.startswith("p_")}
-        found = _DRIVER_SQL[key] = (str(compiled), constants, str(_STATUS_OF.compile(dialect=dialect)))
-    return found
+    Compiled for a fresh psycopg dialect rather than each engine's, so engines built per run or per
+    sensor tick do not each add a cache entry.
+    """
+    dialect = psycopg_dialect.dialect()  # type: ignore[no-untyped-call]
+    compiled = acquire_statement("postgresql").compile(dialect=dialect)
+    constants = {k: v for k, v in compiled.params.items() if not k.startswith("p_")}
+    return str(compiled), constants, str(_STATUS_OF.compile(dialect=dialect))
 
 
 class LeaseService:
@@ -299,37 +294,34 @@ class LeaseService:
         driver connection skips SQLAlchemy's per-execution work, which cost more CPU than the driver and
         the statement together; the SQL is exactly what SQLAlchemy compiles from :func:`acquire_statement`.
         """
-        sql, constants, status_sql = _psycopg_sql(self.engine.dialect)
+        sql, constants, status_sql = _psycopg_sql()
         dbapi = self.engine.dialect.loaded_dbapi
         with translate_errors("acquire a lease"):
+            pooled = self.engine.raw_connection()
             try:
-                pooled = self.engine.raw_connection()
-            except dbapi.Error as exc:  # a failed connect comes straight from the driver here
-                raise _storage_error(exc) from exc
-        try:
-            conn = pooled.driver_connection
-            assert conn is not None
-            try:
-                conn.autocommit = True
-                with conn.cursor() as cursor:
-                    cursor.execute(sql, {**constants, **params})
-                    row = cursor.fetchone()
-                    current = None
-                    if row is None:
-                        cursor.execute(status_sql, {"p_lock_key": params["p_lock_key"]})
-                        found = cursor.fetchone()
-                        current = found[0] if found is not None else None
-            finally:
+                conn = pooled.driver_connection
+                assert conn is not None
                 try:
-                    conn.autocommit = False
-                except dbapi.Error:
-                    pooled.invalidate()  # interrupted mid-statement: never hand this connection out again
-        except dbapi.Error as exc:
-            if self.engine.dialect.is_disconnect(exc, pooled.dbapi_connection, None):
-                pooled.invalidate(exc)
-            raise _storage_error(exc) from exc
-        finally:
-            pooled.close()
+                    conn.autocommit = True
+                    with conn.cursor() as cursor:
+                        cursor.execute(sql, {**constants, **params})
+                        row = cursor.fetchone()
+                        current = None
+                        if row is None:
+                            cursor.execute(status_sql, {"p_lock_key": params["p_lock_key"]})
+                            found = cursor.fetchone()
+                            current = found[0] if found is not None else None
+                finally:
+                    try:
+                        conn.autocommit = False
+                    except dbapi.Error:
+                        pooled.invalidate()  # interrupted mid-statement: never hand this connection out again
+            except dbapi.Error as exc:
+                if self.engine.dialect.is_disconnect(exc, pooled.dbapi_connection, None):
+                    pooled.invalidate(exc)
+                raise
+            finally:
+                pooled.close()
         return row, current
 
     def acquire(self, job: identity.JobIdentity, *, lease_ms: int | None = None) -> Lease | None:

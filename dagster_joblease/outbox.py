@@ -17,6 +17,7 @@ from typing import Any
 
 import sqlalchemy as sa
 from sqlalchemy.dialects import postgresql, sqlite
+from sqlalchemy.dialects.postgresql import psycopg as psycopg_dialect
 
 from dagster_joblease import errors
 from dagster_joblease.storage.clock import db_now, ms_until
@@ -176,8 +177,12 @@ _EXISTING = sa.select(outbox_table.c.payload_sha256).where(
 
 
 @functools.cache
-def _psycopg_sql(dialect: sa.Dialect) -> tuple[str, dict[str, Any], str]:
-    """The INSERT and the fingerprint read, compiled once by SQLAlchemy for psycopg, with constants."""
+def _psycopg_sql() -> tuple[str, dict[str, Any], str]:
+    """The INSERT and the fingerprint read, compiled once by SQLAlchemy for psycopg, with constants.
+
+    Compiled for a fresh psycopg dialect, not each engine's, so the cache holds one entry.
+    """
+    dialect = psycopg_dialect.dialect()  # type: ignore[no-untyped-call]
     compiled = _insert_statement("postgresql").compile(dialect=dialect)
     constants = {
         k: v for k, v in compiled.params.items() if k not in ("key", "topic", "payload_text", "sha256")
@@ -188,21 +193,16 @@ def _psycopg_sql(dialect: sa.Dialect) -> tuple[str, dict[str, Any], str]:
 def _run_psycopg(connection: sa.Connection, params: dict[str, Any]) -> tuple[bool, str | None]:
     """The enqueue on the caller's own psycopg connection (so inside its transaction), without
     SQLAlchemy's per-execution work, which cost as much as the INSERT's round trip on this hot path."""
-    insert_sql, constants, existing_sql = _psycopg_sql(connection.dialect)
-    dbapi = connection.dialect.loaded_dbapi
+    insert_sql, constants, existing_sql = _psycopg_sql()
     driver = connection.connection.driver_connection
     assert driver is not None, "the connection is closed"
-    try:
-        with driver.cursor() as cursor:
-            cursor.execute(insert_sql, {**constants, **params})
-            if cursor.fetchone() is not None:
-                return True, None
-            cursor.execute(existing_sql, {"key": params["key"]})
-            row = cursor.fetchone()
-            return False, None if row is None else row[0]
-    except dbapi.Error as exc:
-        detail = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
-        raise errors.StorageError(f"database error while trying to enqueue an outbox row: {detail}") from exc
+    with translate_errors("enqueue an outbox row"), driver.cursor() as cursor:
+        cursor.execute(insert_sql, {**constants, **params})
+        if cursor.fetchone() is not None:
+            return True, None
+        cursor.execute(existing_sql, {"key": params["key"]})
+        row = cursor.fetchone()
+        return False, None if row is None else row[0]
 
 
 def _run_generic(connection: sa.Connection, params: dict[str, Any]) -> tuple[bool, str | None]:

@@ -11,6 +11,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+import psycopg
 import sqlalchemy as sa
 from sqlalchemy import event
 from sqlalchemy.engine import URL, make_url
@@ -193,13 +194,24 @@ def _install_idle_ping(engine: sa.Engine) -> None:
             raise sa.exc.DisconnectionError("pooled connection failed its ping") from exc
 
 
+def _first_line(exc: BaseException) -> str:
+    return (str(exc).strip().splitlines() or [type(exc).__name__])[0]
+
+
 @contextlib.contextmanager
 def translate_errors(action: str) -> Iterator[None]:
-    """Re-raise driver errors as :class:`StorageError` naming the action, never the URL."""
+    """Re-raise driver errors as :class:`StorageError` naming the action, never the URL.
+
+    Covers SQLAlchemy's wrapped errors and raw psycopg errors (the hot paths that run compiled SQL on
+    the pooled driver connection).
+    """
     try:
         yield
     except sa.exc.DBAPIError as exc:
-        detail = str(exc.orig).strip().splitlines()[0] if exc.orig is not None else type(exc).__name__
-        raise errors.StorageError(f"database error while trying to {action}: {detail}") from exc
+        raise errors.StorageError(
+            f"database error while trying to {action}: {_first_line(exc.orig or exc)}"
+        ) from exc
+    except psycopg.Error as exc:
+        raise errors.StorageError(f"database error while trying to {action}: {_first_line(exc)}") from exc
     except sa.exc.SQLAlchemyError as exc:
         raise errors.StorageError(f"database error while trying to {action}: {type(exc).__name__}") from exc
