@@ -18,6 +18,7 @@ import pytest
 import sqlalchemy as sa
 from sqlalchemy.engine import URL, make_url
 
+from dagster_joblease.lease import LeaseService
 from dagster_joblease.storage import create_engine, migrate
 
 PG_URL_ENV = "JOBLEASE_TEST_PG_URL"
@@ -50,20 +51,25 @@ def pg_template() -> Iterator[str]:
     _admin_execute(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
 
 
+def clone_template(template: str, name: str) -> str:
+    """Create database ``name`` from the migrated template; returns its URL."""
+    for attempt in range(50):
+        try:
+            _admin_execute(f'CREATE DATABASE "{name}" TEMPLATE "{template}"')
+            break
+        except sa.exc.OperationalError:
+            # "source database is being accessed by other users": a clone in flight; try again shortly.
+            if attempt == 49:
+                raise
+            time.sleep(0.1)
+    return admin_url().set(database=name).render_as_string(hide_password=False)
+
+
 @pytest.fixture
 def pg_url(pg_template: str) -> Iterator[str]:
     """The URL of a fresh, migrated PostgreSQL database for this test (dropped afterwards)."""
     name = f"joblease_t_{uuid.uuid4().hex[:10]}"
-    for attempt in range(20):
-        try:
-            _admin_execute(f'CREATE DATABASE "{name}" TEMPLATE "{pg_template}"')
-            break
-        except sa.exc.OperationalError:
-            # "source database is being accessed by other users": a clone in flight; try again shortly.
-            if attempt == 19:
-                raise
-            time.sleep(0.1)
-    yield admin_url().set(database=name).render_as_string(hide_password=False)
+    yield clone_template(pg_template, name)
     _admin_execute(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
 
 
@@ -96,6 +102,25 @@ def pg_engine(pg_url: str) -> Iterator[sa.Engine]:
     eng = create_engine(pg_url)
     yield eng
     eng.dispose()
+
+
+@pytest.fixture
+def other_engine(db_url: str) -> Iterator[sa.Engine]:
+    """A second engine on the same database: another worker, with its own connections."""
+    eng = create_engine(db_url)
+    yield eng
+    eng.dispose()
+
+
+@pytest.fixture
+def service(engine: sa.Engine) -> LeaseService:
+    return LeaseService(engine, lease_ms=60_000)
+
+
+@pytest.fixture
+def rival(other_engine: sa.Engine) -> LeaseService:
+    """The lease service of another worker on the same database."""
+    return LeaseService(other_engine, lease_ms=60_000)
 
 
 def wait_until(predicate: Callable[[], bool], timeout: float = 10.0, interval: float = 0.02) -> None:

@@ -5,7 +5,6 @@ from __future__ import annotations
 import datetime as dt
 import json
 import unicodedata
-from collections.abc import Iterator
 from typing import Any
 
 import pytest
@@ -47,24 +46,6 @@ def force_expire(engine: sa.Engine, job: JobIdentity) -> None:
             .where(lease_table.c.lock_key == job.idempotency_key)
             .values(expires_at=dt.datetime(2000, 1, 1, tzinfo=dt.UTC))
         )
-
-
-@pytest.fixture
-def other_engine(db_url: str) -> Iterator[sa.Engine]:
-    """A second engine on the same database: another worker, with its own connections."""
-    eng = create_engine(db_url)
-    yield eng
-    eng.dispose()
-
-
-@pytest.fixture
-def service(engine: sa.Engine) -> LeaseService:
-    return LeaseService(engine, lease_ms=60_000)
-
-
-@pytest.fixture
-def rival(other_engine: sa.Engine) -> LeaseService:
-    return LeaseService(other_engine, lease_ms=60_000)
 
 
 def test_fresh_acquire(service: LeaseService, engine: sa.Engine) -> None:

@@ -5,7 +5,6 @@ from __future__ import annotations
 import datetime as dt
 import threading
 import time
-from collections.abc import Iterator
 from typing import Any
 
 import pytest
@@ -23,23 +22,6 @@ JOB = JobIdentity.schedule("nightly-sync", "2026-11-29")
 def row_of(engine: sa.Engine, job: JobIdentity = JOB) -> sa.Row[Any]:
     with engine.connect() as conn:
         return conn.execute(sa.select(lease_table).where(lease_table.c.lock_key == job.idempotency_key)).one()
-
-
-@pytest.fixture
-def other_engine(db_url: str) -> Iterator[sa.Engine]:
-    eng = create_engine(db_url)
-    yield eng
-    eng.dispose()
-
-
-@pytest.fixture
-def service(engine: sa.Engine) -> LeaseService:
-    return LeaseService(engine, lease_ms=60_000)
-
-
-@pytest.fixture
-def rival(other_engine: sa.Engine) -> LeaseService:
-    return LeaseService(other_engine, lease_ms=60_000)
 
 
 def test_loser_does_not_call_fn(service: LeaseService, rival: LeaseService) -> None:

@@ -5,17 +5,15 @@ from __future__ import annotations
 
 import dataclasses
 import os
-import time
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
 
 import dagster as dg
 import pytest
-import sqlalchemy as sa
 from sqlalchemy.engine import make_url
 
-from tests.conftest import _admin_execute, admin_url
+from tests.conftest import _admin_execute, clone_template
 
 
 @dataclasses.dataclass(frozen=True)
@@ -43,16 +41,7 @@ def psycopg2_url(url: str) -> str:
 @pytest.fixture(scope="module")
 def dagster_pg(pg_template: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator[DagsterPg]:
     name = f"joblease_dg_{uuid.uuid4().hex[:10]}"
-    for attempt in range(50):
-        try:
-            _admin_execute(f'CREATE DATABASE "{name}" TEMPLATE "{pg_template}"')
-            break
-        except sa.exc.OperationalError:
-            # "source database is being accessed by other users": another test is cloning it right now.
-            if attempt == 49:
-                raise
-            time.sleep(0.1)
-    url = admin_url().set(database=name).render_as_string(hide_password=False)
+    url = clone_template(pg_template, name)
     home = tmp_path_factory.mktemp("dagster_home")
     (home / "dagster.yaml").write_text(
         f"storage:\n  postgres:\n    postgres_url: {psycopg2_url(url)}\ntelemetry:\n  enabled: false\n"
