@@ -28,7 +28,7 @@ from dagster_joblease.dagster.metadata import (
     schedule_tags,
 )
 from dagster_joblease.dagster.ops import LeasedRun, leased_asset, leased_op, run_leased
-from dagster_joblease.dagster.resource import JobLeaseResource, assert_lease_held, fenced_transaction
+from dagster_joblease.dagster.resource import JobLeaseResource
 from dagster_joblease.dagster.schedules import build_leased_schedule, partition_for_tick
 from dagster_joblease.dagster.sensors import NOT_FINISHED_STATUSES, build_outbox_sensor
 
@@ -45,13 +45,11 @@ __all__ = [
     "JobLeaseResource",
     "LeasedResult",
     "LeasedRun",
-    "assert_lease_held",
     "build_dead_rows_check",
     "build_dispatcher_job",
     "build_leased_schedule",
     "build_outbox_sensor",
     "dead_rows_evaluation",
-    "fenced_transaction",
     "leased_asset",
     "leased_op",
     "outbox_asset_spec",

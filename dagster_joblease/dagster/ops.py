@@ -18,7 +18,7 @@ from dagster import AssetExecutionContext, OpExecutionContext
 
 from dagster_joblease import errors, identity, lease, outbox
 from dagster_joblease.dagster import metadata
-from dagster_joblease.dagster.resource import JobLeaseResource, fenced_transaction
+from dagster_joblease.dagster.resource import JobLeaseResource
 from dagster_joblease.storage.engine import translate_errors
 from dagster_joblease.storage.schema import lease_table
 
@@ -60,7 +60,7 @@ class LeasedRun:
         If the lease was reclaimed, finished or expired, :class:`LostLeaseError` is raised and nothing
         of the transaction is written.
         """
-        with fenced_transaction(self.resource.engine, self.lease) as connection:
+        with self.resource.lease_service.fenced_transaction(self.lease) as connection:
             yield connection
 
     def enqueue_once(

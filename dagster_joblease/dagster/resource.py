@@ -21,21 +21,9 @@ from dagster_joblease import exclusive, identity, lease, options, outbox
 from dagster_joblease.storage import engine as storage_engine
 from dagster_joblease.storage.migrate import current_revision, head_revision, migrate, require_schema
 
-__all__ = ["JobLeaseResource", "assert_lease_held", "fenced_transaction"]
+__all__ = ["JobLeaseResource"]
 
 T = TypeVar("T")
-
-
-def assert_lease_held(connection: sa.Connection, held: lease.Lease) -> None:
-    """Inside ``connection``'s transaction, make sure ``held`` is still ours; see LeaseService.assert_held."""
-    lease.LeaseService(connection.engine).assert_held(connection, held)
-
-
-@contextlib.contextmanager
-def fenced_transaction(engine: sa.Engine, held: lease.Lease) -> Iterator[sa.Connection]:
-    """One transaction that only commits while ``held`` is still ours; see LeaseService.fenced_transaction."""
-    with lease.LeaseService(engine).fenced_transaction(held) as connection:
-        yield connection
 
 
 class JobLeaseResource(dg.ConfigurableResource):  # type: ignore[type-arg]
@@ -136,7 +124,7 @@ class JobLeaseResource(dg.ConfigurableResource):  # type: ignore[type-arg]
             with self.engine.begin() as connection:
                 yield connection
         else:
-            with fenced_transaction(self.engine, held) as connection:
+            with self.lease_service.fenced_transaction(held) as connection:
                 yield connection
 
     def enqueue_once(

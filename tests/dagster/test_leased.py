@@ -15,7 +15,7 @@ from dagster_joblease import (
     LostLeaseError,
     create_engine,
 )
-from dagster_joblease.dagster import JobLeaseResource, LeasedRun, fenced_transaction, leased_op
+from dagster_joblease.dagster import JobLeaseResource, LeasedRun, leased_op
 from dagster_joblease.storage.schema import outbox_table
 from tests.conftest import wait_until
 
@@ -83,12 +83,12 @@ def test_fenced_transaction_rolls_back_when_the_lease_was_reclaimed(db_url: str)
         job = JobIdentity.schedule("unit-fence", "k")
         mine = LeaseService(engine, lease_ms=300, heartbeat_ms=0).acquire(job)
         assert mine is not None
-        with fenced_transaction(engine, mine) as conn:  # still ours: commits
+        with LeaseService(engine).fenced_transaction(mine) as conn:  # still ours: commits
             conn.execute(sa.text("SELECT 1"))
         thief = LeaseService(engine, lease_ms=60_000)
         stolen: list[object] = []
         wait_until(lambda: stolen.append(thief.acquire(job)) or stolen[-1] is not None, timeout=10)
-        with pytest.raises(LostLeaseError), fenced_transaction(engine, mine) as conn:
+        with pytest.raises(LostLeaseError), LeaseService(engine).fenced_transaction(mine) as conn:
             conn.execute(
                 outbox_table.insert().values(
                     idempotency_key="v2:never",
@@ -117,7 +117,7 @@ def test_expired_but_unclaimed_lease_is_not_ours_either(sqlite_url: str) -> None
 
         def expired() -> bool:
             try:
-                with fenced_transaction(engine, mine):
+                with LeaseService(engine).fenced_transaction(mine):
                     return False
             except LostLeaseError:
                 return True
