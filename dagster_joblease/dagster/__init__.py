@@ -5,6 +5,7 @@
 - :func:`leased_op` / :func:`leased_asset` / :func:`run_leased`: bodies under ``run_exclusive``; skips
   succeed and are recorded (``joblease/...`` run tags and output metadata).
 - :func:`build_outbox_sensor` / :func:`build_dispatcher_job` / :func:`build_dead_rows_check`: delivery.
+- :func:`run_partition_twice`: for your tests, a partition run twice at once (backfill + schedule).
 """
 
 from __future__ import annotations
@@ -31,6 +32,7 @@ from dagster_joblease.dagster.ops import LeasedRun, leased_asset, leased_op, run
 from dagster_joblease.dagster.resource import JobLeaseResource
 from dagster_joblease.dagster.schedules import build_leased_schedule, partition_for_tick
 from dagster_joblease.dagster.sensors import NOT_FINISHED_STATUSES, build_outbox_sensor
+from dagster_joblease.dagster.testing import PartitionRun, run_partition_twice
 
 __all__ = [
     "DEAD_ROWS_CHECK",
@@ -45,6 +47,7 @@ __all__ = [
     "JobLeaseResource",
     "LeasedResult",
     "LeasedRun",
+    "PartitionRun",
     "build_dead_rows_check",
     "build_dispatcher_job",
     "build_leased_schedule",
@@ -55,5 +58,6 @@ __all__ = [
     "outbox_asset_spec",
     "partition_for_tick",
     "run_leased",
+    "run_partition_twice",
     "schedule_tags",
 ]

@@ -1,0 +1,139 @@
+"""For users' own Dagster tests: run one partition of a leased job twice at once, as an overlapping
+backfill and schedule tick would, and see what each run recorded."""
+
+from __future__ import annotations
+
+import dataclasses
+import threading
+import uuid
+from collections.abc import Mapping
+from typing import Any
+
+import dagster as dg
+
+from dagster_joblease import errors
+from dagster_joblease.dagster import metadata
+
+__all__ = ["PartitionRun", "run_partition_twice"]
+
+DEFAULT_TIMEOUT_S = 300.0
+_JOBLEASE_TAG_PREFIX = "joblease/"
+
+
+@dataclasses.dataclass(frozen=True)
+class PartitionRun:
+    """One of the runs :func:`run_partition_twice` launched.
+
+    ``outcome`` is the run's ``joblease/outcome`` tag (compare it with the constants in
+    :mod:`dagster_joblease.dagster.metadata`; ``None`` if no leased op recorded one), ``tags`` all its
+    ``joblease/...`` tags, ``error`` the failure messages of a failed run.
+    """
+
+    launched_as: str  #: "backfill" or "schedule"
+    run_id: str
+    success: bool
+    outcome: str | None
+    tags: Mapping[str, str]
+    error: str | None = None
+
+    @property
+    def won(self) -> bool:
+        """This run ran the body (it won or reclaimed the lease)."""
+        return self.outcome in (metadata.WON, metadata.RECLAIMED)
+
+
+def _launch_tags(job: dg.JobDefinition, partition_key: str) -> list[tuple[str, dict[str, str]]]:
+    return [
+        ("backfill", {"dagster/backfill": f"joblease-test-{uuid.uuid4().hex[:8]}"}),
+        ("schedule", {"dagster/schedule_name": f"{job.name}_schedule", "dagster/run_key": partition_key}),
+    ]
+
+
+def run_partition_twice(
+    job: dg.JobDefinition,
+    partition_key: str,
+    *,
+    resources: Mapping[str, Any] | None = None,
+    run_config: Mapping[str, Any] | None = None,
+    timeout_s: float = DEFAULT_TIMEOUT_S,
+) -> tuple[PartitionRun, PartitionRun]:
+    """Execute ``job`` for ``partition_key`` twice at the same moment, in-process, and return both runs.
+
+    One run is tagged as a backfill's, the other as a schedule tick's; Dagster dedupes neither against
+    the other, so only the lease decides. Expect exactly one ``won`` run and one skip, both successful,
+    and one effect.
+
+    The runs execute on two threads released together, each on its own ephemeral
+    ``DagsterInstance`` (in-memory storage, no compute-log capture): a shared instance would capture
+    both runs' stdout by swapping the process's file descriptors, which is not thread-safe. Pass the
+    joblease resource pointing at your test database in ``resources``, e.g.
+    ``{"joblease": JobLeaseResource(database_url=url)}``; it overrides the job's own.
+
+    Example::
+
+        first, second = run_partition_twice(
+            daily_billing_job, "2024-01-01", resources={"joblease": JobLeaseResource(database_url=url)}
+        )
+        assert [first.won, second.won].count(True) == 1
+
+    Raises:
+        ConfigurationError: an argument is invalid (before any run starts).
+        Exception: whatever ``execute_in_process`` raised before a run could start (bad config).
+    """
+    if not isinstance(job, dg.JobDefinition):
+        raise errors.ConfigurationError(
+            f"job must be a dagster JobDefinition (a @job), got {type(job).__name__}"
+        )
+    if not isinstance(partition_key, str) or not partition_key.strip():
+        raise errors.ConfigurationError(f"partition_key={partition_key!r} must be a non-blank str")
+    if isinstance(timeout_s, bool) or not isinstance(timeout_s, int | float) or timeout_s <= 0:
+        raise errors.ConfigurationError(f"timeout_s={timeout_s!r} must be a number of seconds > 0")
+
+    launches = _launch_tags(job, partition_key)
+    barrier = threading.Barrier(len(launches))
+    runs: dict[str, PartitionRun] = {}
+    raised: dict[str, BaseException] = {}
+
+    def launch(label: str, tags: dict[str, str]) -> None:
+        try:
+            with dg.DagsterInstance.ephemeral() as instance:
+                barrier.wait(timeout_s)
+                result = job.execute_in_process(
+                    partition_key=partition_key,
+                    instance=instance,
+                    tags=tags,
+                    run_config=run_config,
+                    resources=resources,
+                    raise_on_error=False,
+                )
+                stored = instance.get_run_by_id(result.run_id)
+                run_tags = dict(stored.tags) if stored is not None else {}
+                failures = [e.message or e.event_type_value for e in result.all_events if e.is_failure]
+                runs[label] = PartitionRun(
+                    launched_as=label,
+                    run_id=result.run_id,
+                    success=result.success,
+                    outcome=run_tags.get(metadata.TAG_OUTCOME),
+                    tags={k: v for k, v in run_tags.items() if k.startswith(_JOBLEASE_TAG_PREFIX)},
+                    error=None if result.success else "; ".join(failures) or "the run failed",
+                )
+        except BaseException as exc:
+            raised[label] = exc
+            barrier.abort()
+
+    threads = [
+        threading.Thread(target=launch, args=(label, tags), name=f"joblease-test-{label}", daemon=True)
+        for label, tags in launches
+    ]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(timeout_s)
+    if any(thread.is_alive() for thread in threads):
+        raise AssertionError(f"the runs of {job.name} for {partition_key!r} did not finish in {timeout_s} s")
+    for exc in raised.values():
+        if not isinstance(exc, threading.BrokenBarrierError):
+            raise exc
+    if raised:
+        raise next(iter(raised.values()))
+    return runs["backfill"], runs["schedule"]

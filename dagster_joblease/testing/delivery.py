@@ -1,0 +1,58 @@
+"""Deliver everything in the outbox from a test, waiting out retry backoffs."""
+
+from __future__ import annotations
+
+import time
+
+import sqlalchemy as sa
+
+from dagster_joblease import errors
+from dagster_joblease.dispatch.dispatcher import Dispatcher, DispatchReport
+from dagster_joblease.outbox import OutboxStatus
+from dagster_joblease.storage.engine import translate_errors
+from dagster_joblease.storage.schema import outbox_table
+
+__all__ = ["drain_outbox"]
+
+_IDLE_PAUSE_S = 0.02
+
+
+def _pending(engine: sa.Engine) -> int:
+    stmt = (
+        sa.select(sa.func.count())
+        .select_from(outbox_table)
+        .where(outbox_table.c.status == OutboxStatus.PENDING.value)
+    )
+    with translate_errors("count pending outbox rows"), engine.connect() as conn:
+        return int(conn.execute(stmt).scalar_one())
+
+
+def drain_outbox(dispatcher: Dispatcher, *, timeout_s: float = 30.0, limit: int = 100) -> DispatchReport:
+    """Dispatch batches until no outbox row is ``PENDING`` (each is ``SENT`` or ``DEAD``); return the
+    summed report.
+
+    Rows waiting out a retry backoff are waited for, so give the dispatcher a short backoff in tests
+    (``backoff_base_ms=1, backoff_max_ms=20``). Raises ``AssertionError`` if rows are still pending after
+    ``timeout_s``, with their count.
+    """
+    if not isinstance(dispatcher, Dispatcher):
+        raise errors.ConfigurationError(f"dispatcher must be a Dispatcher, got {type(dispatcher).__name__}")
+    if isinstance(timeout_s, bool) or not isinstance(timeout_s, int | float) or timeout_s <= 0:
+        raise errors.ConfigurationError(f"timeout_s={timeout_s!r} must be a number of seconds > 0")
+    deadline = time.monotonic() + timeout_s
+    total = DispatchReport()
+    while True:
+        report = dispatcher.dispatch(limit)
+        total = total.merge(report)
+        if report.claimed and time.monotonic() < deadline:
+            continue
+        pending = _pending(dispatcher.engine)
+        if pending == 0:
+            return total
+        if time.monotonic() >= deadline:
+            raise AssertionError(
+                f"the outbox still has {pending} PENDING rows after {timeout_s} s of dispatching "
+                f"({total.sent} sent, {total.retried} retried, {total.dead} dead so far); is the "
+                "downstream failing every attempt, or the backoff longer than the timeout?"
+            )
+        time.sleep(_IDLE_PAUSE_S)
