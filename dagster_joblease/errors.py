@@ -14,6 +14,7 @@ contain a database URL or a credential.
     ├── AdminArgumentError (ValueError)         an admin call's argument is out of its rules
     ├── AdminRefusedError                       the row's state makes an admin change unsafe
     ├── ConfigurationError                      bad route, missing environment variable, bad URL
+    │   └── InvalidFaultError (ValueError)      a receiver fault injection broke a rule
     ├── LostLeaseError                          a fenced write found another owner (or none)
     ├── OutboxConflictError                     same idempotency key, different payload
     ├── InboxConflictError                      consumer saw the same key with a different payload
@@ -34,6 +35,7 @@ __all__ = [
     "DispatchError",
     "InboxConflictError",
     "InboxInProgressError",
+    "InvalidFaultError",
     "InvalidInboxInputError",
     "InvalidJobIdentityError",
     "InvalidLeaseOptionsError",
@@ -110,6 +112,10 @@ class AdminRefusedError(JobLeaseError):
 
 class ConfigurationError(JobLeaseError):
     """Configuration is missing or wrong (a route, an environment variable, a database URL)."""
+
+
+class InvalidFaultError(ConfigurationError, ValueError):
+    """A reference-receiver fault injection (``ReceiverServer.inject_next``) got a bad argument."""
 
 
 class LostLeaseError(JobLeaseError):

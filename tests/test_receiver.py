@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 import threading
 from collections.abc import Iterator
 from pathlib import Path
@@ -13,8 +14,17 @@ import pytest
 import sqlalchemy as sa
 from click.testing import CliRunner
 
+from dagster_joblease import errors
 from dagster_joblease.inbox import InboxStatus
-from dagster_joblease.receiver import effect_count, effects, receiver_command, request_count, request_log
+from dagster_joblease.receiver import (
+    ReceiverServer,
+    effect_count,
+    effects,
+    ensure_tables,
+    receiver_command,
+    request_count,
+    request_log,
+)
 from dagster_joblease.storage import create_engine, inbox_table
 from tests.conftest import wait_until
 from tests.receiver_proc import start_receiver
@@ -24,6 +34,20 @@ from tests.receiver_proc import start_receiver
 def client() -> Iterator[httpx.Client]:
     with httpx.Client(timeout=10.0) as c:
         yield c
+
+
+@pytest.fixture
+def server(engine: sa.Engine) -> Iterator[ReceiverServer]:
+    """A receiver in this process, served from a thread (how the testing kit runs one)."""
+    ensure_tables(engine)
+    srv = ReceiverServer(engine, ("127.0.0.1", 0))
+    thread = threading.Thread(target=srv.serve_forever, daemon=True)
+    thread.start()
+    yield srv
+    srv.shutdown()
+    srv.server_close()
+    thread.join(10)
+    assert not thread.is_alive()
 
 
 def _post(client: httpx.Client, url: str, payload: object, key: str | None) -> httpx.Response:
@@ -240,3 +264,86 @@ def test_help_documents_the_testing_aids() -> None:
     ):
         assert flag in result.output
     assert "[testing]" in result.output
+
+
+def test_injected_faults_apply_to_the_next_posts_in_order(
+    server: ReceiverServer, engine: sa.Engine, client: httpx.Client
+) -> None:
+    url = f"{server.url}/mail"
+    server.inject_next(2, "fail", status=503)
+    server.inject_next(1, "drop_after_apply")
+    server.inject_next(1, "slow", seconds=1.0)
+
+    for _ in range(2):
+        failed = _post(client, url, {"v": 1}, "k")
+        assert failed.status_code == 503
+        assert failed.headers["content-type"] == "application/problem+json"
+        assert "inject_next" in failed.json()["detail"]
+    assert effect_count(engine) == 0 and _inbox_status(engine, "k") is None  # nothing applied
+
+    with pytest.raises(httpx.RemoteProtocolError):  # applied and committed, then no answer
+        _post(client, url, {"v": 1}, "k")
+    assert effect_count(engine, idempotency_key="k") == 1
+    assert _inbox_status(engine, "k") == InboxStatus.DONE.value
+
+    answers: list[httpx.Response] = []
+    sender = threading.Thread(target=lambda: answers.append(_post(client, url, {"v": 2}, "other")))
+    sender.start()
+    wait_until(lambda: effect_count(engine, idempotency_key="other") == 1)  # committed before answering
+    sender.join(10)
+    assert [a.status_code for a in answers] == [200]
+
+    replay = _post(client, url, {"v": 1}, "k")  # the queue is empty: served normally
+    assert replay.status_code == 200 and replay.headers["Idempotent-Replayed"] == "true"
+    server.flush_log()
+    assert request_count(engine, idempotency_key="k") == 4
+    assert request_count(engine, idempotency_key="other") == 1
+    wait_until(lambda: request_log(engine)[-1][2] == 200)
+    assert [s for _, _, s in request_log(engine)] == [503, 503, None, 200, 200]
+
+
+def test_injected_faults_are_shared_fifo_by_concurrent_senders(
+    server: ReceiverServer, engine: sa.Engine
+) -> None:
+    server.inject_next(5, "fail", status=502)
+    statuses: list[int] = []
+    lock = threading.Lock()
+
+    def send(i: int) -> None:
+        with httpx.Client(timeout=10.0) as c:
+            for j in range(3):
+                status = _post(c, f"{server.url}/mail", {"v": 1}, f"k-{i}-{j}").status_code
+                with lock:
+                    statuses.append(status)
+
+    senders = [threading.Thread(target=send, args=(i,)) for i in range(4)]
+    for t in senders:
+        t.start()
+    for t in senders:
+        t.join(30)
+    assert sorted(statuses) == [200] * 7 + [502] * 5
+    assert effect_count(engine) == 7
+
+
+@pytest.mark.parametrize(
+    ("args", "kwargs", "rule"),
+    [
+        ((0, "fail"), {}, "n=0 must be an int >= 1"),
+        ((True, "fail"), {}, "n=True"),
+        ((1.0, "fail"), {}, "n=1.0"),
+        ((1, "explode"), {}, "'explode' is not a known fault; use one of fail, drop_after_apply, slow"),
+        ((1, "fail"), {"status": 99}, "status=99"),
+        ((1, "fail"), {"status": 600}, "status=600"),
+        ((1, "fail"), {"status": "500"}, "status='500'"),
+        ((1, "slow"), {"seconds": -0.1}, "seconds=-0.1"),
+        ((1, "slow"), {"seconds": float("nan")}, "seconds=nan"),
+        ((1, "slow"), {"seconds": "1"}, "seconds='1'"),
+    ],
+)
+def test_inject_next_refuses_bad_arguments(
+    server: ReceiverServer, client: httpx.Client, args: tuple[Any, ...], kwargs: dict[str, Any], rule: str
+) -> None:
+    with pytest.raises(errors.InvalidFaultError, match=re.escape(rule)) as caught:
+        server.inject_next(*args, **kwargs)
+    assert isinstance(caught.value, ValueError) and isinstance(caught.value, errors.ConfigurationError)
+    assert _post(client, f"{server.url}/mail", {"v": 1}, "k").status_code == 200  # nothing was queued

@@ -12,6 +12,7 @@ or reject a topic, so the dispatcher's retry and dead-letter paths can be exerci
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import json
 import logging
@@ -33,6 +34,7 @@ from dagster_joblease.storage.engine import create_engine, translate_errors
 from dagster_joblease.storage.migrate import migrate as migrate_schema
 
 __all__ = [
+    "FAULT_KINDS",
     "MAX_BODY_BYTES",
     "Faults",
     "ReceiverServer",
@@ -122,6 +124,39 @@ class Faults:
         return None
 
 
+#: The faults :meth:`ReceiverServer.inject_next` knows.
+FAULT_KINDS = ("fail", "drop_after_apply", "slow")
+
+
+@dataclasses.dataclass
+class _Injected:
+    """One queued :meth:`ReceiverServer.inject_next` call: ``remaining`` POSTs still to take ``kind``."""
+
+    kind: str
+    remaining: int
+    status: int
+    seconds: float
+
+
+def _check_injection(n: object, fault: object, status: object, seconds: object) -> _Injected:
+    if isinstance(n, bool) or not isinstance(n, int) or n < 1:
+        raise errors.InvalidFaultError(f"inject_next n={n!r} must be an int >= 1 (how many POSTs to fault)")
+    if not isinstance(fault, str) or fault not in FAULT_KINDS:
+        raise errors.InvalidFaultError(
+            f"inject_next fault={fault!r} is not a known fault; use one of {', '.join(FAULT_KINDS)}"
+        )
+    if isinstance(status, bool) or not isinstance(status, int) or not 100 <= status <= 599:
+        raise errors.InvalidFaultError(f"inject_next status={status!r} must be an int HTTP status 100-599")
+    if (
+        isinstance(seconds, bool)
+        or not isinstance(seconds, int | float)
+        or not math.isfinite(seconds)
+        or seconds < 0
+    ):
+        raise errors.InvalidFaultError(f"inject_next seconds={seconds!r} must be a finite number >= 0")
+    return _Injected(kind=fault, remaining=n, status=status, seconds=float(seconds))
+
+
 def ensure_tables(engine: sa.Engine) -> None:
     """Create the receiver's tables if missing; safe when several receivers start at once."""
     with translate_errors("create the receiver tables"), engine.begin() as conn:
@@ -193,16 +228,41 @@ def parse_idempotency_key(raw: str) -> str:
 
 
 class ReceiverServer(ThreadingHTTPServer):
-    """The HTTP server: shared state (engine, inbox, faults, the POST counter) for its handler threads."""
+    """The HTTP server: shared state (engine, inbox, faults, the POST counter) for its handler threads.
+
+    To run one in-process (tests, the testing kit)::
+
+        migrate(engine)
+        ensure_tables(engine)
+        server = ReceiverServer(engine, ("127.0.0.1", 0))
+        threading.Thread(target=server.serve_forever, daemon=True).start()
+        ...  # POST to server.url + "/topic"
+        server.shutdown()
+        server.server_close()
+
+    Args:
+        engine: a migrated engine (:func:`dagster_joblease.migrate`) holding the receiver's tables
+            (:func:`ensure_tables`).
+        address: ``(host, port)`` to listen on; port 0 picks a free port (see :attr:`url`).
+        faults: static testing faults (the CLI's ``--fail-first`` and friends); none by default.
+        lock_ms: the inbox's claim lock (how long a crashed request keeps its key busy).
+    """
 
     daemon_threads = True
 
-    def __init__(self, engine: sa.Engine, address: tuple[str, int], faults: Faults, lock_ms: int) -> None:
+    def __init__(
+        self,
+        engine: sa.Engine,
+        address: tuple[str, int] = ("127.0.0.1", 0),
+        faults: Faults | None = None,
+        lock_ms: int = inbox.DEFAULT_LOCK_MS,
+    ) -> None:
         self.engine = engine
         self.inbox = inbox.Inbox(engine, lock_ms=lock_ms)
-        self.faults = faults
+        self.faults = faults or Faults()
         self._counter = 0
         self._counter_lock = threading.Lock()
+        self._injected: collections.deque[_Injected] = collections.deque()
         super().__init__(address, _Handler)
 
     @property
@@ -210,10 +270,43 @@ class ReceiverServer(ThreadingHTTPServer):
         host, port = self.server_address[:2]
         return f"http://{host!s}:{port}"
 
-    def next_ordinal(self) -> int:
+    def inject_next(self, n: int, fault: str, *, status: int = 500, seconds: float = 0.0) -> None:
+        """Make the next ``n`` POSTs received after this call take ``fault`` (a testing aid; thread-safe).
+
+        Several calls queue in order (first in, first out). Faults:
+
+        - ``"fail"``: answer ``status`` with a problem document; nothing is applied or recorded in the
+          inbox.
+        - ``"drop_after_apply"``: process the request normally (the effect and the inbox's DONE state
+          commit), then close the connection without answering.
+        - ``"slow"``: process the request normally, then wait ``seconds`` before answering.
+
+        An injected fault takes precedence over the static :class:`Faults`. Every faulted POST is still
+        in the request log (a dropped one with status ``None``).
+
+        Raises:
+            InvalidFaultError: ``n`` is not an int >= 1, ``fault`` is unknown, ``status`` is not an
+                HTTP status 100-599 or ``seconds`` is not a finite number >= 0.
+        """
+        injected = _check_injection(n, fault, status, seconds)
+        with self._counter_lock:
+            self._injected.append(injected)
+
+    def next_ordinal(self) -> tuple[int, _Injected | None]:
+        """Number this POST (1-based arrival order) and take the injected fault it gets, if any."""
         with self._counter_lock:
             self._counter += 1
-            return self._counter
+            taken: _Injected | None = None
+            if self._injected:
+                head = self._injected[0]
+                head.remaining -= 1
+                if head.remaining == 0:
+                    self._injected.popleft()
+                taken = head
+            return self._counter, taken
+
+    def flush_log(self) -> None:
+        """Block until every POST received so far is in the request log (see :func:`request_count`)."""
 
     def log_received(self, key: str | None, topic: str) -> int:
         t = request_table
@@ -234,6 +327,21 @@ class ReceiverServer(ThreadingHTTPServer):
 
 def _problem(status: int, title: str, detail: str) -> bytes:
     return json.dumps({"type": "about:blank", "title": title, "status": status, "detail": detail}).encode()
+
+
+@dataclasses.dataclass(frozen=True)
+class _Answer:
+    status: int
+    body: bytes
+    content_type: str = "application/json"
+    headers: Mapping[str, str] = dataclasses.field(default_factory=dict)
+    applied: bool = False
+
+
+def _problem_answer(
+    status: int, title: str, detail: str, headers: Mapping[str, str] | None = None
+) -> _Answer:
+    return _Answer(status, _problem(status, title, detail), "application/problem+json", headers or {})
 
 
 class _Handler(BaseHTTPRequestHandler):
@@ -294,72 +402,101 @@ class _Handler(BaseHTTPRequestHandler):
         body = self.rfile.read(length)
         topic = urlsplit(self.path).path.lstrip("/")
         raw_key = self.headers.get("Idempotency-Key")
-        ordinal = self.server.next_ordinal()
+        ordinal, injected = self.server.next_ordinal()
         try:
             request_id = self.server.log_received(raw_key, topic)
         except errors.StorageError as exc:
             self._send_problem(503, "Service Unavailable", str(exc), **{"Retry-After": "1"})
             return
-        status = self._respond(ordinal, topic, raw_key, body)
+        status = self._respond(ordinal, injected, topic, raw_key, body)
         if status is not None:
             try:
                 self.server.log_status(request_id, status)
             except errors.StorageError:
                 logger.warning("could not log the status of request %d", request_id)
 
-    def _respond(self, ordinal: int, topic: str, raw_key: str | None, body: bytes) -> int | None:
+    def _respond(
+        self, ordinal: int, injected: _Injected | None, topic: str, raw_key: str | None, body: bytes
+    ) -> int | None:
+        """Answer one POST (or drop it); returns the status sent, None when nothing was sent."""
+        if injected is not None and injected.kind == "fail":
+            return self._send_answer(
+                _problem_answer(
+                    injected.status, "Simulated failure", f"POST #{ordinal} failed on purpose (inject_next)"
+                )
+            )
         faults = self.server.faults
-        fault = faults.fault_for(ordinal)
+        fault = None if injected is not None else faults.fault_for(ordinal)
         if fault == "drop":
             # Close the socket without a byte of response: the client sees a broken connection.
             self.close_connection = True
             return None
         if fault == "hang":
             time.sleep(faults.hang_ms / 1000)
-            return self._send_problem(
-                503, "Service Unavailable", f"POST #{ordinal} hung for {faults.hang_ms} ms (--hang-first)"
+            return self._send_answer(
+                _problem_answer(
+                    503, "Service Unavailable", f"POST #{ordinal} hung for {faults.hang_ms} ms (--hang-first)"
+                )
             )
         if fault == "fail":
-            return self._send_problem(
-                faults.fail_status, "Simulated failure", f"POST #{ordinal} failed on purpose (--fail-first)"
+            return self._send_answer(
+                _problem_answer(
+                    faults.fail_status,
+                    "Simulated failure",
+                    f"POST #{ordinal} failed on purpose (--fail-first)",
+                )
             )
+        answer = self._process(topic, raw_key, body)
+        if injected is not None and injected.kind == "drop_after_apply":
+            self.close_connection = True
+            return None
+        if injected is not None and injected.kind == "slow":
+            time.sleep(injected.seconds)
+        elif answer.applied and faults.delay_after_apply_ms:
+            time.sleep(faults.delay_after_apply_ms / 1000)
+        return self._send_answer(answer)
+
+    def _send_answer(self, answer: _Answer) -> int:
+        self._send(answer.status, answer.body, content_type=answer.content_type, headers=answer.headers)
+        return answer.status
+
+    def _process(self, topic: str, raw_key: str | None, body: bytes) -> _Answer:
+        """The answer the inbox gives this request; ``applied`` when its effect committed just now."""
+        faults = self.server.faults
         if topic in faults.always_status:
             status = faults.always_status[topic]
-            return self._send_problem(
+            return _problem_answer(
                 status,
                 "Rejected by configuration",
                 f"topic {topic!r} always answers {status} (--always-status-for-topic)",
             )
         if raw_key is None:
-            return self._send_problem(
+            return _problem_answer(
                 400, "Missing Idempotency-Key", "this endpoint requires an Idempotency-Key header"
             )
         try:
             key = inbox.validate_idempotency_key(parse_idempotency_key(raw_key))
         except inbox.InvalidInboxInputError as exc:
-            return self._send_problem(400, "Invalid Idempotency-Key", str(exc))
+            return _problem_answer(400, "Invalid Idempotency-Key", str(exc))
         if len(topic) > MAX_TOPIC_LENGTH:
-            return self._send_problem(
-                400, "Topic too long", f"the topic has more than {MAX_TOPIC_LENGTH} chars"
-            )
+            return _problem_answer(400, "Topic too long", f"the topic has more than {MAX_TOPIC_LENGTH} chars")
         try:
             result = self.server.inbox.process(key, body, self._effect(key, topic, body))
         except errors.InboxConflictError as exc:
-            return self._send_problem(422, "Idempotency-Key reused with another payload", str(exc))
+            return _problem_answer(422, "Idempotency-Key reused with another payload", str(exc))
         except errors.InboxInProgressError as exc:
             # Retry-After: when the in-flight claim ends at the latest (a crashed consumer's claim included).
             wait_s = 1 if exc.retry_after_ms is None else max(1, math.ceil(exc.retry_after_ms / 1000))
-            return self._send_problem(409, "Request in progress", str(exc), **{"Retry-After": str(wait_s)})
+            return _problem_answer(409, "Request in progress", str(exc), {"Retry-After": str(wait_s)})
         except errors.StorageError as exc:
-            return self._send_problem(503, "Service Unavailable", str(exc), **{"Retry-After": "1"})
+            return _problem_answer(503, "Service Unavailable", str(exc), {"Retry-After": "1"})
         except Exception as exc:
             logger.exception("the receiver's effect failed for key %r", key)
-            return self._send_problem(500, "Internal Server Error", f"{type(exc).__name__}; retry later")
-        if not result.replayed and faults.delay_after_apply_ms:
-            time.sleep(faults.delay_after_apply_ms / 1000)
+            return _problem_answer(500, "Internal Server Error", f"{type(exc).__name__}; retry later")
         headers = {REPLAYED_HEADER: "true"} if result.replayed else {}
-        self._send(result.status_code, result.body.encode("utf-8"), headers=headers)
-        return result.status_code
+        return _Answer(
+            result.status_code, result.body.encode("utf-8"), headers=headers, applied=not result.replayed
+        )
 
     def _effect(self, key: str, topic: str, body: bytes) -> inbox.Effect:
         delay_ms = self.server.faults.effect_delay_ms
