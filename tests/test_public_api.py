@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dagster_joblease
+import dagster_joblease.testing
 
 
 def _isort_key(name: str) -> tuple[int, str]:
@@ -57,3 +58,21 @@ def test_lease_core_is_public() -> None:
         "SchemaNotAtHeadError",
     ):
         assert name in dagster_joblease.__all__, name
+
+
+def test_testing_kit_all_is_sorted_complete_and_resolves() -> None:
+    names = list(dagster_joblease.testing.__all__)
+    assert names == sorted(set(names), key=_isort_key)
+    assert all(getattr(dagster_joblease.testing, name) is not None for name in names)
+    for name in (
+        "RecordingDownstream",
+        "reclaim_now",
+        "expire_now",
+        "crash_run_exclusive",
+        "crash_point",
+        "CrashPoint",
+        "CrashResult",
+        "drain_outbox",
+        "throwaway_database",
+    ):
+        assert name in names, name
