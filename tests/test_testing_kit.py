@@ -16,6 +16,7 @@ import pytest
 import sqlalchemy as sa
 
 from dagster_joblease import Dispatcher, JobIdentity, Lease, LeaseService, Route, enqueue_once, errors
+from dagster_joblease.receiver.app import effect_table
 from dagster_joblease.storage.schema import lease_table
 from dagster_joblease.testing import (
     CrashPoint,
@@ -133,6 +134,23 @@ def test_downstream_counts_posts_and_effects_per_key() -> None:
             downstream.assert_each_effect_once("k1")
     with pytest.raises(errors.ConfigurationError, match="not running"):
         downstream.url()
+
+
+def test_downstream_can_keep_its_inbox_in_a_given_postgresql_database(pg_url: str) -> None:
+    with RecordingDownstream(pg_url) as downstream:
+        downstream.drop_after_apply_next(1)
+        with pytest.raises(httpx.TransportError):
+            _post(downstream, "k1")
+        assert _post(downstream, "k1") == 200
+        assert (downstream.posts("k1"), downstream.effects("k1")) == (2, 1)
+        assert downstream.engine.dialect.name == "postgresql"
+    engine = sa.create_engine(pg_url)
+    try:
+        with engine.connect() as conn:  # a given database is kept after close
+            kept = conn.execute(sa.select(sa.func.count()).select_from(effect_table)).scalar_one()
+    finally:
+        engine.dispose()
+    assert kept == 1
 
 
 def test_fail_next_answers_the_status_and_applies_nothing(joblease_downstream: RecordingDownstream) -> None:
@@ -291,6 +309,7 @@ import sys
 import sqlalchemy as sa
 
 from dagster_joblease import JobIdentity
+from dagster_joblease.receiver.app import effect_table
 from dagster_joblease.storage.schema import lease_table
 
 JOB = JobIdentity.schedule("plugin", "2026-11-29")

@@ -42,6 +42,16 @@ class PartitionRun:
         return self.outcome in (metadata.WON, metadata.RECLAIMED)
 
 
+def _failure_text(event: dg.DagsterEvent) -> str:
+    """A failed step's error and its causes (the body's own exception is the cause of Dagster's)."""
+    parts = [f"step {event.step_key!r} failed"]
+    error = event.step_failure_data.error
+    while error is not None:
+        parts.append(error.message.strip().rstrip(":"))
+        error = error.cause
+    return ": ".join(parts)
+
+
 def _launch_tags(job: dg.JobDefinition, partition_key: str) -> list[tuple[str, dict[str, str]]]:
     return [
         ("backfill", {"dagster/backfill": f"joblease-test-{uuid.uuid4().hex[:8]}"}),
@@ -108,7 +118,7 @@ def run_partition_twice(
                 )
                 stored = instance.get_run_by_id(result.run_id)
                 run_tags = dict(stored.tags) if stored is not None else {}
-                failures = [e.message or e.event_type_value for e in result.all_events if e.is_failure]
+                failures = [_failure_text(e) for e in result.all_events if e.is_step_failure]
                 runs[label] = PartitionRun(
                     launched_as=label,
                     run_id=result.run_id,
