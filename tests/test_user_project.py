@@ -70,6 +70,7 @@ def test_a_lost_answer_is_redelivered_and_applied_once(
     keys = [day.idempotency_key for day in days]
     assert report.sent == 3 and report.retried == 2
     assert sum(joblease_downstream.posts(key) for key in keys) == 5
+    assert sorted(joblease_downstream.keys()) == sorted(keys)  # a retry must not invent a new key
     joblease_downstream.assert_each_effect_once(keys)
 
 

@@ -41,6 +41,11 @@ class RecordingDownstream:
     """
 
     def __init__(self, database: str | None = None, *, lock_ms: int = inbox.DEFAULT_LOCK_MS) -> None:
+        if database is not None and not isinstance(database, str):
+            raise errors.ConfigurationError(
+                f"database must be a database URL (str) or None for a throwaway SQLite file, got "
+                f"{type(database).__name__}"
+            )
         self._database = database
         self._lock_ms = lock_ms
         self._folder: Path | None = None
@@ -156,7 +161,10 @@ class RecordingDownstream:
         """Raise ``AssertionError`` naming every key whose effect was applied 0 or more than 1 times.
 
         ``keys`` defaults to every key POSTed (:meth:`keys`); pass the keys you expect to have been
-        delivered to also catch one that never arrived.
+        delivered to also catch one that never arrived. The receiver applies each key at most once, so
+        a sender that repeats an effect *under a new key* (one derived from the attempt or the owner
+        token) shows up as extra keys, not as a second effect: compare :meth:`keys` with the keys you
+        expect as well.
         """
         if isinstance(keys, str):
             raise errors.ConfigurationError(
