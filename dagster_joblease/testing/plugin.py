@@ -1,9 +1,8 @@
 """The pytest plugin of dagster-joblease, enabled by installing the package (entry point ``pytest11``).
 
-pytest loads this module in every run of every project where the package is installed, so it lives
-outside the ``dagster_joblease`` package and imports nothing heavy: the fixtures import the library
-(and touch a database) only when a test asks for them. Hypothesis ships its plugin the same way.
-Disable it with ``pytest -p no:joblease``.
+pytest loads this module in every run of every project where the package is installed, so it never
+imports Dagster and touches no database at import: the fixtures import the kit (and create a database)
+only when a test asks for them. Disable it with ``pytest -p no:joblease``.
 
 Fixtures:
 
