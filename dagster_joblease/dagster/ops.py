@@ -335,9 +335,12 @@ def _run_key(step: _Step, job: identity.JobIdentity, results: list[metadata.Leas
                     f"joblease {job}: held by {row.holder} (attempt {row.attempt}); waiting up to "
                     f"{step.held_wait_ms} ms for it to finish"
                 )
-        elif time.monotonic() >= deadline and row is None:
-            error = f"partition {job.run_key} of code {job.code!r} could not be claimed; retry later"
-            results.append(result(metadata.HELD, None, error=error))
+        elif time.monotonic() >= deadline:  # FAIL or gone, yet other claims kept winning the race
+            error = (
+                f"partition {job.run_key or '(initial)'} of code {job.code!r} could not be claimed "
+                f"within {step.held_wait_ms} ms; retry later"
+            )
+            results.append(result(metadata.HELD, row.attempt if row else None, error=error))
             return
         time.sleep(max(0.0, min(delay, deadline - time.monotonic())))
         delay = min(delay * 2, _MAX_POLL_S)
@@ -389,7 +392,25 @@ def run_leased(
     results: list[metadata.LeasedResult] = []
     try:
         for job in jobs:
-            _run_key(step, job, results)
+            settled = len(results)
+            try:
+                _run_key(step, job, results)
+            except BaseException as exc:
+                if len(results) == settled:
+                    # Failed outside the body (e.g. the database went away while waiting): still say so.
+                    results.append(
+                        metadata.LeasedResult(
+                            code=job.code,
+                            partition_key=job.run_key,
+                            idempotency_key=job.idempotency_key,
+                            outcome=metadata.FAILED,
+                            attempt=None,
+                            outbox=metadata.OUTBOX_NOT_ENQUEUED,
+                            holder=holder,
+                            error=_error_text(exc),
+                        )
+                    )
+                raise
             last = results[-1]
             op_context.log.info(
                 f"joblease {job}: {last.outcome} (attempt {last.attempt}, outbox {last.outbox}, "
