@@ -215,6 +215,21 @@ def _winner_run_id(holder: str | None) -> str | None:
     return None if decoded is None else decoded.run_id
 
 
+def _tag_dead_holder_run(instance: dg.DagsterInstance, row: _Row, reason: str) -> None:
+    """A SIGKILLed run cannot tag itself: the run that took its lease says ``lost`` for it."""
+    run_id = _winner_run_id(row.holder)
+    if run_id is None or instance.get_run_by_id(run_id) is None:
+        return
+    instance.add_run_tags(
+        run_id,
+        {
+            metadata.TAG_OUTCOME: metadata.LOST,
+            metadata.TAG_ERROR: metadata.bound_tag_text(reason),
+            metadata.TAG_HOLDER: row.holder or metadata.NONE,
+        },
+    )
+
+
 def _error_text(exc: BaseException) -> str:
     return f"{type(exc).__name__}: {exc}"
 
@@ -320,6 +335,7 @@ def _run_key(step: _Step, job: identity.JobIdentity, results: list[metadata.Leas
                     reason=reason,
                 ):
                     log.warning(f"joblease {job}: {reason}")
+                    _tag_dead_holder_run(step.context.instance, row, reason)
                 continue  # reclaim it now (or see who did)
             if time.monotonic() >= deadline:
                 error = (
