@@ -382,6 +382,24 @@ def run_leased(
     exception fails the lease (the next run or retry takes over with the same idempotency key) and
     propagates; the other keys of a range are not attempted then.
     """
+    results: list[metadata.LeasedResult] = []
+    _settle(context, resource, code, fn, initial, lease_ms, heartbeat_ms, held_wait_ms, results)
+    _raise_if_held(results)
+    return results
+
+
+def _settle(
+    context: AnyContext,
+    resource: JobLeaseResource,
+    code: str,
+    fn: Callable[[LeasedRun], Any],
+    initial: bool,
+    lease_ms: int | None,
+    heartbeat_ms: int | None,
+    held_wait_ms: int | None,
+    results: list[metadata.LeasedResult],
+) -> None:
+    """Settle every key of this step into ``results`` and tag the run (see :func:`run_leased`)."""
     op_context = _op_context(context)
     keys = _partition_keys(op_context, code, initial)
     jobs = [
@@ -405,7 +423,6 @@ def run_leased(
     _set_run_tags(op_context, metadata.pending_tags(code, jobs, several_ops=several_ops, op_name=op_name))
     if several_ops:
         _aggregate_op_outcomes(op_context)
-    results: list[metadata.LeasedResult] = []
     try:
         for job in jobs:
             settled = len(results)
@@ -437,6 +454,10 @@ def run_leased(
         _set_run_tags(op_context, tags)
         if several_ops:
             _aggregate_op_outcomes(op_context)
+
+
+def _raise_if_held(results: list[metadata.LeasedResult]) -> None:
+    """A key still held after the wait fails the step, retryably: the run must not claim success."""
     held = [r for r in results if r.outcome == metadata.HELD]
     if held:
         raise dg.Failure(
@@ -449,7 +470,6 @@ def run_leased(
             },
             allow_retries=True,
         )
-    return results
 
 
 def leased_op(
@@ -559,18 +579,24 @@ def leased_asset(
 
     def decorate(fn: Callable[[LeasedRun], Any]) -> dg.AssetsDefinition:
         def _leased(context: AssetExecutionContext) -> Iterator[dg.MaterializeResult[Any]]:
-            results = run_leased(
-                context,
-                getattr(context.resources, resource_key),
-                code=code,
-                fn=fn,
-                initial=initial,
-                lease_ms=lease_ms,
-                heartbeat_ms=heartbeat_ms,
-                held_wait_ms=held_wait_ms,
-            )
+            results: list[metadata.LeasedResult] = []
+            failure: Exception | None = None
+            try:
+                _settle(
+                    context,
+                    getattr(context.resources, resource_key),
+                    code,
+                    fn,
+                    initial,
+                    lease_ms,
+                    heartbeat_ms,
+                    held_wait_ms,
+                    results,
+                )
+            except Exception as exc:  # record what the earlier keys of a range did, then fail
+                failure = exc
             chosen = _to_materialize(context, results)
-            if all(chosen):
+            if failure is None and all(chosen):
                 yield dg.MaterializeResult(metadata=metadata.output_metadata(results))
                 return
             for result, materialize in zip(results, chosen, strict=True):
@@ -582,6 +608,9 @@ def leased_asset(
                             metadata=metadata.output_metadata([result]),
                         )
                     )
+            if failure is not None:
+                raise failure
+            _raise_if_held(results)
 
         asset_def: dg.AssetsDefinition = dg.asset(
             name=name or fn.__name__,
