@@ -10,6 +10,13 @@
 
 from __future__ import annotations
 
+from dagster_joblease.dagster.holders import (
+    DagsterHolder,
+    decode_holder,
+    encode_holder,
+    holder_run_finished,
+    holder_run_status,
+)
 from dagster_joblease.dagster.jobs import (
     DEAD_ROWS_CHECK,
     OUTBOX_ASSET_KEY,
@@ -20,11 +27,22 @@ from dagster_joblease.dagster.jobs import (
     outbox_asset_spec,
 )
 from dagster_joblease.dagster.metadata import (
+    FAILED,
+    HELD,
+    LOST,
+    PENDING,
+    RECLAIMED,
+    SKIPPED_SUCCEEDED,
     TAG_ATTEMPT,
     TAG_CODE,
+    TAG_ERROR,
+    TAG_HOLDER,
     TAG_IDEMPOTENCY_KEY,
     TAG_OUTBOX,
     TAG_OUTCOME,
+    TAG_RUN_KEY,
+    TAG_WINNER_RUN_ID,
+    WON,
     LeasedResult,
     schedule_tags,
 )
@@ -36,13 +54,25 @@ from dagster_joblease.dagster.testing import PartitionRun, run_partition_twice
 
 __all__ = [
     "DEAD_ROWS_CHECK",
+    "FAILED",
+    "HELD",
+    "LOST",
     "NOT_FINISHED_STATUSES",
     "OUTBOX_ASSET_KEY",
+    "PENDING",
+    "RECLAIMED",
+    "SKIPPED_SUCCEEDED",
     "TAG_ATTEMPT",
     "TAG_CODE",
+    "TAG_ERROR",
+    "TAG_HOLDER",
     "TAG_IDEMPOTENCY_KEY",
     "TAG_OUTBOX",
     "TAG_OUTCOME",
+    "TAG_RUN_KEY",
+    "TAG_WINNER_RUN_ID",
+    "WON",
+    "DagsterHolder",
     "DispatchConfig",
     "JobLeaseResource",
     "LeasedResult",
@@ -53,6 +83,10 @@ __all__ = [
     "build_leased_schedule",
     "build_outbox_sensor",
     "dead_rows_evaluation",
+    "decode_holder",
+    "encode_holder",
+    "holder_run_finished",
+    "holder_run_status",
     "leased_asset",
     "leased_op",
     "outbox_asset_spec",
