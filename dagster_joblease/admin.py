@@ -434,11 +434,13 @@ def reset_lease(
             else f"holder {before.holder} was overdue by {human_ms(-(before.remaining_ms or 0))}"
         )
         text = bound_error(f"{ADMIN_RESET_PREFIX} of attempt {before.attempt}: {why} ({state})")
+        # Re-check at the write what the decision rested on (the holder, RUNNING, expired unless forced).
+        still = [t.c.id == before.id, t.c.owner_token == row._mapping["owner_token"], t.c.status == "RUNNING"]
+        if not before.live:
+            still.append(t.c.expires_at < db_now())
         updated = conn.execute(
             sa.update(t)
-            .where(
-                t.c.id == before.id, t.c.owner_token == row._mapping["owner_token"], t.c.status == "RUNNING"
-            )
+            .where(*still)
             .values(
                 status=LeaseStatus.FAIL.value,
                 owner_token=secrets.token_hex(16),
@@ -462,7 +464,12 @@ def _describe(row: LeaseRow) -> str:
 def _purge(
     engine: sa.Engine, table: sa.Table, where: sa.ColumnElement[bool], action: str, *, dry_run: bool
 ) -> int:
-    """Delete matching rows in short batches so a large purge never holds long locks."""
+    """Delete matching rows in short batches so a large purge never holds long locks.
+
+    The DELETE repeats ``where`` on the rows it deletes, not just their ids: under READ COMMITTED a row
+    that changed after the batch was selected (a FAIL lease reclaimed to RUNNING) is re-checked against
+    its new version, and skipped. Matching on ``id`` alone would delete a live lease (two holders).
+    """
     ids = sa.select(table.c.id).where(where)
     with translate_errors(action):
         if dry_run:
@@ -473,7 +480,7 @@ def _purge(
             with engine.begin() as conn:
                 # correlate(None): the subquery reads the same table the DELETE targets.
                 batch = ids.limit(PURGE_BATCH).correlate(None).scalar_subquery()
-                deleted = conn.execute(sa.delete(table).where(table.c.id.in_(batch))).rowcount
+                deleted = conn.execute(sa.delete(table).where(table.c.id.in_(batch), where)).rowcount
             total += deleted
             if deleted < PURGE_BATCH:
                 return total
@@ -644,7 +651,21 @@ def requeue(
                     f"outbox row {row_id} is being delivered by a dispatcher right now (unexpired claim); "
                     "try again after the attempt finishes"
                 )
-            return conn.execute(sa.update(o).where(o.c.id == row_id).values(**values)).rowcount
+            # Re-check at the write the state the refusals above rested on.
+            unchanged = (
+                o.c.status == "DEAD"
+                if status == "DEAD"
+                else sa.and_(
+                    o.c.status == "PENDING",
+                    sa.or_(o.c.claim_expires_at.is_(None), o.c.claim_expires_at < db_now()),
+                )
+            )
+            updated = conn.execute(sa.update(o).where(o.c.id == row_id, unchanged).values(**values)).rowcount
+            if updated != 1:
+                raise AdminRefusedError(
+                    f"outbox row {row_id} changed while it was being requeued; nothing was changed"
+                )
+            return int(updated)
     if not all_dead and topic is None:
         raise AdminArgumentError("requeue needs a selection: a row id, all_dead=True or a topic")
     where = o.c.status == "DEAD"
