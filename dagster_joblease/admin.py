@@ -28,7 +28,8 @@ import sqlalchemy as sa
 
 from dagster_joblease import errors, identity
 from dagster_joblease.lease import LeaseStatus, bound_error
-from dagster_joblease.storage.clock import db_now, db_now_plus_ms, ms_until
+from dagster_joblease.options import MAX_DURATION_MS
+from dagster_joblease.storage.clock import db_now, db_now_plus_ms, ms_until, readable_ts
 from dagster_joblease.storage.engine import translate_errors
 from dagster_joblease.storage.schema import lease_table, outbox_table
 
@@ -211,9 +212,10 @@ class OutboxStats:
 
 
 def _check_ms(name: str, value: object) -> int:
-    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+    if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value <= MAX_DURATION_MS:
         raise AdminArgumentError(
-            f"invalid {name} {value!r}: must be a non-negative int number of milliseconds"
+            f"invalid {name} {value!r}: must be an int number of milliseconds from 0 to {MAX_DURATION_MS} "
+            "(100 years); a longer window is not a date the database can compute"
         )
     return value
 
@@ -244,12 +246,17 @@ def _check_text(name: str, value: object) -> str:
 # -- leases ----------------------------------------------------------------------------------------
 
 
+def _readable_columns(table: sa.Table) -> list[sa.ColumnElement[Any]]:
+    """The table's columns, timestamps clamped so any stored row can be listed (see readable_ts)."""
+    return [readable_ts(c).label(c.name) if isinstance(c.type, sa.DateTime) else c for c in table.c]
+
+
 def _lease_select() -> sa.Select[Any]:
     t = lease_table
     running = t.c.status == LeaseStatus.RUNNING.value
     return sa.select(
-        t,
-        sa.case((running, ms_until(t.c.expires_at)), else_=sa.null()).label("remaining_ms"),
+        *_readable_columns(t),
+        sa.case((running, ms_until(readable_ts(t.c.expires_at))), else_=sa.null()).label("remaining_ms"),
         sa.case((sa.and_(running, t.c.expires_at < db_now()), sa.true()), else_=sa.false()).label("expired"),
     )
 
@@ -537,7 +544,7 @@ def outbox_stats(engine: sa.Engine) -> OutboxStats:
             .order_by(o.c.topic, o.c.status)
         ).all()
         due, oldest_ms_until = conn.execute(
-            sa.select(sa.func.count(), ms_until(sa.func.min(o.c.next_attempt_at))).where(_due())
+            sa.select(sa.func.count(), ms_until(readable_ts(sa.func.min(o.c.next_attempt_at)))).where(_due())
         ).one()
     by_status = dict.fromkeys(_OUTBOX_STATUSES, 0)
     for _topic, status, count in grouped:
@@ -558,17 +565,19 @@ def _outbox_select() -> sa.Select[Any]:
         o.c.topic,
         o.c.status,
         o.c.attempts,
-        o.c.next_attempt_at,
-        sa.case((o.c.status == "PENDING", ms_until(o.c.next_attempt_at)), else_=sa.null()).label("due_in_ms"),
+        readable_ts(o.c.next_attempt_at).label("next_attempt_at"),
+        sa.case((o.c.status == "PENDING", ms_until(readable_ts(o.c.next_attempt_at))), else_=sa.null()).label(
+            "due_in_ms"
+        ),
         sa.case(
             (sa.and_(o.c.claim_expires_at.is_not(None), o.c.claim_expires_at >= db_now()), sa.true()),
             else_=sa.false(),
         ).label("claimed"),
         o.c.last_status,
         o.c.last_error,
-        o.c.created_at,
-        o.c.updated_at,
-        o.c.sent_at,
+        readable_ts(o.c.created_at).label("created_at"),
+        readable_ts(o.c.updated_at).label("updated_at"),
+        readable_ts(o.c.sent_at).label("sent_at"),
     )
 
 

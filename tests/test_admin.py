@@ -293,3 +293,26 @@ def test_outbox_purge_never_deletes_a_row_that_left_sent_while_it_runs(pg_url: s
     assert deleted == 0
     assert [r.status for r in admin.list_outbox(engine)] == ["PENDING"]  # PENDING rows are never purged
     engine.dispose()
+
+
+def test_windows_are_bounded_so_what_is_accepted_works_on_both_backends(engine: sa.Engine) -> None:
+    from dagster_joblease.inbox import Inbox
+    from dagster_joblease.options import MAX_DURATION_MS
+
+    add_outbox_row(engine, "k-sent", "billing", status="SENT", attempts=1, sent_ago_ms=2 * DAY_MS)
+    assert admin.list_leases(engine, older_than_ms=MAX_DURATION_MS) == []
+    assert admin.purge_leases(engine, finished_before_ms=MAX_DURATION_MS, min_replay_window_ms=0) == 0
+    assert admin.purge_sent(engine, older_than_ms=MAX_DURATION_MS, min_retention_ms=MAX_DURATION_MS) == 0
+    assert Inbox(engine).purge(MAX_DURATION_MS) == 0
+    for huge in (MAX_DURATION_MS + 1, 10**20):
+        with pytest.raises(admin.AdminArgumentError, match="100 years"):
+            admin.list_leases(engine, older_than_ms=huge)
+        with pytest.raises(admin.AdminArgumentError, match="100 years"):
+            admin.purge_leases(engine, finished_before_ms=huge, min_replay_window_ms=0)
+        with pytest.raises(admin.AdminArgumentError, match="100 years"):
+            admin.purge_sent(engine, older_than_ms=huge, min_retention_ms=0)
+        with pytest.raises(admin.AdminArgumentError, match="100 years"):
+            admin.purge_sent(engine, older_than_ms=huge, min_retention_ms=huge)
+        with pytest.raises(errors.InvalidInboxInputError, match="older_than_ms"):
+            Inbox(engine).purge(huge)
+    assert count(engine, outbox_table) == 1

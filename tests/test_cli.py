@@ -518,3 +518,51 @@ def test_default_is_the_embedded_sqlite_file(tmp_path: Path, monkeypatch: pytest
     assert (tmp_path / ".joblease" / "joblease.sqlite").is_file()
     assert run(None, "leases", "list").output.strip() == "no leases match"
     assert json.loads(run(None, "outbox", "stats", "--json").output)["total"] == 0
+
+
+def _insert_far_future_rows(engine: sa.Engine) -> None:
+    """Rows an older version could write (lease_ms = 2**53-1 put expiry in year 287453): inserted
+    directly with SQL, in each backend's own stored form."""
+    far = (
+        "'287453-01-01 00:00:00+00'"
+        if engine.dialect.name == "postgresql"
+        else "'287453-01-01 00:00:00.000000'"
+    )
+    now = "now()" if engine.dialect.name == "postgresql" else "'2026-01-01 00:00:00.000000'"
+    key = JobIdentity.schedule("legacy", "2026-01-01").idempotency_key
+    with engine.begin() as conn:
+        conn.exec_driver_sql(
+            "INSERT INTO joblease_lease (lock_key, job_type, code, run_key, status, owner_token, attempt, "
+            "lease_ms, holder, created_at, acquired_at, heartbeat_at, expires_at) VALUES "
+            f"('{key}', 'SCHEDULE', 'legacy', '2026-01-01', 'RUNNING', 'tok', 1, {2**53 - 1}, 'old:1', "
+            f"{now}, {now}, {now}, {far})"
+        )
+    add_outbox_row(engine, "k-far", "billing", attempts=3)
+    o = outbox_table
+    with engine.begin() as conn:
+        conn.execute(sa.update(o).values(next_attempt_at=sa.literal_column(far)))
+
+
+def test_listing_survives_rows_with_an_expiry_past_year_9999(db_url: str) -> None:
+    engine = create_engine(db_url)
+    _insert_far_future_rows(engine)
+    key = JobIdentity.schedule("legacy", "2026-01-01").idempotency_key
+    listed = run(db_url, "leases", "list")
+    assert listed.exit_code == 0, listed.output
+    assert "legacy" in listed.output and "RUNNING" in listed.output
+    (row,) = json.loads(run(db_url, "leases", "list", "--json").output)
+    assert row["expires_at"].startswith("9999-") and row["remaining_ms"] > 100 * 365 * DAY_MS
+    shown = run(db_url, "leases", "show", key)
+    assert shown.exit_code == 0 and "9999-" in shown.output, shown.output
+    assert run(db_url, "leases", "show", "--id", str(row["id"])).exit_code == 0
+    assert run(db_url, "leases", "list", "--status", "running", "--older-than", "1d").exit_code == 0
+    assert run(db_url, "outbox", "list").exit_code == 0
+    assert run(db_url, "outbox", "stats").exit_code == 0
+
+    refused = run(db_url, "leases", "fail", key)
+    assert refused.exit_code == 1 and "live lease" in refused.output
+    forced = run(db_url, "leases", "fail", "--force", key)
+    assert forced.exit_code == 0 and "is now FAIL" in forced.output, forced.output
+    again = LeaseService(engine).acquire(JobIdentity.schedule("legacy", "2026-01-01"))
+    assert again is not None and again.attempt == 2
+    engine.dispose()
