@@ -143,3 +143,23 @@ def test_identity_survives_pickle_and_replace() -> None:
     moved = dataclasses.replace(job, run_key=" 2026-11-30 ")
     assert moved.run_key == "2026-11-30"
     assert moved.idempotency_key == idempotency_key("SCHEDULE", "daily-billing", "2026-11-30")
+
+
+@pytest.mark.parametrize("bad", ["\ud800", "a\udfffb", "x\udc80"], ids=repr)
+def test_lone_surrogates_are_invalid_identity_not_unicode_errors(bad: str) -> None:
+    key = idempotency_key("SCHEDULE", "daily-billing", "2026-11-29")
+    cases = [
+        (lambda: JobIdentity.schedule(bad, "2026-11-29"), "code"),
+        (lambda: JobIdentity.schedule("daily-billing", bad), "run_key"),
+        (lambda: JobIdentity.initial(bad), "code"),
+        (lambda: idempotency_key("SCHEDULE", "c", bad), "run_key"),
+        (lambda: effect_key(key, bad), "effect_name"),
+        (lambda: effect_key(key + bad, "mail"), "idempotency_key"),
+        (lambda: colon_free_id(bad), "idempotency_key"),
+        (lambda: colon_free_id(key + bad, encoding="base64url"), "idempotency_key"),
+    ]
+    for call, field in cases:
+        with pytest.raises(errors.InvalidJobIdentityError) as info:
+            call()
+        assert info.value.field == field
+        assert "surrogate" in str(info.value)
