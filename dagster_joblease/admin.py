@@ -18,6 +18,7 @@ Safety rules these functions enforce:
 from __future__ import annotations
 
 import dataclasses
+import os
 import re
 import secrets
 from collections.abc import Mapping, Sequence
@@ -38,6 +39,8 @@ __all__ = [
     "DEFAULT_MIN_REPLAY_WINDOW_MS",
     "DEFAULT_MIN_RETENTION_MS",
     "FORCED_MARK",
+    "MIN_REPLAY_WINDOW_ENV",
+    "MIN_RETENTION_ENV",
     "AdminArgumentError",
     "AdminRefusedError",
     "human_ms",
@@ -47,9 +50,11 @@ __all__ = [
     "ResetOutcome",
     "TopicCount",
     "admin_fail",
+    "env_floor_ms",
     "list_leases",
     "list_outbox",
     "outbox_stats",
+    "parse_duration_ms",
     "purge_leases",
     "purge_sent",
     "requeue",
@@ -61,6 +66,10 @@ __all__ = [
 DEFAULT_MIN_RETENTION_MS = 24 * 3_600_000
 #: Default floor for ``purge_leases``: 7 days. A purged SCHEDULE key can run again after it.
 DEFAULT_MIN_REPLAY_WINDOW_MS = 7 * 86_400_000
+#: Environment variables that set a floor no caller can go below (the CLI's flags, or Python callers,
+#: may only raise it): the outbox's minimum retention and the leases' minimum replay window.
+MIN_RETENTION_ENV = "JOBLEASE_OUTBOX_MIN_RETENTION"
+MIN_REPLAY_WINDOW_ENV = "JOBLEASE_LEASE_MIN_REPLAY_WINDOW"
 #: Every admin reset's ``last_error`` starts with this, so monitoring can tell resets from real failures.
 ADMIN_RESET_PREFIX = "admin reset"
 #: In ``last_error`` when the reset was forced on a live lease (two holders were possible).
@@ -100,6 +109,45 @@ def human_ms(ms: int | None) -> str:
     if hours:
         return f"{sign}{hours}h{minutes:02d}m" if minutes else f"{sign}{hours}h"
     return f"{sign}{minutes}m{secs:02d}s" if secs else f"{sign}{minutes}m"
+
+
+_UNITS = {"ms": 1, "s": 1_000, "m": 60_000, "h": 3_600_000, "d": 86_400_000, "w": 7 * 86_400_000}
+_DURATION = re.compile(r"(?:\d+(?:ms|s|m|h|d|w))+")
+_DURATION_PART = re.compile(r"(\d+)(ms|s|m|h|d|w)")
+
+
+def parse_duration_ms(text: str) -> int | None:
+    """``90s``, ``30m``, ``2h``, ``7d``, ``1w``, ``1h30m``, ``500ms`` → milliseconds; None if malformed."""
+    value = text.strip().lower()
+    if not _DURATION.fullmatch(value):
+        return None
+    return sum(int(n) * _UNITS[u] for n, u in _DURATION_PART.findall(value))
+
+
+def env_floor_ms(name: str) -> int | None:
+    """The floor set by environment variable ``name`` (a duration such as ``24h``), or None if unset.
+
+    Raises :class:`ConfigurationError` naming the variable when it is set but not a duration: a floor
+    that silently did not apply would let a purge go below it.
+    """
+    raw = os.environ.get(name)
+    if raw is None or not raw.strip():
+        return None
+    ms = parse_duration_ms(raw)
+    if ms is None or ms > MAX_DURATION_MS:
+        raise errors.ConfigurationError(
+            f"${name}={raw.strip()!r} is not a duration of at most 100 years; set it like 24h, 7d or 1w, "
+            "or unset it"
+        )
+    return ms
+
+
+def _floor(given: int, env_name: str) -> tuple[int, str]:
+    """The effective floor: the caller's, raised to the environment's; and a note saying which applied."""
+    env = env_floor_ms(env_name)
+    if env is not None and env > given:
+        return env, f" (set by ${env_name}; a caller may raise this floor but not lower it)"
+    return given, ""
 
 
 # -- rows ------------------------------------------------------------------------------------------
@@ -501,17 +549,19 @@ def purge_leases(
     A purged key is forgotten: the same (code, run key) can run again, as attempt 1 with the same
     idempotency key. So the window must be at least ``min_replay_window_ms`` — longer than any schedule,
     backfill or retry could replay that run key — or :class:`RetentionWindowError` is raised and nothing
-    is deleted. RUNNING rows and INITIAL rows (run once, forever) are never purged. Returns the count
-    (what would be deleted, with ``dry_run``).
+    is deleted. ``$JOBLEASE_LEASE_MIN_REPLAY_WINDOW``, when set, is a floor under
+    ``min_replay_window_ms``. RUNNING rows and INITIAL rows (run once, forever) are never purged. Returns
+    the count (what would be deleted, with ``dry_run``).
     """
     window = _check_ms("finished_before_ms", finished_before_ms)
-    floor = _check_ms("min_replay_window_ms", min_replay_window_ms)
+    floor, source = _floor(_check_ms("min_replay_window_ms", min_replay_window_ms), MIN_REPLAY_WINDOW_ENV)
     if window < floor:
         raise errors.RetentionWindowError(
             f"refusing to purge leases finished before {human_ms(window)}: below the minimum replay window "
-            f"of {human_ms(floor)}. A purged SCHEDULE key can run again (a late schedule tick, backfill or "
-            "re-execution of that run key would win a fresh lease), so keep rows at least as long as such "
-            "a replay is possible, or lower the configured minimum deliberately. Nothing was deleted."
+            f"of {human_ms(floor)}{source}. A purged SCHEDULE key can run again (a late schedule tick, "
+            "backfill or re-execution of that run key would win a fresh lease), so keep rows at least as "
+            "long as such a replay is possible, or lower the configured minimum deliberately. Nothing was "
+            "deleted."
         )
     t = lease_table
     where = sa.and_(
@@ -690,16 +740,17 @@ def purge_sent(engine: sa.Engine, *, older_than_ms: int, min_retention_ms: int, 
     Once a row is gone, enqueueing the same key again inserts a new row and delivers it again; only the
     downstream's own deduplication then stops a second effect. So the window must be at least
     ``min_retention_ms``, which documents the downstream's deduplication window, or
-    :class:`RetentionWindowError` is raised and nothing is deleted. PENDING and DEAD rows are never purged.
+    :class:`RetentionWindowError` is raised and nothing is deleted. ``$JOBLEASE_OUTBOX_MIN_RETENTION``, when
+    set, is a floor under ``min_retention_ms``. PENDING and DEAD rows are never purged.
     """
     window = _check_ms("older_than_ms", older_than_ms)
-    floor = _check_ms("min_retention_ms", min_retention_ms)
+    floor, source = _floor(_check_ms("min_retention_ms", min_retention_ms), MIN_RETENTION_ENV)
     if window < floor:
         raise errors.RetentionWindowError(
             f"refusing to purge outbox rows sent before {human_ms(window)}: below the minimum retention of "
-            f"{human_ms(floor)}, which must cover the downstream's deduplication window. After a purge, a "
-            "re-enqueue of the same key is delivered again, and only the downstream can still deduplicate "
-            "it. Nothing was deleted."
+            f"{human_ms(floor)}{source}, which must cover the downstream's deduplication window. After a "
+            "purge, a re-enqueue of the same key is delivered again, and only the downstream can still "
+            "deduplicate it. Nothing was deleted."
         )
     o = outbox_table
     where = sa.and_(o.c.status == "SENT", o.c.sent_at < db_now_plus_ms(sa.literal(-window, sa.BigInteger())))

@@ -15,7 +15,6 @@ import dataclasses
 import importlib
 import json
 import logging
-import re
 import sys
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from pathlib import Path
@@ -34,8 +33,8 @@ F = TypeVar("F", bound=Callable[..., Any])
 
 EXIT_FAILED = 1
 EXIT_USAGE = 2
-MIN_RETENTION_ENV = "JOBLEASE_OUTBOX_MIN_RETENTION"
-MIN_REPLAY_WINDOW_ENV = "JOBLEASE_LEASE_MIN_REPLAY_WINDOW"
+MIN_RETENTION_ENV = admin.MIN_RETENTION_ENV
+MIN_REPLAY_WINDOW_ENV = admin.MIN_REPLAY_WINDOW_ENV
 ERROR_CELL_CHARS = 60
 
 # -- errors and exit codes -------------------------------------------------------------------------
@@ -224,9 +223,6 @@ LAZY_SUBCOMMANDS = {
 
 # -- parameters and formatting ---------------------------------------------------------------------
 
-_UNITS = {"ms": 1, "s": 1_000, "m": 60_000, "h": 3_600_000, "d": 86_400_000, "w": 7 * 86_400_000}
-_DURATION_PART = re.compile(r"(\d+)(ms|s|m|h|d|w)")
-
 
 class Duration(click.ParamType[int]):
     """``90s``, ``30m``, ``2h``, ``7d``, ``1w``, ``1h30m``, ``500ms`` → milliseconds."""
@@ -236,10 +232,10 @@ class Duration(click.ParamType[int]):
     def convert(self, value: Any, param: click.Parameter | None, ctx: click.Context | None) -> int:
         if isinstance(value, int):
             return value
-        text = str(value).strip().lower()
-        if not re.fullmatch(r"(?:\d+(?:ms|s|m|h|d|w))+", text):
+        ms = admin.parse_duration_ms(str(value))
+        if ms is None:
             self.fail(f"{value!r} is not a duration; use e.g. 90s, 30m, 2h, 7d or 1h30m", param, ctx)
-        return sum(int(n) * _UNITS[u] for n, u in _DURATION_PART.findall(text))
+        return ms
 
 
 DURATION = Duration()
@@ -531,6 +527,15 @@ def leases_fail(keys: tuple[str, ...], force: bool, reason: str) -> None:
         sys.exit(worst)
 
 
+def _floor_option(flag: int | None, env_name: str, default: int) -> int:
+    """The floor a purge asks for: the flag, else the environment's, else the default. The library then
+    raises it to the environment's floor, so a flag below that is refused, not obeyed."""
+    if flag is not None:
+        return flag
+    env = admin.env_floor_ms(env_name)
+    return default if env is None else env
+
+
 @leases.command("purge", short_help="Delete finished SCHEDULE rows older than a window.")
 @click.option(
     "--finished-before", type=DURATION, required=True, help="Delete rows finished longer ago (e.g. 30d)."
@@ -538,14 +543,12 @@ def leases_fail(keys: tuple[str, ...], force: bool, reason: str) -> None:
 @click.option(
     "--min-replay-window",
     type=DURATION,
-    default="7d",
-    show_default=True,
-    envvar=MIN_REPLAY_WINDOW_ENV,
-    show_envvar=True,
-    help="Refuse a --finished-before below this: a purged run key can run again.",
+    help="Refuse a --finished-before below this: a purged run key can run again. Default: "
+    f"${MIN_REPLAY_WINDOW_ENV}, else 7d. ${MIN_REPLAY_WINDOW_ENV} is a floor: this flag can raise it, "
+    "never lower it.",
 )
 @click.option("--dry-run", is_flag=True, help="Only count the rows that would be deleted.")
-def leases_purge(finished_before: int, min_replay_window: int, dry_run: bool) -> None:
+def leases_purge(finished_before: int, min_replay_window: int | None, dry_run: bool) -> None:
     """Delete SUCCESS/FAIL rows of SCHEDULE runs finished before the window (INITIAL, RUNNING rows kept).
 
     After a purge the same (code, run key) can win a fresh lease again (attempt 1, same key), so the window
@@ -554,7 +557,9 @@ def leases_purge(finished_before: int, min_replay_window: int, dry_run: bool) ->
     count = admin.purge_leases(
         _state().engine(),
         finished_before_ms=finished_before,
-        min_replay_window_ms=min_replay_window,
+        min_replay_window_ms=_floor_option(
+            min_replay_window, MIN_REPLAY_WINDOW_ENV, admin.DEFAULT_MIN_REPLAY_WINDOW_MS
+        ),
         dry_run=dry_run,
     )
     click.echo(f"{'would delete' if dry_run else 'deleted'} {count} finished SCHEDULE lease row(s)")
@@ -652,21 +657,22 @@ def outbox_requeue(row_id: int | None, all_dead: bool, topic: str | None) -> Non
 @click.option(
     "--min-retention",
     type=DURATION,
-    default="24h",
-    show_default=True,
-    envvar=MIN_RETENTION_ENV,
-    show_envvar=True,
-    help="Refuse a --sent-before below this; set it to at least the downstream's deduplication window.",
+    help="Refuse a --sent-before below this; set it to at least the downstream's deduplication window. "
+    f"Default: ${MIN_RETENTION_ENV}, else 24h. ${MIN_RETENTION_ENV} is a floor: this flag can raise it, "
+    "never lower it.",
 )
 @click.option("--dry-run", is_flag=True, help="Only count the rows that would be deleted.")
-def outbox_purge(sent_before: int, min_retention: int, dry_run: bool) -> None:
+def outbox_purge(sent_before: int, min_retention: int | None, dry_run: bool) -> None:
     """Delete SENT rows older than the window; PENDING and DEAD rows are kept.
 
     After a purge, enqueueing the same key again delivers it again, so the window must be at least the
     downstream's deduplication window.
     """
     count = admin.purge_sent(
-        _state().engine(), older_than_ms=sent_before, min_retention_ms=min_retention, dry_run=dry_run
+        _state().engine(),
+        older_than_ms=sent_before,
+        min_retention_ms=_floor_option(min_retention, MIN_RETENTION_ENV, admin.DEFAULT_MIN_RETENTION_MS),
+        dry_run=dry_run,
     )
     click.echo(f"{'would delete' if dry_run else 'deleted'} {count} SENT outbox row(s)")
 

@@ -18,7 +18,7 @@ import sqlalchemy as sa
 from click.testing import CliRunner, Result
 from sqlalchemy.engine import make_url
 
-from dagster_joblease import cli
+from dagster_joblease import admin, cli, errors
 from dagster_joblease.identity import JobIdentity
 from dagster_joblease.lease import LeaseService
 from dagster_joblease.receiver import effect_count
@@ -565,4 +565,67 @@ def test_listing_survives_rows_with_an_expiry_past_year_9999(db_url: str) -> Non
     assert forced.exit_code == 0 and "is now FAIL" in forced.output, forced.output
     again = LeaseService(engine).acquire(JobIdentity.schedule("legacy", "2026-01-01"))
     assert again is not None and again.attempt == 2
+    engine.dispose()
+
+
+def test_floors_from_the_environment_are_floors(pg_url: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """JOBLEASE_*_MIN_* floors cannot be lowered by a flag or by a library caller; only raised."""
+    engine = create_engine(pg_url)
+    svc = LeaseService(engine)
+    assert svc.run_exclusive(JobIdentity.schedule("nightly", "2026-01-01"), lambda _: None).acquired
+    backdate_finished(engine, 2 * DAY_MS)
+    add_outbox_row(engine, "k-sent", "billing", status="SENT", attempts=1, sent_ago_ms=2 * DAY_MS)
+    lease_env = {cli.MIN_REPLAY_WINDOW_ENV: "9d"}
+    outbox_env = {cli.MIN_RETENTION_ENV: "3d"}
+
+    lowered = run(
+        pg_url, "leases", "purge", "--finished-before", "1d", "--min-replay-window", "0s", env=lease_env
+    )
+    assert lowered.exit_code == 2, lowered.output
+    assert cli.MIN_REPLAY_WINDOW_ENV in lowered.output and "Nothing was deleted" in lowered.output
+    lowered = run(pg_url, "outbox", "purge", "--sent-before", "1d", "--min-retention", "0s", env=outbox_env)
+    assert lowered.exit_code == 2, lowered.output
+    assert cli.MIN_RETENTION_ENV in lowered.output and "Nothing was deleted" in lowered.output
+    assert count(engine, lease_table) == 1 and count(engine, outbox_table) == 1
+
+    monkeypatch.setenv(cli.MIN_REPLAY_WINDOW_ENV, "9d")
+    monkeypatch.setenv(cli.MIN_RETENTION_ENV, "3d")
+    with pytest.raises(errors.RetentionWindowError, match=cli.MIN_REPLAY_WINDOW_ENV):
+        admin.purge_leases(engine, finished_before_ms=DAY_MS, min_replay_window_ms=0)
+    with pytest.raises(errors.RetentionWindowError, match=cli.MIN_RETENTION_ENV):
+        admin.purge_sent(engine, older_than_ms=DAY_MS, min_retention_ms=0)
+    monkeypatch.setenv(cli.MIN_RETENTION_ENV, "soon")
+    with pytest.raises(errors.ConfigurationError, match=cli.MIN_RETENTION_ENV):
+        admin.purge_sent(engine, older_than_ms=DAY_MS, min_retention_ms=0)
+    monkeypatch.delenv(cli.MIN_REPLAY_WINDOW_ENV)
+    monkeypatch.delenv(cli.MIN_RETENTION_ENV)
+    assert count(engine, lease_table) == 1 and count(engine, outbox_table) == 1
+
+    bad = run(pg_url, "outbox", "purge", "--sent-before", "7d", env={cli.MIN_RETENTION_ENV: "soon"})
+    assert bad.exit_code == 2 and cli.MIN_RETENTION_ENV in bad.output
+    # A flag may raise the floor above the environment's, and without the variable it sets it.
+    raised = run(
+        pg_url,
+        "outbox",
+        "purge",
+        "--sent-before",
+        "1d",
+        "--min-retention",
+        "2d",
+        env={cli.MIN_RETENTION_ENV: "1d"},
+    )
+    assert raised.exit_code == 2 and "minimum retention of 2d" in raised.output
+    ok = run(
+        pg_url,
+        "outbox",
+        "purge",
+        "--sent-before",
+        "1d",
+        "--min-retention",
+        "1d",
+        env={cli.MIN_RETENTION_ENV: "1d"},
+    )
+    assert ok.exit_code == 0 and "deleted 1 SENT" in ok.output
+    ok = run(pg_url, "leases", "purge", "--finished-before", "1d", "--min-replay-window", "1d")
+    assert ok.exit_code == 0 and "deleted 1 finished" in ok.output
     engine.dispose()
