@@ -22,7 +22,6 @@ from typing import Any, TypeVar
 
 import click
 import sqlalchemy as sa
-from sqlalchemy.engine import make_url
 
 from dagster_joblease import admin, errors, storage
 from dagster_joblease.storage import engine as storage_engine
@@ -67,8 +66,8 @@ def exit_code_for(exc: errors.JobLeaseError) -> int:
 def _target(url: str) -> str:
     """Where we are connected, for messages: backend, host, port, database — never user, password, query."""
     try:
-        parsed = make_url(url)
-    except Exception:
+        parsed = storage_engine.normalize_url(url)
+    except errors.ConfigurationError:
         return "the configured database"
     if parsed.get_backend_name() == "sqlite":
         return f"sqlite file {parsed.database}"
@@ -93,17 +92,8 @@ class State:
         return self._url
 
     def scrub(self, text: str) -> str:
-        """Belt and braces: drop the password and the raw URL from any text we print."""
-        if not self._url:
-            return text
-        try:
-            password = make_url(self._url).password
-        except Exception:
-            password = None
-        text = text.replace(self._url, "<database URL>")
-        if password:
-            text = text.replace(str(password), "***")
-        return text
+        """Belt and braces: drop the raw URL, its password and any piece of it from any text we print."""
+        return storage_engine.scrub_secrets(text, self._url or None)
 
     def engine(self, *, require_head: bool = True) -> sa.Engine:
         """An engine that has connected once; ``require_head``: the schema must be at this package's head."""

@@ -23,6 +23,7 @@ from dagster_joblease.identity import JobIdentity
 from dagster_joblease.lease import LeaseService
 from dagster_joblease.receiver import effect_count
 from dagster_joblease.storage import create_engine
+from dagster_joblease.storage import engine as storage_engine
 from dagster_joblease.storage.schema import lease_table, outbox_table
 from tests.admin_helpers import DAY_MS, add_outbox_row, backdate_finished, count, lease_statuses
 from tests.conftest import _admin_execute, admin_url
@@ -629,3 +630,51 @@ def test_floors_from_the_environment_are_floors(pg_url: str, monkeypatch: pytest
     ok = run(pg_url, "leases", "purge", "--finished-before", "1d", "--min-replay-window", "1d")
     assert ok.exit_code == 0 and "deleted 1 finished" in ok.output
     engine.dispose()
+
+
+AWKWARD_PASSWORDS = ["p@ss#w/rd", "se@cr3t@x", "a/b@c#d?e", "Zq@w!x:y"]
+
+
+def _fragments(password: str) -> list[str]:
+    """The password and every piece of it (of 3+ characters) a mis-parse at @ # / ? : could show."""
+    pieces = {password}
+    for i in range(len(password)):
+        for j in range(i + 3, len(password) + 1):
+            if any(c in password[i:j] for c in "@#/?:") or j - i >= 4:
+                pieces.add(password[i:j])
+    return sorted(pieces, key=len, reverse=True)
+
+
+@pytest.mark.parametrize("password", AWKWARD_PASSWORDS)
+def test_unencoded_password_characters_never_leak(password: str) -> None:
+    port = closed_port()
+    urls = [
+        f"postgresql+psycopg://joblease:{password}@127.0.0.1:{port}/joblease",
+        f"postgresql://joblease:{password}@localhost/joblease?application_name=x",
+    ]
+    for url in urls:
+        outputs = [
+            run(url, "leases", "list"),
+            run(url, "db", "upgrade"),
+            run(url, "outbox", "stats", "--json"),
+            run(None, "leases", "list", env={"JOBLEASE_DATABASE_URL": url}),
+            run(url, "receiver", "--port", "0", "--no-migrate"),
+            run(None, "receiver", "--port", "0", "--no-migrate", env={"JOBLEASE_DATABASE_URL": url}),
+        ]
+        for result in outputs:
+            assert result.exit_code != 0, result.output
+            text = result.output
+            for fragment in _fragments(password):
+                assert fragment not in text, (fragment, text)
+        for shown in (storage_engine.redact_url(url), storage_engine.scrub_secrets(f"boom {url} !", url)):
+            for fragment in _fragments(password):
+                assert fragment not in shown, (fragment, shown)
+    # The same password percent-encoded is a normal, unambiguous URL: host and database stay readable.
+    from urllib.parse import quote
+
+    encoded = f"postgresql+psycopg://joblease:{quote(password, safe='')}@127.0.0.1:{port}/joblease"
+    result = run(encoded, "leases", "list")
+    assert result.exit_code == 2 and f"on 127.0.0.1:{port}" in result.output
+    assert (
+        storage_engine.redact_url(encoded) == f"postgresql+psycopg://joblease:***@127.0.0.1:{port}/joblease"
+    )
