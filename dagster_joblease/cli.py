@@ -86,19 +86,29 @@ class State:
 
     @property
     def url(self) -> str:
-        # Resolved on first use: the default creates its folder, which `--help` must not do.
+        # Resolved on first use, and only named: `db upgrade` creates the file, nothing else does.
         if not self._url:
-            self._url = storage.default_sqlite_url()
+            self._url = storage_engine.default_sqlite_url(create=False)
         return self._url
 
     def scrub(self, text: str) -> str:
         """Belt and braces: drop the raw URL, its password and any piece of it from any text we print."""
         return storage_engine.scrub_secrets(text, self._url or None)
 
-    def engine(self, *, require_head: bool = True) -> sa.Engine:
-        """An engine that has connected once; ``require_head``: the schema must be at this package's head."""
+    def engine(self, *, require_head: bool = True, create: bool = False) -> sa.Engine:
+        """An engine that has connected once; ``require_head``: the schema must be at this package's head.
+
+        Only ``create=True`` (``db upgrade``) may create a SQLite file: opening a mistyped path would
+        otherwise create it (and its folder) and then report an empty, uninstalled database.
+        """
         if self._engine is None:
             url = self.url
+            path = storage_engine.sqlite_file(url)
+            if path is not None and not create and not path.is_file():
+                raise CliConfigError(
+                    f"no such database file: {path}. Check --database-url / ${storage.DATABASE_URL_ENV}, "
+                    "or create and install it with `joblease db upgrade`."
+                )
             self._engine = storage.create_engine(url)
             try:
                 with storage_engine.translate_errors("connect"), self._engine.connect():
@@ -306,7 +316,7 @@ def db() -> None:
 def db_upgrade() -> None:
     """Upgrade the joblease tables to this package's head revision (idempotent; safe to run concurrently)."""
     state = _state()
-    engine = state.engine(require_head=False)
+    engine = state.engine(require_head=False, create=True)
     before = storage.migrate(engine)
     head = storage.head_revision()
     if before == head:

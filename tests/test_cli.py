@@ -678,3 +678,47 @@ def test_unencoded_password_characters_never_leak(password: str) -> None:
     assert (
         storage_engine.redact_url(encoded) == f"postgresql+psycopg://joblease:***@127.0.0.1:{port}/joblease"
     )
+
+
+READ_AND_ADMIN_COMMANDS = [
+    ["db", "current"],
+    ["db", "check"],
+    ["leases", "list"],
+    ["leases", "show", "bootstrap"],
+    ["leases", "fail", "1"],
+    ["leases", "purge", "--finished-before", "30d"],
+    ["outbox", "stats", "--json"],
+    ["outbox", "list"],
+    ["outbox", "requeue", "--all-dead"],
+    ["outbox", "purge", "--sent-before", "7d"],
+    ["dispatch", "--once", "--route", "t=http://127.0.0.1:9/t"],
+]
+
+
+def test_commands_other_than_db_upgrade_never_create_a_database(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    missing = tmp_path / "typo" / "joblease.sqlite"
+    url = f"sqlite:///{missing}"
+    for command in READ_AND_ADMIN_COMMANDS:
+        result = run(url, *command)
+        assert result.exit_code == 2, (command, result.output)
+        assert f"no such database file: {missing}" in result.output, result.output
+        assert "joblease db upgrade" in result.output
+    assert not (tmp_path / "typo").exists()
+
+    workdir = tmp_path / "cwd"
+    workdir.mkdir()
+    monkeypatch.chdir(workdir)
+    monkeypatch.delenv("JOBLEASE_DATABASE_URL", raising=False)
+    monkeypatch.delenv("DAGSTER_HOME", raising=False)
+    for command in READ_AND_ADMIN_COMMANDS:
+        assert run(None, *command).exit_code == 2, command
+    assert list(workdir.iterdir()) == []  # no ./.joblease/
+    monkeypatch.setenv("DAGSTER_HOME", str(tmp_path / "dagster_home"))
+    assert run(None, "outbox", "stats").exit_code == 2
+    assert not (tmp_path / "dagster_home").exists()
+
+    created = run(url, "db", "upgrade")
+    assert created.exit_code == 0 and missing.is_file()
+    assert run(url, "outbox", "stats", "--json").exit_code == 0

@@ -26,6 +26,7 @@ __all__ = [
     "normalize_url",
     "redact_url",
     "scrub_secrets",
+    "sqlite_file",
     "translate_errors",
 ]
 
@@ -37,12 +38,25 @@ IDLE_PING_AFTER_S = 1.0
 _IDLE_SINCE = "joblease_idle_since"
 
 
-def default_sqlite_url() -> str:
-    """The embedded default: a file under ``$DAGSTER_HOME``, else under ``./.joblease/``."""
+def default_sqlite_url(*, create: bool = True) -> str:
+    """The embedded default: a file under ``$DAGSTER_HOME``, else under ``./.joblease/``.
+
+    ``create=False`` only names it: a command that reads must not create the folder it would read from.
+    """
     home = os.environ.get("DAGSTER_HOME")
     folder = Path(home) if home else Path.cwd() / ".joblease"
-    folder.mkdir(parents=True, exist_ok=True)
+    if create:
+        folder.mkdir(parents=True, exist_ok=True)
     return f"sqlite:///{folder / 'joblease.sqlite'}"
+
+
+def sqlite_file(url: str | URL) -> Path | None:
+    """The file a SQLite URL opens, or None (PostgreSQL, or a ``?uri=true`` URL that SQLite resolves)."""
+    parsed = normalize_url(url)
+    if parsed.get_backend_name() != "sqlite" or "uri" in parsed.query:
+        return None
+    database = parsed.database or ""
+    return None if database in ("", ":memory:") else Path(database)
 
 
 _AMBIGUOUS_URL = (
