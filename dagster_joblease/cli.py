@@ -15,6 +15,7 @@ import dataclasses
 import importlib
 import json
 import logging
+import re
 import sys
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from pathlib import Path
@@ -442,16 +443,79 @@ def leases_list(
     )
 
 
+_KEY_RE = re.compile(r"v2:[0-9a-f]{64}")
+# A lone value made only of digits and date/time punctuation: a partition or tick key, or an id.
+_RUN_KEY_LIKE = re.compile(r"\d[\d\-:T/._+Z ]*")
+
+
 @leases.command("show", short_help="Show one lease by key, code [run key] or id.")
-@click.argument("key_or_code", required=False)
-@click.argument("run_key", required=False)
+@click.argument("key_or_code", required=False, metavar="[KEY | CODE [RUN_KEY]]")
+@click.argument("run_key", required=False, metavar="")
+@click.option("--key", "key_opt", metavar="KEY", help="The lease's v2: idempotency key.")
+@click.option("--code", "code_opt", metavar="CODE", help="The job code (alone: an INITIAL run).")
+@click.option("--run-key", "run_key_opt", metavar="RUN_KEY", help="With --code: that SCHEDULE run.")
 @click.option("--id", "lease_id", type=int, help="Look the lease up by its numeric row id instead.")
 @json_option
-def leases_show(key_or_code: str | None, run_key: str | None, lease_id: int | None, as_json: bool) -> None:
-    """Show one lease: KEY (v2:…), CODE RUN_KEY (a SCHEDULE run), CODE (an INITIAL run) or --id N."""
-    if (lease_id is None) == (key_or_code is None):
-        raise click.UsageError("give KEY, CODE [RUN_KEY] or --id N (exactly one)")
-    target: str | int = lease_id if lease_id is not None else key_or_code  # type: ignore[assignment]
+def leases_show(
+    key_or_code: str | None,
+    run_key: str | None,
+    key_opt: str | None,
+    code_opt: str | None,
+    run_key_opt: str | None,
+    lease_id: int | None,
+    as_json: bool,
+) -> None:
+    """Show one lease, named in exactly one way:
+
+    \b
+      joblease leases show v2:…                     (or --key v2:…)
+      joblease leases show CODE RUN_KEY             (or --code CODE --run-key RUN_KEY): a SCHEDULE run
+      joblease leases show --code CODE              an INITIAL run (CODE alone works unless it looks
+                                                    like a run key: a date, a time or a number)
+      joblease leases show --id N
+
+    A lone positional value that looks like a run key (2024-02-03) is refused rather than read as an
+    INITIAL job's code; give its code too.
+    """
+    given = [
+        name
+        for name, value in (
+            ("KEY | CODE [RUN_KEY]", key_or_code),
+            ("--key", key_opt),
+            ("--code", code_opt),
+            ("--id", lease_id),
+        )
+        if value is not None
+    ]
+    if len(given) != 1:
+        raise click.UsageError(
+            "name the lease in exactly one way: KEY, CODE [RUN_KEY], --key KEY, --code CODE [--run-key "
+            f"RUN_KEY] or --id N (got {', '.join(given) if given else 'none'})"
+        )
+    if run_key_opt is not None and code_opt is None:
+        raise click.UsageError("--run-key needs --code CODE: a run key alone does not name a run")
+    target: str | int
+    if lease_id is not None:
+        target = lease_id
+    elif key_opt is not None:
+        if not _KEY_RE.fullmatch(key_opt.strip()):
+            raise click.BadParameter(f"{key_opt!r} is not a v2: idempotency key", param_hint="--key")
+        target = key_opt.strip()
+    elif code_opt is not None:
+        target, run_key = code_opt, run_key_opt
+    else:
+        assert key_or_code is not None
+        text = key_or_code.strip()
+        if _KEY_RE.fullmatch(text):
+            if run_key is not None:
+                raise click.UsageError(f"a v2: key names one lease by itself; drop {run_key!r}")
+        elif run_key is None and _RUN_KEY_LIKE.fullmatch(text):
+            raise click.UsageError(
+                f"{text!r} looks like a run key (a date, a time or a number), not a job code. Give its "
+                f"code too: `joblease leases show CODE {text}` (or --code CODE --run-key {text}); for an "
+                f"INITIAL job whose code really is {text!r}, `--code {text}`; for a lease id, `--id {text}`."
+            )
+        target = key_or_code
     row = admin.show_lease(_state().engine(), target, run_key)
     if as_json:
         _echo_json(row.to_json())

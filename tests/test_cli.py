@@ -722,3 +722,32 @@ def test_commands_other_than_db_upgrade_never_create_a_database(
     created = run(url, "db", "upgrade")
     assert created.exit_code == 0 and missing.is_file()
     assert run(url, "outbox", "stats", "--json").exit_code == 0
+
+
+def test_leases_show_arguments_are_unambiguous(populated: tuple[str, sa.Engine, dict[str, str]]) -> None:
+    url, _, keys = populated
+    for lone in ("2026-01-02", "20260102", "2026-01-02-12:00", "42"):
+        result = run(url, "leases", "show", lone)
+        assert result.exit_code == 2, (lone, result.output)
+        assert f"{lone!r} looks like a run key" in result.output and "--run-key" in result.output
+    explicit = json.loads(
+        run(url, "leases", "show", "--code", "daily-billing", "--run-key", "2026-01-02", "--json").output
+    )
+    assert explicit["idempotency_key"] == keys["live"]
+    positional = json.loads(run(url, "leases", "show", "daily-billing", "2026-01-02", "--json").output)
+    assert positional["id"] == explicit["id"]
+    initial = json.loads(run(url, "leases", "show", "--code", "bootstrap", "--json").output)
+    assert initial["idempotency_key"] == keys["bootstrap"]
+    assert (
+        json.loads(run(url, "leases", "show", "--key", keys["live"], "--json").output)["id"] == explicit["id"]
+    )
+    for bad in (
+        ["--run-key", "2026-01-02"],
+        ["daily-billing", "--code", "daily-billing"],
+        ["--code", "daily-billing", "--id", "1"],
+        [keys["live"], "2026-01-02"],
+        ["--key", "daily-billing"],
+    ):
+        result = run(url, "leases", "show", *bad)
+        assert result.exit_code == 2, (bad, result.output)
+    assert "--code CODE" in run(url, "leases", "show", "--help").output
