@@ -18,6 +18,7 @@ Safety rules these functions enforce:
 from __future__ import annotations
 
 import dataclasses
+import os
 import re
 import secrets
 from collections.abc import Mapping, Sequence
@@ -28,7 +29,8 @@ import sqlalchemy as sa
 
 from dagster_joblease import errors, identity
 from dagster_joblease.lease import LeaseStatus, bound_error
-from dagster_joblease.storage.clock import db_now, db_now_plus_ms, ms_until
+from dagster_joblease.options import MAX_DURATION_MS
+from dagster_joblease.storage.clock import db_now, db_now_plus_ms, ms_until, readable_ts
 from dagster_joblease.storage.engine import translate_errors
 from dagster_joblease.storage.schema import lease_table, outbox_table
 
@@ -37,6 +39,8 @@ __all__ = [
     "DEFAULT_MIN_REPLAY_WINDOW_MS",
     "DEFAULT_MIN_RETENTION_MS",
     "FORCED_MARK",
+    "MIN_REPLAY_WINDOW_ENV",
+    "MIN_RETENTION_ENV",
     "AdminArgumentError",
     "AdminRefusedError",
     "human_ms",
@@ -46,9 +50,11 @@ __all__ = [
     "ResetOutcome",
     "TopicCount",
     "admin_fail",
+    "env_floor_ms",
     "list_leases",
     "list_outbox",
     "outbox_stats",
+    "parse_duration_ms",
     "purge_leases",
     "purge_sent",
     "requeue",
@@ -60,6 +66,10 @@ __all__ = [
 DEFAULT_MIN_RETENTION_MS = 24 * 3_600_000
 #: Default floor for ``purge_leases``: 7 days. A purged SCHEDULE key can run again after it.
 DEFAULT_MIN_REPLAY_WINDOW_MS = 7 * 86_400_000
+#: Environment variables that set a floor no caller can go below (the CLI's flags, or Python callers,
+#: may only raise it): the outbox's minimum retention and the leases' minimum replay window.
+MIN_RETENTION_ENV = "JOBLEASE_OUTBOX_MIN_RETENTION"
+MIN_REPLAY_WINDOW_ENV = "JOBLEASE_LEASE_MIN_REPLAY_WINDOW"
 #: Every admin reset's ``last_error`` starts with this, so monitoring can tell resets from real failures.
 ADMIN_RESET_PREFIX = "admin reset"
 #: In ``last_error`` when the reset was forced on a live lease (two holders were possible).
@@ -99,6 +109,45 @@ def human_ms(ms: int | None) -> str:
     if hours:
         return f"{sign}{hours}h{minutes:02d}m" if minutes else f"{sign}{hours}h"
     return f"{sign}{minutes}m{secs:02d}s" if secs else f"{sign}{minutes}m"
+
+
+_UNITS = {"ms": 1, "s": 1_000, "m": 60_000, "h": 3_600_000, "d": 86_400_000, "w": 7 * 86_400_000}
+_DURATION = re.compile(r"(?:\d+(?:ms|s|m|h|d|w))+")
+_DURATION_PART = re.compile(r"(\d+)(ms|s|m|h|d|w)")
+
+
+def parse_duration_ms(text: str) -> int | None:
+    """``90s``, ``30m``, ``2h``, ``7d``, ``1w``, ``1h30m``, ``500ms`` → milliseconds; None if malformed."""
+    value = text.strip().lower()
+    if not _DURATION.fullmatch(value):
+        return None
+    return sum(int(n) * _UNITS[u] for n, u in _DURATION_PART.findall(value))
+
+
+def env_floor_ms(name: str) -> int | None:
+    """The floor set by environment variable ``name`` (a duration such as ``24h``), or None if unset.
+
+    Raises :class:`ConfigurationError` naming the variable when it is set but not a duration: a floor
+    that silently did not apply would let a purge go below it.
+    """
+    raw = os.environ.get(name)
+    if raw is None or not raw.strip():
+        return None
+    ms = parse_duration_ms(raw)
+    if ms is None or ms > MAX_DURATION_MS:
+        raise errors.ConfigurationError(
+            f"${name}={raw.strip()!r} is not a duration of at most 100 years; set it like 24h, 7d or 1w, "
+            "or unset it"
+        )
+    return ms
+
+
+def _floor(given: int, env_name: str) -> tuple[int, str]:
+    """The effective floor: the caller's, raised to the environment's; and a note saying which applied."""
+    env = env_floor_ms(env_name)
+    if env is not None and env > given:
+        return env, f" (set by ${env_name}; a caller may raise this floor but not lower it)"
+    return given, ""
 
 
 # -- rows ------------------------------------------------------------------------------------------
@@ -211,9 +260,10 @@ class OutboxStats:
 
 
 def _check_ms(name: str, value: object) -> int:
-    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+    if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value <= MAX_DURATION_MS:
         raise AdminArgumentError(
-            f"invalid {name} {value!r}: must be a non-negative int number of milliseconds"
+            f"invalid {name} {value!r}: must be an int number of milliseconds from 0 to {MAX_DURATION_MS} "
+            "(100 years); a longer window is not a date the database can compute"
         )
     return value
 
@@ -244,12 +294,17 @@ def _check_text(name: str, value: object) -> str:
 # -- leases ----------------------------------------------------------------------------------------
 
 
+def _readable_columns(table: sa.Table) -> list[sa.ColumnElement[Any]]:
+    """The table's columns, timestamps clamped so any stored row can be listed (see readable_ts)."""
+    return [readable_ts(c).label(c.name) if isinstance(c.type, sa.DateTime) else c for c in table.c]
+
+
 def _lease_select() -> sa.Select[Any]:
     t = lease_table
     running = t.c.status == LeaseStatus.RUNNING.value
     return sa.select(
-        t,
-        sa.case((running, ms_until(t.c.expires_at)), else_=sa.null()).label("remaining_ms"),
+        *_readable_columns(t),
+        sa.case((running, ms_until(readable_ts(t.c.expires_at))), else_=sa.null()).label("remaining_ms"),
         sa.case((sa.and_(running, t.c.expires_at < db_now()), sa.true()), else_=sa.false()).label("expired"),
     )
 
@@ -434,11 +489,13 @@ def reset_lease(
             else f"holder {before.holder} was overdue by {human_ms(-(before.remaining_ms or 0))}"
         )
         text = bound_error(f"{ADMIN_RESET_PREFIX} of attempt {before.attempt}: {why} ({state})")
+        # Re-check at the write what the decision rested on (the holder, RUNNING, expired unless forced).
+        still = [t.c.id == before.id, t.c.owner_token == row._mapping["owner_token"], t.c.status == "RUNNING"]
+        if not before.live:
+            still.append(t.c.expires_at < db_now())
         updated = conn.execute(
             sa.update(t)
-            .where(
-                t.c.id == before.id, t.c.owner_token == row._mapping["owner_token"], t.c.status == "RUNNING"
-            )
+            .where(*still)
             .values(
                 status=LeaseStatus.FAIL.value,
                 owner_token=secrets.token_hex(16),
@@ -462,7 +519,12 @@ def _describe(row: LeaseRow) -> str:
 def _purge(
     engine: sa.Engine, table: sa.Table, where: sa.ColumnElement[bool], action: str, *, dry_run: bool
 ) -> int:
-    """Delete matching rows in short batches so a large purge never holds long locks."""
+    """Delete matching rows in short batches so a large purge never holds long locks.
+
+    The DELETE repeats ``where`` on the rows it deletes, not just their ids: under READ COMMITTED a row
+    that changed after the batch was selected (a FAIL lease reclaimed to RUNNING) is re-checked against
+    its new version, and skipped. Matching on ``id`` alone would delete a live lease (two holders).
+    """
     ids = sa.select(table.c.id).where(where)
     with translate_errors(action):
         if dry_run:
@@ -473,7 +535,7 @@ def _purge(
             with engine.begin() as conn:
                 # correlate(None): the subquery reads the same table the DELETE targets.
                 batch = ids.limit(PURGE_BATCH).correlate(None).scalar_subquery()
-                deleted = conn.execute(sa.delete(table).where(table.c.id.in_(batch))).rowcount
+                deleted = conn.execute(sa.delete(table).where(table.c.id.in_(batch), where)).rowcount
             total += deleted
             if deleted < PURGE_BATCH:
                 return total
@@ -487,17 +549,19 @@ def purge_leases(
     A purged key is forgotten: the same (code, run key) can run again, as attempt 1 with the same
     idempotency key. So the window must be at least ``min_replay_window_ms`` — longer than any schedule,
     backfill or retry could replay that run key — or :class:`RetentionWindowError` is raised and nothing
-    is deleted. RUNNING rows and INITIAL rows (run once, forever) are never purged. Returns the count
-    (what would be deleted, with ``dry_run``).
+    is deleted. ``$JOBLEASE_LEASE_MIN_REPLAY_WINDOW``, when set, is a floor under
+    ``min_replay_window_ms``. RUNNING rows and INITIAL rows (run once, forever) are never purged. Returns
+    the count (what would be deleted, with ``dry_run``).
     """
     window = _check_ms("finished_before_ms", finished_before_ms)
-    floor = _check_ms("min_replay_window_ms", min_replay_window_ms)
+    floor, source = _floor(_check_ms("min_replay_window_ms", min_replay_window_ms), MIN_REPLAY_WINDOW_ENV)
     if window < floor:
         raise errors.RetentionWindowError(
             f"refusing to purge leases finished before {human_ms(window)}: below the minimum replay window "
-            f"of {human_ms(floor)}. A purged SCHEDULE key can run again (a late schedule tick, backfill or "
-            "re-execution of that run key would win a fresh lease), so keep rows at least as long as such "
-            "a replay is possible, or lower the configured minimum deliberately. Nothing was deleted."
+            f"of {human_ms(floor)}{source}. A purged SCHEDULE key can run again (a late schedule tick, "
+            "backfill or re-execution of that run key would win a fresh lease), so keep rows at least as "
+            "long as such a replay is possible, or lower the configured minimum deliberately. Nothing was "
+            "deleted."
         )
     t = lease_table
     where = sa.and_(
@@ -530,7 +594,7 @@ def outbox_stats(engine: sa.Engine) -> OutboxStats:
             .order_by(o.c.topic, o.c.status)
         ).all()
         due, oldest_ms_until = conn.execute(
-            sa.select(sa.func.count(), ms_until(sa.func.min(o.c.next_attempt_at))).where(_due())
+            sa.select(sa.func.count(), ms_until(readable_ts(sa.func.min(o.c.next_attempt_at)))).where(_due())
         ).one()
     by_status = dict.fromkeys(_OUTBOX_STATUSES, 0)
     for _topic, status, count in grouped:
@@ -551,17 +615,19 @@ def _outbox_select() -> sa.Select[Any]:
         o.c.topic,
         o.c.status,
         o.c.attempts,
-        o.c.next_attempt_at,
-        sa.case((o.c.status == "PENDING", ms_until(o.c.next_attempt_at)), else_=sa.null()).label("due_in_ms"),
+        readable_ts(o.c.next_attempt_at).label("next_attempt_at"),
+        sa.case((o.c.status == "PENDING", ms_until(readable_ts(o.c.next_attempt_at))), else_=sa.null()).label(
+            "due_in_ms"
+        ),
         sa.case(
             (sa.and_(o.c.claim_expires_at.is_not(None), o.c.claim_expires_at >= db_now()), sa.true()),
             else_=sa.false(),
         ).label("claimed"),
         o.c.last_status,
         o.c.last_error,
-        o.c.created_at,
-        o.c.updated_at,
-        o.c.sent_at,
+        readable_ts(o.c.created_at).label("created_at"),
+        readable_ts(o.c.updated_at).label("updated_at"),
+        readable_ts(o.c.sent_at).label("sent_at"),
     )
 
 
@@ -644,7 +710,21 @@ def requeue(
                     f"outbox row {row_id} is being delivered by a dispatcher right now (unexpired claim); "
                     "try again after the attempt finishes"
                 )
-            return conn.execute(sa.update(o).where(o.c.id == row_id).values(**values)).rowcount
+            # Re-check at the write the state the refusals above rested on.
+            unchanged = (
+                o.c.status == "DEAD"
+                if status == "DEAD"
+                else sa.and_(
+                    o.c.status == "PENDING",
+                    sa.or_(o.c.claim_expires_at.is_(None), o.c.claim_expires_at < db_now()),
+                )
+            )
+            updated = conn.execute(sa.update(o).where(o.c.id == row_id, unchanged).values(**values)).rowcount
+            if updated != 1:
+                raise AdminRefusedError(
+                    f"outbox row {row_id} changed while it was being requeued; nothing was changed"
+                )
+            return int(updated)
     if not all_dead and topic is None:
         raise AdminArgumentError("requeue needs a selection: a row id, all_dead=True or a topic")
     where = o.c.status == "DEAD"
@@ -660,16 +740,17 @@ def purge_sent(engine: sa.Engine, *, older_than_ms: int, min_retention_ms: int, 
     Once a row is gone, enqueueing the same key again inserts a new row and delivers it again; only the
     downstream's own deduplication then stops a second effect. So the window must be at least
     ``min_retention_ms``, which documents the downstream's deduplication window, or
-    :class:`RetentionWindowError` is raised and nothing is deleted. PENDING and DEAD rows are never purged.
+    :class:`RetentionWindowError` is raised and nothing is deleted. ``$JOBLEASE_OUTBOX_MIN_RETENTION``, when
+    set, is a floor under ``min_retention_ms``. PENDING and DEAD rows are never purged.
     """
     window = _check_ms("older_than_ms", older_than_ms)
-    floor = _check_ms("min_retention_ms", min_retention_ms)
+    floor, source = _floor(_check_ms("min_retention_ms", min_retention_ms), MIN_RETENTION_ENV)
     if window < floor:
         raise errors.RetentionWindowError(
             f"refusing to purge outbox rows sent before {human_ms(window)}: below the minimum retention of "
-            f"{human_ms(floor)}, which must cover the downstream's deduplication window. After a purge, a "
-            "re-enqueue of the same key is delivered again, and only the downstream can still deduplicate "
-            "it. Nothing was deleted."
+            f"{human_ms(floor)}{source}, which must cover the downstream's deduplication window. After a "
+            "purge, a re-enqueue of the same key is delivered again, and only the downstream can still "
+            "deduplicate it. Nothing was deleted."
         )
     o = outbox_table
     where = sa.and_(o.c.status == "SENT", o.c.sent_at < db_now_plus_ms(sa.literal(-window, sa.BigInteger())))

@@ -23,7 +23,6 @@ from typing import Any, TypeVar
 
 import click
 import sqlalchemy as sa
-from sqlalchemy.engine import make_url
 
 from dagster_joblease import admin, errors, storage
 from dagster_joblease.storage import engine as storage_engine
@@ -34,8 +33,8 @@ F = TypeVar("F", bound=Callable[..., Any])
 
 EXIT_FAILED = 1
 EXIT_USAGE = 2
-MIN_RETENTION_ENV = "JOBLEASE_OUTBOX_MIN_RETENTION"
-MIN_REPLAY_WINDOW_ENV = "JOBLEASE_LEASE_MIN_REPLAY_WINDOW"
+MIN_RETENTION_ENV = admin.MIN_RETENTION_ENV
+MIN_REPLAY_WINDOW_ENV = admin.MIN_REPLAY_WINDOW_ENV
 ERROR_CELL_CHARS = 60
 
 # -- errors and exit codes -------------------------------------------------------------------------
@@ -68,8 +67,8 @@ def exit_code_for(exc: errors.JobLeaseError) -> int:
 def _target(url: str) -> str:
     """Where we are connected, for messages: backend, host, port, database — never user, password, query."""
     try:
-        parsed = make_url(url)
-    except Exception:
+        parsed = storage_engine.normalize_url(url)
+    except errors.ConfigurationError:
         return "the configured database"
     if parsed.get_backend_name() == "sqlite":
         return f"sqlite file {parsed.database}"
@@ -88,28 +87,29 @@ class State:
 
     @property
     def url(self) -> str:
-        # Resolved on first use: the default creates its folder, which `--help` must not do.
+        # Resolved on first use, and only named: `db upgrade` creates the file, nothing else does.
         if not self._url:
-            self._url = storage.default_sqlite_url()
+            self._url = storage_engine.default_sqlite_url(create=False)
         return self._url
 
     def scrub(self, text: str) -> str:
-        """Belt and braces: drop the password and the raw URL from any text we print."""
-        if not self._url:
-            return text
-        try:
-            password = make_url(self._url).password
-        except Exception:
-            password = None
-        text = text.replace(self._url, "<database URL>")
-        if password:
-            text = text.replace(str(password), "***")
-        return text
+        """Belt and braces: drop the raw URL, its password and any piece of it from any text we print."""
+        return storage_engine.scrub_secrets(text, self._url or None)
 
-    def engine(self, *, require_head: bool = True) -> sa.Engine:
-        """An engine that has connected once; ``require_head``: the schema must be at this package's head."""
+    def engine(self, *, require_head: bool = True, create: bool = False) -> sa.Engine:
+        """An engine that has connected once; ``require_head``: the schema must be at this package's head.
+
+        Only ``create=True`` (``db upgrade``) may create a SQLite file: opening a mistyped path would
+        otherwise create it (and its folder) and then report an empty, uninstalled database.
+        """
         if self._engine is None:
             url = self.url
+            path = storage_engine.sqlite_file(url)
+            if path is not None and not create and not path.is_file():
+                raise CliConfigError(
+                    f"no such database file: {path}. Check --database-url / ${storage.DATABASE_URL_ENV}, "
+                    "or create and install it with `joblease db upgrade`."
+                )
             self._engine = storage.create_engine(url)
             try:
                 with storage_engine.translate_errors("connect"), self._engine.connect():
@@ -224,9 +224,6 @@ LAZY_SUBCOMMANDS = {
 
 # -- parameters and formatting ---------------------------------------------------------------------
 
-_UNITS = {"ms": 1, "s": 1_000, "m": 60_000, "h": 3_600_000, "d": 86_400_000, "w": 7 * 86_400_000}
-_DURATION_PART = re.compile(r"(\d+)(ms|s|m|h|d|w)")
-
 
 class Duration(click.ParamType[int]):
     """``90s``, ``30m``, ``2h``, ``7d``, ``1w``, ``1h30m``, ``500ms`` → milliseconds."""
@@ -236,10 +233,10 @@ class Duration(click.ParamType[int]):
     def convert(self, value: Any, param: click.Parameter | None, ctx: click.Context | None) -> int:
         if isinstance(value, int):
             return value
-        text = str(value).strip().lower()
-        if not re.fullmatch(r"(?:\d+(?:ms|s|m|h|d|w))+", text):
+        ms = admin.parse_duration_ms(str(value))
+        if ms is None:
             self.fail(f"{value!r} is not a duration; use e.g. 90s, 30m, 2h, 7d or 1h30m", param, ctx)
-        return sum(int(n) * _UNITS[u] for n, u in _DURATION_PART.findall(text))
+        return ms
 
 
 DURATION = Duration()
@@ -320,7 +317,7 @@ def db() -> None:
 def db_upgrade() -> None:
     """Upgrade the joblease tables to this package's head revision (idempotent; safe to run concurrently)."""
     state = _state()
-    engine = state.engine(require_head=False)
+    engine = state.engine(require_head=False, create=True)
     before = storage.migrate(engine)
     head = storage.head_revision()
     if before == head:
@@ -446,16 +443,79 @@ def leases_list(
     )
 
 
+_KEY_RE = re.compile(r"v2:[0-9a-f]{64}")
+# A lone value made only of digits and date/time punctuation: a partition or tick key, or an id.
+_RUN_KEY_LIKE = re.compile(r"\d[\d\-:T/._+Z ]*")
+
+
 @leases.command("show", short_help="Show one lease by key, code [run key] or id.")
-@click.argument("key_or_code", required=False)
-@click.argument("run_key", required=False)
+@click.argument("key_or_code", required=False, metavar="[KEY | CODE [RUN_KEY]]")
+@click.argument("run_key", required=False, metavar="")
+@click.option("--key", "key_opt", metavar="KEY", help="The lease's v2: idempotency key.")
+@click.option("--code", "code_opt", metavar="CODE", help="The job code (alone: an INITIAL run).")
+@click.option("--run-key", "run_key_opt", metavar="RUN_KEY", help="With --code: that SCHEDULE run.")
 @click.option("--id", "lease_id", type=int, help="Look the lease up by its numeric row id instead.")
 @json_option
-def leases_show(key_or_code: str | None, run_key: str | None, lease_id: int | None, as_json: bool) -> None:
-    """Show one lease: KEY (v2:…), CODE RUN_KEY (a SCHEDULE run), CODE (an INITIAL run) or --id N."""
-    if (lease_id is None) == (key_or_code is None):
-        raise click.UsageError("give KEY, CODE [RUN_KEY] or --id N (exactly one)")
-    target: str | int = lease_id if lease_id is not None else key_or_code  # type: ignore[assignment]
+def leases_show(
+    key_or_code: str | None,
+    run_key: str | None,
+    key_opt: str | None,
+    code_opt: str | None,
+    run_key_opt: str | None,
+    lease_id: int | None,
+    as_json: bool,
+) -> None:
+    """Show one lease, named in exactly one way:
+
+    \b
+      joblease leases show v2:…                     (or --key v2:…)
+      joblease leases show CODE RUN_KEY             (or --code CODE --run-key RUN_KEY): a SCHEDULE run
+      joblease leases show --code CODE              an INITIAL run (CODE alone works unless it looks
+                                                    like a run key: a date, a time or a number)
+      joblease leases show --id N
+
+    A lone positional value that looks like a run key (2024-02-03) is refused rather than read as an
+    INITIAL job's code; give its code too.
+    """
+    given = [
+        name
+        for name, value in (
+            ("KEY | CODE [RUN_KEY]", key_or_code),
+            ("--key", key_opt),
+            ("--code", code_opt),
+            ("--id", lease_id),
+        )
+        if value is not None
+    ]
+    if len(given) != 1:
+        raise click.UsageError(
+            "name the lease in exactly one way: KEY, CODE [RUN_KEY], --key KEY, --code CODE [--run-key "
+            f"RUN_KEY] or --id N (got {', '.join(given) if given else 'none'})"
+        )
+    if run_key_opt is not None and code_opt is None:
+        raise click.UsageError("--run-key needs --code CODE: a run key alone does not name a run")
+    target: str | int
+    if lease_id is not None:
+        target = lease_id
+    elif key_opt is not None:
+        if not _KEY_RE.fullmatch(key_opt.strip()):
+            raise click.BadParameter(f"{key_opt!r} is not a v2: idempotency key", param_hint="--key")
+        target = key_opt.strip()
+    elif code_opt is not None:
+        target, run_key = code_opt, run_key_opt
+    else:
+        assert key_or_code is not None
+        text = key_or_code.strip()
+        if _KEY_RE.fullmatch(text):
+            if run_key is not None:
+                raise click.UsageError(f"a v2: key names one lease by itself; drop {run_key!r}")
+        elif run_key is None and _RUN_KEY_LIKE.fullmatch(text):
+            raise click.UsageError(
+                f"{text!r} looks like a run key (a date, a time or a number), not a job code. Give its "
+                f"code too: `joblease leases show CODE {text}` (or --code CODE --run-key {text}); for an "
+                f"INITIAL job whose code really is {text!r}, `--code {text}`; for a lease id, `--id {text}`."
+            )
+        target = key_or_code
     row = admin.show_lease(_state().engine(), target, run_key)
     if as_json:
         _echo_json(row.to_json())
@@ -531,6 +591,15 @@ def leases_fail(keys: tuple[str, ...], force: bool, reason: str) -> None:
         sys.exit(worst)
 
 
+def _floor_option(flag: int | None, env_name: str, default: int) -> int:
+    """The floor a purge asks for: the flag, else the environment's, else the default. The library then
+    raises it to the environment's floor, so a flag below that is refused, not obeyed."""
+    if flag is not None:
+        return flag
+    env = admin.env_floor_ms(env_name)
+    return default if env is None else env
+
+
 @leases.command("purge", short_help="Delete finished SCHEDULE rows older than a window.")
 @click.option(
     "--finished-before", type=DURATION, required=True, help="Delete rows finished longer ago (e.g. 30d)."
@@ -538,14 +607,12 @@ def leases_fail(keys: tuple[str, ...], force: bool, reason: str) -> None:
 @click.option(
     "--min-replay-window",
     type=DURATION,
-    default="7d",
-    show_default=True,
-    envvar=MIN_REPLAY_WINDOW_ENV,
-    show_envvar=True,
-    help="Refuse a --finished-before below this: a purged run key can run again.",
+    help="Refuse a --finished-before below this: a purged run key can run again. Default: "
+    f"${MIN_REPLAY_WINDOW_ENV}, else 7d. ${MIN_REPLAY_WINDOW_ENV} is a floor: this flag can raise it, "
+    "never lower it.",
 )
 @click.option("--dry-run", is_flag=True, help="Only count the rows that would be deleted.")
-def leases_purge(finished_before: int, min_replay_window: int, dry_run: bool) -> None:
+def leases_purge(finished_before: int, min_replay_window: int | None, dry_run: bool) -> None:
     """Delete SUCCESS/FAIL rows of SCHEDULE runs finished before the window (INITIAL, RUNNING rows kept).
 
     After a purge the same (code, run key) can win a fresh lease again (attempt 1, same key), so the window
@@ -554,7 +621,9 @@ def leases_purge(finished_before: int, min_replay_window: int, dry_run: bool) ->
     count = admin.purge_leases(
         _state().engine(),
         finished_before_ms=finished_before,
-        min_replay_window_ms=min_replay_window,
+        min_replay_window_ms=_floor_option(
+            min_replay_window, MIN_REPLAY_WINDOW_ENV, admin.DEFAULT_MIN_REPLAY_WINDOW_MS
+        ),
         dry_run=dry_run,
     )
     click.echo(f"{'would delete' if dry_run else 'deleted'} {count} finished SCHEDULE lease row(s)")
@@ -652,21 +721,22 @@ def outbox_requeue(row_id: int | None, all_dead: bool, topic: str | None) -> Non
 @click.option(
     "--min-retention",
     type=DURATION,
-    default="24h",
-    show_default=True,
-    envvar=MIN_RETENTION_ENV,
-    show_envvar=True,
-    help="Refuse a --sent-before below this; set it to at least the downstream's deduplication window.",
+    help="Refuse a --sent-before below this; set it to at least the downstream's deduplication window. "
+    f"Default: ${MIN_RETENTION_ENV}, else 24h. ${MIN_RETENTION_ENV} is a floor: this flag can raise it, "
+    "never lower it.",
 )
 @click.option("--dry-run", is_flag=True, help="Only count the rows that would be deleted.")
-def outbox_purge(sent_before: int, min_retention: int, dry_run: bool) -> None:
+def outbox_purge(sent_before: int, min_retention: int | None, dry_run: bool) -> None:
     """Delete SENT rows older than the window; PENDING and DEAD rows are kept.
 
     After a purge, enqueueing the same key again delivers it again, so the window must be at least the
     downstream's deduplication window.
     """
     count = admin.purge_sent(
-        _state().engine(), older_than_ms=sent_before, min_retention_ms=min_retention, dry_run=dry_run
+        _state().engine(),
+        older_than_ms=sent_before,
+        min_retention_ms=_floor_option(min_retention, MIN_RETENTION_ENV, admin.DEFAULT_MIN_RETENTION_MS),
+        dry_run=dry_run,
     )
     click.echo(f"{'would delete' if dry_run else 'deleted'} {count} SENT outbox row(s)")
 

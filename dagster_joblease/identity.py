@@ -52,9 +52,25 @@ def _parse_type(value: object) -> JobType:
     raise errors.InvalidJobIdentityError("type", value, "unknown type; allowed: 'INITIAL' or 'SCHEDULE'")
 
 
+def _reject_surrogates(field: str, value: str) -> None:
+    """The key hashes UTF-8, which has no encoding for a lone surrogate (a broken UTF-16 decode)."""
+    if value.isascii():
+        return
+    try:
+        value.encode("utf-8")
+    except UnicodeEncodeError as exc:
+        raise errors.InvalidJobIdentityError(
+            field,
+            value,
+            f"contains the lone surrogate U+{ord(value[exc.start]):04X}, which is not valid Unicode text "
+            "(UTF-8 cannot encode it); decode the source text correctly",
+        ) from None
+
+
 def _normalize_text(field: str, value: object, max_length: int) -> str:
     if not isinstance(value, str):
         raise errors.InvalidJobIdentityError(field, value, f"must be a str, got {type(value).__name__}")
+    _reject_surrogates(field, value)
     text = unicodedata.normalize("NFC", value.strip())
     if not text:
         raise errors.InvalidJobIdentityError(field, value, "must not be blank")
@@ -141,6 +157,7 @@ def idempotency_key(type: JobType | str, code: str, run_key: str | None = None) 
 def _check_key(key: object) -> str:
     if not isinstance(key, str) or not key.strip():
         raise errors.InvalidJobIdentityError("idempotency_key", key, "must be a non-blank str")
+    _reject_surrogates("idempotency_key", key)
     return key
 
 

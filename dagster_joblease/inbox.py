@@ -30,6 +30,7 @@ import sqlalchemy as sa
 from sqlalchemy.dialects import postgresql, sqlite
 
 from dagster_joblease import errors, outbox
+from dagster_joblease.options import MAX_DURATION_MS
 from dagster_joblease.storage.clock import db_now, db_now_plus_ms, ms_until
 from dagster_joblease.storage.engine import translate_errors
 from dagster_joblease.storage.schema import inbox_table
@@ -301,9 +302,15 @@ class Inbox:
         A purged key is new again: a replay after purging runs the effect a second time. Keep
         ``older_than_ms`` longer than the longest time a producer may retry (its outbox retention).
         """
-        if isinstance(older_than_ms, bool) or not isinstance(older_than_ms, int) or older_than_ms < 0:
+        if (
+            isinstance(older_than_ms, bool)
+            or not isinstance(older_than_ms, int)
+            or not 0 <= older_than_ms <= MAX_DURATION_MS
+        ):
             raise InvalidInboxInputError(
-                "older_than_ms", f"{older_than_ms!r} must be an int >= 0 (milliseconds since completion)"
+                "older_than_ms",
+                f"{older_than_ms!r} must be an int from 0 to {MAX_DURATION_MS} (100 years; milliseconds "
+                "since completion)",
             )
         t = inbox_table
         cutoff = db_now_plus_ms(sa.literal(-older_than_ms, sa.BigInteger()))

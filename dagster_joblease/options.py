@@ -6,10 +6,21 @@ import dataclasses
 
 from dagster_joblease import errors
 
-__all__ = ["DEFAULT_LEASE_MS", "MAX_LEASE_MS", "LeaseTiming", "default_heartbeat_ms", "resolve_timing"]
+__all__ = [
+    "DEFAULT_LEASE_MS",
+    "MAX_DURATION_MS",
+    "MAX_LEASE_MS",
+    "LeaseTiming",
+    "default_heartbeat_ms",
+    "resolve_timing",
+]
 
 DEFAULT_LEASE_MS = 15 * 60_000  # 15 minutes
-MAX_LEASE_MS = 2**53 - 1  # the largest integer a JSON number (and a JS client) keeps exact
+#: The longest time option or window anywhere in the library: 100 years. Database now plus (or minus) this
+#: stays far inside what both backends store and Python decodes (years 1-9999); the seed's 2**53-1 ms
+#: did not (year 287453 on PostgreSQL, a failed insert on SQLite).
+MAX_DURATION_MS = 100 * 365 * 86_400_000
+MAX_LEASE_MS = MAX_DURATION_MS
 MAX_HEARTBEAT_MS = 60_000  # a minute: frequent enough to notice a lost lease quickly
 
 
@@ -24,7 +35,10 @@ def _check_lease_ms(value: object) -> int:
         )
     if not 2 < value <= MAX_LEASE_MS:
         raise errors.InvalidLeaseOptionsError(
-            "lease_ms", value, f"must be greater than 2 and at most {MAX_LEASE_MS}"
+            "lease_ms",
+            value,
+            f"must be greater than 2 and at most {MAX_LEASE_MS} (100 years, so that the expiry stays a "
+            "date both backends can store)",
         )
     return value
 

@@ -122,6 +122,15 @@ def _check_text(field: str, value: object, max_length: int, *, ascii_only: bool)
             raise errors.InvalidPayloadError(
                 field, f"{value[:40]!r} contains the control character U+{ord(ch):04X}; remove it"
             )
+    if not value.isascii():
+        try:
+            value.encode("utf-8")
+        except UnicodeEncodeError as exc:
+            raise errors.InvalidPayloadError(
+                field,
+                f"contains the lone surrogate U+{ord(value[exc.start]):04X}, which is not valid Unicode "
+                "text (the database cannot store it); fix the string's encoding",
+            ) from None
     if ascii_only:
         if not value.isascii():
             raise errors.InvalidPayloadError(

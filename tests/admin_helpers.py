@@ -84,6 +84,37 @@ def lease_statuses(engine: sa.Engine) -> dict[int, str]:
         return {r.id: r.status for r in conn.execute(sa.select(t.c.id, t.c.status))}
 
 
+def purge_worker(url: str, what: str, window_ms: int, out: Any) -> None:
+    """Run one purge in this (separate) process and put its count, or the error text, on ``out``."""
+    from dagster_joblease import admin
+    from dagster_joblease.storage import create_engine
+
+    engine = create_engine(url)
+    try:
+        if what == "leases":
+            deleted = admin.purge_leases(engine, finished_before_ms=window_ms, min_replay_window_ms=window_ms)
+        else:
+            deleted = admin.purge_sent(engine, older_than_ms=window_ms, min_retention_ms=window_ms)
+        out.put(deleted)
+    except BaseException as exc:
+        out.put(f"{type(exc).__name__}: {exc}")
+    finally:
+        engine.dispose()
+
+
+def waiting_on_a_lock(engine: sa.Engine, statement_prefix: str) -> bool:
+    """True once a backend runs a statement starting with ``statement_prefix`` and waits on a lock."""
+    with engine.connect() as conn:
+        found = conn.execute(
+            sa.text(
+                "SELECT count(*) FROM pg_stat_activity WHERE datname = current_database() "
+                "AND wait_event_type = 'Lock' AND query ILIKE :prefix"
+            ),
+            {"prefix": statement_prefix + "%"},
+        ).scalar_one()
+    return int(found) > 0
+
+
 __all__ = [
     "DAY_MS",
     "HOUR_MS",
@@ -92,4 +123,6 @@ __all__ = [
     "backdate_finished",
     "count",
     "lease_statuses",
+    "purge_worker",
+    "waiting_on_a_lock",
 ]

@@ -2,12 +2,16 @@
 
 from __future__ import annotations
 
+import multiprocessing
+import secrets
+
 import pytest
 import sqlalchemy as sa
 
 from dagster_joblease import admin, errors
 from dagster_joblease.identity import JobIdentity
-from dagster_joblease.lease import LeaseService, NotAcquiredReason
+from dagster_joblease.lease import LeaseService, NotAcquiredReason, acquire_statement
+from dagster_joblease.storage import create_engine
 from dagster_joblease.storage.schema import lease_table, outbox_table
 from tests.admin_helpers import (
     DAY_MS,
@@ -17,6 +21,8 @@ from tests.admin_helpers import (
     backdate_finished,
     count,
     lease_statuses,
+    purge_worker,
+    waiting_on_a_lock,
 )
 from tests.conftest import wait_until
 
@@ -226,3 +232,87 @@ def test_outbox_stats_list_requeue_and_purge(engine: sa.Engine) -> None:
     assert admin.purge_sent(engine, older_than_ms=DAY_MS, min_retention_ms=DAY_MS) == 1
     assert [r.idempotency_key for r in admin.list_outbox(engine, status="sent")] == ["k-sent-new"]
     assert count(engine, lease_table) == 0
+
+
+def _purge_while_a_row_changes(
+    url: str, engine: sa.Engine, what: str, change: sa.Executable, params: dict[str, object]
+) -> object:
+    """Run a purge in another process while ``change`` (uncommitted, row lock held) moves the only
+    purgeable row out of its purgeable state; commit once the purge waits on that row; return its result.
+
+    The purge's SELECT sees the old, purgeable row; its DELETE then waits for the lock. This is the
+    window a reclaim can hit by chance; the held lock makes it certain."""
+    ctx = multiprocessing.get_context("fork")
+    out = ctx.Queue()
+    with engine.connect() as holder:
+        transaction = holder.begin()
+        assert holder.execute(change, params).rowcount == 1
+        worker = ctx.Process(target=purge_worker, args=(url, what, 7 * DAY_MS, out))
+        worker.start()
+        try:
+            wait_until(lambda: waiting_on_a_lock(engine, "DELETE FROM joblease_"), timeout=30)
+        finally:
+            transaction.commit()
+        worker.join(60)
+    assert worker.exitcode == 0
+    return out.get(timeout=5)
+
+
+def test_purge_never_deletes_a_lease_reclaimed_while_it_runs(pg_url: str) -> None:
+    """A FAIL row reclaimed (FAIL → RUNNING) between the purge's select and its delete must survive:
+    deleting it would let the next claim win attempt 1 while the reclaimer still holds attempt 2."""
+    engine = create_engine(pg_url)
+    svc = LeaseService(engine, lease_ms=600_000)
+    job = JobIdentity.schedule("nightly", "2026-01-01")
+    with pytest.raises(ZeroDivisionError):
+        svc.run_exclusive(job, _boom)
+    backdate_finished(engine, 8 * DAY_MS)
+    reclaim = {
+        "p_lock_key": job.idempotency_key,
+        "p_job_type": job.type.value,
+        "p_code": job.code,
+        "p_run_key": job.run_key,
+        "p_owner_token": secrets.token_hex(16),
+        "p_lease_ms": 600_000,
+        "p_holder": "worker-a",
+    }
+    deleted = _purge_while_a_row_changes(pg_url, engine, "leases", acquire_statement("postgresql"), reclaim)
+    assert deleted == 0
+    (row,) = admin.list_leases(engine)
+    assert (row.status, row.attempt, row.holder) == ("RUNNING", 2, "worker-a")
+    assert svc.try_acquire(job).reason is NotAcquiredReason.HELD  # no second holder at attempt 1
+    engine.dispose()
+
+
+def test_outbox_purge_never_deletes_a_row_that_left_sent_while_it_runs(pg_url: str) -> None:
+    engine = create_engine(pg_url)
+    row_id = add_outbox_row(engine, "k-old", "billing", status="SENT", attempts=1, sent_ago_ms=8 * DAY_MS)
+    o = outbox_table
+    back_to_pending = sa.update(o).where(o.c.id == sa.bindparam("row_id")).values(status="PENDING")
+    deleted = _purge_while_a_row_changes(pg_url, engine, "outbox", back_to_pending, {"row_id": row_id})
+    assert deleted == 0
+    assert [r.status for r in admin.list_outbox(engine)] == ["PENDING"]  # PENDING rows are never purged
+    engine.dispose()
+
+
+def test_windows_are_bounded_so_what_is_accepted_works_on_both_backends(engine: sa.Engine) -> None:
+    from dagster_joblease.inbox import Inbox
+    from dagster_joblease.options import MAX_DURATION_MS
+
+    add_outbox_row(engine, "k-sent", "billing", status="SENT", attempts=1, sent_ago_ms=2 * DAY_MS)
+    assert admin.list_leases(engine, older_than_ms=MAX_DURATION_MS) == []
+    assert admin.purge_leases(engine, finished_before_ms=MAX_DURATION_MS, min_replay_window_ms=0) == 0
+    assert admin.purge_sent(engine, older_than_ms=MAX_DURATION_MS, min_retention_ms=MAX_DURATION_MS) == 0
+    assert Inbox(engine).purge(MAX_DURATION_MS) == 0
+    for huge in (MAX_DURATION_MS + 1, 10**20):
+        with pytest.raises(admin.AdminArgumentError, match="100 years"):
+            admin.list_leases(engine, older_than_ms=huge)
+        with pytest.raises(admin.AdminArgumentError, match="100 years"):
+            admin.purge_leases(engine, finished_before_ms=huge, min_replay_window_ms=0)
+        with pytest.raises(admin.AdminArgumentError, match="100 years"):
+            admin.purge_sent(engine, older_than_ms=huge, min_retention_ms=0)
+        with pytest.raises(admin.AdminArgumentError, match="100 years"):
+            admin.purge_sent(engine, older_than_ms=huge, min_retention_ms=huge)
+        with pytest.raises(errors.InvalidInboxInputError, match="older_than_ms"):
+            Inbox(engine).purge(huge)
+    assert count(engine, outbox_table) == 1

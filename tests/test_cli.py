@@ -18,11 +18,12 @@ import sqlalchemy as sa
 from click.testing import CliRunner, Result
 from sqlalchemy.engine import make_url
 
-from dagster_joblease import cli
+from dagster_joblease import admin, cli, errors
 from dagster_joblease.identity import JobIdentity
 from dagster_joblease.lease import LeaseService
 from dagster_joblease.receiver import effect_count
 from dagster_joblease.storage import create_engine
+from dagster_joblease.storage import engine as storage_engine
 from dagster_joblease.storage.schema import lease_table, outbox_table
 from tests.admin_helpers import DAY_MS, add_outbox_row, backdate_finished, count, lease_statuses
 from tests.conftest import _admin_execute, admin_url
@@ -518,3 +519,235 @@ def test_default_is_the_embedded_sqlite_file(tmp_path: Path, monkeypatch: pytest
     assert (tmp_path / ".joblease" / "joblease.sqlite").is_file()
     assert run(None, "leases", "list").output.strip() == "no leases match"
     assert json.loads(run(None, "outbox", "stats", "--json").output)["total"] == 0
+
+
+def _insert_far_future_rows(engine: sa.Engine) -> None:
+    """Rows an older version could write (lease_ms = 2**53-1 put expiry in year 287453): inserted
+    directly with SQL, in each backend's own stored form."""
+    far = (
+        "'287453-01-01 00:00:00+00'"
+        if engine.dialect.name == "postgresql"
+        else "'287453-01-01 00:00:00.000000'"
+    )
+    now = "now()" if engine.dialect.name == "postgresql" else "'2026-01-01 00:00:00.000000'"
+    key = JobIdentity.schedule("legacy", "2026-01-01").idempotency_key
+    with engine.begin() as conn:
+        conn.exec_driver_sql(
+            "INSERT INTO joblease_lease (lock_key, job_type, code, run_key, status, owner_token, attempt, "
+            "lease_ms, holder, created_at, acquired_at, heartbeat_at, expires_at) VALUES "
+            f"('{key}', 'SCHEDULE', 'legacy', '2026-01-01', 'RUNNING', 'tok', 1, {2**53 - 1}, 'old:1', "
+            f"{now}, {now}, {now}, {far})"
+        )
+    add_outbox_row(engine, "k-far", "billing", attempts=3)
+    o = outbox_table
+    with engine.begin() as conn:
+        conn.execute(sa.update(o).values(next_attempt_at=sa.literal_column(far)))
+
+
+def test_listing_survives_rows_with_an_expiry_past_year_9999(db_url: str) -> None:
+    engine = create_engine(db_url)
+    _insert_far_future_rows(engine)
+    key = JobIdentity.schedule("legacy", "2026-01-01").idempotency_key
+    listed = run(db_url, "leases", "list")
+    assert listed.exit_code == 0, listed.output
+    assert "legacy" in listed.output and "RUNNING" in listed.output
+    (row,) = json.loads(run(db_url, "leases", "list", "--json").output)
+    assert row["expires_at"].startswith("9999-") and row["remaining_ms"] > 100 * 365 * DAY_MS
+    shown = run(db_url, "leases", "show", key)
+    assert shown.exit_code == 0 and "9999-" in shown.output, shown.output
+    assert run(db_url, "leases", "show", "--id", str(row["id"])).exit_code == 0
+    assert run(db_url, "leases", "list", "--status", "running", "--older-than", "1d").exit_code == 0
+    assert run(db_url, "outbox", "list").exit_code == 0
+    assert run(db_url, "outbox", "stats").exit_code == 0
+
+    refused = run(db_url, "leases", "fail", key)
+    assert refused.exit_code == 1 and "live lease" in refused.output
+    forced = run(db_url, "leases", "fail", "--force", key)
+    assert forced.exit_code == 0 and "is now FAIL" in forced.output, forced.output
+    again = LeaseService(engine).acquire(JobIdentity.schedule("legacy", "2026-01-01"))
+    assert again is not None and again.attempt == 2
+    engine.dispose()
+
+
+def test_floors_from_the_environment_are_floors(pg_url: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """JOBLEASE_*_MIN_* floors cannot be lowered by a flag or by a library caller; only raised."""
+    engine = create_engine(pg_url)
+    svc = LeaseService(engine)
+    assert svc.run_exclusive(JobIdentity.schedule("nightly", "2026-01-01"), lambda _: None).acquired
+    backdate_finished(engine, 2 * DAY_MS)
+    add_outbox_row(engine, "k-sent", "billing", status="SENT", attempts=1, sent_ago_ms=2 * DAY_MS)
+    lease_env = {cli.MIN_REPLAY_WINDOW_ENV: "9d"}
+    outbox_env = {cli.MIN_RETENTION_ENV: "3d"}
+
+    lowered = run(
+        pg_url, "leases", "purge", "--finished-before", "1d", "--min-replay-window", "0s", env=lease_env
+    )
+    assert lowered.exit_code == 2, lowered.output
+    assert cli.MIN_REPLAY_WINDOW_ENV in lowered.output and "Nothing was deleted" in lowered.output
+    lowered = run(pg_url, "outbox", "purge", "--sent-before", "1d", "--min-retention", "0s", env=outbox_env)
+    assert lowered.exit_code == 2, lowered.output
+    assert cli.MIN_RETENTION_ENV in lowered.output and "Nothing was deleted" in lowered.output
+    assert count(engine, lease_table) == 1 and count(engine, outbox_table) == 1
+
+    monkeypatch.setenv(cli.MIN_REPLAY_WINDOW_ENV, "9d")
+    monkeypatch.setenv(cli.MIN_RETENTION_ENV, "3d")
+    with pytest.raises(errors.RetentionWindowError, match=cli.MIN_REPLAY_WINDOW_ENV):
+        admin.purge_leases(engine, finished_before_ms=DAY_MS, min_replay_window_ms=0)
+    with pytest.raises(errors.RetentionWindowError, match=cli.MIN_RETENTION_ENV):
+        admin.purge_sent(engine, older_than_ms=DAY_MS, min_retention_ms=0)
+    monkeypatch.setenv(cli.MIN_RETENTION_ENV, "soon")
+    with pytest.raises(errors.ConfigurationError, match=cli.MIN_RETENTION_ENV):
+        admin.purge_sent(engine, older_than_ms=DAY_MS, min_retention_ms=0)
+    monkeypatch.delenv(cli.MIN_REPLAY_WINDOW_ENV)
+    monkeypatch.delenv(cli.MIN_RETENTION_ENV)
+    assert count(engine, lease_table) == 1 and count(engine, outbox_table) == 1
+
+    bad = run(pg_url, "outbox", "purge", "--sent-before", "7d", env={cli.MIN_RETENTION_ENV: "soon"})
+    assert bad.exit_code == 2 and cli.MIN_RETENTION_ENV in bad.output
+    # A flag may raise the floor above the environment's, and without the variable it sets it.
+    raised = run(
+        pg_url,
+        "outbox",
+        "purge",
+        "--sent-before",
+        "1d",
+        "--min-retention",
+        "2d",
+        env={cli.MIN_RETENTION_ENV: "1d"},
+    )
+    assert raised.exit_code == 2 and "minimum retention of 2d" in raised.output
+    ok = run(
+        pg_url,
+        "outbox",
+        "purge",
+        "--sent-before",
+        "1d",
+        "--min-retention",
+        "1d",
+        env={cli.MIN_RETENTION_ENV: "1d"},
+    )
+    assert ok.exit_code == 0 and "deleted 1 SENT" in ok.output
+    ok = run(pg_url, "leases", "purge", "--finished-before", "1d", "--min-replay-window", "1d")
+    assert ok.exit_code == 0 and "deleted 1 finished" in ok.output
+    engine.dispose()
+
+
+AWKWARD_PASSWORDS = ["p@ss#w/rd", "se@cr3t@x", "a/b@c#d?e", "Zq@w!x:y"]
+
+
+def _fragments(password: str) -> list[str]:
+    """The password and every piece of it (of 3+ characters) a mis-parse at @ # / ? : could show."""
+    pieces = {password}
+    for i in range(len(password)):
+        for j in range(i + 3, len(password) + 1):
+            if any(c in password[i:j] for c in "@#/?:") or j - i >= 4:
+                pieces.add(password[i:j])
+    return sorted(pieces, key=len, reverse=True)
+
+
+@pytest.mark.parametrize("password", AWKWARD_PASSWORDS)
+def test_unencoded_password_characters_never_leak(password: str) -> None:
+    port = closed_port()
+    urls = [
+        f"postgresql+psycopg://joblease:{password}@127.0.0.1:{port}/joblease",
+        f"postgresql://joblease:{password}@localhost/joblease?application_name=x",
+    ]
+    for url in urls:
+        outputs = [
+            run(url, "leases", "list"),
+            run(url, "db", "upgrade"),
+            run(url, "outbox", "stats", "--json"),
+            run(None, "leases", "list", env={"JOBLEASE_DATABASE_URL": url}),
+            run(url, "receiver", "--port", "0", "--no-migrate"),
+            run(None, "receiver", "--port", "0", "--no-migrate", env={"JOBLEASE_DATABASE_URL": url}),
+        ]
+        for result in outputs:
+            assert result.exit_code != 0, result.output
+            text = result.output
+            for fragment in _fragments(password):
+                assert fragment not in text, (fragment, text)
+        for shown in (storage_engine.redact_url(url), storage_engine.scrub_secrets(f"boom {url} !", url)):
+            for fragment in _fragments(password):
+                assert fragment not in shown, (fragment, shown)
+    # The same password percent-encoded is a normal, unambiguous URL: host and database stay readable.
+    from urllib.parse import quote
+
+    encoded = f"postgresql+psycopg://joblease:{quote(password, safe='')}@127.0.0.1:{port}/joblease"
+    result = run(encoded, "leases", "list")
+    assert result.exit_code == 2 and f"on 127.0.0.1:{port}" in result.output
+    assert (
+        storage_engine.redact_url(encoded) == f"postgresql+psycopg://joblease:***@127.0.0.1:{port}/joblease"
+    )
+
+
+READ_AND_ADMIN_COMMANDS = [
+    ["db", "current"],
+    ["db", "check"],
+    ["leases", "list"],
+    ["leases", "show", "bootstrap"],
+    ["leases", "fail", "1"],
+    ["leases", "purge", "--finished-before", "30d"],
+    ["outbox", "stats", "--json"],
+    ["outbox", "list"],
+    ["outbox", "requeue", "--all-dead"],
+    ["outbox", "purge", "--sent-before", "7d"],
+    ["dispatch", "--once", "--route", "t=http://127.0.0.1:9/t"],
+]
+
+
+def test_commands_other_than_db_upgrade_never_create_a_database(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    missing = tmp_path / "typo" / "joblease.sqlite"
+    url = f"sqlite:///{missing}"
+    for command in READ_AND_ADMIN_COMMANDS:
+        result = run(url, *command)
+        assert result.exit_code == 2, (command, result.output)
+        assert f"no such database file: {missing}" in result.output, result.output
+        assert "joblease db upgrade" in result.output
+    assert not (tmp_path / "typo").exists()
+
+    workdir = tmp_path / "cwd"
+    workdir.mkdir()
+    monkeypatch.chdir(workdir)
+    monkeypatch.delenv("JOBLEASE_DATABASE_URL", raising=False)
+    monkeypatch.delenv("DAGSTER_HOME", raising=False)
+    for command in READ_AND_ADMIN_COMMANDS:
+        assert run(None, *command).exit_code == 2, command
+    assert list(workdir.iterdir()) == []  # no ./.joblease/
+    monkeypatch.setenv("DAGSTER_HOME", str(tmp_path / "dagster_home"))
+    assert run(None, "outbox", "stats").exit_code == 2
+    assert not (tmp_path / "dagster_home").exists()
+
+    created = run(url, "db", "upgrade")
+    assert created.exit_code == 0 and missing.is_file()
+    assert run(url, "outbox", "stats", "--json").exit_code == 0
+
+
+def test_leases_show_arguments_are_unambiguous(populated: tuple[str, sa.Engine, dict[str, str]]) -> None:
+    url, _, keys = populated
+    for lone in ("2026-01-02", "20260102", "2026-01-02-12:00", "42"):
+        result = run(url, "leases", "show", lone)
+        assert result.exit_code == 2, (lone, result.output)
+        assert f"{lone!r} looks like a run key" in result.output and "--run-key" in result.output
+    explicit = json.loads(
+        run(url, "leases", "show", "--code", "daily-billing", "--run-key", "2026-01-02", "--json").output
+    )
+    assert explicit["idempotency_key"] == keys["live"]
+    positional = json.loads(run(url, "leases", "show", "daily-billing", "2026-01-02", "--json").output)
+    assert positional["id"] == explicit["id"]
+    initial = json.loads(run(url, "leases", "show", "--code", "bootstrap", "--json").output)
+    assert initial["idempotency_key"] == keys["bootstrap"]
+    assert (
+        json.loads(run(url, "leases", "show", "--key", keys["live"], "--json").output)["id"] == explicit["id"]
+    )
+    for bad in (
+        ["--run-key", "2026-01-02"],
+        ["daily-billing", "--code", "daily-billing"],
+        ["--code", "daily-billing", "--id", "1"],
+        [keys["live"], "2026-01-02"],
+        ["--key", "daily-billing"],
+    ):
+        result = run(url, "leases", "show", *bad)
+        assert result.exit_code == 2, (bad, result.output)
+    assert "--code CODE" in run(url, "leases", "show", "--help").output

@@ -16,31 +16,39 @@ from dagster_joblease import errors
 from dagster_joblease.identity import JobIdentity, JobType, colon_free_id, effect_key, idempotency_key
 
 SPEC_DIR_ENV = "JOBLEASE_SPEC_DIR"
+#: The vectors are the wire format's spec, so the repository keeps its own copy: the tests run anywhere.
+SPEC_PATH = Path(__file__).resolve().parent / "spec" / "idempotency_keys.json"
 
 
-def _spec_path() -> Path:
+def _shared_spec_path() -> Path:
+    """The shared spec this copy must equal: $JOBLEASE_SPEC_DIR, else ../shared/spec beside the repo."""
     override = os.environ.get(SPEC_DIR_ENV)
     if override:
         return Path(override) / "idempotency_keys.json"
-    repo_root = Path(__file__).resolve().parents[1]
-    return repo_root.parent / "shared" / "spec" / "idempotency_keys.json"
+    return Path(__file__).resolve().parents[2] / "shared" / "spec" / "idempotency_keys.json"
 
 
-def _load_spec() -> dict[str, Any]:
-    path = _spec_path()
-    # A missing spec must fail loudly: a silently skipped wire-format check is worse than none.
-    assert path.is_file(), f"spec vectors not found at {path}; set {SPEC_DIR_ENV} to the spec folder"
+def _load(path: Path) -> dict[str, Any]:
     spec: dict[str, Any] = json.loads(path.read_text(encoding="utf-8"))
     return spec
 
 
-SPEC = _load_spec() if _spec_path().is_file() else {"valid": [], "invalid": []}
+SPEC = _load(SPEC_PATH)
 
 
 def test_spec_file_is_present_and_non_empty() -> None:
-    spec = _load_spec()
-    assert len(spec["valid"]) >= 5
-    assert len(spec["invalid"]) >= 5
+    assert len(SPEC["valid"]) >= 5
+    assert len(SPEC["invalid"]) >= 5
+
+
+def test_the_copy_equals_the_shared_spec() -> None:
+    shared = _shared_spec_path()
+    if not shared.is_file():
+        pytest.skip(
+            f"no shared spec at {shared} (a clone without ../shared beside it); the in-repository copy "
+            f"{SPEC_PATH.relative_to(SPEC_PATH.parents[2])} is tested instead. Set {SPEC_DIR_ENV} to compare."
+        )
+    assert _load(shared) == SPEC, f"{SPEC_PATH} differs from {shared}: copy the shared spec over it"
 
 
 @pytest.mark.parametrize("vector", SPEC["valid"], ids=lambda v: repr(v["code"])[:30])
@@ -143,3 +151,23 @@ def test_identity_survives_pickle_and_replace() -> None:
     moved = dataclasses.replace(job, run_key=" 2026-11-30 ")
     assert moved.run_key == "2026-11-30"
     assert moved.idempotency_key == idempotency_key("SCHEDULE", "daily-billing", "2026-11-30")
+
+
+@pytest.mark.parametrize("bad", ["\ud800", "a\udfffb", "x\udc80"], ids=repr)
+def test_lone_surrogates_are_invalid_identity_not_unicode_errors(bad: str) -> None:
+    key = idempotency_key("SCHEDULE", "daily-billing", "2026-11-29")
+    cases = [
+        (lambda: JobIdentity.schedule(bad, "2026-11-29"), "code"),
+        (lambda: JobIdentity.schedule("daily-billing", bad), "run_key"),
+        (lambda: JobIdentity.initial(bad), "code"),
+        (lambda: idempotency_key("SCHEDULE", "c", bad), "run_key"),
+        (lambda: effect_key(key, bad), "effect_name"),
+        (lambda: effect_key(key + bad, "mail"), "idempotency_key"),
+        (lambda: colon_free_id(bad), "idempotency_key"),
+        (lambda: colon_free_id(key + bad, encoding="base64url"), "idempotency_key"),
+    ]
+    for call, field in cases:
+        with pytest.raises(errors.InvalidJobIdentityError) as info:
+            call()
+        assert info.value.field == field
+        assert "surrogate" in str(info.value)

@@ -115,3 +115,36 @@ def test_bad_options_fail_before_any_database_work(
             service.acquire(job, lease_ms=lease_ms)
         with pytest.raises(errors.InvalidLeaseOptionsError):
             service.try_acquire(job, lease_ms=lease_ms)
+
+
+def test_the_bound_is_about_100_years_and_the_seed_bound_is_refused() -> None:
+    assert 100 * 365 * 86_400_000 <= MAX_LEASE_MS < 101 * 365 * 86_400_000
+    for value in (2**53 - 1, MAX_LEASE_MS + 1):
+        with pytest.raises(errors.InvalidLeaseOptionsError, match="100 years"):
+            resolve_timing(value)
+
+
+def test_the_largest_accepted_lease_works_on_both_backends(engine: sa.Engine) -> None:
+    """What validation accepts must work: claim, heartbeat, list and show at the largest lease_ms."""
+    from dagster_joblease import admin
+
+    service = LeaseService(engine, lease_ms=MAX_LEASE_MS)
+    job = JobIdentity.schedule("long", "k")
+    lease = service.acquire(job)
+    assert lease is not None and lease.expires_at.year >= 2120
+    assert service.heartbeat(lease).year >= 2120
+    (row,) = admin.list_leases(engine)
+    assert row.live and row.remaining_ms is not None and row.remaining_ms > 99 * 365 * 86_400_000
+    assert admin.show_lease(engine, "long", "k").id == lease.id
+    assert service.acquire(job) is None
+    service.complete(lease)
+
+
+def test_refused_lease_ms_writes_nothing(engine: sa.Engine) -> None:
+    from dagster_joblease.storage.schema import lease_table
+
+    service = LeaseService(engine)
+    with pytest.raises(errors.InvalidLeaseOptionsError):
+        service.acquire(JobIdentity.schedule("long", "k"), lease_ms=2**53 - 1)
+    with engine.connect() as conn:
+        assert conn.execute(sa.select(sa.func.count()).select_from(lease_table)).scalar_one() == 0

@@ -14,7 +14,7 @@ from sqlalchemy.ext.compiler import compiles
 from sqlalchemy.sql.compiler import SQLCompiler
 from sqlalchemy.sql.functions import FunctionElement
 
-__all__ = ["db_now", "db_now_plus_ms", "ms_until"]
+__all__ = ["db_now", "db_now_plus_ms", "ms_until", "readable_ts"]
 
 _SQLITE_NOW = "strftime('%Y-%m-%d %H:%M:%f', 'now')"
 
@@ -78,3 +78,41 @@ def _until_pg(element: ms_until, compiler: SQLCompiler, **kw: Any) -> str:
 def _until_sqlite(element: ms_until, compiler: SQLCompiler, **kw: Any) -> str:
     (col,) = list(element.clauses)
     return f"CAST((julianday({compiler.process(col, **kw)}) - julianday('now')) * 86400000.0 AS INTEGER)"
+
+
+# Bounds a timestamp read for display is clamped into: a day inside what Python's datetime holds, so a
+# conversion to any session time zone stays in range.
+_READABLE_MAX = "9999-12-30 00:00:00"
+_READABLE_MIN = "0001-01-02 00:00:00"
+
+
+class readable_ts(FunctionElement[Any]):
+    """A timestamp column clamped into Python's datetime range (NULL stays NULL).
+
+    Validation keeps new rows far inside it, but a row written by an older version (an expiry in year
+    287453), by hand, or ``infinity`` would make every listing of the table fail to decode; admin reads
+    show such a value as the nearest bound instead.
+    """
+
+    type = sa.DateTime(timezone=True)
+    inherit_cache = True
+
+
+@compiles(readable_ts, "postgresql")
+def _readable_pg(element: readable_ts, compiler: SQLCompiler, **kw: Any) -> str:
+    (col,) = list(element.clauses)
+    c = compiler.process(col, **kw)
+    hi, lo = f"TIMESTAMPTZ '{_READABLE_MAX}+00'", f"TIMESTAMPTZ '{_READABLE_MIN}+00'"
+    return f"(CASE WHEN {c} > {hi} THEN {hi} WHEN {c} < {lo} THEN {lo} ELSE {c} END)"
+
+
+@compiles(readable_ts, "sqlite")
+def _readable_sqlite(element: readable_ts, compiler: SQLCompiler, **kw: Any) -> str:
+    (col,) = list(element.clauses)
+    c = compiler.process(col, **kw)
+    hi, lo = f"'{_READABLE_MAX}.000000'", f"'{_READABLE_MIN}.000000'"
+    # Text that is not a date SQLite can read (julianday NULL: a year past 9999) reads as the upper bound.
+    return (
+        f"(CASE WHEN {c} IS NULL THEN NULL WHEN julianday({c}) IS NULL OR julianday({c}) > julianday({hi}) "
+        f"THEN {hi} WHEN julianday({c}) < julianday({lo}) THEN {lo} ELSE {c} END)"
+    )

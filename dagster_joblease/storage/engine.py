@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import re
 import sqlite3
 import time
 from collections.abc import Iterator
@@ -24,6 +25,8 @@ __all__ = [
     "default_sqlite_url",
     "normalize_url",
     "redact_url",
+    "scrub_secrets",
+    "sqlite_file",
     "translate_errors",
 ]
 
@@ -35,23 +38,83 @@ IDLE_PING_AFTER_S = 1.0
 _IDLE_SINCE = "joblease_idle_since"
 
 
-def default_sqlite_url() -> str:
-    """The embedded default: a file under ``$DAGSTER_HOME``, else under ``./.joblease/``."""
+def default_sqlite_url(*, create: bool = True) -> str:
+    """The embedded default: a file under ``$DAGSTER_HOME``, else under ``./.joblease/``.
+
+    ``create=False`` only names it: a command that reads must not create the folder it would read from.
+    """
     home = os.environ.get("DAGSTER_HOME")
     folder = Path(home) if home else Path.cwd() / ".joblease"
-    folder.mkdir(parents=True, exist_ok=True)
+    if create:
+        folder.mkdir(parents=True, exist_ok=True)
     return f"sqlite:///{folder / 'joblease.sqlite'}"
 
 
-def normalize_url(url: str | URL) -> URL:
-    """Parse a URL and pick psycopg 3 for bare ``postgresql://`` / ``postgres://`` URLs."""
+def sqlite_file(url: str | URL) -> Path | None:
+    """The file a SQLite URL opens, or None (PostgreSQL, or a ``?uri=true`` URL that SQLite resolves)."""
+    parsed = normalize_url(url)
+    if parsed.get_backend_name() != "sqlite" or "uri" in parsed.query:
+        return None
+    database = parsed.database or ""
+    return None if database in ("", ":memory:") else Path(database)
+
+
+_AMBIGUOUS_URL = (
+    "the database URL cannot be split safely into credentials and host: its user name or password seems "
+    "to hold an unencoded '@' (with '/', '#' or '?' after it), so part of the password would be taken for "
+    "the host or the database. Percent-encode the user name and password, e.g. "
+    "urllib.parse.quote(password, safe='') ('@' → %40, '/' → %2F, '#' → %23, '?' → %3F); an '@' in the "
+    "database name as %40. Nothing of the URL is shown here."
+)
+
+
+def _ambiguous(raw: str, parsed: URL) -> bool:
+    """True when SQLAlchemy's split of ``raw`` into credentials, host and database cannot be trusted.
+
+    An unencoded '@' in a password makes SQLAlchemy end the password at that '@' and take the rest for
+    the host, port or database (``p@ss#w/rd`` → password ``p``, host ``ss#w``, database ``rd@…``), or drop
+    it as a malformed query part. So: an '@' in the parsed host or database, or fewer '@' in the parsed
+    parts than in the raw text, means a piece of a credential went where it does not belong.
+    """
+    if parsed.get_backend_name() == "sqlite":
+        return False  # no credentials; a file path may contain '@'
+    if any("@" in part for part in (parsed.host or "", parsed.database or "", *parsed.query.keys())):
+        return True  # no host, database or query parameter name holds an '@'
+    accounted = (1 if parsed.username or parsed.password else 0) + sum(
+        part.count("@")
+        for part in (
+            parsed.username or "",
+            parsed.password or "",
+            *(v if isinstance(v, str) else "".join(v) for v in parsed.query.values()),
+        )
+    )
+    return raw.count("@") > accounted
+
+
+def _parse(url: str | URL) -> URL:
+    """make_url, refusing an ambiguous URL; errors never echo the URL."""
+    if not isinstance(url, str):
+        return url
     try:
-        parsed = make_url(url) if isinstance(url, str) else url
+        parsed = make_url(url)
     except Exception:  # sqlalchemy.exc.ArgumentError and friends; the URL itself is never echoed
         raise errors.ConfigurationError(
             "the database URL could not be parsed; expected e.g. postgresql+psycopg://user@host:5432/db "
-            "or sqlite:///path/to/joblease.sqlite"
+            "or sqlite:///path/to/joblease.sqlite (percent-encode special characters in the password)"
         ) from None
+    if _ambiguous(url, parsed):
+        raise errors.ConfigurationError(_AMBIGUOUS_URL)
+    return parsed
+
+
+def normalize_url(url: str | URL) -> URL:
+    """Parse a URL and pick psycopg 3 for bare ``postgresql://`` / ``postgres://`` URLs.
+
+    A URL whose password holds an unencoded '@' cannot be split reliably and is refused
+    (:class:`ConfigurationError`) rather than half-parsed: a half-parsed URL sends a piece of the password
+    to DNS as a host name and into error messages.
+    """
+    parsed = _parse(url)
     if parsed.drivername in ("postgresql", "postgres"):
         parsed = parsed.set(drivername="postgresql+psycopg")
     backend = parsed.get_backend_name()
@@ -68,12 +131,57 @@ def normalize_url(url: str | URL) -> URL:
 
 
 def redact_url(url: str | URL) -> str:
-    """The URL as it may appear in logs: password hidden; on failure, nothing of it at all."""
+    """The URL as it may appear in logs: password hidden; if it is ambiguous or unparseable, nothing of
+    it but the scheme (an unencoded '@' in a password would put password pieces in the host)."""
     try:
-        parsed = make_url(url) if isinstance(url, str) else url
-        return parsed.render_as_string(hide_password=True)
+        return _parse(url).render_as_string(hide_password=True)
     except Exception:
-        return "<unparseable database URL>"
+        scheme = url.split("://", 1)[0] if isinstance(url, str) and "://" in url else ""
+        safe = scheme if scheme.replace("+", "").isalnum() else "database"
+        return f"<{safe} URL hidden: ambiguous or unparseable>"
+
+
+def _secret_pieces(url: str) -> set[str]:
+    """Every text that is or may be (part of) a credential in ``url``, for :func:`scrub_secrets`."""
+    pieces: set[str] = set()
+    try:
+        parsed: URL | None = make_url(url)
+    except Exception:
+        parsed = None
+    if parsed is not None and parsed.password:
+        pieces.add(str(parsed.password))
+    _, sep, rest = url.partition("://")
+    if sep and "@" in rest:
+        # Conservatively, everything from the user name's ':' to the LAST '@' may be password.
+        userinfo = rest[: rest.rfind("@")]
+        _user, colon, password = userinfo.partition(":")
+        if colon:
+            pieces.add(password)
+            for part in re.split(r"[@#/?:]", password):
+                if len(part) >= 2:
+                    pieces.add(part)
+            # And whatever a mis-parse made of it (the host, the database, a dropped query part).
+            if parsed is not None and _ambiguous(url, parsed):
+                for value in (parsed.host, parsed.database, parsed.username):
+                    if value:
+                        pieces.add(str(value))
+                pieces.add(userinfo)
+    return {p for p in pieces if p}
+
+
+def scrub_secrets(text: str, url: str | URL | None) -> str:
+    """``text`` without the URL, its password, or any piece of the password an ambiguous URL (an
+    unencoded '@', '/', '#') could have scattered into a host name, a database name or a driver error.
+
+    Use it on every message that might quote a driver error or the configured URL (CLI, receiver).
+    """
+    if url is None:
+        return text
+    raw = url if isinstance(url, str) else url.render_as_string(hide_password=False)
+    text = text.replace(raw, "<database URL>")
+    for piece in sorted(_secret_pieces(raw), key=len, reverse=True):
+        text = text.replace(piece, "***")
+    return text
 
 
 def _enable_wal(cursor: Any) -> None:
