@@ -16,7 +16,7 @@ Tags (values are space-free, so ``joblease/outcome=skipped-succeeded`` filters c
 - ``joblease/winner_run_id``: the Dagster run that did the partition (this run when it won; the winner on
   a skip; ``none`` otherwise or when the winner was not a Dagster run).
 - ``joblease/error``: bounded error text of ``held``, ``failed`` or ``lost`` (``none`` otherwise).
-- ``joblease/outbox``: ``inserted``, ``already-present``, ``not-enqueued``.
+- ``joblease/outbox``: ``inserted``, ``already-present``, ``not-enqueued`` (``unknown`` on a ``lost`` run).
 - ``joblease/partitions`` and ``joblease/outcomes``: how many keys the run covered and its outcome counts
   (``won:4,skipped-succeeded:1``).
 
@@ -115,6 +115,8 @@ OUTCOMES = (LOST, FAILED, HELD, PENDING, RECLAIMED, WON, SKIPPED_SUCCEEDED)
 OUTBOX_INSERTED = "inserted"
 OUTBOX_ALREADY_PRESENT = "already-present"
 OUTBOX_NOT_ENQUEUED = "not-enqueued"
+#: On a ``lost`` run: it was killed mid-step, so whether it enqueued is not known from the run.
+OUTBOX_UNKNOWN = "unknown"
 
 MULTIPLE = "multiple"  #: a per-key tag on a run over several keys or leased ops
 NONE = "none"  #: a tag that does not apply to this outcome

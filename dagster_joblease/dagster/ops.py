@@ -224,8 +224,12 @@ def _tag_dead_holder_run(instance: dg.DagsterInstance, row: _Row, reason: str) -
         run_id,
         {
             metadata.TAG_OUTCOME: metadata.LOST,
+            metadata.TAG_ATTEMPT: str(row.attempt),
             metadata.TAG_ERROR: metadata.bound_tag_text(reason),
             metadata.TAG_HOLDER: row.holder or metadata.NONE,
+            metadata.TAG_WINNER_RUN_ID: metadata.NONE,
+            # It died mid-step: whether its fenced transaction committed an outbox row is not known here.
+            metadata.TAG_OUTBOX: metadata.OUTBOX_UNKNOWN,
         },
     )
 
