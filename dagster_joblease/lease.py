@@ -18,6 +18,7 @@ import os
 import secrets
 import socket
 import threading
+import unicodedata
 from collections.abc import Callable, Iterator
 from datetime import datetime
 from typing import Any, TypeVar
@@ -65,8 +66,33 @@ def bound_error(text: str, limit: int = MAX_ERROR_CHARS) -> str:
     return (text[:kept] + f"… [{len(text) - kept} chars cut]")[:limit]
 
 
+MAX_HOLDER_CHARS = 255  #: the lease table's ``holder`` column
+
+
 def _holder() -> str:
-    return f"{socket.gethostname()}:{os.getpid()}"[:255]
+    return f"{socket.gethostname()}:{os.getpid()}"[:MAX_HOLDER_CHARS]
+
+
+def default_holder() -> str:
+    """The holder label of a claim made without one: ``host:pid`` of the claiming process."""
+    return _holder()
+
+
+def validate_holder(value: object) -> str:
+    """A holder label as stored: 1-255 characters, no control characters (it shows in CLI tables)."""
+    if not isinstance(value, str):
+        raise errors.InvalidLeaseOptionsError("holder", value, f"must be a str, got {type(value).__name__}")
+    if not 0 < len(value) <= MAX_HOLDER_CHARS or value != value.strip():
+        raise errors.InvalidLeaseOptionsError(
+            "holder",
+            value,
+            f"must be 1-{MAX_HOLDER_CHARS} characters without surrounding whitespace; shorten it",
+        )
+    if any(unicodedata.category(ch) == "Cc" for ch in value):
+        raise errors.InvalidLeaseOptionsError(
+            "holder", value, "must not contain control characters; use a printable label such as host:pid"
+        )
+    return value
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
@@ -273,6 +299,8 @@ class LeaseService:
         engine: an engine over a database migrated with :func:`dagster_joblease.migrate`.
         lease_ms: default lease length (15 minutes).
         heartbeat_ms: default renewal interval for :meth:`run_exclusive` (``min(60 s, lease_ms // 3)``).
+        holder: the label recorded as the holder of leases this service takes (default ``host:pid`` of
+            the claiming process); the Dagster layer records its run here.
 
     Example::
 
@@ -283,10 +311,16 @@ class LeaseService:
     """
 
     def __init__(
-        self, engine: sa.Engine, *, lease_ms: int | None = None, heartbeat_ms: int | None = None
+        self,
+        engine: sa.Engine,
+        *,
+        lease_ms: int | None = None,
+        heartbeat_ms: int | None = None,
+        holder: str | None = None,
     ) -> None:
         self.engine = engine
         self.timing = options.resolve_timing(lease_ms, heartbeat_ms)
+        self.holder = None if holder is None else validate_holder(holder)
 
     @contextlib.contextmanager
     def _one_statement(self, action: str) -> Iterator[sa.Connection]:
@@ -305,11 +339,17 @@ class LeaseService:
 
     # -- acquire -----------------------------------------------------------------------------------
 
-    def try_acquire(self, job: identity.JobIdentity, *, lease_ms: int | None = None) -> AcquireResult:
-        """Claim or reclaim ``job`` in one statement; on a loss, say why (same round trip on PostgreSQL)."""
+    def try_acquire(
+        self, job: identity.JobIdentity, *, lease_ms: int | None = None, holder: str | None = None
+    ) -> AcquireResult:
+        """Claim or reclaim ``job`` in one statement; on a loss, say why (same round trip on PostgreSQL).
+
+        ``holder`` overrides the service's holder label for this claim.
+        """
         if not isinstance(job, identity.JobIdentity):
             raise errors.InvalidJobIdentityError("identity", job, "must be a JobIdentity")
         length = self.timing.lease_ms if lease_ms is None else options.resolve_timing(lease_ms).lease_ms
+        label = validate_holder(holder) if holder is not None else self.holder or _holder()
         token = secrets.token_hex(16)
         params = {
             "p_lock_key": job.idempotency_key,
@@ -318,7 +358,7 @@ class LeaseService:
             "p_run_key": job.run_key,
             "p_owner_token": token,
             "p_lease_ms": length,
-            "p_holder": _holder(),
+            "p_holder": label,
         }
         dialect = self.engine.dialect
         current: str | None = None
@@ -394,9 +434,62 @@ class LeaseService:
             return None, found[4]
         return found[:4], None
 
-    def acquire(self, job: identity.JobIdentity, *, lease_ms: int | None = None) -> Lease | None:
+    def acquire(
+        self, job: identity.JobIdentity, *, lease_ms: int | None = None, holder: str | None = None
+    ) -> Lease | None:
         """Claim or reclaim ``job``; ``None`` when another worker holds it or it already succeeded."""
-        return self.try_acquire(job, lease_ms=lease_ms).lease
+        return self.try_acquire(job, lease_ms=lease_ms, holder=holder).lease
+
+    def fail_dead_holder(
+        self,
+        job: identity.JobIdentity,
+        *,
+        attempt: int,
+        owner_token: str | None = None,
+        stale_ms: int,
+        reason: str,
+    ) -> bool:
+        """Take a dead holder's ``RUNNING`` lease away at once (``FAIL``), so the next acquire reclaims it.
+
+        One statement, fenced on what the caller observed: the row must still be ``RUNNING`` at
+        ``attempt`` (and ``owner_token``, when given) with a heartbeat older than ``stale_ms`` on the
+        database clock. A holder that heartbeated in between, or a claim that moved on, keeps its lease;
+        a surviving holder that stopped heartbeating is fenced out (its writes raise
+        :class:`LostLeaseError`). The caller decides that the holder is dead (e.g. its Dagster run is
+        finished); returns True when this call failed the lease.
+        """
+        if not isinstance(job, identity.JobIdentity):
+            raise errors.InvalidJobIdentityError("identity", job, "must be a JobIdentity")
+        for name, value in (("attempt", attempt), ("stale_ms", stale_ms)):
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise errors.InvalidLeaseOptionsError(name, value, "must be a positive int")
+        t = lease_table
+        conditions = [
+            t.c.lock_key == job.idempotency_key,
+            t.c.status == LeaseStatus.RUNNING.value,
+            t.c.attempt == attempt,
+            t.c.heartbeat_at < db_now_plus_ms(sa.literal(-stale_ms, sa.BigInteger())),
+        ]
+        if owner_token is not None:
+            conditions.append(t.c.owner_token == owner_token)
+        stmt = (
+            sa.update(t)
+            .where(*conditions)
+            .values(status=LeaseStatus.FAIL.value, finished_at=db_now(), last_error=bound_error(reason))
+            .returning(t.c.id)
+        )
+        with self._one_statement("fail a dead holder's lease") as conn:
+            row = conn.execute(stmt).first()
+        if row is not None:
+            logger.warning(
+                "lease %d for %s (attempt %d) taken from a dead holder: %s",
+                row.id,
+                job,
+                attempt,
+                reason,
+                extra={"action": "lease_dead_holder"},
+            )
+        return row is not None
 
     # -- fenced writes -----------------------------------------------------------------------------
 
