@@ -77,4 +77,4 @@ def test_seed_default_settings_job_runs_once(sqlite_url: str, monkeypatch: pytes
             run = instance.get_run_by_id(result.run_id)
             assert run is not None
             outcomes.append(run.tags["joblease/outcome"])
-    assert outcomes == ["won", "skipped: already succeeded"]
+    assert outcomes == ["won", "skipped-succeeded"]
