@@ -322,3 +322,37 @@ def test_a_dead_dagster_holder_is_relaunched_a_live_one_is_not(
     patient = build_reconciliation_sensor(job, code=code, holder_stale_ms=3_600_000, name="patient")
     requests, message, _, _ = _tick(dagster_pg, patient)
     assert requests == [] and "2 held by a live lease" in message
+
+
+def test_a_failed_partition_converges_without_dagster_run_retries(
+    dagster_pg: DagsterPg,
+    engine: sa.Engine,
+    case: tuple[str, dg.JobDefinition],
+    tmp_path: Any,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    code, job = case
+    marker = tmp_path / "fail-once"
+    marker.write_text("")
+    monkeypatch.setenv(jobs.FAIL_ONCE_ENV, str(marker))
+    quiet = {"loggers": {"console": {"config": {"log_level": "ERROR"}}}}
+    first = job.execute_in_process(
+        partition_key=DAYS[0], instance=dagster_pg.instance, run_config=quiet, raise_on_error=False
+    )
+    assert not first.success  # the body failed once: lease FAIL, run FAILURE, no run retries configured
+
+    sensor = build_reconciliation_sensor(job, code=code)
+    (request,) = _tick(dagster_pg, sensor)[0]
+    relaunch = job.execute_in_process(  # what the daemon does with the request
+        partition_key=request.partition_key, instance=dagster_pg.instance, run_config=quiet, tags=request.tags
+    )
+    assert relaunch.success
+    with engine.connect() as conn:
+        status, attempt = conn.execute(
+            sa.select(lease_table.c.status, lease_table.c.attempt).where(
+                lease_table.c.code == code, lease_table.c.run_key == DAYS[0]
+            )
+        ).one()
+    assert (status, attempt) == ("SUCCESS", 2)
+    requests, message, _, _ = _tick(dagster_pg, sensor)
+    assert requests == [] and message.startswith("0 relaunched")
