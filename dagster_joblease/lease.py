@@ -462,7 +462,9 @@ class LeaseService:
             raise errors.InvalidJobIdentityError("identity", job, "must be a JobIdentity")
         for name, value in (("attempt", attempt), ("stale_ms", stale_ms)):
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise errors.InvalidLeaseOptionsError(name, value, "must be a positive int")
+                raise errors.InvalidLeaseOptionsError(
+                    name, value, "must be a positive int (the attempt read from the row; milliseconds)"
+                )
         t = lease_table
         conditions = [
             t.c.lock_key == job.idempotency_key,

@@ -114,6 +114,10 @@ def test_a_run_waits_for_a_live_holder_and_mirrors_how_it_ended(
         assert (row.status, row.attempt, row.holder) == ("SUCCESS", 2, own)
 
 
+def _ready(ready: Path) -> bool:
+    return ready.exists() and len(ready.read_text().split()) == 2
+
+
 def _start_blocking_run(dagster_pg: DagsterPg, day: str, ready: Path) -> subprocess.Popen[str]:
     return subprocess.Popen(
         [sys.executable, "-m", "tests.dagster.blocking_run", day, str(ready)],
@@ -135,7 +139,7 @@ def test_a_killed_holder_is_taken_over_in_seconds_and_a_live_one_never(
     ready = tmp_path / "ready"
     proc = _start_blocking_run(dagster_pg, day, ready)
     try:
-        wait_until(lambda: ready.exists() and ready.read_text() != "" or proc.poll() is not None, timeout=120)
+        wait_until(lambda: _ready(ready) or proc.poll() is not None, timeout=120)
         assert ready.exists(), proc.communicate()[1]
         step_pid, holder_run_id = ready.read_text().split()
         holder = f"dagster:tests/{holder_run_id}"
@@ -180,5 +184,9 @@ def test_a_killed_holder_is_taken_over_in_seconds_and_a_live_one_never(
     # The lease was 10 minutes long: only the dead-holder takeover can have freed it.
     print(f"\ndead holder taken over {took:.1f} s after SIGKILL (lease 600 s, heartbeat 1 s)")
     messages = [entry.user_message or "" for entry in instance.all_logs(result.run_id)]
+    # The killed run could not tag itself; the run that took its lease over did.
+    dead = _tags(instance, holder_run_id)
+    assert (dead[TAG_OUTCOME], dead[TAG_HOLDER]) == ("lost", holder)
+    assert dead[TAG_ERROR].startswith(f"attempt 1: holder {holder} is dead")
     # CANCELED as reported, or FAILURE once the run worker saw its step process die.
     assert any(f"holder {holder} is dead (its Dagster run is " in m for m in messages), messages
