@@ -299,6 +299,7 @@ class Dispatcher:
             raise errors.ConfigurationError("routes must be a mapping of topic → Route")
         self.routes: dict[str, Route] = {}
         self._headers: dict[str, dict[str, str]] = {}
+        self._timeouts: dict[str, httpx.Timeout] = {}
         for topic, route in routes.items():
             if not isinstance(route, Route):
                 raise errors.ConfigurationError(
@@ -306,6 +307,7 @@ class Dispatcher:
                 )
             self.routes[topic] = route
             self._headers[topic] = {**route.resolve_headers(), "Content-Type": "application/json"}
+            self._timeouts[topic] = route.timeout
         self.topics: frozenset[str] = frozenset(self.routes)
         longest_ms = max((int(r.timeout_s * 1000) for r in self.routes.values()), default=0)
         if longest_ms + _safety_ms(self.claim_ms) >= self.claim_ms:
@@ -437,7 +439,11 @@ class Dispatcher:
     def _post(self, row: _Claimed, route: Route, deadline: float) -> policy.Classification:
         headers = {**self._headers[row.topic], "Idempotency-Key": row.idempotency_key}
         request = self._client.build_request(
-            "POST", route.url, content=row.payload.encode("utf-8"), headers=headers, timeout=route.timeout
+            "POST",
+            route.url,
+            content=row.payload.encode("utf-8"),
+            headers=headers,
+            timeout=self._timeouts[row.topic],
         )
         response = self._client.send(request, stream=True, follow_redirects=False)
         try:
