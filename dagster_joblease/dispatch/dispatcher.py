@@ -61,7 +61,6 @@ RECORD_RETRY_PAUSES_S = (0.05, 0.25, 1.0)
 #: Longest a finished delivery waits to be recorded while the rest of its batch is still in flight.
 MAX_RECORD_DELAY_S = 0.25
 _OutcomeLabel = str
-_RELEASE = "released"
 
 
 @dataclasses.dataclass(frozen=True)
