@@ -148,7 +148,76 @@ class AcquireResult:
         return self.lease is not None
 
 
+_REASONS = {
+    LeaseStatus.SUCCESS.value: NotAcquiredReason.SUCCEEDED,
+    LeaseStatus.RUNNING.value: NotAcquiredReason.HELD,
+}
+
 _RECLAIM_NOTE = " expired without finishing (worker died or stalled)"
+
+
+def _text(value: str) -> Any:
+    """A constant written into the SQL rather than bound: the claim sends only what varies per call."""
+    assert "'" not in value
+    return sa.literal_column(f"'{value}'", sa.String())
+
+
+_RUNNING, _FAIL, _SUCCESS = (
+    _text(s.value) for s in (LeaseStatus.RUNNING, LeaseStatus.FAIL, LeaseStatus.SUCCESS)
+)
+_ONE = sa.literal_column("1", sa.Integer())
+
+
+def _claim_values(lease_ms: Any) -> dict[str, Any]:
+    """Column → value of a fresh claim (attempt 1), all times from the database clock."""
+    return {
+        "lock_key": sa.bindparam("p_lock_key", type_=sa.String()),
+        "job_type": sa.bindparam("p_job_type", type_=sa.String()),
+        "code": sa.bindparam("p_code", type_=sa.String()),
+        "run_key": sa.bindparam("p_run_key", type_=sa.String()),
+        "status": _RUNNING,
+        "owner_token": sa.bindparam("p_owner_token", type_=sa.String()),
+        "attempt": _ONE,
+        "lease_ms": lease_ms,
+        "holder": sa.bindparam("p_holder", type_=sa.String()),
+        "created_at": db_now(),
+        "acquired_at": db_now(),
+        "heartbeat_at": db_now(),
+        "expires_at": db_now_plus_ms(lease_ms),
+    }
+
+
+def _reclaim_on_conflict(stmt: Any, lease_ms: Any) -> Any:
+    """``ON CONFLICT (lock_key) DO UPDATE`` that reclaims a FAIL or expired RUNNING row, and only those."""
+    t = lease_table
+    reclaimable = sa.or_(
+        t.c.status == _FAIL,
+        sa.and_(t.c.status == _RUNNING, t.c.expires_at < db_now()),
+    )
+    return stmt.on_conflict_do_update(
+        index_elements=[t.c.lock_key],
+        set_={
+            "status": _RUNNING,
+            "owner_token": stmt.excluded.owner_token,
+            "attempt": t.c.attempt + _ONE,
+            "lease_ms": stmt.excluded.lease_ms,
+            "holder": stmt.excluded.holder,
+            "acquired_at": db_now(),
+            "heartbeat_at": db_now(),
+            "expires_at": db_now_plus_ms(lease_ms),
+            "finished_at": sa.null(),
+            "result": sa.null(),  # SQL NULL, not the JSON literal null that None would become
+            # Keep the previous attempt's error; say so when it simply stopped heartbeating.
+            "last_error": sa.case(
+                (
+                    t.c.status == _RUNNING,
+                    _text("attempt ") + sa.cast(t.c.attempt, sa.String) + _text(_RECLAIM_NOTE),
+                ),
+                else_=t.c.last_error,
+            ),
+        },
+        where=reclaimable,
+    )
 
 
 @functools.cache
@@ -162,65 +231,74 @@ def acquire_statement(dialect_name: str) -> Any:
     t = lease_table
     insert = (postgresql.insert if dialect_name == "postgresql" else sqlite.insert)(t)
     lease_ms = sa.bindparam("p_lease_ms", type_=sa.BigInteger())
-    stmt = insert.values(
-        lock_key=sa.bindparam("p_lock_key", type_=sa.String()),
-        job_type=sa.bindparam("p_job_type", type_=sa.String()),
-        code=sa.bindparam("p_code", type_=sa.String()),
-        run_key=sa.bindparam("p_run_key", type_=sa.String()),
-        status=LeaseStatus.RUNNING.value,
-        owner_token=sa.bindparam("p_owner_token", type_=sa.String()),
-        attempt=1,
-        lease_ms=lease_ms,
-        holder=sa.bindparam("p_holder", type_=sa.String()),
-        created_at=db_now(),
-        acquired_at=db_now(),
-        heartbeat_at=db_now(),
-        expires_at=db_now_plus_ms(lease_ms),
-    )
-    reclaimable = sa.or_(
-        t.c.status == LeaseStatus.FAIL.value,
-        sa.and_(t.c.status == LeaseStatus.RUNNING.value, t.c.expires_at < db_now()),
-    )
-    return stmt.on_conflict_do_update(
-        index_elements=[t.c.lock_key],
-        set_={
-            "status": LeaseStatus.RUNNING.value,
-            "owner_token": stmt.excluded.owner_token,
-            "attempt": t.c.attempt + 1,
-            "lease_ms": stmt.excluded.lease_ms,
-            "holder": stmt.excluded.holder,
-            "acquired_at": db_now(),
-            "heartbeat_at": db_now(),
-            "expires_at": db_now_plus_ms(lease_ms),
-            "finished_at": None,
-            "result": sa.null(),  # SQL NULL, not the JSON literal null that None would become
-            # Keep the previous attempt's error; say so when it simply stopped heartbeating.
-            "last_error": sa.case(
-                (
-                    t.c.status == LeaseStatus.RUNNING.value,
-                    sa.literal("attempt ") + sa.cast(t.c.attempt, sa.String) + sa.literal(_RECLAIM_NOTE),
-                ),
-                else_=t.c.last_error,
-            ),
-        },
-        where=reclaimable,
-    ).returning(t.c.id, t.c.attempt, t.c.expires_at, t.c.last_error)
+    stmt = insert.values(**_claim_values(lease_ms))
+    return _reclaim_on_conflict(stmt, lease_ms).returning(t.c.id, t.c.attempt, t.c.expires_at, t.c.last_error)
 
 
 _STATUS_OF = sa.select(lease_table.c.status).where(lease_table.c.lock_key == sa.bindparam("p_lock_key"))
 
 
 @functools.cache
-def _psycopg_sql() -> tuple[str, dict[str, Any], str]:
-    """The claim and the status read compiled once for psycopg, with the claim's constant parameters.
+def claim_or_status_statement() -> Any:
+    """PostgreSQL: the claim and, when it is refused, the row's status, in one statement (one round trip).
+
+    The statement first reads the row. When it shows a live holder (RUNNING, not expired on the database
+    clock) or SUCCESS, nothing is written: the refusal is a plain read (no row lock, no transaction id, no
+    commit flush), where :func:`acquire_statement`'s ``ON CONFLICT DO UPDATE`` would lock the row even to
+    refuse. Otherwise it runs the same INSERT … ON CONFLICT DO UPDATE … WHERE reclaimable, which re-checks
+    the row under its lock, so there is still exactly one winner. Rows: a win returns ``(id, attempt,
+    expires_at, last_error, NULL)``; a refusal returns ``(NULL, …, status)`` from the statement's snapshot;
+    a claim that lost a race to a row inserted after that snapshot returns nothing and is reported as
+    ``CONTENDED`` ("lost a race for the same run"), which is what happened.
+    """
+    t = lease_table
+    lease_ms = sa.bindparam("p_lease_ms", type_=sa.BigInteger())
+    blocks = sa.or_(t.c.status == _SUCCESS, sa.and_(t.c.status == _RUNNING, t.c.expires_at >= db_now()))
+    current = (
+        sa.select(t.c.status, blocks.label("blocks"))
+        .where(t.c.lock_key == sa.bindparam("p_lock_key", type_=sa.String()))
+        .cte("current_row")
+    )
+    values = _claim_values(lease_ms)
+    source = sa.select(
+        *(v if isinstance(v, sa.ColumnElement) else sa.literal(v) for v in values.values())
+    ).where(~sa.exists(sa.select(current.c.status).where(current.c.blocks)))
+    insert = postgresql.insert(t).from_select(list(values), source)
+    claimed = (
+        _reclaim_on_conflict(insert, lease_ms)
+        .returning(t.c.id, t.c.attempt, t.c.expires_at, t.c.last_error)
+        .cte("claimed")
+    )
+    won = sa.select(
+        claimed.c.id,
+        claimed.c.attempt,
+        claimed.c.expires_at,
+        claimed.c.last_error,
+        sa.cast(sa.null(), sa.String()).label("status"),
+    )
+    refused = sa.select(
+        sa.cast(sa.null(), sa.BigInteger()),
+        sa.cast(sa.null(), sa.Integer()),
+        sa.cast(sa.null(), sa.DateTime(timezone=True)),
+        sa.cast(sa.null(), sa.Text()),
+        current.c.status,
+    ).where(~sa.exists(sa.select(claimed.c.id)))
+    return sa.union_all(won, refused)
+
+
+@functools.cache
+def _psycopg_sql() -> tuple[str, tuple[str, ...], dict[str, Any]]:
+    """:func:`claim_or_status_statement` compiled once for psycopg with positional ``%s`` parameters: the
+    SQL, the parameter names in order, and the claim's constant parameters.
 
     Compiled for a fresh psycopg dialect rather than each engine's, so engines built per run or per
-    sensor tick do not each add a cache entry.
+    sensor tick do not each add a cache entry; positional parameters spare psycopg a mapping per call.
     """
-    dialect = psycopg_dialect.dialect()  # type: ignore[no-untyped-call]
-    compiled = acquire_statement("postgresql").compile(dialect=dialect)
+    dialect = psycopg_dialect.dialect(paramstyle="format")  # type: ignore[no-untyped-call]
+    compiled = claim_or_status_statement().compile(dialect=dialect)
     constants = {k: v for k, v in compiled.params.items() if not k.startswith("p_")}
-    return str(compiled), constants, str(_STATUS_OF.compile(dialect=dialect))
+    assert compiled.positiontup is not None
+    return str(compiled), tuple(compiled.positiontup), constants
 
 
 class LeaseService:
@@ -273,13 +351,13 @@ class LeaseService:
     def try_acquire(
         self, job: identity.JobIdentity, *, lease_ms: int | None = None, holder: str | None = None
     ) -> AcquireResult:
-        """Claim or reclaim ``job`` in one statement; on a loss, say why (one cheap read).
+        """Claim or reclaim ``job`` in one statement; on a loss, say why (same round trip on PostgreSQL).
 
         ``holder`` overrides the service's holder label for this claim.
         """
         if not isinstance(job, identity.JobIdentity):
             raise errors.InvalidJobIdentityError("identity", job, "must be a JobIdentity")
-        length = options.resolve_timing(lease_ms, None, defaults=self.timing).lease_ms
+        length = self.timing.lease_ms if lease_ms is None else options.resolve_timing(lease_ms).lease_ms
         label = validate_holder(holder) if holder is not None else self.holder or _holder()
         token = secrets.token_hex(16)
         params = {
@@ -292,6 +370,7 @@ class LeaseService:
             "p_holder": label,
         }
         dialect = self.engine.dialect
+        current: str | None = None
         if dialect.name == "postgresql" and dialect.driver == "psycopg":
             row, current = self._claim_psycopg(params)
         else:
@@ -302,10 +381,7 @@ class LeaseService:
                         _STATUS_OF, {"p_lock_key": job.idempotency_key}
                     ).scalar_one_or_none()
         if row is None:
-            reason = {
-                LeaseStatus.SUCCESS.value: NotAcquiredReason.SUCCEEDED,
-                LeaseStatus.RUNNING.value: NotAcquiredReason.HELD,
-            }.get(current or "", NotAcquiredReason.CONTENDED)
+            reason = _REASONS.get(current or "", NotAcquiredReason.CONTENDED)
             logger.info("lease not acquired for %s: %s", job, reason.value, extra={"action": "lease_skipped"})
             return AcquireResult(lease=None, reason=reason)
         lease_id, attempt, expires_at, last_error = row
@@ -328,13 +404,17 @@ class LeaseService:
         return AcquireResult(lease=lease)
 
     def _claim_psycopg(self, params: dict[str, Any]) -> tuple[Any, str | None]:
-        """The claim on PostgreSQL: the statement's cached SQL on a pooled psycopg connection, autocommit.
+        """The claim on PostgreSQL: one prepared statement on a pooled psycopg connection, autocommit.
 
         Claims are the hot path (every worker, every tick, every partition). Going straight to the pooled
         driver connection skips SQLAlchemy's per-execution work, which cost more CPU than the driver and
-        the statement together; the SQL is exactly what SQLAlchemy compiles from :func:`acquire_statement`.
+        the statement together; the SQL is what SQLAlchemy compiles from :func:`claim_or_status_statement`,
+        which also reports a refused claim's status, so a loss costs no second round trip.
+        Returns the claimed row (or None) and, when refused, the row's status.
         """
-        sql, constants, status_sql = _psycopg_sql()
+        sql, order, constants = _psycopg_sql()
+        values = {**constants, **params}
+        args = tuple([values[name] for name in order])
         dbapi = self.engine.dialect.loaded_dbapi
         with translate_errors("acquire a lease"):
             pooled = self.engine.raw_connection()
@@ -344,13 +424,8 @@ class LeaseService:
                 try:
                     conn.autocommit = True
                     with conn.cursor() as cursor:
-                        cursor.execute(sql, {**constants, **params})
-                        row = cursor.fetchone()
-                        current = None
-                        if row is None:
-                            cursor.execute(status_sql, {"p_lock_key": params["p_lock_key"]})
-                            found = cursor.fetchone()
-                            current = found[0] if found is not None else None
+                        cursor.execute(sql, args, prepare=True)
+                        found = cursor.fetchone()
                 finally:
                     try:
                         conn.autocommit = False
@@ -362,7 +437,11 @@ class LeaseService:
                 raise
             finally:
                 pooled.close()
-        return row, current
+        if found is None:
+            return None, None
+        if found[4] is not None:
+            return None, found[4]
+        return found[:4], None
 
     def acquire(
         self, job: identity.JobIdentity, *, lease_ms: int | None = None, holder: str | None = None

@@ -4,7 +4,8 @@
 - :func:`build_leased_schedule`: partition key = Dagster run key = lease run key.
 - :func:`leased_op` / :func:`leased_asset` / :func:`run_leased`: bodies under ``run_exclusive``; skips
   succeed and are recorded (``joblease/...`` run tags and output metadata).
-- :func:`build_outbox_sensor` / :func:`build_dispatcher_job` / :func:`build_dead_rows_check`: delivery.
+- :func:`build_outbox_sensor` / :func:`build_dispatcher_job` / :class:`OutboxHealth`: delivery and its checks.
+- :func:`build_reconciliation_sensor`: relaunches partitions left undone (failed, expired, dead holder, held).
 - :func:`run_partition_twice`: for your tests, a partition run twice at once (backfill + schedule).
 """
 
@@ -18,9 +19,12 @@ from dagster_joblease.dagster.holders import (
     holder_run_status,
 )
 from dagster_joblease.dagster.jobs import (
+    BACKLOG_CHECK,
     DEAD_ROWS_CHECK,
     OUTBOX_ASSET_KEY,
+    UNROUTED_CHECK,
     DispatchConfig,
+    OutboxHealth,
     build_dead_rows_check,
     build_dispatcher_job,
     dead_rows_evaluation,
@@ -47,12 +51,19 @@ from dagster_joblease.dagster.metadata import (
     schedule_tags,
 )
 from dagster_joblease.dagster.ops import LeasedRun, leased_asset, leased_op, run_leased
+from dagster_joblease.dagster.reconcile import (
+    TAG_RECONCILE,
+    TAG_RECONCILE_REASON,
+    TAG_RELAUNCH,
+    build_reconciliation_sensor,
+)
 from dagster_joblease.dagster.resource import JobLeaseResource
 from dagster_joblease.dagster.schedules import build_leased_schedule, partition_for_tick
 from dagster_joblease.dagster.sensors import NOT_FINISHED_STATUSES, build_outbox_sensor
 from dagster_joblease.dagster.testing import PartitionRun, run_partition_twice
 
 __all__ = [
+    "BACKLOG_CHECK",
     "DEAD_ROWS_CHECK",
     "FAILED",
     "HELD",
@@ -69,6 +80,10 @@ __all__ = [
     "TAG_IDEMPOTENCY_KEY",
     "TAG_OUTBOX",
     "TAG_OUTCOME",
+    "TAG_RECONCILE",
+    "TAG_RECONCILE_REASON",
+    "TAG_RELAUNCH",
+    "UNROUTED_CHECK",
     "TAG_RUN_KEY",
     "TAG_WINNER_RUN_ID",
     "WON",
@@ -77,11 +92,13 @@ __all__ = [
     "JobLeaseResource",
     "LeasedResult",
     "LeasedRun",
+    "OutboxHealth",
     "PartitionRun",
     "build_dead_rows_check",
     "build_dispatcher_job",
     "build_leased_schedule",
     "build_outbox_sensor",
+    "build_reconciliation_sensor",
     "dead_rows_evaluation",
     "decode_holder",
     "encode_holder",
