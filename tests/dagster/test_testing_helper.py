@@ -54,11 +54,12 @@ def test_each_partition_has_one_winner_and_one_recorded_skip(db_url: str) -> Non
 def test_failed_runs_are_reported_with_their_error(db_url: str) -> None:
     resources = {"joblease": JobLeaseResource(database_url=db_url)}
     runs = run_partition_twice(broken_job, "2024-01-01", resources=resources)
-    ran = [run for run in runs if run.outcome is None or run.won]
+    ran = [run for run in runs if run.outcome == metadata.FAILED or run.won]
     assert ran, "at least one run took the lease and ran the body"
     for run in runs:
         if not run.success:
             assert run.error is not None and "the body broke" in run.error
+            assert run.outcome == metadata.FAILED and "the body broke" in run.tags[metadata.TAG_ERROR]
     assert not all(run.success for run in runs)
 
 
