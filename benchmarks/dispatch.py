@@ -10,7 +10,9 @@ and floor rounds (the order flips each round) and prints medians, the ratio and 
 * ``enqueue``: ``with engine.begin(): enqueue_once(...)``, one row per transaction, vs a bare psycopg 3 loop
   on one connection per process: ``BEGIN; INSERT … ON CONFLICT DO NOTHING RETURNING id; COMMIT`` with a
   prepared statement, inserting the same row (its JSON text and SHA-256 computed the plain way).
-  Target >= 0.85.
+  Target >= 0.85. An extra row runs the floor's own INSERT inside ``engine.begin()``, to show how much of
+  the gap is SQLAlchemy's transaction scaffolding (connection checkout, begin, commit, checkin), which a
+  caller of ``enqueue_once`` pays whatever the library does.
 * ``delivery``: pending rows → ``Dispatcher.dispatch(limit=100)`` in a loop until drained (concurrency 1
   per process) → HTTP POST with ``Idempotency-Key`` → the plain receiver (``benchmarks/plain_receiver.py``,
   one ``INSERT … ON CONFLICT`` per request, in its own process) vs a bare keep-alive ``httpx.Client`` POST
@@ -107,42 +109,42 @@ def _rate(results: list[tuple[int, float, float, float]]) -> tuple[float, float]
 
 
 def _enqueue_worker(barrier: Barrier, results: Any, kind: str, url: str, seconds: float) -> None:
+    """``library``: ``enqueue_once`` in ``engine.begin()``; ``floor``: the bare psycopg loop; ``sqlalchemy``:
+    the floor's INSERT inside ``engine.begin()`` (what SQLAlchemy's transaction scaffolding alone costs)."""
     prefix = f"v2:{kind}-{os.getpid()}-{secrets.token_hex(3)}-"
+    engine = create_engine(url)
+    pg = psycopg.connect(_dsn(url))
+
+    def floor_insert(conn: psycopg.Connection[Any], key: str, i: int) -> None:
+        text = json.dumps(_payload(i), sort_keys=True, separators=(",", ":"))
+        sha = hashlib.sha256(text.encode()).hexdigest()
+        conn.execute(FLOOR_INSERT, (key, "bench", text, sha), prepare=True).fetchone()
+
+    def step(key: str, i: int) -> None:
+        if kind == "floor":
+            floor_insert(pg, key, i)
+            pg.commit()
+            return
+        with engine.begin() as conn:
+            if kind == "library":
+                outbox.enqueue_once(conn, idempotency_key=key, topic="bench", payload=_payload(i))
+            else:
+                driver = conn.connection.driver_connection
+                assert driver is not None
+                floor_insert(driver, key, i)
+
+    for i in range(10):
+        step(f"{prefix}w{i}", i)
+    barrier.wait()
     count = 0
-    if kind == "library":
-        engine = create_engine(url)
-        for i in range(10):
-            with engine.begin() as conn:
-                outbox.enqueue_once(conn, idempotency_key=f"{prefix}w{i}", topic="bench", payload=_payload(i))
-        barrier.wait()
-        cpu, start = time.process_time(), time.perf_counter()
-        deadline = start + seconds
-        while time.perf_counter() < deadline:
-            with engine.begin() as conn:
-                outbox.enqueue_once(
-                    conn, idempotency_key=f"{prefix}{count}", topic="bench", payload=_payload(count)
-                )
-            count += 1
-        end, cpu = time.perf_counter(), time.process_time() - cpu
-        engine.dispose()
-    else:
-        with psycopg.connect(_dsn(url)) as conn:
-
-            def insert(key: str, i: int) -> None:
-                text = json.dumps(_payload(i), sort_keys=True, separators=(",", ":"))
-                sha = hashlib.sha256(text.encode()).hexdigest()
-                conn.execute(FLOOR_INSERT, (key, "bench", text, sha), prepare=True).fetchone()
-                conn.commit()
-
-            for i in range(10):
-                insert(f"{prefix}w{i}", i)
-            barrier.wait()
-            cpu, start = time.process_time(), time.perf_counter()
-            deadline = start + seconds
-            while time.perf_counter() < deadline:
-                insert(f"{prefix}{count}", count)
-                count += 1
-            end, cpu = time.perf_counter(), time.process_time() - cpu
+    cpu, start = time.process_time(), time.perf_counter()
+    deadline = start + seconds
+    while time.perf_counter() < deadline:
+        step(f"{prefix}{count}", count)
+        count += 1
+    end, cpu = time.perf_counter(), time.process_time() - cpu
+    pg.close()
+    engine.dispose()
     results.put((count, cpu, start, end))
 
 
@@ -286,7 +288,7 @@ def main(argv: list[str] | None = None) -> int:
     urls = [server.set(database=n).render_as_string(hide_password=False) for n in names]
     with psycopg.connect(_dsn(server), autocommit=True) as conn:
         for name in names:
-            conn.execute(f'CREATE DATABASE "{name}"')  # type: ignore[arg-type]
+            conn.execute(f'CREATE DATABASE "{name}"')
     table: list[tuple[str, ...]] = []
 
     def add(path: str, procs: str, floor: str, lib: str, ratio: str, cpu: str, target: str) -> None:
@@ -295,7 +297,8 @@ def main(argv: list[str] | None = None) -> int:
 
     started = time.perf_counter()
     url = urls[0]
-    base_url, stop_receiver = "", lambda: None
+    base_url = ""
+    stop_receiver: Callable[[], None] = _noop
     try:
         for u in urls:
             migrate(create_engine(u, poolclass=sa.pool.NullPool))
@@ -322,6 +325,18 @@ def main(argv: list[str] | None = None) -> int:
                 f"{lib / floor:.2f}",
                 f"{lib_cpu:.0f} / {floor_cpu:.0f}",
                 f">= 0.85 {'OK' if lib >= 0.85 * floor else 'MISSED'}",
+            )
+            scaffold, scaffold_cpu, floor2, floor2_cpu = _alternate(
+                args.rounds, lambda: enqueue("sqlalchemy"), lambda: enqueue("floor")
+            )
+            add(
+                "  (floor's INSERT inside engine.begin())",
+                str(processes),
+                f"{floor2:,.0f}/s",
+                f"{scaffold:,.0f}/s",
+                f"{scaffold / floor2:.2f}",
+                f"{scaffold_cpu:.0f} / {floor2_cpu:.0f}",
+                "(info: SQLAlchemy's share)",
             )
         target = base_url + "/bench"
         for processes in counts:
@@ -357,7 +372,7 @@ def main(argv: list[str] | None = None) -> int:
                 f">= 0.70 {'OK' if lib >= 0.7 * floor else 'MISSED'}",
             )
         stop_receiver()
-        stop_receiver = lambda: None  # noqa: E731
+        stop_receiver = _noop
         print(f"claim latency: filling {args.sent_rows:,} sent rows ...", flush=True)
         for u in urls:
             _truncate_outbox_only(u)
@@ -381,7 +396,7 @@ def main(argv: list[str] | None = None) -> int:
         stop_receiver()
         with psycopg.connect(_dsn(server), autocommit=True) as conn:
             for name in names:
-                conn.execute(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')  # type: ignore[arg-type]
+                conn.execute(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
     headers = ("path", "procs", "floor", "library", "ratio", "cpu us/row lib / floor", "target")
     widths = [max(len(h), *(len(r[i]) for r in table)) for i, h in enumerate(headers)]
     print()
@@ -391,6 +406,10 @@ def main(argv: list[str] | None = None) -> int:
         print(" | ".join(c.ljust(w) for c, w in zip(r, widths, strict=True)))
     print(f"\ntotal runtime {time.perf_counter() - started:.0f} s")
     return 0
+
+
+def _noop() -> None:
+    pass
 
 
 def _truncate_outbox_only(url: str) -> None:

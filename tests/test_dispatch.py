@@ -392,7 +392,8 @@ class Dribbler:
     """A raw TCP downstream that reads a request, then answers one byte every ``interval_s`` and records
     how many bytes it got out before the client hung up."""
 
-    def __init__(self, response: bytes, interval_s: float = 0.1) -> None:
+    def __init__(self, head: bytes, response: bytes, interval_s: float = 0.1) -> None:
+        self.head = head
         self.response = response
         self.interval_s = interval_s
         self.sent = 0
@@ -419,6 +420,7 @@ class Dribbler:
             while len(body) < length:
                 body += conn.recv(65536)
             try:
+                conn.sendall(self.head)
                 for i in range(len(self.response)):
                     conn.sendall(self.response[i : i + 1])
                     self.sent += 1
@@ -441,11 +443,11 @@ def test_a_dribbling_downstream_cannot_keep_a_request_past_its_total_deadline(
     complete, and count as a retryable timeout rather than a success."""
     enqueue_many(pg_engine, 1, topic="slow", prefix="v2:dribble")
     padding = b"x" * 50
-    if phase == "headers":
-        response = b"HTTP/1.1 200 OK\r\nX-Pad: " + padding + b"\r\nContent-Length: 2\r\n\r\nok"
-    else:
-        response = b"HTTP/1.1 200 OK\r\nContent-Length: 52\r\n\r\n" + padding + b"ok"
-    dribbler = Dribbler(response)
+    if phase == "headers":  # the status line and headers themselves arrive a byte at a time
+        head, response = b"", b"HTTP/1.1 200 OK\r\nX-Pad: " + padding + b"\r\nContent-Length: 2\r\n\r\nok"
+    else:  # prompt headers, then a body a byte at a time
+        head, response = b"HTTP/1.1 200 OK\r\nContent-Length: 52\r\n\r\n", padding + b"ok"
+    dribbler = Dribbler(head, response)
     try:
         with Dispatcher(
             pg_engine, {"slow": Route(dribbler.url, timeout_s=1.0)}, claim_ms=3_000, **FAST

@@ -70,7 +70,8 @@ class Route:
         url: the destination; ``http`` or ``https`` with a host.
         headers: static, non-secret headers (e.g. ``{"X-Source": "joblease"}``).
         secret_headers: header name → *name of the environment variable* that holds its value.
-        timeout_s: httpx timeout for connect, write, read and pool wait (seconds, > 0).
+        timeout_s: the whole request's deadline (seconds, > 0): connect, send, headers and body together,
+            not per socket read, so a downstream that dribbles its answer cannot stretch it.
     """
 
     url: str
