@@ -39,6 +39,10 @@ import dagster as dg
 from dagster_joblease import identity
 
 __all__ = [
+    "INHERITED_RECONCILE_TAGS",
+    "TAG_RECONCILE",
+    "TAG_RECONCILE_REASON",
+    "TAG_RELAUNCH",
     "FAILED",
     "HELD",
     "LOST",
@@ -85,6 +89,10 @@ TAG_WINNER_RUN_ID = "joblease/winner_run_id"
 TAG_ERROR = "joblease/error"
 TAG_PARTITIONS = "joblease/partitions"
 TAG_OUTCOMES = "joblease/outcomes"
+#: Set by the reconciliation sensor on the runs it launches (see :mod:`dagster_joblease.dagster.reconcile`).
+TAG_RECONCILE = "joblease/reconciled_by"
+TAG_RELAUNCH = "joblease/relaunch"
+TAG_RECONCILE_REASON = "joblease/reconcile_reason"
 
 #: Every tag a leased step (over)writes; a re-execution's copies of the parent's are all replaced.
 RESULT_TAGS = (
@@ -120,6 +128,8 @@ OUTBOX_UNKNOWN = "unknown"
 
 MULTIPLE = "multiple"  #: a per-key tag on a run over several keys or leased ops
 NONE = "none"  #: a tag that does not apply to this outcome
+#: Dagster copies every parent tag into a re-execution or a run retry; these say the copy is not a relaunch.
+INHERITED_RECONCILE_TAGS = {TAG_RECONCILE: NONE, TAG_RELAUNCH: NONE, TAG_RECONCILE_REASON: NONE}
 MAX_ERROR_TAG_CHARS = 200
 
 

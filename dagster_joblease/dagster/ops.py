@@ -424,7 +424,10 @@ def _settle(
     op_name = op_context.op_def.name
     several_ops = len(_leased_op_names(op_context)) > 1
     step = _Step(op_context, resource, service, fn, timing, wait_ms, holder, run_id)
-    _set_run_tags(op_context, metadata.pending_tags(code, jobs, several_ops=several_ops, op_name=op_name))
+    start_tags = metadata.pending_tags(code, jobs, several_ops=several_ops, op_name=op_name)
+    if run_id is not None and op_context.run.parent_run_id is not None:
+        start_tags.update(metadata.INHERITED_RECONCILE_TAGS)
+    _set_run_tags(op_context, start_tags)
     if several_ops:
         _aggregate_op_outcomes(op_context)
     try:

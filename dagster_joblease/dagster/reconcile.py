@@ -47,9 +47,9 @@ __all__ = [
     "build_reconciliation_sensor",
 ]
 
-TAG_RECONCILE = "joblease/reconciled_by"
-TAG_RELAUNCH = "joblease/relaunch"
-TAG_RECONCILE_REASON = "joblease/reconcile_reason"
+TAG_RECONCILE = metadata.TAG_RECONCILE
+TAG_RELAUNCH = metadata.TAG_RELAUNCH
+TAG_RECONCILE_REASON = metadata.TAG_RECONCILE_REASON
 PARTITION_TAG = "dagster/partition"
 ASSET_JOB_NAME = "__ASSET_JOB"
 HELD_OUTCOME = metadata.HELD
@@ -339,7 +339,10 @@ def build_reconciliation_sensor(
             if latest is not None and latest.status == dg.DagsterRunStatus.CANCELED and not relaunch_canceled:
                 verdicts.canceled.append(key)
                 return
-            ours = [r for r in key_runs if r.tags.get(TAG_RECONCILE) == sensor_name]
+            # Only the sensor's own launches count: a re-execution or run retry inherits their tags.
+            ours = [
+                r for r in key_runs if r.tags.get(TAG_RECONCILE) == sensor_name and r.parent_run_id is None
+            ]
             relaunches = len(ours)
             if relaunches >= cap:
                 verdicts.capped[key] = (

@@ -356,3 +356,29 @@ def test_a_failed_partition_converges_without_dagster_run_retries(
     assert (status, attempt) == ("SUCCESS", 2)
     requests, message, _, _ = _tick(dagster_pg, sensor)
     assert requests == [] and message.startswith("0 relaunched")
+
+
+def test_re_executions_and_retries_of_a_relaunch_do_not_count_as_relaunches(
+    dagster_pg: DagsterPg, engine: sa.Engine, case: tuple[str, dg.JobDefinition]
+) -> None:
+    """Dagster copies the parent's tags into a re-execution or run retry; only the sensor's launches count."""
+    code, job = case
+    key = DAYS[0]
+    _fail(engine, code, key)
+    sensor = build_reconciliation_sensor(job, code=code, max_relaunches=2, backoff=dt.timedelta(seconds=1))
+    (request,) = _tick(dagster_pg, sensor)[0]
+    relaunch = _run(dagster_pg, job, key, dg.DagsterRunStatus.FAILURE, dict(request.tags))
+    for _ in range(2):  # a person's re-execution and a run retry, both inheriting the relaunch's tags
+        dagster_pg.instance.create_run_for_job(
+            job,
+            status=dg.DagsterRunStatus.FAILURE,
+            tags={"dagster/partition": key, **request.tags},
+            remote_job_origin=_origin(job.name),
+            parent_run_id=relaunch.run_id,
+            root_run_id=relaunch.run_id,
+        )
+    _fail(engine, code, key)
+    _set_idle(engine, code, key, seconds=3600)
+    (second,) = _tick(dagster_pg, sensor)[0]
+    assert second.tags[TAG_RELAUNCH] == "2/2"
+    assert second.run_key.endswith(":relaunch-2")

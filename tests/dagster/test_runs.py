@@ -202,7 +202,14 @@ def test_a_retry_of_a_failed_run_takes_over_with_the_same_key(dagster_pg: Dagste
             job,
             dagster_pg.instance,
             run_config=QUIET,
-            tags={"dagster/partition": day, "dagster/retry_number": "1"},
+            # As Dagster's run retry copies them from a run the reconciliation sensor launched:
+            tags={
+                "dagster/partition": day,
+                "dagster/retry_number": "1",
+                "joblease/reconciled_by": "t_retry_reconcile",
+                "joblease/relaunch": "1/5",
+                "joblease/reconcile_reason": "lease FAIL",
+            },
             reexecution_options=dg.ReexecutionOptions.from_failure(failed.run_id, dagster_pg.instance),
         ) as retried:
             assert retried.success
@@ -211,6 +218,10 @@ def test_a_retry_of_a_failed_run_takes_over_with_the_same_key(dagster_pg: Dagste
     run = dagster_pg.instance.get_run_by_id(retried.run_id)
     assert run is not None
     assert run.tags[TAG_ERROR] == "none"  # the parent's error does not stand on the retry
+    # A retry is not a relaunch: the copied reconciliation tags are overwritten when the step starts.
+    assert {
+        run.tags[t] for t in ("joblease/reconciled_by", "joblease/relaunch", "joblease/reconcile_reason")
+    } == {"none"}
     assert run.tags[TAG_OUTCOME] == "reclaimed"
     assert run.tags[TAG_ATTEMPT] == "2"
     assert run.tags[TAG_IDEMPOTENCY_KEY] == key
