@@ -44,6 +44,7 @@ import sqlalchemy as sa
 from dagster_joblease import errors, outbox
 from dagster_joblease.dispatch import policy
 from dagster_joblease.dispatch.routes import Route
+from dagster_joblease.options import MAX_DURATION_MS
 from dagster_joblease.storage.clock import db_now, db_now_plus_ms
 from dagster_joblease.storage.engine import translate_errors
 from dagster_joblease.storage.schema import outbox_table
@@ -121,9 +122,14 @@ class _Claimed:
 _Finished = tuple[_Claimed, policy.Decision | None]
 
 
-def _positive_int(name: str, value: object, minimum: int = 1) -> int:
+def _positive_int(name: str, value: object, minimum: int = 1, maximum: int | None = None) -> int:
     if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
         raise errors.ConfigurationError(f"dispatcher option {name}={value!r} must be an int >= {minimum}")
+    if maximum is not None and value > maximum:
+        raise errors.ConfigurationError(
+            f"dispatcher option {name}={value!r} must be at most {maximum} ms (100 years): a later time is "
+            "not one the database can store"
+        )
     return value
 
 
@@ -290,10 +296,12 @@ class Dispatcher:
     ) -> None:
         self.engine = engine
         self.max_attempts = _positive_int("max_attempts", max_attempts)
-        self.claim_ms = _positive_int("claim_ms", claim_ms, 100)
+        self.claim_ms = _positive_int("claim_ms", claim_ms, 100, MAX_DURATION_MS)
         self.concurrency = _positive_int("concurrency", concurrency)
-        self.backoff_base_ms = _positive_int("backoff_base_ms", backoff_base_ms)
-        self.backoff_max_ms = _positive_int("backoff_max_ms", backoff_max_ms, backoff_base_ms)
+        self.backoff_base_ms = _positive_int("backoff_base_ms", backoff_base_ms, 1, MAX_DURATION_MS)
+        self.backoff_max_ms = _positive_int(
+            "backoff_max_ms", backoff_max_ms, backoff_base_ms, MAX_DURATION_MS
+        )
         if not isinstance(routes, Mapping):
             raise errors.ConfigurationError("routes must be a mapping of topic → Route")
         self.routes: dict[str, Route] = {}
