@@ -1,15 +1,24 @@
 """The consumer side: run an effect at most once per idempotency key and replay its recorded response.
 
-A row of ``joblease_inbox`` moves ``(absent) → IN_PROGRESS → DONE``. The claim (``IN_PROGRESS`` with a
-random ``lock_token`` and ``locked_until`` on the *database* clock) is committed on its own, so a second
-caller sees the key as in flight (HTTP 409) instead of waiting. The effect and the ``DONE`` record then
-commit in **one transaction**, fenced by the lock token: if the claim expired and another consumer took it
-over, this transaction rolls back, effect included. A claim whose holder crashed is taken over once its
-``locked_until`` has passed on the database clock.
+Processing a key is **one transaction**: look the key up, run the effect on the same connection, and
+insert the key as ``DONE`` with the effect's response. The effect, the stored response and the ``DONE``
+state commit together or not at all, so a consumer that crashes at any point leaves the key new again
+(never applied but unrecorded), and a retry can process it at once.
+
+On PostgreSQL the lookup also takes a transaction-scoped advisory lock on the key without waiting, so a
+concurrent duplicate is told the key is in flight (HTTP 409) instead of queueing behind the effect. The
+lock ends with the transaction: when the consumer commits, rolls back, or loses its session (killed,
+or idle inside its effect for longer than ``lock_ms``, which is the transaction's
+``idle_in_transaction_session_timeout``). If two transactions ever both ran an effect for one key (the
+lookup's snapshot predates the other's commit), the unique key makes the second record fail and its
+effect roll back; it then replays the first one's response.
+
+Rows ``IN_PROGRESS`` (a claim with a ``lock_token`` and ``locked_until`` on the database clock) were
+written by the two-step consumer of earlier versions; a live one is still honoured (409 with its
+remaining lock), an expired one is taken over.
 
 This follows the IETF ``Idempotency-Key`` draft (400 missing key, 409 in flight, 422 same key with another
-payload, replay of the first response) and Brandur Leach's Stripe-like design, with the lock checked on
-the database clock rather than the application's.
+payload, replay of the first response) and Brandur Leach's Stripe-like design.
 
 On SQLite, writers are serialized (``BEGIN IMMEDIATE``), so a second caller for a key that is being
 processed in this same database waits for the effect to commit and then gets the replay instead of 409.

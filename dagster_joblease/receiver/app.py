@@ -3,8 +3,14 @@
 It answers as the IETF ``Idempotency-Key`` draft asks: 400 without the header, 409 while the same key is
 in flight, 422 for the same key with another payload, and the first response again on a replay (with
 ``Idempotent-Replayed: true``). Its effect is one row per key in ``joblease_receiver_effect``, written in
-the inbox's transaction; every POST it receives is logged in ``joblease_receiver_request`` so tests and
-the demo can count deliveries against effects.
+the inbox's transaction; every POST it receives in full is logged in ``joblease_receiver_request`` so
+tests and the demo can count deliveries against effects. That log is written in batches off the request
+path (:meth:`ReceiverServer.flush_log` waits for it); it is a debugging aid, not part of the guarantees.
+
+It is built to face hostile clients: a body shorter than its ``Content-Length`` never reaches the effect
+(400), a stalled request times out (408), idle connections are closed, the number of open connections is
+bounded (503 beyond it), a malformed ``Content-Length`` gets 400/411/413, and database errors reach the
+client only as a generic 503 (the detail goes to the log).
 
 The fault options (:class:`Faults`) are testing aids: they make the receiver fail, hang, drop connections
 or reject a topic, so the dispatcher's retry and dead-letter paths can be exercised against a real server.
@@ -196,7 +202,11 @@ def effects(engine: sa.Engine) -> list[tuple[str, str, str]]:
 
 
 def request_count(engine: sa.Engine, *, idempotency_key: str | None = None) -> int:
-    """How many POSTs the receiver received (faulted ones included), optionally for one key."""
+    """How many POSTs the receiver received (faulted ones included), optionally for one key.
+
+    The log is written in batches: from the same process call :meth:`ReceiverServer.flush_log` first
+    for an exact count; from another, wait for the count (or stop the receiver, which flushes).
+    """
     stmt = sa.select(sa.func.count()).select_from(request_table)
     if idempotency_key is not None:
         stmt = stmt.where(request_table.c.idempotency_key == idempotency_key)
