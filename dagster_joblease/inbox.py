@@ -32,6 +32,7 @@ import functools
 import hashlib
 import json
 import logging
+import re
 from collections.abc import Callable
 from typing import Any, NamedTuple
 
@@ -254,28 +255,62 @@ def _insert_done_statement() -> Any:
     )
 
 
+class _HotPath(NamedTuple):
+    """The PostgreSQL hot path's SQL, in two forms (see :func:`_hot_path`)."""
+
+    prepare: str  # PREPARE the three statements, once per connection
+    begin_lookup: str  # BEGIN; EXECUTE lookup
+    record_commit: str  # EXECUTE delete-expired; EXECUTE insert-done; COMMIT
+    plain_begin_lookup: str  # the same without prepared statements (PgBouncer transaction pooling)
+    plain_record_commit: str
+    constants: dict[str, Any]
+
+
+_PREPARED_FLAG = "joblease_inbox_prepared"
+_BIND = re.compile(r"%\((\w+)\)s")
+
+
+def _positional(binds: list[str], match: re.Match[str]) -> str:
+    return f"${binds.index(match.group(1)) + 1}"
+
+
 @functools.cache
-def _psycopg_sql() -> tuple[str, str, dict[str, Any]]:
-    """The two messages of the PostgreSQL hot path, compiled once by SQLAlchemy (pyformat, for psycopg's
-    client-side binding), and the constants they bind.
+def _hot_path() -> _HotPath:
+    """The two messages of the PostgreSQL hot path, compiled once by SQLAlchemy, and the constants they bind.
 
     ``BEGIN; lookup`` opens the transaction and reads the key in one round trip; ``DELETE expired claim;
     INSERT DONE; COMMIT`` records and commits in one. In a multi-statement message an error skips the
-    statements after it, so the COMMIT never runs after a failed INSERT.
+    statements after it, so the COMMIT never runs after a failed INSERT. Multi-statement messages use the
+    simple query protocol (psycopg's client-side binding), so the statements are SQL-level prepared
+    statements (``PREPARE`` once per connection, then ``EXECUTE``): the server plans them once.
     """
     dialect = psycopg_dialect.dialect()  # type: ignore[no-untyped-call]
     own = {"key", "idle_ms", "sha256", "response_status", "response_body"}
     constants: dict[str, Any] = {}
-    texts = []
-    for stmt in (_lookup_statement("postgresql"), _delete_expired_statement(), _insert_done_statement()):
+    names = ("joblease_inbox_lookup", "joblease_inbox_expire", "joblease_inbox_done")
+    statements = (_lookup_statement("postgresql"), _delete_expired_statement(), _insert_done_statement())
+    texts, prepares, executes = [], [], []
+    for name, stmt in zip(names, statements, strict=True):
         compiled = stmt.compile(dialect=dialect)
-        for name, value in compiled.params.items():
-            if name not in own:
-                assert constants.get(name, value) == value, f"bind {name!r} has two values"
-                constants[name] = value
-        texts.append(str(compiled))
-    lookup, delete, insert = texts
-    return f"BEGIN; {lookup}", f"{delete}; {insert}; COMMIT", constants
+        for bind, value in compiled.params.items():
+            if bind not in own:
+                assert constants.get(bind, value) == value, f"bind {bind!r} has two values"
+                constants[bind] = value
+        text = str(compiled)
+        assert "%%" not in text, "a literal percent sign would need unescaping for PREPARE"
+        binds = list(dict.fromkeys(_BIND.findall(text)))
+        positional = _BIND.sub(functools.partial(_positional, binds), text)
+        texts.append(text)
+        prepares.append(f"PREPARE {name} AS {positional}")
+        executes.append(f"EXECUTE {name}({', '.join(f'%({b})s' for b in binds)})")
+    return _HotPath(
+        prepare="; ".join(prepares),
+        begin_lookup=f"BEGIN; {executes[0]}",
+        record_commit=f"{executes[1]}; {executes[2]}; COMMIT",
+        plain_begin_lookup=f"BEGIN; {texts[0]}",
+        plain_record_commit=f"{texts[1]}; {texts[2]}; COMMIT",
+        constants=constants,
+    )
 
 
 class _Row(NamedTuple):
@@ -415,15 +450,31 @@ class Inbox:
         and ended by our last. SQLAlchemy's commit then finds the connection idle and sends nothing; its
         rollback (on any error) still sends ROLLBACK, since psycopg checks the server's transaction state.
         """
-        begin_lookup, record_commit, constants = _psycopg_sql()
+        sql = _hot_path()
+        constants = sql.constants
         with translate_errors("process an inbox key"), self.engine.connect() as conn:
             driver = conn.connection.driver_connection
             assert driver is not None, "the connection is closed"
+            # psycopg's prepare_threshold=None (?prepare_threshold=none, for PgBouncer's transaction
+            # pooling) means prepared statements cannot be trusted to stay on the server connection.
+            prepared = driver.prepare_threshold is not None
+            info = conn.connection.info
+            begin_lookup = sql.begin_lookup if prepared else sql.plain_begin_lookup
+            record_commit = sql.record_commit if prepared else sql.plain_record_commit
             driver.autocommit = True
             try:
                 with conn.begin():
                     with psycopg.ClientCursor(driver) as cursor:
-                        cursor.execute(begin_lookup, {**constants, "key": key, "idle_ms": str(self.lock_ms)})
+                        if prepared and not info.get(_PREPARED_FLAG):
+                            cursor.execute(sql.prepare)
+                            info[_PREPARED_FLAG] = True
+                        try:
+                            cursor.execute(
+                                begin_lookup, {**constants, "key": key, "idle_ms": str(self.lock_ms)}
+                            )
+                        except psycopg.errors.InvalidSqlStatementName:
+                            info.pop(_PREPARED_FLAG, None)  # the server forgot them (DISCARD ALL): again
+                            raise _Retry from None
                         cursor.nextset()
                         row = _row(cursor.fetchone())
                     replay = _decide(key, fingerprint, row)

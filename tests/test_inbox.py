@@ -22,7 +22,7 @@ from dagster_joblease.inbox import (
     InvalidInboxInputError,
     request_fingerprint,
 )
-from dagster_joblease.storage import inbox_table
+from dagster_joblease.storage import create_engine, inbox_table
 from dagster_joblease.storage.clock import db_now, db_now_plus_ms
 from tests.conftest import wait_until
 
@@ -382,3 +382,45 @@ def test_fingerprint_ignores_json_spelling_and_hashes_other_bodies_raw() -> None
     assert request_fingerprint(b'{"a": NaN}') != request_fingerprint(b'{"a": null}')
     with pytest.raises(errors.InvalidPayloadError):
         request_fingerprint({"a": object()})
+
+
+@pytest.mark.postgres_only
+def test_without_server_side_prepared_statements(pg_url: str) -> None:
+    """Behind PgBouncer's transaction pooling (?prepare_threshold=none) nothing is PREPAREd."""
+    engine = create_engine(pg_url + "?prepare_threshold=none")
+    try:
+        _test_metadata.create_all(engine)
+        inbox = Inbox(engine)
+        assert inbox.process("pgb", {"v": 1}, _writer("pgb", "first")).replayed is False
+        assert inbox.process("pgb", {"v": 1}, _writer("pgb", "again")).replayed is True
+        with pytest.raises(errors.InboxConflictError):
+            inbox.process("pgb", {"v": 2}, _writer("pgb", "other"))
+        with engine.connect() as conn:
+            prepared = conn.exec_driver_sql("SELECT count(*) FROM pg_prepared_statements").scalar_one()
+        assert prepared == 0
+        assert _notes(engine) == ["first"]
+    finally:
+        engine.dispose()
+
+
+@pytest.mark.postgres_only
+def test_prepared_statements_the_server_forgot_are_prepared_again(pg_url: str) -> None:
+    engine = create_engine(pg_url, pool_size=1, max_overflow=0)
+    try:
+        _test_metadata.create_all(engine)
+        inbox = Inbox(engine)
+        inbox.process("a", {"v": 1}, _writer("a", "a"))
+        with engine.connect() as conn:  # the pool's only connection: the one the inbox prepared on
+            driver = conn.connection.driver_connection
+            assert driver is not None
+            conn.rollback()
+            driver.autocommit = True
+            named = "SELECT count(*) FROM pg_prepared_statements WHERE name LIKE 'joblease_inbox_%'"
+            assert driver.execute(named).fetchone() == (3,)
+            driver.execute("DEALLOCATE ALL")
+            driver.autocommit = False
+        assert inbox.process("b", {"v": 1}, _writer("b", "b")).replayed is False
+        assert inbox.process("a", {"v": 1}, _writer("a", "again")).replayed is True
+        assert _notes(engine) == ["a", "b"]
+    finally:
+        engine.dispose()
