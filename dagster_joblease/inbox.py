@@ -1,15 +1,24 @@
 """The consumer side: run an effect at most once per idempotency key and replay its recorded response.
 
-A row of ``joblease_inbox`` moves ``(absent) → IN_PROGRESS → DONE``. The claim (``IN_PROGRESS`` with a
-random ``lock_token`` and ``locked_until`` on the *database* clock) is committed on its own, so a second
-caller sees the key as in flight (HTTP 409) instead of waiting. The effect and the ``DONE`` record then
-commit in **one transaction**, fenced by the lock token: if the claim expired and another consumer took it
-over, this transaction rolls back, effect included. A claim whose holder crashed is taken over once its
-``locked_until`` has passed on the database clock.
+Processing a key is **one transaction**: look the key up, run the effect on the same connection, and
+insert the key as ``DONE`` with the effect's response. The effect, the stored response and the ``DONE``
+state commit together or not at all, so a consumer that crashes at any point leaves the key new again
+(never applied but unrecorded), and a retry can process it at once.
+
+On PostgreSQL the lookup also takes a transaction-scoped advisory lock on the key without waiting, so a
+concurrent duplicate is told the key is in flight (HTTP 409) instead of queueing behind the effect. The
+lock ends with the transaction: when the consumer commits, rolls back, or loses its session (killed,
+or idle inside its effect for longer than ``lock_ms``, which is the transaction's
+``idle_in_transaction_session_timeout``). If two transactions ever both ran an effect for one key (the
+lookup's snapshot predates the other's commit), the unique key makes the second record fail and its
+effect roll back; it then replays the first one's response.
+
+Rows ``IN_PROGRESS`` (a claim with a ``lock_token`` and ``locked_until`` on the database clock) were
+written by the two-step consumer of earlier versions; a live one is still honoured (409 with its
+remaining lock), an expired one is taken over.
 
 This follows the IETF ``Idempotency-Key`` draft (400 missing key, 409 in flight, 422 same key with another
-payload, replay of the first response) and Brandur Leach's Stripe-like design, with the lock checked on
-the database clock rather than the application's.
+payload, replay of the first response) and Brandur Leach's Stripe-like design.
 
 On SQLite, writers are serialized (``BEGIN IMMEDIATE``), so a second caller for a key that is being
 processed in this same database waits for the effect to commit and then gets the replay instead of 409.
@@ -19,15 +28,18 @@ from __future__ import annotations
 
 import dataclasses
 import enum
+import functools
 import hashlib
 import json
 import logging
-import secrets
+import re
 from collections.abc import Callable
-from typing import Any
+from typing import Any, NamedTuple
 
+import psycopg
 import sqlalchemy as sa
 from sqlalchemy.dialects import postgresql, sqlite
+from sqlalchemy.dialects.postgresql import psycopg as psycopg_dialect
 
 from dagster_joblease import errors, outbox
 from dagster_joblease.options import MAX_DURATION_MS
@@ -36,6 +48,7 @@ from dagster_joblease.storage.engine import translate_errors
 from dagster_joblease.storage.schema import inbox_table
 
 __all__ = [
+    "ADVISORY_LOCK_CLASS",
     "DEFAULT_LOCK_MS",
     "MAX_KEY_LENGTH",
     "Effect",
@@ -76,6 +89,10 @@ class InboxResult:
     replayed: bool
 
 
+#: C0 controls, DEL and C1 controls: never part of a key.
+_CONTROL = re.compile("[\x00-\x1f\x7f-\x9f]")
+
+
 def validate_idempotency_key(key: object) -> str:
     """Return ``key`` if it is a usable idempotency key, else raise :class:`InvalidInboxInputError`."""
     if not isinstance(key, str):
@@ -86,11 +103,12 @@ def validate_idempotency_key(key: object) -> str:
         raise InvalidInboxInputError(
             "idempotency_key", f"is {len(key)} characters; at most {MAX_KEY_LENGTH} are allowed, shorten it"
         )
-    for ch in key:
-        if ord(ch) < 0x20 or 0x7F <= ord(ch) < 0xA0:
-            raise InvalidInboxInputError(
-                "idempotency_key", f"{key[:40]!r} contains the control character U+{ord(ch):04X}; remove it"
-            )
+    control = _CONTROL.search(key)
+    if control is not None:
+        raise InvalidInboxInputError(
+            "idempotency_key",
+            f"{key[:40]!r} contains the control character U+{ord(control.group()):04X}; remove it",
+        )
     return key
 
 
@@ -147,14 +165,216 @@ def _insert(dialect_name: str) -> Any:
     return (postgresql.insert if dialect_name == "postgresql" else sqlite.insert)(inbox_table)
 
 
+class _Retry(Exception):
+    """The key was completed by another transaction this one's snapshot did not see: look again."""
+
+
+#: PostgreSQL: the first key of the two-int advisory lock that marks a key in flight ("jlin"), apart from
+#: one-bigint advisory locks an application may use. Keys in flight show in ``pg_locks`` with this classid.
+ADVISORY_LOCK_CLASS = 0x6A6C696E
+
+
+def _lookup_statement(dialect_name: str) -> Any:
+    """The key's row if any; on PostgreSQL also whether this transaction won the key's in-flight lock.
+
+    On PostgreSQL the same round trip takes a transaction-scoped advisory lock on the key without
+    waiting (a concurrent duplicate gets "in flight" at once, HTTP 409) and sets this transaction's
+    ``idle_in_transaction_session_timeout`` to the lock time, so a consumer that hangs inside its effect
+    loses its session (and the effect) after ``lock_ms`` instead of holding the key forever.
+    """
+    t = inbox_table
+    key = sa.bindparam("key", type_=sa.String())
+    columns = (
+        t.c.status,
+        t.c.payload_sha256,
+        t.c.response_status,
+        t.c.response_body,
+        ms_until(t.c.locked_until).label("lock_left_ms"),
+    )
+    if dialect_name != "postgresql":
+        return sa.select(sa.true().label("got"), *columns).where(t.c.idempotency_key == key)
+    lock = sa.select(
+        sa.func.pg_try_advisory_xact_lock(
+            sa.literal(ADVISORY_LOCK_CLASS, sa.Integer()), sa.func.hashtext(key)
+        ).label("got"),
+        sa.func.set_config(
+            sa.literal("idle_in_transaction_session_timeout", sa.Text()),
+            sa.bindparam("idle_ms", type_=sa.Text()),
+            sa.true(),
+        ).label("idle"),
+    ).subquery("claim")
+    return sa.select(lock.c.got, *columns).select_from(lock.outerjoin(t, t.c.idempotency_key == key))
+
+
+def _done_statement(dialect_name: str) -> Any:
+    """Record the key as DONE with its response; takes over only an expired claim left by a crash."""
+    t = inbox_table
+    stmt = _insert(dialect_name).values(
+        idempotency_key=sa.bindparam("key", type_=sa.String()),
+        payload_sha256=sa.bindparam("sha256", type_=sa.String()),
+        status=InboxStatus.DONE.value,
+        response_status=sa.bindparam("response_status", type_=sa.Integer()),
+        response_body=sa.bindparam("response_body", type_=sa.Text()),
+        created_at=db_now(),
+        completed_at=db_now(),
+    )
+    return stmt.on_conflict_do_update(
+        index_elements=[t.c.idempotency_key],
+        set_={
+            "payload_sha256": stmt.excluded.payload_sha256,
+            "status": InboxStatus.DONE.value,
+            "lock_token": None,
+            "locked_until": None,
+            "response_status": stmt.excluded.response_status,
+            "response_body": stmt.excluded.response_body,
+            "completed_at": db_now(),
+        },
+        where=sa.and_(t.c.status == InboxStatus.IN_PROGRESS.value, t.c.locked_until < db_now()),
+    ).returning(t.c.idempotency_key)
+
+
+@functools.cache
+def _statements(dialect_name: str) -> tuple[Any, Any]:
+    return _lookup_statement(dialect_name), _done_statement(dialect_name)
+
+
+def _delete_expired_statement() -> Any:
+    """Remove a claim left by an older version's crashed two-step consumer, once its lock has passed."""
+    t = inbox_table
+    return sa.delete(t).where(
+        t.c.idempotency_key == sa.bindparam("key", type_=sa.String()),
+        t.c.status == InboxStatus.IN_PROGRESS.value,
+        t.c.locked_until < db_now(),
+    )
+
+
+def _insert_done_statement() -> Any:
+    """The DONE record as a plain INSERT: a key recorded meanwhile makes it fail (unique violation)."""
+    return inbox_table.insert().values(
+        idempotency_key=sa.bindparam("key", type_=sa.String()),
+        payload_sha256=sa.bindparam("sha256", type_=sa.String()),
+        status=InboxStatus.DONE.value,
+        response_status=sa.bindparam("response_status", type_=sa.Integer()),
+        response_body=sa.bindparam("response_body", type_=sa.Text()),
+        created_at=db_now(),
+        completed_at=db_now(),
+    )
+
+
+class _HotPath(NamedTuple):
+    """The PostgreSQL hot path's SQL, in two forms (see :func:`_hot_path`)."""
+
+    prepare: str  # PREPARE the three statements, once per connection
+    begin_lookup: str  # BEGIN; EXECUTE lookup
+    record_commit: str  # EXECUTE delete-expired; EXECUTE insert-done; COMMIT
+    plain_begin_lookup: str  # the same without prepared statements (PgBouncer transaction pooling)
+    plain_record_commit: str
+    constants: dict[str, Any]
+
+
+_PREPARED_FLAG = "joblease_inbox_prepared"
+_BIND = re.compile(r"%\((\w+)\)s")
+
+
+def _positional(binds: list[str], match: re.Match[str]) -> str:
+    return f"${binds.index(match.group(1)) + 1}"
+
+
+@functools.cache
+def _hot_path() -> _HotPath:
+    """The two messages of the PostgreSQL hot path, compiled once by SQLAlchemy, and the constants they bind.
+
+    ``BEGIN; lookup`` opens the transaction and reads the key in one round trip; ``DELETE expired claim;
+    INSERT DONE; COMMIT`` records and commits in one. In a multi-statement message an error skips the
+    statements after it, so the COMMIT never runs after a failed INSERT. Multi-statement messages use the
+    simple query protocol (psycopg's client-side binding), so the statements are SQL-level prepared
+    statements (``PREPARE`` once per connection, then ``EXECUTE``): the server plans them once.
+    """
+    dialect = psycopg_dialect.dialect()  # type: ignore[no-untyped-call]
+    own = {"key", "idle_ms", "sha256", "response_status", "response_body"}
+    constants: dict[str, Any] = {}
+    names = ("joblease_inbox_lookup", "joblease_inbox_expire", "joblease_inbox_done")
+    statements = (_lookup_statement("postgresql"), _delete_expired_statement(), _insert_done_statement())
+    texts, prepares, executes = [], [], []
+    for name, stmt in zip(names, statements, strict=True):
+        compiled = stmt.compile(dialect=dialect)
+        for bind, value in compiled.params.items():
+            if bind not in own:
+                assert constants.get(bind, value) == value, f"bind {bind!r} has two values"
+                constants[bind] = value
+        text = str(compiled)
+        assert "%%" not in text, "a literal percent sign would need unescaping for PREPARE"
+        binds = list(dict.fromkeys(_BIND.findall(text)))
+        positional = _BIND.sub(functools.partial(_positional, binds), text)
+        texts.append(text)
+        prepares.append(f"PREPARE {name} AS {positional}")
+        executes.append(f"EXECUTE {name}({', '.join(f'%({b})s' for b in binds)})")
+    return _HotPath(
+        prepare="; ".join(prepares),
+        begin_lookup=f"BEGIN; {executes[0]}",
+        record_commit=f"{executes[1]}; {executes[2]}; COMMIT",
+        plain_begin_lookup=f"BEGIN; {texts[0]}",
+        plain_record_commit=f"{texts[1]}; {texts[2]}; COMMIT",
+        constants=constants,
+    )
+
+
+class _Row(NamedTuple):
+    """What the lookup read: the in-flight lock's outcome and the key's row (``status`` None if absent)."""
+
+    got: bool
+    status: str | None
+    payload_sha256: str | None
+    response_status: int | None
+    response_body: str | None
+    lock_left_ms: int | None
+
+
+_ABSENT = _Row(True, None, None, None, None, None)
+
+
+def _row(found: Any) -> _Row:
+    return _ABSENT if found is None else _Row(*found)
+
+
+def _decide(key: str, fingerprint: str, row: _Row) -> InboxResult | None:
+    """From the lookup: the replay to return, an error to raise, or None to run the effect."""
+    if not row.got:
+        raise errors.InboxInProgressError(idempotency_key=key)
+    if row.status == InboxStatus.DONE.value:
+        if row.payload_sha256 != fingerprint:
+            raise errors.InboxConflictError(idempotency_key=key)
+        return InboxResult(
+            status_code=int(row.response_status or 0), body=row.response_body or "", replayed=True
+        )
+    if row.status is not None:
+        # A claim committed by an older version's two-step consumer. While it is live, leave it be; once
+        # expired its holder is gone and left no effect, so any payload may take it over.
+        left = row.lock_left_ms
+        if left is None or int(left) >= 0:
+            if row.payload_sha256 != fingerprint:
+                raise errors.InboxConflictError(idempotency_key=key)
+            raise errors.InboxInProgressError(
+                idempotency_key=key, retry_after_ms=None if left is None else int(left)
+            )
+    return None
+
+
+def _processed(key: str, status_code: int, body: str) -> InboxResult:
+    logger.debug("inbox key %r processed (status %d)", key, status_code, extra={"action": "inbox_done"})
+    return InboxResult(status_code=status_code, body=body, replayed=False)
+
+
 class Inbox:
     """Deduplicate incoming requests by idempotency key on a migrated engine (PostgreSQL or SQLite).
 
     Args:
         engine: an engine over a database migrated with :func:`dagster_joblease.migrate`.
-        lock_ms: how long a claim stays exclusive. A consumer that crashes mid-effect blocks its key
-            (409) for this long; an effect that runs longer than this may be taken over and then rolled
-            back. Make it comfortably longer than the slowest effect.
+        lock_ms: the longest an effect may sit idle inside its transaction. On PostgreSQL a consumer
+            stuck longer than this in its effect loses its database session, so its effect rolls back
+            and the key is free again; a key in flight answers 409 meanwhile. It also bounds how long a
+            claim left by an older version's crashed consumer blocks its key. Make it comfortably longer
+            than the slowest effect.
 
     Example::
 
@@ -170,131 +390,126 @@ class Inbox:
     def __init__(self, engine: sa.Engine, *, lock_ms: int = DEFAULT_LOCK_MS) -> None:
         self.engine = engine
         self.lock_ms = _check_lock_ms(lock_ms)
+        dialect = engine.dialect
+        self._psycopg = (dialect.name, dialect.driver) == ("postgresql", "psycopg")
 
     def process(self, idempotency_key: str, payload: Any, effect: Effect) -> InboxResult:
         """Run ``effect`` once for ``idempotency_key``, or return the response recorded the first time.
 
         ``effect(connection)`` runs inside the transaction that records the key as done and returns
         ``(status_code, body)``; write the effect's rows on that connection so they commit (or roll back)
-        together with the record.
+        together with the record. Everything happens in that one transaction: the key is recorded (as
+        ``DONE``, with the response) only if the effect commits, so a crash at any point leaves the key
+        new again, never applied but unrecorded.
 
         Raises:
             InvalidInboxInputError: a bad key (before any SQL) or a malformed effect result.
             InboxConflictError: the key was already used with a different payload (HTTP 422).
-            InboxInProgressError: another consumer holds a live claim on the key (HTTP 409); retry later.
+            InboxInProgressError: another consumer is processing the key right now (HTTP 409); retry later.
 
-        If ``effect`` raises, its transaction rolls back, the claim is released and the exception
-        propagates: the key can be retried. Unlike Stripe (and as the IETF draft permits), failures are
-        not stored as the key's response, because a failed effect did not happen; only completed results
-        are replayed. An effect that wants a rejection to be final returns a 4xx instead of raising.
+        If ``effect`` raises, its transaction rolls back and the exception propagates: the key can be
+        retried at once. Unlike Stripe (and as the IETF draft permits), failures are not stored as the
+        key's response, because a failed effect did not happen; only completed results are replayed. An
+        effect that wants a rejection to be final returns a 4xx instead of raising.
         """
         key = validate_idempotency_key(idempotency_key)
         if not callable(effect):
             raise InvalidInboxInputError("effect", f"{effect!r:.80} is not callable; pass a function")
         fingerprint = request_fingerprint(payload)
-        token = secrets.token_hex(16)
-        replay = self._claim(key, fingerprint, token)
-        if replay is not None:
-            return replay
-        try:
-            with translate_errors("record an inbox result"), self.engine.begin() as conn:
-                status_code, body = _check_response(key, effect(conn))
-                t = inbox_table
-                done = conn.execute(
-                    sa.update(t)
-                    .where(
-                        t.c.idempotency_key == key,
-                        t.c.lock_token == token,
-                        t.c.status == InboxStatus.IN_PROGRESS.value,
-                    )
-                    .values(
-                        status=InboxStatus.DONE.value,
-                        lock_token=None,
-                        locked_until=None,
-                        response_status=status_code,
-                        response_body=body,
-                        completed_at=db_now(),
-                    )
-                    .returning(t.c.idempotency_key)
-                ).first()
-                if done is None:
-                    # Our claim expired and another consumer took it over: roll the effect back.
-                    raise errors.InboxInProgressError(idempotency_key=key)
-        except errors.InboxInProgressError:
-            logger.warning("inbox claim on %r was taken over before the effect committed; rolled back", key)
-            raise
-        except BaseException:
-            self._release(key, token)
-            raise
-        logger.info("inbox key %r processed (status %d)", key, status_code, extra={"action": "inbox_done"})
-        return InboxResult(status_code=status_code, body=body, replayed=False)
-
-    def _claim(self, key: str, fingerprint: str, token: str) -> InboxResult | None:
-        """Claim ``key`` (insert, or take over an expired claim); else return the replay or raise."""
-        t = inbox_table
-        until = db_now_plus_ms(sa.literal(self.lock_ms, sa.BigInteger()))
-        with translate_errors("claim an inbox key"), self.engine.begin() as conn:
-            stmt = _insert(conn.dialect.name).values(
-                idempotency_key=key,
-                payload_sha256=fingerprint,
-                status=InboxStatus.IN_PROGRESS.value,
-                lock_token=token,
-                locked_until=until,
-                created_at=db_now(),
-            )
-            # A claim whose holder stopped before committing left no effect behind, so a takeover may
-            # record the new payload's fingerprint, exactly as after a released (failed) claim.
-            stmt = stmt.on_conflict_do_update(
-                index_elements=[t.c.idempotency_key],
-                set_={
-                    "payload_sha256": stmt.excluded.payload_sha256,
-                    "lock_token": stmt.excluded.lock_token,
-                    "locked_until": until,
-                },
-                where=sa.and_(t.c.status == InboxStatus.IN_PROGRESS.value, t.c.locked_until < db_now()),
-            ).returning(t.c.created_at)
-            # Two rounds: the conflicting row can vanish between the INSERT and the read (a released
-            # claim or a purge); the second INSERT then simply succeeds.
-            for _ in range(2):
-                if conn.execute(stmt).first() is not None:
-                    return None
-                row = conn.execute(
-                    sa.select(
-                        t.c.status,
-                        t.c.payload_sha256,
-                        t.c.response_status,
-                        t.c.response_body,
-                        ms_until(t.c.locked_until).label("lock_left_ms"),
-                    ).where(t.c.idempotency_key == key)
-                ).first()
-                if row is None:
-                    continue
-                if row.payload_sha256 != fingerprint:
-                    raise errors.InboxConflictError(idempotency_key=key)
-                if row.status == InboxStatus.DONE.value:
-                    return InboxResult(
-                        status_code=int(row.response_status), body=row.response_body or "", replayed=True
-                    )
-                left = row.lock_left_ms
-                raise errors.InboxInProgressError(
-                    idempotency_key=key, retry_after_ms=None if left is None else max(0, int(left))
-                )
+        # A third round is never needed: after a _Retry the completed row is visible to the lookup.
+        for _ in range(3):
+            try:
+                return self._once(key, fingerprint, effect)
+            except _Retry:
+                continue
         raise errors.InboxInProgressError(idempotency_key=key)
 
-    def _release(self, key: str, token: str) -> None:
-        """Give back a claim after a failed effect, so the key can be retried at once."""
-        t = inbox_table
-        try:
-            with translate_errors("release an inbox claim"), self.engine.begin() as conn:
-                conn.execute(
-                    sa.delete(t).where(
-                        t.c.idempotency_key == key,
-                        t.c.lock_token == token,
-                        t.c.status == InboxStatus.IN_PROGRESS.value,
-                    )
-                )
-        except errors.StorageError:
-            logger.warning("could not release the inbox claim on %r; it frees itself when it expires", key)
+    def _once(self, key: str, fingerprint: str, effect: Effect) -> InboxResult:
+        if self._psycopg:
+            return self._once_psycopg(key, fingerprint, effect)
+        lookup, done = _statements(self.engine.dialect.name)
+        with translate_errors("process an inbox key"), self.engine.begin() as conn:
+            row = _row(conn.execute(lookup, {"key": key, "idle_ms": str(self.lock_ms)}).first())
+            replay = _decide(key, fingerprint, row)
+            if replay is not None:
+                return replay
+            status_code, body = _check_response(key, effect(conn))
+            params = {
+                "key": key,
+                "sha256": fingerprint,
+                "response_status": status_code,
+                "response_body": body,
+            }
+            with translate_errors("record an inbox result"):
+                recorded = conn.execute(done, params).first() is not None
+            if not recorded:
+                # Completed by a transaction that committed after our lookup's snapshot: roll our
+                # effect back and replay (or refuse) what that one recorded.
+                raise _Retry
+        return _processed(key, status_code, body)
+
+    def _once_psycopg(self, key: str, fingerprint: str, effect: Effect) -> InboxResult:
+        """The same transaction in three round trips (begin + lookup, the effect, record + commit).
+
+        The pooled psycopg connection is switched to autocommit for the duration so that psycopg does
+        not send its own BEGIN (a round trip of its own): the transaction is opened by our first message
+        and ended by our last. SQLAlchemy's commit then finds the connection idle and sends nothing; its
+        rollback (on any error) still sends ROLLBACK, since psycopg checks the server's transaction state.
+        """
+        sql = _hot_path()
+        constants = sql.constants
+        with translate_errors("process an inbox key"), self.engine.connect() as conn:
+            driver = conn.connection.driver_connection
+            assert driver is not None, "the connection is closed"
+            # psycopg's prepare_threshold=None (?prepare_threshold=none, for PgBouncer's transaction
+            # pooling) means prepared statements cannot be trusted to stay on the server connection.
+            prepared = driver.prepare_threshold is not None
+            info = conn.connection.info
+            begin_lookup = sql.begin_lookup if prepared else sql.plain_begin_lookup
+            record_commit = sql.record_commit if prepared else sql.plain_record_commit
+            driver.autocommit = True
+            try:
+                with conn.begin():
+                    with psycopg.ClientCursor(driver) as cursor:
+                        if prepared and not info.get(_PREPARED_FLAG):
+                            cursor.execute(sql.prepare)
+                            info[_PREPARED_FLAG] = True
+                        try:
+                            cursor.execute(
+                                begin_lookup, {**constants, "key": key, "idle_ms": str(self.lock_ms)}
+                            )
+                        except psycopg.errors.InvalidSqlStatementName:
+                            info.pop(_PREPARED_FLAG, None)  # the server forgot them (DISCARD ALL): again
+                            raise _Retry from None
+                        cursor.nextset()
+                        row = _row(cursor.fetchone())
+                    replay = _decide(key, fingerprint, row)
+                    if replay is not None:
+                        return replay
+                    status_code, body = _check_response(key, effect(conn))
+                    params = {
+                        **constants,
+                        "key": key,
+                        "sha256": fingerprint,
+                        "response_status": status_code,
+                        "response_body": body,
+                    }
+                    try:
+                        with (
+                            translate_errors("record an inbox result"),
+                            psycopg.ClientCursor(driver) as cursor,
+                        ):
+                            cursor.execute(record_commit, params)
+                    except errors.StorageError as exc:
+                        if isinstance(exc.__cause__, psycopg.errors.UniqueViolation):
+                            raise _Retry from None  # recorded meanwhile: see _once
+                        raise
+            finally:
+                if driver.pgconn.transaction_status == psycopg.pq.TransactionStatus.IDLE:
+                    driver.autocommit = False
+                else:
+                    conn.invalidate()  # never hand a connection in an unknown state back to the pool
+        return _processed(key, status_code, body)
 
     def purge(self, older_than_ms: int) -> int:
         """Delete completed keys finished more than ``older_than_ms`` ago (database clock); return how many.

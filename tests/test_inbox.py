@@ -22,8 +22,8 @@ from dagster_joblease.inbox import (
     InvalidInboxInputError,
     request_fingerprint,
 )
-from dagster_joblease.storage import inbox_table
-from dagster_joblease.storage.clock import db_now, db_now_plus_ms, ms_until
+from dagster_joblease.storage import create_engine, inbox_table
+from dagster_joblease.storage.clock import db_now, db_now_plus_ms
 from tests.conftest import wait_until
 
 _test_metadata = sa.MetaData()
@@ -235,45 +235,26 @@ def test_concurrent_caller_gets_in_progress_while_the_effect_runs(
 
 
 @pytest.mark.postgres_only
-def test_effect_outliving_its_claim_is_rolled_back_after_a_takeover(pg_engine: sa.Engine) -> None:
-    """Fencing: the late consumer's effect and record roll back; the one that took over wins."""
+def test_effect_stuck_past_its_lock_loses_its_session_and_rolls_back(pg_engine: sa.Engine) -> None:
+    """A consumer idle in its effect past lock_ms loses its transaction; another one applies the key."""
     _test_metadata.create_all(pg_engine)
-    short = Inbox(pg_engine, lock_ms=1)
+    short = Inbox(pg_engine, lock_ms=300)
     patient = Inbox(pg_engine, lock_ms=30_000)
-    taken_over: list[InboxResult] = []
+    on_time = _writer("late", "on time", (201, "on time"))
 
-    def claim_expired() -> bool:
-        with pg_engine.connect() as conn:
-            left = conn.execute(
-                sa.select(ms_until(inbox_table.c.locked_until)).where(inbox_table.c.idempotency_key == "late")
-            ).scalar_one()
-        return int(left) < 0
+    def taken_over() -> bool:
+        try:
+            return patient.process("late", {"v": 1}, on_time).status_code == 201
+        except errors.InboxInProgressError:
+            return False
 
-    entered, release = threading.Event(), threading.Event()
-    threads: list[threading.Thread] = []
-
-    def on_time(conn: sa.Connection) -> tuple[int, str]:
-        conn.execute(effect_rows.insert().values(key="late", note="on time"))
-        entered.set()
-        assert release.wait(10)
-        return 201, "on time"
-
-    def late(conn: sa.Connection) -> tuple[int, str]:
+    def stuck(conn: sa.Connection) -> tuple[int, str]:
         conn.execute(effect_rows.insert().values(key="late", note="late"))
-        wait_until(claim_expired)
-        # Another consumer takes the expired claim over and is still inside its effect when we record.
-        other = threading.Thread(target=lambda: taken_over.append(patient.process("late", {"v": 1}, on_time)))
-        threads.append(other)
-        other.start()
-        assert entered.wait(10)
+        wait_until(taken_over)  # the server ends our session after 300 ms idle; the key is free again
         return 200, "late"
 
-    with pytest.raises(errors.InboxInProgressError):
-        short.process("late", {"v": 1}, late)
-    assert _notes(pg_engine) == []
-    release.set()
-    threads[0].join(10)
-    assert taken_over == [InboxResult(201, "on time", False)]
+    with pytest.raises(errors.StorageError):
+        short.process("late", {"v": 1}, stuck)
     assert _notes(pg_engine) == ["on time"]
     assert short.process("late", {"v": 1}, _writer("late", "x")) == InboxResult(201, "on time", True)
 
@@ -288,7 +269,7 @@ def _child(db_url: str, key: str, lock_ms: int, mode: str) -> subprocess.Popen[s
 
 
 @pytest.mark.chaos
-def test_consumer_killed_inside_the_effect_frees_the_key_when_its_lock_expires(
+def test_consumer_killed_inside_the_effect_leaves_the_key_new(
     db_url: str, inbox: Inbox, engine: sa.Engine
 ) -> None:
     child = _child(db_url, "crash", 500, "block")
@@ -301,9 +282,10 @@ def test_consumer_killed_inside_the_effect_frees_the_key_when_its_lock_expires(
     if child.stderr:
         child.stderr.close()
 
+    # The key and the effect commit together or not at all: the crash left neither behind.
     row = _inbox_row(engine, "crash")
-    assert row is not None and row.status == InboxStatus.IN_PROGRESS.value  # the claim outlived its holder
-    assert _notes(engine) == []  # its uncommitted effect did not
+    assert row is None or row.status != InboxStatus.DONE.value
+    assert _notes(engine) == []
 
     effect = _writer("crash", "survivor")
 
@@ -400,3 +382,45 @@ def test_fingerprint_ignores_json_spelling_and_hashes_other_bodies_raw() -> None
     assert request_fingerprint(b'{"a": NaN}') != request_fingerprint(b'{"a": null}')
     with pytest.raises(errors.InvalidPayloadError):
         request_fingerprint({"a": object()})
+
+
+@pytest.mark.postgres_only
+def test_without_server_side_prepared_statements(pg_url: str) -> None:
+    """Behind PgBouncer's transaction pooling (?prepare_threshold=none) nothing is PREPAREd."""
+    engine = create_engine(pg_url + "?prepare_threshold=none")
+    try:
+        _test_metadata.create_all(engine)
+        inbox = Inbox(engine)
+        assert inbox.process("pgb", {"v": 1}, _writer("pgb", "first")).replayed is False
+        assert inbox.process("pgb", {"v": 1}, _writer("pgb", "again")).replayed is True
+        with pytest.raises(errors.InboxConflictError):
+            inbox.process("pgb", {"v": 2}, _writer("pgb", "other"))
+        with engine.connect() as conn:
+            prepared = conn.exec_driver_sql("SELECT count(*) FROM pg_prepared_statements").scalar_one()
+        assert prepared == 0
+        assert _notes(engine) == ["first"]
+    finally:
+        engine.dispose()
+
+
+@pytest.mark.postgres_only
+def test_prepared_statements_the_server_forgot_are_prepared_again(pg_url: str) -> None:
+    engine = create_engine(pg_url, pool_size=1, max_overflow=0)
+    try:
+        _test_metadata.create_all(engine)
+        inbox = Inbox(engine)
+        inbox.process("a", {"v": 1}, _writer("a", "a"))
+        with engine.connect() as conn:  # the pool's only connection: the one the inbox prepared on
+            driver = conn.connection.driver_connection
+            assert driver is not None
+            conn.rollback()
+            driver.autocommit = True
+            named = "SELECT count(*) FROM pg_prepared_statements WHERE name LIKE 'joblease_inbox_%'"
+            assert driver.execute(named).fetchone() == (3,)
+            driver.execute("DEALLOCATE ALL")
+            driver.autocommit = False
+        assert inbox.process("b", {"v": 1}, _writer("b", "b")).replayed is False
+        assert inbox.process("a", {"v": 1}, _writer("a", "again")).replayed is True
+        assert _notes(engine) == ["a", "b"]
+    finally:
+        engine.dispose()

@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import json
+import logging
 import re
+import socket
 import threading
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -15,7 +17,7 @@ import sqlalchemy as sa
 from click.testing import CliRunner
 
 from dagster_joblease import errors
-from dagster_joblease.inbox import InboxStatus
+from dagster_joblease.inbox import ADVISORY_LOCK_CLASS, InboxStatus
 from dagster_joblease.receiver import (
     ReceiverServer,
     effect_count,
@@ -37,22 +39,81 @@ def client() -> Iterator[httpx.Client]:
 
 
 @pytest.fixture
-def server(engine: sa.Engine) -> Iterator[ReceiverServer]:
-    """A receiver in this process, served from a thread (how the testing kit runs one)."""
+def serve_in_thread() -> Iterator[Callable[..., ReceiverServer]]:
+    """Start receivers in this process, each served from a thread (how the testing kit runs one)."""
+    started: list[tuple[ReceiverServer, threading.Thread]] = []
+
+    def start(engine: sa.Engine, **options: Any) -> ReceiverServer:
+        srv = ReceiverServer(engine, ("127.0.0.1", 0), **options)
+        thread = threading.Thread(target=srv.serve_forever, daemon=True)
+        thread.start()
+        started.append((srv, thread))
+        return srv
+
+    yield start
+    for srv, thread in started:
+        srv.shutdown()
+        srv.server_close()
+        thread.join(10)
+        assert not thread.is_alive()
+
+
+@pytest.fixture
+def server(engine: sa.Engine, serve_in_thread: Callable[..., ReceiverServer]) -> ReceiverServer:
     ensure_tables(engine)
-    srv = ReceiverServer(engine, ("127.0.0.1", 0))
-    thread = threading.Thread(target=srv.serve_forever, daemon=True)
-    thread.start()
-    yield srv
-    srv.shutdown()
-    srv.server_close()
-    thread.join(10)
-    assert not thread.is_alive()
+    return serve_in_thread(engine)
+
+
+@pytest.fixture
+def sqlite_engine(sqlite_url: str) -> Iterator[sa.Engine]:
+    eng = create_engine(sqlite_url)
+    ensure_tables(eng)
+    yield eng
+    eng.dispose()
+
+
+def _connect(server: ReceiverServer) -> socket.socket:
+    host, port = server.server_address[:2]
+    return socket.create_connection((str(host), port), timeout=10)
+
+
+def _head(key: str, length: str | None, *extra: str) -> bytes:
+    lines = ["POST /mail HTTP/1.1", "Host: receiver", f"Idempotency-Key: {key}", *extra]
+    if length is not None:
+        lines.append(f"Content-Length: {length}")
+    return ("\r\n".join(lines) + "\r\n\r\n").encode()
+
+
+def _answer_then_close(sock: socket.socket) -> tuple[int | None, bytes]:
+    """Read until the server closes the connection: the status (None if nothing came) and the bytes."""
+    data = b""
+    while chunk := sock.recv(65536):
+        data += chunk
+    sock.close()
+    return (int(data.split(b" ", 2)[1]) if data else None), data
 
 
 def _post(client: httpx.Client, url: str, payload: object, key: str | None) -> httpx.Response:
     headers = {"Idempotency-Key": key} if key is not None else {}
     return client.post(url, content=json.dumps(payload).encode(), headers=headers)
+
+
+def _statuses(engine: sa.Engine) -> list[int | None]:
+    return [status for _, _, status in request_log(engine)]
+
+
+def _keys_in_flight(engine: sa.Engine) -> int:
+    """PostgreSQL: keys whose effect's transaction is open (each holds the inbox's advisory lock)."""
+    with engine.connect() as conn:
+        return int(
+            conn.execute(
+                sa.text(
+                    "SELECT count(*) FROM pg_locks WHERE locktype = 'advisory' AND classid = :c"
+                    " AND database = (SELECT oid FROM pg_database WHERE datname = current_database())"
+                ),
+                {"c": ADVISORY_LOCK_CLASS},
+            ).scalar_one()
+        )
 
 
 def _inbox_status(engine: sa.Engine, key: str) -> str | None:
@@ -92,11 +153,10 @@ def test_idempotency_key_contract_over_http(db_url: str, engine: sa.Engine, clie
         assert effect_count(engine) == 2
         assert effect_count(engine, idempotency_key="k-1") == 1
         assert effects(engine) == [("k-1", "mail", '{"v": 1, "id": 7}'), ("k-2", "sms", '{"v": 1}')]
+        # The request log is written in batches off the request path, statuses just after the answers.
+        wait_until(lambda: _statuses(engine) == [400, 200, 200, 422, 200])
         assert request_count(engine) == 5
         assert request_count(engine, idempotency_key="k-1") == 2  # the quoted spelling is logged raw
-        # The receiver logs a status just after its answer leaves: wait for the last one.
-        wait_until(lambda: None not in [status for _, _, status in request_log(engine)])
-        assert [status for _, _, status in request_log(engine)] == [400, 200, 200, 422, 200]
 
         assert receiver.stop() == 0
     assert not receiver.alive()
@@ -110,7 +170,7 @@ def test_key_in_flight_answers_409_then_the_first_response(pg_url: str, pg_engin
             target=lambda: answers.append(_post(client, f"{receiver.url}/mail", {"v": 1}, "slow"))
         )
         first.start()
-        wait_until(lambda: _inbox_status(pg_engine, "slow") == InboxStatus.IN_PROGRESS.value)
+        wait_until(lambda: _keys_in_flight(pg_engine) == 1)
         in_flight = _post(client, f"{receiver.url}/mail", {"v": 1}, "slow")
         assert in_flight.status_code == 409
         # At most until the in-flight claim's lock (30 s by default) ends on the database clock.
@@ -121,7 +181,7 @@ def test_key_in_flight_answers_409_then_the_first_response(pg_url: str, pg_engin
         again = _post(client, f"{receiver.url}/mail", {"v": 1}, "slow")
         assert again.status_code == 200 and again.headers["Idempotent-Replayed"] == "true"
         assert effect_count(pg_engine) == 1
-        assert request_count(pg_engine) == 3
+        wait_until(lambda: request_count(pg_engine) == 3)
 
 
 def test_fault_flags(pg_url: str, pg_engine: sa.Engine, client: httpx.Client) -> None:
@@ -160,9 +220,8 @@ def test_fault_flags(pg_url: str, pg_engine: sa.Engine, client: httpx.Client) ->
         replay = _post(client, url, {"v": 1}, "a")
         assert replay.status_code == 200 and replay.headers["Idempotent-Replayed"] == "true"
         assert effect_count(pg_engine) == 1
-        wait_until(lambda: request_log(pg_engine)[1][2] == 503)  # the hung POST answers once it wakes
-        wait_until(lambda: request_log(pg_engine)[-1][2] == 200)  # logged just after its answer leaves
-        assert [s for _, _, s in request_log(pg_engine)] == [None, 503, 503, 400, 410, 200, 200]
+        # The hung POST answers once it wakes; each status is logged just after its answer leaves.
+        wait_until(lambda: _statuses(pg_engine) == [None, 503, 503, 400, 410, 200, 200])
 
 
 @pytest.mark.chaos
@@ -181,7 +240,7 @@ def test_receiver_killed_inside_the_effect_leaves_the_key_retryable(
 
         sender = threading.Thread(target=send)
         sender.start()
-        wait_until(lambda: _inbox_status(pg_engine, "crash") == InboxStatus.IN_PROGRESS.value)
+        wait_until(lambda: _keys_in_flight(pg_engine) == 1)
         doomed.kill()
         sender.join(10)
         assert len(errors) == 1
@@ -298,8 +357,7 @@ def test_injected_faults_apply_to_the_next_posts_in_order(
     server.flush_log()
     assert request_count(engine, idempotency_key="k") == 4
     assert request_count(engine, idempotency_key="other") == 1
-    wait_until(lambda: request_log(engine)[-1][2] == 200)
-    assert [s for _, _, s in request_log(engine)] == [503, 503, None, 200, 200]
+    wait_until(lambda: _statuses(engine) == [503, 503, None, 200, 200])
 
 
 def test_injected_faults_are_shared_fifo_by_concurrent_senders(
@@ -347,3 +405,136 @@ def test_inject_next_refuses_bad_arguments(
         server.inject_next(*args, **kwargs)
     assert isinstance(caught.value, ValueError) and isinstance(caught.value, errors.ConfigurationError)
     assert _post(client, f"{server.url}/mail", {"v": 1}, "k").status_code == 200  # nothing was queued
+
+
+def test_a_truncated_body_never_reaches_the_effect(sqlite_engine: sa.Engine, serve_in_thread: Any) -> None:
+    """The client's connection breaks mid-body: 400 and nothing applied; the full redelivery is applied."""
+    server = serve_in_thread(sqlite_engine)
+    body = json.dumps({"v": 1, "pad": "x" * 80}).encode()
+    sock = _connect(server)
+    sock.sendall(_head("cut", str(len(body))) + body[:50])
+    sock.shutdown(socket.SHUT_WR)
+    status, data = _answer_then_close(sock)
+    assert status == 400 and b"ended after 50 of" in data
+    assert effect_count(sqlite_engine) == 0 and _inbox_status(sqlite_engine, "cut") is None
+
+    with httpx.Client(timeout=10.0) as client:
+        full = client.post(f"{server.url}/mail", content=body, headers={"Idempotency-Key": "cut"})
+    assert full.status_code == 200  # not 422: the short body was never recorded under the key
+    assert effects(sqlite_engine) == [("cut", "mail", body.decode())]
+
+
+def test_a_body_that_never_comes_times_out(sqlite_engine: sa.Engine, serve_in_thread: Any) -> None:
+    server = serve_in_thread(sqlite_engine, read_timeout_s=0.3)
+    sock = _connect(server)
+    sock.sendall(_head("never", "100"))
+    status, _ = _answer_then_close(sock)  # the server answers and closes; the test socket waits up to 10 s
+    assert status == 408
+    assert effect_count(sqlite_engine) == 0
+
+
+def test_a_body_trickling_in_times_out_as_a_whole(sqlite_engine: sa.Engine, serve_in_thread: Any) -> None:
+    """One byte per 0.1 s never trips a per-read timeout; the body's total deadline still ends it."""
+    server = serve_in_thread(sqlite_engine, read_timeout_s=0.3)
+    sock = _connect(server)
+    sock.sendall(_head("slow", "100"))
+    answered = False
+    for _ in range(100):  # 10 s of trickling, far past the 0.3 s deadline
+        sock.settimeout(0.1)
+        try:
+            answered = bool(sock.recv(1, socket.MSG_PEEK))
+        except TimeoutError:
+            pass
+        if answered:
+            break
+        try:
+            sock.sendall(b"x")
+        except OSError:
+            break
+    sock.settimeout(10)
+    status, _ = _answer_then_close(sock)
+    assert status == 408
+    assert effect_count(sqlite_engine) == 0
+
+
+def test_idle_connections_are_closed(sqlite_engine: sa.Engine, serve_in_thread: Any) -> None:
+    server = serve_in_thread(sqlite_engine, idle_timeout_s=0.3)
+    silent = _connect(server)
+    assert _answer_then_close(silent) == (None, b"")  # closed without a word, not held forever
+    kept_alive = _connect(server)
+    kept_alive.sendall(_head("ka", "2") + b"{}")
+    status, data = _answer_then_close(kept_alive)  # answered, then closed once idle
+    assert status == 200 and data.count(b"HTTP/1.1") == 1
+
+
+def test_connections_beyond_the_bound_get_503(sqlite_engine: sa.Engine, serve_in_thread: Any) -> None:
+    server = serve_in_thread(sqlite_engine, max_connections=2)
+    held = [_connect(server), _connect(server)]
+    with httpx.Client(timeout=10.0) as client:
+        wait_until(lambda: _answer_then_close(_connect(server))[0] == 503)
+        refused = client.get(f"{server.url}/health")
+        assert refused.status_code == 503 and refused.headers["Retry-After"] == "1"
+        held.pop().close()  # a slot frees up once the server sees the connection end
+
+        def served() -> bool:
+            return client.get(f"{server.url}/health").status_code == 200
+
+        wait_until(served)
+    held[0].close()
+
+
+@pytest.mark.parametrize(
+    ("headers", "status"),
+    [
+        (["Content-Length: \u00b2"], 400),
+        (["Content-Length: " + "9" * 5000], 413),
+        (["Content-Length: -1"], 400),
+        (["Content-Length: 1e3"], 400),
+        (["Content-Length: 0x10"], 400),
+        (["Content-Length: 2", "Content-Length: 3"], 400),
+        (["Content-Length: 99999999999"], 413),
+        ([], 411),
+        (["Transfer-Encoding: chunked"], 411),
+    ],
+)
+def test_bad_content_length_is_answered_not_crashed_on(
+    sqlite_engine: sa.Engine, serve_in_thread: Any, headers: list[str], status: int
+) -> None:
+    server = serve_in_thread(sqlite_engine)
+    sock = _connect(server)
+    raw = ["POST /mail HTTP/1.1", "Host: receiver", "Idempotency-Key: cl", *headers]
+    # Latin-1: the byte 0xB2 is what http.server decodes to "²" (str.isdigit() says it is a digit).
+    sock.sendall(("\r\n".join(raw) + "\r\n\r\n").encode("latin-1"))
+    answered, data = _answer_then_close(sock)  # answered, then closed: the body was never read
+    assert answered == status, data
+    assert b"application/problem+json" in data
+    assert effect_count(sqlite_engine) == 0
+
+
+def test_content_length_with_leading_zeros_is_read_as_a_number(
+    sqlite_engine: sa.Engine, serve_in_thread: Any
+) -> None:
+    server = serve_in_thread(sqlite_engine)
+    sock = _connect(server)
+    sock.sendall(_head("zeros", "0" * 5000 + "2", "Connection: close") + b"{}")
+    answered, _ = _answer_then_close(sock)
+    assert answered == 200
+    assert effect_count(sqlite_engine, idempotency_key="zeros") == 1
+
+
+def test_database_errors_reach_the_log_not_the_client(
+    serve_in_thread: Any, caplog: pytest.LogCaptureFixture
+) -> None:
+    """The driver's text names the host, port and user: clients get a generic problem document."""
+    dead = create_engine("postgresql+psycopg://joblease_user@127.0.0.1:1/nowhere")
+    try:
+        server = serve_in_thread(dead)
+        with caplog.at_level(logging.WARNING), httpx.Client(timeout=10.0) as client:
+            answer = client.post(f"{server.url}/mail", content=b"{}", headers={"Idempotency-Key": "k"})
+        assert answer.status_code == 503 and answer.headers["Retry-After"] == "1"
+        assert answer.json()["detail"] == "the receiver cannot reach its database; retry later"
+        for secret in ("127.0.0.1", "port 1", "joblease_user", "nowhere", "connection"):
+            assert secret not in answer.text
+        assert "127.0.0.1" in caplog.text  # the detail is in the log, for the operator
+    finally:
+        dead.dispose()

@@ -3,8 +3,14 @@
 It answers as the IETF ``Idempotency-Key`` draft asks: 400 without the header, 409 while the same key is
 in flight, 422 for the same key with another payload, and the first response again on a replay (with
 ``Idempotent-Replayed: true``). Its effect is one row per key in ``joblease_receiver_effect``, written in
-the inbox's transaction; every POST it receives is logged in ``joblease_receiver_request`` so tests and
-the demo can count deliveries against effects.
+the inbox's transaction; every POST it receives in full is logged in ``joblease_receiver_request`` so
+tests and the demo can count deliveries against effects. That log is written in batches off the request
+path (:meth:`ReceiverServer.flush_log` waits for it); it is a debugging aid, not part of the guarantees.
+
+It is built to face hostile clients: a body shorter than its ``Content-Length`` never reaches the effect
+(400), a stalled request times out (408), idle connections are closed, the number of open connections is
+bounded (503 beyond it), a malformed ``Content-Length`` gets 400/411/413, and database errors reach the
+client only as a generic 503 (the detail goes to the log).
 
 The fault options (:class:`Faults`) are testing aids: they make the receiver fail, hang, drop connections
 or reject a topic, so the dispatcher's retry and dead-letter paths can be exercised against a real server.
@@ -14,16 +20,18 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import io
 import json
 import logging
 import math
+import re
 import signal
 import threading
 import time
 from collections.abc import Callable, Mapping
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from types import FrameType
-from typing import Any
+from typing import Any, cast
 from urllib.parse import urlsplit
 
 import sqlalchemy as sa
@@ -52,6 +60,9 @@ __all__ = [
 logger = logging.getLogger(__name__)
 
 MAX_BODY_BYTES = 1024 * 1024
+DEFAULT_MAX_CONNECTIONS = 64
+DEFAULT_IDLE_TIMEOUT_S = 15.0
+DEFAULT_READ_TIMEOUT_S = 10.0
 MAX_TOPIC_LENGTH = 320
 REPLAYED_HEADER = "Idempotent-Replayed"
 # "jlrecv" as an int: serializes concurrent receivers creating their tables on PostgreSQL.
@@ -191,7 +202,11 @@ def effects(engine: sa.Engine) -> list[tuple[str, str, str]]:
 
 
 def request_count(engine: sa.Engine, *, idempotency_key: str | None = None) -> int:
-    """How many POSTs the receiver received (faulted ones included), optionally for one key."""
+    """How many POSTs the receiver received (faulted ones included), optionally for one key.
+
+    The log is written in batches: from the same process call :meth:`ReceiverServer.flush_log` first
+    for an exact count; from another, wait for the count (or stop the receiver, which flushes).
+    """
     stmt = sa.select(sa.func.count()).select_from(request_table)
     if idempotency_key is not None:
         stmt = stmt.where(request_table.c.idempotency_key == idempotency_key)
@@ -227,6 +242,125 @@ def parse_idempotency_key(raw: str) -> str:
     return value
 
 
+class _LogEntry:
+    """One received POST on its way to the request log; ``status`` None until answered (or dropped)."""
+
+    __slots__ = ("key", "row_id", "status", "topic", "written")
+
+    def __init__(self, key: str | None, topic: str) -> None:
+        self.key = key
+        self.topic = topic
+        self.status: int | None = None
+        self.row_id: int | None = None
+        self.written = False
+
+
+class _RequestLog:
+    """The request log, written off the request path by one thread in batches.
+
+    It is a debugging and testing aid, not part of the receiver's guarantees: a batch is one transaction
+    (on PostgreSQL with ``synchronous_commit`` off), so a POST costs no log round trip or commit of its
+    own, and the last moments before a crash may be missing. Arrival order is kept (row ids follow it).
+    A status known when the row is first written goes in with it; a later one is an UPDATE in a later
+    batch. :meth:`flush` writes everything pending now, for readers that need exact counts.
+    """
+
+    #: How long the writer waits for more entries before writing a batch.
+    LINGER_S = 0.05
+    #: Entries kept while the database refuses the log (beyond this the oldest are dropped, with a warning).
+    MAX_PENDING = 100_000
+
+    def __init__(self, engine: sa.Engine) -> None:
+        self._engine = engine
+        self._lock = threading.Lock()
+        self._write_lock = threading.Lock()
+        self._new: list[_LogEntry] = []
+        self._updates: list[_LogEntry] = []
+        self._wake = threading.Event()
+        self._closed = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="joblease-receiver-log", daemon=True)
+        self._thread.start()
+
+    def received(self, key: str | None, topic: str) -> _LogEntry:
+        entry = _LogEntry(key, topic)
+        with self._lock:
+            self._new.append(entry)
+            if len(self._new) > self.MAX_PENDING:
+                del self._new[0]
+                logger.warning("the receiver's request log is behind; dropped its oldest pending entry")
+        self._wake.set()
+        return entry
+
+    def answered(self, entry: _LogEntry, status: int) -> None:
+        with self._lock:
+            entry.status = status
+            if entry.written:
+                self._updates.append(entry)
+        self._wake.set()
+
+    def flush(self) -> None:
+        """Write every pending entry and status now (raises StorageError if the database refuses)."""
+        with self._write_lock:
+            with self._lock:
+                new, self._new = self._new, []
+                updates, self._updates = self._updates, []
+                rows = [{"idempotency_key": e.key, "topic": e.topic, "status_code": e.status} for e in new]
+                for entry in new:
+                    entry.written = True
+            if not new and not updates:
+                return
+            try:
+                self._write(new, rows, updates)
+            except BaseException:
+                with self._lock:
+                    for entry in new:
+                        entry.written = False
+                    self._new[:0] = new
+                    self._updates[:0] = updates
+                raise
+
+    def _write(self, new: list[_LogEntry], rows: list[dict[str, Any]], updates: list[_LogEntry]) -> None:
+        t = request_table
+        with translate_errors("write the receiver's request log"), self._engine.begin() as conn:
+            if conn.dialect.name == "postgresql":
+                conn.exec_driver_sql("SET LOCAL synchronous_commit = off")
+            if rows:
+                ids = conn.execute(_LOG_INSERT.returning(t.c.id, sort_by_parameter_order=True), rows)
+                for entry, row_id in zip(new, ids.scalars(), strict=True):
+                    entry.row_id = row_id
+            if updates:
+                conn.execute(_LOG_UPDATE, [{"row_id": e.row_id, "new_status": e.status} for e in updates])
+
+    def _run(self) -> None:
+        while not self._closed.is_set():
+            self._wake.wait()
+            self._closed.wait(self.LINGER_S)
+            self._wake.clear()
+            try:
+                self.flush()
+            except errors.StorageError as exc:
+                logger.warning("could not write the receiver's request log (will retry): %s", exc)
+                self._closed.wait(1.0)
+
+    def close(self) -> None:
+        """Stop the writer after a last flush of everything received so far."""
+        self._closed.set()
+        self._wake.set()
+        self._thread.join(30)
+        try:
+            self.flush()
+        except errors.StorageError as exc:
+            logger.warning("could not write the receiver's request log at shutdown: %s", exc)
+
+
+_LOG_INSERT = request_table.insert().values(received_at=db_now())
+_LOG_UPDATE = (
+    sa.update(request_table)
+    .where(request_table.c.id == sa.bindparam("row_id"))
+    .values(status_code=sa.bindparam("new_status"))
+)
+
+
 class ReceiverServer(ThreadingHTTPServer):
     """The HTTP server: shared state (engine, inbox, faults, the POST counter) for its handler threads.
 
@@ -245,10 +379,16 @@ class ReceiverServer(ThreadingHTTPServer):
             (:func:`ensure_tables`).
         address: ``(host, port)`` to listen on; port 0 picks a free port (see :attr:`url`).
         faults: static testing faults (the CLI's ``--fail-first`` and friends); none by default.
-        lock_ms: the inbox's claim lock (how long a crashed request keeps its key busy).
+        lock_ms: the inbox's lock time (how long an effect may stall before it is rolled back).
+        max_connections: connections served at once; one more is answered 503 and closed (each
+            connection holds a thread while open).
+        idle_timeout_s: how long a keep-alive connection may wait for its next request.
+        read_timeout_s: how long a request may take to arrive: per read of its head, and in total for
+            its body. A slower client gets 408 and the connection is closed; nothing is applied.
     """
 
     daemon_threads = True
+    request_queue_size = 128
 
     def __init__(
         self,
@@ -256,7 +396,24 @@ class ReceiverServer(ThreadingHTTPServer):
         address: tuple[str, int] = ("127.0.0.1", 0),
         faults: Faults | None = None,
         lock_ms: int = inbox.DEFAULT_LOCK_MS,
+        *,
+        max_connections: int = DEFAULT_MAX_CONNECTIONS,
+        idle_timeout_s: float = DEFAULT_IDLE_TIMEOUT_S,
+        read_timeout_s: float = DEFAULT_READ_TIMEOUT_S,
     ) -> None:
+        if isinstance(max_connections, bool) or not isinstance(max_connections, int) or max_connections < 1:
+            raise errors.ConfigurationError(
+                f"receiver max_connections={max_connections!r} must be an int >= 1"
+            )
+        for name, value in (("idle_timeout_s", idle_timeout_s), ("read_timeout_s", read_timeout_s)):
+            if isinstance(value, bool) or not isinstance(value, int | float) or not 0 < value <= 3600:
+                raise errors.ConfigurationError(
+                    f"receiver {name}={value!r} must be a number of seconds above 0 and at most 3600"
+                )
+        self.max_connections = max_connections
+        self.idle_timeout_s = float(idle_timeout_s)
+        self.read_timeout_s = float(read_timeout_s)
+        self._slots = threading.BoundedSemaphore(max_connections)
         self.engine = engine
         self.inbox = inbox.Inbox(engine, lock_ms=lock_ms)
         self.faults = faults or Faults()
@@ -264,6 +421,7 @@ class ReceiverServer(ThreadingHTTPServer):
         self._counter_lock = threading.Lock()
         self._injected: collections.deque[_Injected] = collections.deque()
         super().__init__(address, _Handler)
+        self.request_log = _RequestLog(engine)
 
     @property
     def url(self) -> str:
@@ -306,27 +464,57 @@ class ReceiverServer(ThreadingHTTPServer):
             return self._counter, taken
 
     def flush_log(self) -> None:
-        """Block until every POST received so far is in the request log (see :func:`request_count`)."""
+        """Block until every POST received so far is in the request log (see :func:`request_count`).
 
-    def log_received(self, key: str | None, topic: str) -> int:
-        t = request_table
-        with translate_errors("log a received request"), self.engine.begin() as conn:
-            return int(
-                conn.execute(
-                    t.insert()
-                    .values(idempotency_key=key, topic=topic, received_at=db_now())
-                    .returning(t.c.id)
-                ).scalar_one()
-            )
+        The log is written in batches off the request path, so a count read right after an answer can
+        lag behind; call this first when the count must be exact. (A POST still being processed is
+        logged with status None; its status follows once answered.) :meth:`server_close` flushes too.
 
-    def log_status(self, request_id: int, status_code: int) -> None:
-        t = request_table
-        with translate_errors("log a response status"), self.engine.begin() as conn:
-            conn.execute(sa.update(t).where(t.c.id == request_id).values(status_code=status_code))
+        Raises:
+            StorageError: the database refused the write (the entries stay pending).
+        """
+        self.request_log.flush()
+
+    def process_request(self, request: Any, client_address: Any) -> None:
+        """Serve the connection in its own thread if a slot is free; else answer 503 and close it."""
+        if not self._slots.acquire(blocking=False):
+            logger.warning("refused a connection: %d connections are open", self.max_connections)
+            try:
+                request.settimeout(1.0)
+                request.sendall(_BUSY)
+            except OSError:
+                pass
+            self.shutdown_request(request)
+            return
+        try:
+            super().process_request(request, client_address)
+        except BaseException:
+            self._slots.release()
+            raise
+
+    def process_request_thread(self, request: Any, client_address: Any) -> None:
+        try:
+            super().process_request_thread(request, client_address)
+        finally:
+            self._slots.release()
+
+    def server_close(self) -> None:
+        """Close the socket, then write what the request log still holds and stop its writer."""
+        super().server_close()
+        self.request_log.close()
 
 
 def _problem(status: int, title: str, detail: str) -> bytes:
     return json.dumps({"type": "about:blank", "title": title, "status": status, "detail": detail}).encode()
+
+
+_BUSY_BODY = _problem(503, "Service Unavailable", "too many open connections; retry later")
+_BUSY = (
+    b"HTTP/1.1 503 Service Unavailable\r\nContent-Type: application/problem+json\r\n"
+    b"Retry-After: 1\r\nConnection: close\r\nContent-Length: %d\r\n\r\n" % len(_BUSY_BODY)
+) + _BUSY_BODY
+_RETRY_1 = {"Retry-After": "1"}
+_LENGTH = re.compile(r"[0-9]+", re.ASCII)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -354,6 +542,20 @@ class _Handler(BaseHTTPRequestHandler):
     def log_message(self, format: str, *args: Any) -> None:
         logger.debug("%s " + format, self.address_string(), *args)
 
+    def handle_one_request(self) -> None:
+        # Wait for the next request under the idle timeout, then read it under the read timeout: an idle
+        # keep-alive connection or a client that stalls mid-request does not hold a thread for long.
+        try:
+            self.connection.settimeout(self.server.idle_timeout_s)
+            if not cast(io.BufferedReader, self.rfile).peek(1):
+                self.close_connection = True
+                return
+            self.connection.settimeout(self.server.read_timeout_s)
+        except (TimeoutError, ConnectionError):
+            self.close_connection = True
+            return
+        super().handle_one_request()
+
     def _send(
         self,
         status: int,
@@ -362,15 +564,21 @@ class _Handler(BaseHTTPRequestHandler):
         content_type: str = "application/json",
         headers: Mapping[str, str] | None = None,
     ) -> None:
+        # One write for head and body (two writes cost a delayed-ACK round trip on keep-alive clients).
+        self.log_request(status, len(body))
+        phrase = self.responses.get(status, ("",))[0]
+        head = [
+            f"{self.protocol_version} {status} {phrase}\r\n",
+            f"Server: {self.version_string()}\r\nDate: {self.date_time_string()}\r\n",
+            f"Content-Type: {content_type}\r\nContent-Length: {len(body)}\r\n",
+        ]
+        head.extend(f"{name}: {value}\r\n" for name, value in (headers or {}).items())
+        if self.close_connection:
+            head.append("Connection: close\r\n")
+        head.append("\r\n")
         try:
-            self.send_response(status)
-            self.send_header("Content-Type", content_type)
-            self.send_header("Content-Length", str(len(body)))
-            for name, value in (headers or {}).items():
-                self.send_header(name, value)
-            self.end_headers()
-            self.wfile.write(body)
-        except ConnectionError:
+            self.wfile.write("".join(head).encode("latin-1") + body)
+        except (ConnectionError, TimeoutError):
             # The client gave up (a timeout) before the answer; the request log still records it.
             self.close_connection = True
 
@@ -380,40 +588,83 @@ class _Handler(BaseHTTPRequestHandler):
         )
         return status
 
+    def _refuse(self, status: int, title: str, detail: str) -> None:
+        """Answer a request whose body was not (fully) read, and close: the stream is out of step."""
+        self.close_connection = True
+        self._send_problem(status, title, detail)
+
     def do_GET(self) -> None:
         if urlsplit(self.path).path == "/health":
             self._send(200, b'{"status":"ok"}')
         else:
             self._send_problem(404, "Not Found", "GET /health is the only GET; POST to /<topic>")
 
-    def do_POST(self) -> None:
-        length_header = self.headers.get("Content-Length")
-        if length_header is None or not length_header.strip().isdigit():
-            self.close_connection = True
-            self._send_problem(411, "Length Required", "send the body with a Content-Length header")
-            return
-        length = int(length_header)
-        if length > MAX_BODY_BYTES:
-            self.close_connection = True
-            self._send_problem(
-                413, "Content Too Large", f"the body is {length} bytes; at most {MAX_BODY_BYTES}"
+    def _content_length(self) -> int | None:
+        """The body's length from the headers, or None after answering 400/411/413 (never an exception)."""
+        if self.headers.get("Transfer-Encoding") is not None:
+            self._refuse(411, "Length Required", "send the body with a Content-Length header, not chunked")
+            return None
+        values = self.headers.get_all("Content-Length") or []
+        if not values:
+            self._refuse(411, "Length Required", "send the body with a Content-Length header")
+            return None
+        texts = {value.strip() for value in values}
+        digits = texts.pop()
+        if texts or not _LENGTH.fullmatch(digits):
+            self._refuse(400, "Bad Content-Length", "Content-Length must be one decimal number of bytes")
+            return None
+        # Compare the digits before converting: a 5,000-digit value is a 413, not a ValueError.
+        significant = digits.lstrip("0")
+        if len(significant) > len(str(MAX_BODY_BYTES)) or int(significant or "0") > MAX_BODY_BYTES:
+            self._refuse(413, "Content Too Large", f"the body may be at most {MAX_BODY_BYTES} bytes")
+            return None
+        return int(significant or "0")
+
+    def _read_body(self, length: int) -> bytes | None:
+        """Exactly ``length`` bytes within the read timeout, or None (answered 400/408, closing)."""
+        deadline = time.monotonic() + self.server.read_timeout_s
+        chunks: list[bytes] = []
+        missing = length
+        try:
+            while missing:
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    raise TimeoutError
+                self.connection.settimeout(left)
+                chunk = self.rfile.read1(missing)
+                if not chunk:
+                    # The client closed its side mid-body: a truncated body never reaches the effect.
+                    self._refuse(
+                        400, "Incomplete body", f"the body ended after {length - missing} of {length} bytes"
+                    )
+                    return None
+                chunks.append(chunk)
+                missing -= len(chunk)
+        except TimeoutError:
+            self._refuse(
+                408, "Request Timeout", f"the body did not arrive within {self.server.read_timeout_s:g} s"
             )
+            return None
+        except ConnectionError:
+            self.close_connection = True
+            return None
+        self.connection.settimeout(self.server.read_timeout_s)
+        return b"".join(chunks)
+
+    def do_POST(self) -> None:
+        length = self._content_length()
+        if length is None:
             return
-        body = self.rfile.read(length)
+        body = self._read_body(length)
+        if body is None:
+            return
         topic = urlsplit(self.path).path.lstrip("/")
         raw_key = self.headers.get("Idempotency-Key")
         ordinal, injected = self.server.next_ordinal()
-        try:
-            request_id = self.server.log_received(raw_key, topic)
-        except errors.StorageError as exc:
-            self._send_problem(503, "Service Unavailable", str(exc), **{"Retry-After": "1"})
-            return
+        entry = self.server.request_log.received(raw_key, topic)
         status = self._respond(ordinal, injected, topic, raw_key, body)
         if status is not None:
-            try:
-                self.server.log_status(request_id, status)
-            except errors.StorageError:
-                logger.warning("could not log the status of request %d", request_id)
+            self.server.request_log.answered(entry, status)
 
     def _respond(
         self, ordinal: int, injected: _Injected | None, topic: str, raw_key: str | None, body: bytes
@@ -489,10 +740,14 @@ class _Handler(BaseHTTPRequestHandler):
             wait_s = 1 if exc.retry_after_ms is None else max(1, math.ceil(exc.retry_after_ms / 1000))
             return _problem_answer(409, "Request in progress", str(exc), {"Retry-After": str(wait_s)})
         except errors.StorageError as exc:
-            return _problem_answer(503, "Service Unavailable", str(exc), {"Retry-After": "1"})
-        except Exception as exc:
+            # The driver's text can name hosts, ports and users: it goes to the log, never to clients.
+            logger.warning("the receiver's database failed for key %r: %s", key, exc)
+            return _problem_answer(
+                503, "Service Unavailable", "the receiver cannot reach its database; retry later", _RETRY_1
+            )
+        except Exception:
             logger.exception("the receiver's effect failed for key %r", key)
-            return _problem_answer(500, "Internal Server Error", f"{type(exc).__name__}; retry later")
+            return _problem_answer(500, "Internal Server Error", "the receiver failed; retry later")
         headers = {REPLAYED_HEADER: "true"} if result.replayed else {}
         return _Answer(
             result.status_code, result.body.encode("utf-8"), headers=headers, applied=not result.replayed
@@ -500,19 +755,28 @@ class _Handler(BaseHTTPRequestHandler):
 
     def _effect(self, key: str, topic: str, body: bytes) -> inbox.Effect:
         delay_ms = self.server.faults.effect_delay_ms
-        text = body.decode("utf-8", "replace").replace("\x00", "\ufffd")
+        params = {
+            "key": key,
+            "topic": topic,
+            "payload": body.decode("utf-8", "replace").replace("\x00", "\ufffd"),
+        }
 
         def apply(conn: sa.Connection) -> tuple[int, str]:
             if delay_ms:
                 time.sleep(delay_ms / 1000)
-            conn.execute(
-                effect_table.insert().values(
-                    idempotency_key=key, topic=topic, payload=text, applied_at=db_now()
-                )
-            )
+            conn.execute(_EFFECT_INSERT, params)
             return 200, json.dumps({"applied": True, "key": key, "topic": topic})
 
         return apply
+
+
+#: The effect: one row per key, written in the inbox's transaction (built once, so its SQL is cached).
+_EFFECT_INSERT = effect_table.insert().values(
+    idempotency_key=sa.bindparam("key", type_=sa.String()),
+    topic=sa.bindparam("topic", type_=sa.String()),
+    payload=sa.bindparam("payload", type_=sa.Text()),
+    applied_at=db_now(),
+)
 
 
 def serve(
@@ -525,12 +789,16 @@ def serve(
     migrate: bool = True,
     stop: threading.Event | None = None,
     on_ready: Callable[[str], None] | None = None,
+    max_connections: int = DEFAULT_MAX_CONNECTIONS,
+    idle_timeout_s: float = DEFAULT_IDLE_TIMEOUT_S,
+    read_timeout_s: float = DEFAULT_READ_TIMEOUT_S,
 ) -> None:
     """Run the receiver until ``stop`` is set (or SIGTERM/SIGINT, when called from the main thread).
 
     ``database`` is a URL or an engine. With ``migrate`` the package's schema (the inbox table) is
     installed or upgraded first; the receiver's own tables are always created if missing. ``on_ready``
-    gets the base URL once the socket listens (port 0 picks a free port).
+    gets the base URL once the socket listens (port 0 picks a free port). ``max_connections``,
+    ``idle_timeout_s`` and ``read_timeout_s`` bound what clients can hold: see :class:`ReceiverServer`.
     """
     engine = create_engine(database) if isinstance(database, str) else database
     stop = stop or threading.Event()
@@ -538,7 +806,15 @@ def serve(
         if migrate:
             migrate_schema(engine)
         ensure_tables(engine)
-        server = ReceiverServer(engine, (host, port), faults or Faults(), lock_ms)
+        server = ReceiverServer(
+            engine,
+            (host, port),
+            faults or Faults(),
+            lock_ms,
+            max_connections=max_connections,
+            idle_timeout_s=idle_timeout_s,
+            read_timeout_s=read_timeout_s,
+        )
         previous: dict[signal.Signals, Any] = {}
         if threading.current_thread() is threading.main_thread():
 

@@ -49,7 +49,28 @@ _count = click.IntRange(min=0)
     type=click.IntRange(inbox.MIN_LOCK_MS, inbox.MAX_LOCK_MS),
     default=inbox.DEFAULT_LOCK_MS,
     show_default=True,
-    help="How long a key stays claimed before a crashed request's claim is taken over.",
+    help="How long an effect may stall inside its transaction before it is rolled back (the key frees).",
+)
+@click.option(
+    "--max-connections",
+    type=click.IntRange(1, 10_000),
+    default=app.DEFAULT_MAX_CONNECTIONS,
+    show_default=True,
+    help="Connections served at once (a thread each); one more is answered 503 and closed.",
+)
+@click.option(
+    "--idle-timeout-s",
+    type=click.FloatRange(0, 3600, min_open=True),
+    default=app.DEFAULT_IDLE_TIMEOUT_S,
+    show_default=True,
+    help="Close a keep-alive connection idle this long.",
+)
+@click.option(
+    "--read-timeout-s",
+    type=click.FloatRange(0, 3600, min_open=True),
+    default=app.DEFAULT_READ_TIMEOUT_S,
+    show_default=True,
+    help="Answer 408 and close when a request's head stalls this long, or its body takes longer in total.",
 )
 @click.option(
     "--migrate/--no-migrate",
@@ -98,6 +119,9 @@ def receiver_command(
     host: str,
     port: int,
     lock_ms: int,
+    max_connections: int,
+    idle_timeout_s: float,
+    read_timeout_s: float,
     migrate: bool,
     fail_first: int,
     fail_status: int,
@@ -140,6 +164,9 @@ def receiver_command(
             lock_ms=lock_ms,
             migrate=migrate,
             on_ready=ready,
+            max_connections=max_connections,
+            idle_timeout_s=idle_timeout_s,
+            read_timeout_s=read_timeout_s,
         )
     except errors.JobLeaseError as exc:
         raise click.ClickException(str(exc)) from exc

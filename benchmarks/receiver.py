@@ -1,0 +1,180 @@
+"""The reference receiver against the HTTP floor, measured side by side in one run on a scratch database.
+
+    .venv/bin/python benchmarks/receiver.py [--pg-url postgresql+psycopg://postgres@127.0.0.1:5432/postgres]
+                                            [--rounds 3] [--seconds 3] [--senders 1 4]
+
+Each sender process runs a bare ``httpx.Client`` keep-alive POST loop, a unique ``Idempotency-Key`` per
+POST, for ``--seconds``; posts/s is the sum over processes. Targets:
+
+* (a) the plain receiver (``benchmarks/plain_receiver.py``: one ``INSERT ... ON CONFLICT DO NOTHING`` per
+  POST, autocommit) -- the floor;
+* (b) the reference receiver (``joblease receiver``, its own process) with its inbox on PostgreSQL.
+
+Rounds alternate (a, b, then b, a, ...) so drift on a shared machine hits both; the table shows medians
+and the ratio b / a (goal >= 0.7), and each receiver process's CPU per POST (all its threads; the
+PostgreSQL backends' work is not in it). The scratch database is dropped at the end.
+"""
+
+from __future__ import annotations
+
+import argparse
+import multiprocessing
+import os
+import statistics
+import sys
+import time
+import uuid
+from multiprocessing.synchronize import Event as EventType
+from pathlib import Path
+from typing import Any
+
+import httpx
+import sqlalchemy as sa
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+from benchmarks.plain_receiver import start_plain_receiver  # noqa: E402
+from dagster_joblease.storage import create_engine, migrate  # noqa: E402
+from tests.receiver_proc import start_receiver  # noqa: E402
+
+DEFAULT_PG_URL = os.environ.get(
+    "JOBLEASE_TEST_PG_URL", "postgresql+psycopg://postgres@127.0.0.1:5432/postgres"
+)
+GOAL = 0.7
+
+
+def _sender(url: str, seconds: float, go: EventType, out: Any) -> None:
+    """A bare keep-alive POST loop: how fast one client can deliver to ``url``."""
+    prefix = uuid.uuid4().hex
+    body = b'{"v":1,"invoice":42,"amount_cents":1999}'
+    sent = failed = 0
+    with httpx.Client(timeout=30.0) as client:
+        client.get(url.rsplit("/", 1)[0] + "/health")  # open the keep-alive connection before timing
+        go.wait()
+        deadline = time.perf_counter() + seconds
+        while time.perf_counter() < deadline:
+            response = client.post(
+                url,
+                content=body,
+                headers={"Idempotency-Key": f"{prefix}-{sent + failed}", "Content-Type": "application/json"},
+            )
+            if response.status_code == 200:
+                sent += 1
+            else:
+                failed += 1
+    out.put((sent, failed))
+
+
+def _children() -> dict[int, str]:
+    """This process's child processes: pid -> command line."""
+    out: dict[int, str] = {}
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                with open(f"/proc/{entry}/stat") as f:
+                    ppid = int(f.read().rsplit(")", 1)[1].split()[1])
+                if ppid == os.getpid():
+                    with open(f"/proc/{entry}/cmdline", "rb") as f:
+                        out[int(entry)] = f.read().replace(b"\0", b" ").decode()
+            except (OSError, ValueError, IndexError):
+                continue
+    return out
+
+
+def _cpu_s(pid: int) -> float:
+    """User + system CPU seconds a process has used so far (all its threads)."""
+    with open(f"/proc/{pid}/stat") as f:
+        fields = f.read().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def measure(url: str, senders: int, seconds: float, server_pid: int) -> tuple[float, float]:
+    """Posts/s answered 200 by ``url`` from ``senders`` processes at once, and the server's CPU µs/POST."""
+    ctx = multiprocessing.get_context("spawn")
+    go, out = ctx.Event(), ctx.Queue()
+    procs = [ctx.Process(target=_sender, args=(url, seconds, go, out)) for _ in range(senders)]
+    for p in procs:
+        p.start()
+    time.sleep(1.0)  # let every sender import and connect
+    cpu_before = _cpu_s(server_pid)
+    go.set()
+    results = [out.get(timeout=seconds + 60) for _ in procs]
+    cpu = _cpu_s(server_pid) - cpu_before
+    for p in procs:
+        p.join(30)
+    failed = sum(f for _, f in results)
+    if failed:
+        raise SystemExit(f"{failed} POSTs to {url} were not answered 200")
+    posts = sum(s for s, _ in results)
+    return posts / seconds, cpu / max(posts, 1) * 1e6
+
+
+def _admin(url: str, sql: str) -> None:
+    engine = sa.create_engine(url, isolation_level="AUTOCOMMIT", poolclass=sa.pool.NullPool)
+    try:
+        with engine.connect() as conn:
+            conn.exec_driver_sql(sql)
+    finally:
+        engine.dispose()
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--pg-url", default=DEFAULT_PG_URL, help="maintenance db URL")
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--seconds", type=float, default=3.0)
+    parser.add_argument("--senders", type=int, nargs="+", default=[1, 4])
+    args = parser.parse_args()
+
+    admin = sa.make_url(args.pg_url).set(drivername="postgresql+psycopg")
+    name = f"joblease_bench_recv_{uuid.uuid4().hex[:8]}"
+    _admin(admin.render_as_string(hide_password=False), f'CREATE DATABASE "{name}"')
+    db_url = admin.set(database=name).render_as_string(hide_password=False)
+    engine = create_engine(db_url)
+    migrate(engine)
+    engine.dispose()
+    rates: dict[tuple[str, int], list[float]] = {}
+    cpus: dict[tuple[str, int], list[float]] = {}
+    plain_url, stop_plain = start_plain_receiver(db_url)
+    (plain_pid,) = [pid for pid, cmd in _children().items() if "plain_receiver.py" in cmd]
+    reference = start_receiver(db_url)
+    try:
+        targets = {"plain": plain_url + "/bench", "reference": reference.url + "/bench"}
+        pids = {"plain": plain_pid, "reference": reference.pid}
+        for r in range(args.rounds):
+            for senders in args.senders:
+                order = ["plain", "reference"] if r % 2 == 0 else ["reference", "plain"]
+                for target in order:
+                    rate, cpu = measure(targets[target], senders, args.seconds, pids[target])
+                    rates.setdefault((target, senders), []).append(rate)
+                    cpus.setdefault((target, senders), []).append(cpu)
+                    print(
+                        f"round {r + 1} senders {senders} {target:9} {rate:8.0f} posts/s"
+                        f"  server CPU {cpu:5.0f} us/POST",
+                        flush=True,
+                    )
+    finally:
+        reference.stop()
+        stop_plain()
+        _admin(admin.render_as_string(hide_password=False), f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
+
+    print()
+    print("| senders | plain receiver | reference receiver (inbox on PostgreSQL) | ratio | goal |")
+    print("|---|---|---|---|---|")
+    worst = float("inf")
+    for senders in args.senders:
+        plain = statistics.median(rates[("plain", senders)])
+        ref = statistics.median(rates[("reference", senders)])
+        worst = min(worst, ref / plain)
+        print(f"| {senders} | {plain:.0f}/s | {ref:.0f}/s | {ref / plain:.2f} | >= {GOAL} |")
+    for senders in args.senders:
+        plain_cpu = statistics.median(cpus[("plain", senders)])
+        ref_cpu = statistics.median(cpus[("reference", senders)])
+        print(f"server CPU per POST, {senders} senders: plain {plain_cpu:.0f} us, reference {ref_cpu:.0f} us")
+    print(f"\nmedians of {args.rounds} alternating rounds of {args.seconds:g} s; {os.cpu_count()} CPUs")
+    return 0 if worst >= GOAL else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
