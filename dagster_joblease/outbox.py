@@ -289,3 +289,103 @@ def due_summary(engine_or_connection: sa.Engine | sa.Connection) -> DueSummary:
             row = engine_or_connection.execute(stmt).one()
     due, age = row
     return DueSummary(due=int(due), oldest_due_age_ms=None if age is None else max(0, int(age)))
+
+
+@dataclasses.dataclass(frozen=True)
+class DeliveryHealth:
+    """What a location's delivery checks look at, on the database clock.
+
+    ``due``/``oldest_due_age_ms``: rows of the routed topics a dispatcher could claim now. ``retrying``:
+    routed rows still pending after a failed attempt. ``dead``: routed rows parked DEAD. ``unrouted``:
+    pending rows of topics this location does not route that are older than the threshold (another
+    location should deliver them; if none does, they would otherwise sit unseen).
+    """
+
+    due: int
+    oldest_due_age_ms: int | None
+    retrying: int
+    dead: int
+    unrouted: int
+    oldest_unrouted_age_ms: int | None
+    unrouted_topics: tuple[str, ...]
+
+
+def _check_topics(topics: Any) -> tuple[str, ...] | None:
+    if topics is None:
+        return None
+    if isinstance(topics, str) or not all(isinstance(t, str) for t in topics):
+        raise errors.ConfigurationError(
+            f"topics={topics!r} must be a collection of topic names (e.g. the keys of the routes), or None "
+            "for every topic"
+        )
+    return tuple(sorted(set(topics)))
+
+
+def delivery_health(
+    engine_or_connection: sa.Engine | sa.Connection,
+    *,
+    topics: Any = None,
+    unrouted_after_ms: int = 15 * 60_000,
+) -> DeliveryHealth:
+    """Summarize delivery for ``topics`` (``None``: every topic) in a few indexed queries.
+
+    Pending rows are read through the partial index of pending rows; dead rows through the
+    ``(status, topic)`` index. All ages come from the database clock.
+    """
+    import contextlib
+
+    from dagster_joblease.storage.clock import db_now_plus_ms
+
+    scoped = _check_topics(topics)
+    if isinstance(unrouted_after_ms, bool) or not isinstance(unrouted_after_ms, int) or unrouted_after_ms < 0:
+        raise errors.ConfigurationError(
+            f"unrouted_after_ms={unrouted_after_ms!r} must be an int >= 0 (milliseconds)"
+        )
+    t = outbox_table
+    routed: sa.ColumnElement[bool] = sa.true() if scoped is None else t.c.topic.in_(scoped)
+    due_stmt = (
+        sa.select(sa.func.count(), -ms_until(sa.func.min(t.c.next_attempt_at)))
+        .select_from(t)
+        .where(due_clause(), routed)
+    )
+    retrying_stmt = (
+        sa.select(sa.func.count())
+        .select_from(t)
+        .where(_PENDING, routed, t.c.attempts > 0, t.c.last_error.is_not(None))
+    )
+    dead_stmt = (
+        sa.select(sa.func.count()).select_from(t).where(t.c.status == sa.literal_column("'DEAD'"), routed)
+    )
+    with translate_errors("summarize outbox delivery health"), contextlib.ExitStack() as stack:
+        if isinstance(engine_or_connection, sa.Engine):
+            conn = stack.enter_context(engine_or_connection.connect())
+        else:
+            conn = engine_or_connection
+        due, due_age = conn.execute(due_stmt).one()
+        retrying = int(conn.execute(retrying_stmt).scalar_one())
+        dead = int(conn.execute(dead_stmt).scalar_one())
+        unrouted, unrouted_age, unrouted_topics = 0, None, ()
+        if scoped is not None:
+            old = sa.and_(
+                _PENDING,
+                t.c.topic.not_in(scoped),
+                t.c.created_at < db_now_plus_ms(sa.literal(-unrouted_after_ms, sa.BigInteger())),
+            )
+            unrouted, unrouted_age = conn.execute(
+                sa.select(sa.func.count(), -ms_until(sa.func.min(t.c.created_at))).select_from(t).where(old)
+            ).one()
+            if unrouted:
+                unrouted_topics = tuple(
+                    conn.execute(sa.select(t.c.topic).where(old).distinct().order_by(t.c.topic).limit(20))
+                    .scalars()
+                    .all()
+                )
+    return DeliveryHealth(
+        due=int(due),
+        oldest_due_age_ms=None if due_age is None else max(0, int(due_age)),
+        retrying=retrying,
+        dead=dead,
+        unrouted=int(unrouted),
+        oldest_unrouted_age_ms=None if unrouted_age is None else max(0, int(unrouted_age)),
+        unrouted_topics=unrouted_topics,
+    )

@@ -4,15 +4,19 @@
 - :func:`build_leased_schedule`: partition key = Dagster run key = lease run key.
 - :func:`leased_op` / :func:`leased_asset` / :func:`run_leased`: bodies under ``run_exclusive``; skips
   succeed and are recorded (``joblease/...`` run tags and output metadata).
-- :func:`build_outbox_sensor` / :func:`build_dispatcher_job` / :func:`build_dead_rows_check`: delivery.
+- :func:`build_outbox_sensor` / :func:`build_dispatcher_job` / :class:`OutboxHealth`: delivery and its checks.
+- :func:`build_reconciliation_sensor`: relaunches partitions left undone (failed, expired, dead holder, held).
 """
 
 from __future__ import annotations
 
 from dagster_joblease.dagster.jobs import (
+    BACKLOG_CHECK,
     DEAD_ROWS_CHECK,
     OUTBOX_ASSET_KEY,
+    UNROUTED_CHECK,
     DispatchConfig,
+    OutboxHealth,
     build_dead_rows_check,
     build_dispatcher_job,
     dead_rows_evaluation,
@@ -28,11 +32,18 @@ from dagster_joblease.dagster.metadata import (
     schedule_tags,
 )
 from dagster_joblease.dagster.ops import LeasedRun, leased_asset, leased_op, run_leased
+from dagster_joblease.dagster.reconcile import (
+    TAG_RECONCILE,
+    TAG_RECONCILE_REASON,
+    TAG_RELAUNCH,
+    build_reconciliation_sensor,
+)
 from dagster_joblease.dagster.resource import JobLeaseResource
 from dagster_joblease.dagster.schedules import build_leased_schedule, partition_for_tick
 from dagster_joblease.dagster.sensors import NOT_FINISHED_STATUSES, build_outbox_sensor
 
 __all__ = [
+    "BACKLOG_CHECK",
     "DEAD_ROWS_CHECK",
     "NOT_FINISHED_STATUSES",
     "OUTBOX_ASSET_KEY",
@@ -41,14 +52,20 @@ __all__ = [
     "TAG_IDEMPOTENCY_KEY",
     "TAG_OUTBOX",
     "TAG_OUTCOME",
+    "TAG_RECONCILE",
+    "TAG_RECONCILE_REASON",
+    "TAG_RELAUNCH",
+    "UNROUTED_CHECK",
     "DispatchConfig",
     "JobLeaseResource",
     "LeasedResult",
     "LeasedRun",
+    "OutboxHealth",
     "build_dead_rows_check",
     "build_dispatcher_job",
     "build_leased_schedule",
     "build_outbox_sensor",
+    "build_reconciliation_sensor",
     "dead_rows_evaluation",
     "leased_asset",
     "leased_op",

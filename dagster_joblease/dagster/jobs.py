@@ -1,9 +1,17 @@
-"""The dispatcher job, the ``joblease_outbox`` asset it observes and the dead-row asset check.
+"""The dispatcher job, the ``joblease_outbox`` asset it observes, and the delivery-health asset checks.
 
 The outbox table is not materialised by Dagster; it appears in the catalog as an external
-``AssetSpec("joblease_outbox")``. Each dispatcher run logs an observation with its counts and an
-evaluation of the ``no_dead_rows`` check, which fails (severity ERROR: a dead row is an effect that will
-not happen unless someone requeues it) and names the dead rows.
+``AssetSpec("joblease_outbox")``. Three checks tell whether delivery is healthy, each scoped to the topics
+this code location routes (several locations with different routes can share one joblease database):
+
+- ``no_dead_rows`` (ERROR): fails while a routed row is DEAD, and names the rows;
+- ``delivery_backlog`` (WARN): fails while routed rows are retrying after a failed attempt, or the oldest
+  due row has waited longer than ``stale_due_ms``;
+- ``no_unrouted_rows`` (WARN): fails while pending rows of a topic this location does *not* route are
+  older than ``unrouted_after_ms`` (another location should deliver them; if none does, they are seen).
+
+The dispatcher job reports them after each run; the outbox and reconciliation sensors report them on
+their own schedule, so they run even when no dispatcher does.
 """
 
 from __future__ import annotations
@@ -16,15 +24,18 @@ import dagster as dg
 import sqlalchemy as sa
 from dagster import AssetCheckExecutionContext, OpExecutionContext
 
-from dagster_joblease import dispatch, outbox
+from dagster_joblease import dispatch, errors, outbox
 from dagster_joblease.dagster.ops import real_annotations
 from dagster_joblease.storage.engine import translate_errors
 from dagster_joblease.storage.schema import outbox_table
 
 __all__ = [
+    "BACKLOG_CHECK",
     "DEAD_ROWS_CHECK",
     "OUTBOX_ASSET_KEY",
+    "UNROUTED_CHECK",
     "DispatchConfig",
+    "OutboxHealth",
     "build_dead_rows_check",
     "build_dispatcher_job",
     "dead_rows_evaluation",
@@ -33,6 +44,8 @@ __all__ = [
 
 OUTBOX_ASSET_KEY = dg.AssetKey("joblease_outbox")
 DEAD_ROWS_CHECK = "no_dead_rows"
+BACKLOG_CHECK = "delivery_backlog"
+UNROUTED_CHECK = "no_unrouted_rows"
 DEAD_ROWS_SHOWN = 20
 DEAD_ROWS_SEVERITY = dg.AssetCheckSeverity.ERROR
 
@@ -60,10 +73,21 @@ def _cell(value: object) -> str:
     return str(value if value is not None else "").replace("|", "\\|").replace("\n", " ")[:200]
 
 
-def dead_rows_evaluation(engine: sa.Engine, *, limit: int = DEAD_ROWS_SHOWN) -> dg.AssetCheckEvaluation:
-    """The ``no_dead_rows`` check: passes when no row is DEAD, else names them (id, key, topic, error)."""
+def resolve_routes(routes: RoutesSource) -> dict[str, dispatch.Route]:
+    """The route map, reading it now when ``routes`` is a callable."""
+    return dict(routes() if callable(routes) else routes)
+
+
+def _topic_filter(topics: tuple[str, ...] | None) -> sa.ColumnElement[bool]:
+    return sa.true() if topics is None else outbox_table.c.topic.in_(topics)
+
+
+def dead_rows_evaluation(
+    engine: sa.Engine, *, limit: int = DEAD_ROWS_SHOWN, topics: tuple[str, ...] | None = None
+) -> dg.AssetCheckEvaluation:
+    """The ``no_dead_rows`` check: passes when no row (of ``topics``) is DEAD, else names them."""
     t = outbox_table
-    dead = t.c.status == outbox.OutboxStatus.DEAD.value
+    dead = sa.and_(t.c.status == outbox.OutboxStatus.DEAD.value, _topic_filter(topics))
     with translate_errors("list dead outbox rows"), engine.connect() as connection:
         count = int(connection.execute(sa.select(sa.func.count()).select_from(t).where(dead)).scalar_one())
         rows = connection.execute(
@@ -82,6 +106,8 @@ def dead_rows_evaluation(engine: sa.Engine, *, limit: int = DEAD_ROWS_SHOWN) -> 
         for r in rows
     ]
     meta: dict[str, Any] = {"dead_rows": dg.MetadataValue.int(count)}
+    if topics is not None:
+        meta["topics"] = dg.MetadataValue.text(", ".join(topics))
     if rows:
         meta["dead"] = dg.MetadataValue.md("\n".join(lines))
         meta["dead_ids"] = dg.MetadataValue.text(", ".join(str(r.id) for r in rows))
@@ -102,25 +128,169 @@ def dead_rows_evaluation(engine: sa.Engine, *, limit: int = DEAD_ROWS_SHOWN) -> 
     )
 
 
-def build_dead_rows_check(*, resource_key: str = "joblease") -> dg.AssetChecksDefinition:
-    """The ``no_dead_rows`` asset check on ``joblease_outbox``, runnable on its own from the UI."""
+def _ms(name: str, value: object) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+        raise errors.ConfigurationError(f"OutboxHealth {name}={value!r} must be an int >= 0 (milliseconds)")
+    return value
 
-    def _check(context: AssetCheckExecutionContext) -> dg.AssetCheckResult:
-        evaluation = dead_rows_evaluation(getattr(context.resources, resource_key).engine)
-        return dg.AssetCheckResult(
-            passed=evaluation.passed,
-            severity=evaluation.severity,
-            metadata=evaluation.metadata,
-            description=evaluation.description,
+
+def _age(ms: int | None) -> str:
+    return "n/a" if ms is None else f"{ms / 1000:.1f} s"
+
+
+@dataclasses.dataclass(frozen=True)
+class OutboxHealth:
+    """The delivery checks of one code location: which topics it routes, and when to WARN.
+
+    Args:
+        routes: this location's routes (or a callable returning them, read at evaluation time); the checks
+            look only at these topics. ``None``: every topic (a single location owning the whole outbox).
+        stale_due_ms: ``delivery_backlog`` warns when the oldest due row has waited longer (default 5 min).
+        unrouted_after_ms: ``no_unrouted_rows`` warns when a pending row of a topic this location does not
+            route is older than this (default 15 min).
+        resource_key: the :class:`JobLeaseResource` key.
+    """
+
+    routes: RoutesSource | None = None
+    stale_due_ms: int = 5 * 60_000
+    unrouted_after_ms: int = 15 * 60_000
+    resource_key: str = "joblease"
+
+    def __post_init__(self) -> None:
+        _ms("stale_due_ms", self.stale_due_ms)
+        _ms("unrouted_after_ms", self.unrouted_after_ms)
+        if self.routes is not None and not (callable(self.routes) or isinstance(self.routes, Mapping)):
+            raise errors.ConfigurationError(
+                f"OutboxHealth routes={self.routes!r} must be a mapping of topic → Route, a callable "
+                "returning one, or None (every topic)"
+            )
+
+    def topics(self) -> tuple[str, ...] | None:
+        """The routed topics (sorted), or ``None`` for every topic."""
+        return None if self.routes is None else tuple(sorted(resolve_routes(self.routes)))
+
+    def evaluate(self, engine: sa.Engine) -> list[dg.AssetCheckEvaluation]:
+        """All three checks, evaluated now (database clock)."""
+        topics = self.topics()
+        health = outbox.delivery_health(engine, topics=topics, unrouted_after_ms=self.unrouted_after_ms)
+        return [
+            dead_rows_evaluation(engine, topics=topics),
+            self._backlog(health, topics),
+            self._unrouted(health, topics),
+        ]
+
+    def _backlog(
+        self, health: outbox.DeliveryHealth, topics: tuple[str, ...] | None
+    ) -> dg.AssetCheckEvaluation:
+        stale = health.oldest_due_age_ms is not None and health.oldest_due_age_ms > self.stale_due_ms
+        problems = []
+        if health.retrying:
+            problems.append(f"{health.retrying} row(s) retrying after a failed delivery attempt")
+        if stale:
+            problems.append(
+                f"the oldest of {health.due} due row(s) has waited {_age(health.oldest_due_age_ms)} "
+                f"(threshold {self.stale_due_ms / 1000:g} s): is a dispatcher running?"
+            )
+        meta: dict[str, Any] = {
+            "due": dg.MetadataValue.int(health.due),
+            "oldest_due_age_ms": dg.MetadataValue.int(health.oldest_due_age_ms or 0),
+            "retrying": dg.MetadataValue.int(health.retrying),
+            "stale_due_ms": dg.MetadataValue.int(self.stale_due_ms),
+        }
+        if topics is not None:
+            meta["topics"] = dg.MetadataValue.text(", ".join(topics))
+        return dg.AssetCheckEvaluation(
+            asset_key=OUTBOX_ASSET_KEY,
+            check_name=BACKLOG_CHECK,
+            passed=not problems,
+            severity=dg.AssetCheckSeverity.WARN,
+            metadata=meta,
+            description=(
+                "; ".join(problems) + " (see `joblease outbox list --status pending`)"
+                if problems
+                else f"{health.due} row(s) due, none retrying, oldest {_age(health.oldest_due_age_ms)}"
+            ),
         )
 
-    checks: dg.AssetChecksDefinition = dg.asset_check(
-        asset=OUTBOX_ASSET_KEY,
-        name=DEAD_ROWS_CHECK,
-        description="Fails (ERROR) while any outbox row is dead-lettered, and names the rows.",
-        required_resource_keys={resource_key},
-    )(real_annotations(_check, dg.AssetCheckResult, context=AssetCheckExecutionContext))
-    return checks
+    def _unrouted(
+        self, health: outbox.DeliveryHealth, topics: tuple[str, ...] | None
+    ) -> dg.AssetCheckEvaluation:
+        meta: dict[str, Any] = {
+            "unrouted_rows": dg.MetadataValue.int(health.unrouted),
+            "oldest_unrouted_age_ms": dg.MetadataValue.int(health.oldest_unrouted_age_ms or 0),
+            "unrouted_after_ms": dg.MetadataValue.int(self.unrouted_after_ms),
+        }
+        if health.unrouted_topics:
+            meta["unrouted_topics"] = dg.MetadataValue.text(", ".join(health.unrouted_topics))
+        if topics is not None:
+            meta["topics"] = dg.MetadataValue.text(", ".join(topics))
+        return dg.AssetCheckEvaluation(
+            asset_key=OUTBOX_ASSET_KEY,
+            check_name=UNROUTED_CHECK,
+            passed=health.unrouted == 0,
+            severity=dg.AssetCheckSeverity.WARN,
+            metadata=meta,
+            description=(
+                f"{health.unrouted} pending row(s) of topics this location does not route "
+                f"({', '.join(health.unrouted_topics)}) are older than {self.unrouted_after_ms / 1000:g} s, "
+                f"the oldest {_age(health.oldest_unrouted_age_ms)}: give one location a route for them"
+                if health.unrouted
+                else "no old pending rows of topics this location does not route"
+                if topics is not None
+                else "this location routes every topic"
+            ),
+        )
+
+    def asset_checks(self) -> list[dg.AssetChecksDefinition]:
+        """The three checks as asset checks on ``joblease_outbox``, runnable on their own from the UI."""
+        key = self.resource_key
+        descriptions = {
+            DEAD_ROWS_CHECK: "Fails (ERROR) while a routed outbox row is dead-lettered, and names the rows.",
+            BACKLOG_CHECK: "Warns while routed rows are retrying or the oldest due row is older than the "
+            "threshold.",
+            UNROUTED_CHECK: "Warns while pending rows of topics this location does not route are older than "
+            "the threshold.",
+        }
+        checks = []
+        for index, (name, description) in enumerate(descriptions.items()):
+
+            def _check(context: AssetCheckExecutionContext, index: int = index) -> dg.AssetCheckResult:
+                evaluation = self.evaluate(getattr(context.resources, key).engine)[index]
+                return dg.AssetCheckResult(
+                    passed=evaluation.passed,
+                    severity=evaluation.severity,
+                    metadata=evaluation.metadata,
+                    description=evaluation.description,
+                )
+
+            checks.append(
+                dg.asset_check(
+                    asset=OUTBOX_ASSET_KEY,
+                    name=name,
+                    description=description,
+                    required_resource_keys={key},
+                )(real_annotations(_check, dg.AssetCheckResult, context=AssetCheckExecutionContext))
+            )
+        return checks
+
+
+def build_dead_rows_check(
+    *, resource_key: str = "joblease", routes: RoutesSource | None = None
+) -> dg.AssetChecksDefinition:
+    """Only the ``no_dead_rows`` check (see :meth:`OutboxHealth.asset_checks` for all three)."""
+    return OutboxHealth(routes=routes, resource_key=resource_key).asset_checks()[0]
+
+
+def _verdict(claimed: int, sent: int, due_before: int) -> str:
+    if claimed == 0:
+        if due_before == 0:
+            return "nothing was due for this location's topics; delivered nothing"
+        return (
+            f"{due_before} row(s) were due but another dispatcher claimed them first; delivered nothing here"
+        )
+    if sent == 0:
+        return f"delivered NOTHING of {claimed} claimed row(s)"
+    return f"delivered {sent} of {claimed} claimed row(s)"
 
 
 def build_dispatcher_job(
@@ -132,17 +302,26 @@ def build_dispatcher_job(
     claim_ms: int = 60_000,
     concurrency: int = 8,
     tags: Mapping[str, str] | None = None,
+    health: OutboxHealth | None = None,
 ) -> dg.JobDefinition:
-    """A job that dispatches due outbox rows until none is claimable (bounded by ``max_batches``).
+    """A job that dispatches due outbox rows of its routed topics until none is claimable.
 
     ``routes`` maps topics to :class:`Route`; pass a callable to read it (e.g. from the environment)
     when the run starts rather than when the code location loads. Several dispatcher runs at once are
     safe (claims use ``FOR UPDATE SKIP LOCKED``); the sensor simply avoids piling them up.
+
+    A run that claimed rows but delivered none of them (the downstream refuses, every row retried or
+    died) **fails** with a retryable :class:`dagster.Failure` after reporting its counts and checks: green
+    means something was delivered, or nothing was there to deliver (its metadata says which).
+    ``health`` sets the checks' thresholds (default: :class:`OutboxHealth` over ``routes``).
     """
+    checks = health or OutboxHealth(routes=routes, resource_key=resource_key)
 
     def _dispatch(context: OpExecutionContext, config: DispatchConfig) -> dg.Output[dict[str, int]]:
         resource = getattr(context.resources, resource_key)
-        route_map = dict(routes() if callable(routes) else routes)
+        route_map = resolve_routes(routes)
+        topics = tuple(sorted(route_map))
+        before = outbox.delivery_health(resource.engine, topics=topics)
         totals = dispatch.DispatchReport()
         batches = 0
         with dispatch.Dispatcher(
@@ -160,25 +339,44 @@ def build_dispatcher_job(
                         )
                 if report.claimed == 0:
                     break
-        remaining = outbox.due_summary(resource.engine)
+        after = outbox.delivery_health(resource.engine, topics=topics)
         counts = {"batches": batches} | {
             key: value for key, value in dataclasses.asdict(totals).items() if key != "rows"
         }
-        counts["due_after"] = remaining.due
+        counts["due_before"] = before.due
+        counts["due_after"] = after.due
+        verdict = _verdict(totals.claimed, totals.sent, before.due)
         context.log.info(
-            f"dispatched: claimed {totals.claimed}, sent {totals.sent}, retried {totals.retried}, "
+            f"{verdict}: claimed {totals.claimed}, sent {totals.sent}, retried {totals.retried}, "
             f"dead {totals.dead} in {batches} batch(es); lost claims {totals.lost_claims}, released "
-            f"{totals.released}, unrecorded {totals.unrecorded}; {remaining.due} still due"
+            f"{totals.released}, unrecorded {totals.unrecorded}; {after.due} still due"
         )
-        meta = {key: dg.MetadataValue.int(value) for key, value in counts.items()}
+        meta: dict[str, dg.MetadataValue] = {
+            key: dg.MetadataValue.int(value) for key, value in counts.items()
+        }
+        meta["result"] = dg.MetadataValue.text(verdict)
+        meta["delivered_nothing"] = dg.MetadataValue.bool(totals.sent == 0)
+        meta["topics"] = dg.MetadataValue.text(", ".join(topics))
         context.log_event(dg.AssetObservation(asset_key=OUTBOX_ASSET_KEY, metadata=meta))
-        context.log_event(dead_rows_evaluation(resource.engine))  # type: ignore[arg-type]
+        for evaluation in checks.evaluate(resource.engine):
+            context.log_event(evaluation)  # type: ignore[arg-type]
+        if totals.claimed > 0 and totals.sent == 0:
+            raise dg.Failure(
+                description=(
+                    f"{verdict} ({totals.retried} retrying, {totals.dead} dead, {totals.released} given "
+                    f"back, {totals.lost_claims} lost claims): the rows are still undelivered. This run "
+                    "fails so it does not look like a healthy delivery; the outbox sensor (or a run retry) "
+                    "tries again after the rows' backoff."
+                ),
+                metadata=meta,
+                allow_retries=True,
+            )
         return dg.Output(counts, metadata=meta)
 
     dispatch_op = dg.op(
         name=f"{name}_dispatch",
         required_resource_keys={resource_key},
-        description="Claim, deliver and record due outbox rows; report claimed/sent/retried/dead.",
+        description="Claim, deliver and record due outbox rows of the routed topics; report the counts.",
     )(real_annotations(_dispatch, _DispatchOutput, context=OpExecutionContext, config=DispatchConfig))
 
     @dg.job(

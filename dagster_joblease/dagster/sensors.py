@@ -3,13 +3,20 @@
 from __future__ import annotations
 
 import datetime as dt
+import json
 import uuid
+from typing import Any
 
 import dagster as dg
+import sqlalchemy as sa
 
+from dagster_joblease import errors, outbox
+from dagster_joblease.dagster.jobs import OutboxHealth, RoutesSource, resolve_routes
 from dagster_joblease.dagster.resource import JobLeaseResource
+from dagster_joblease.storage.clock import db_now
+from dagster_joblease.storage.engine import translate_errors
 
-__all__ = ["NOT_FINISHED_STATUSES", "build_outbox_sensor"]
+__all__ = ["NOT_FINISHED_STATUSES", "build_outbox_sensor", "db_clock"]
 
 #: A dispatcher run in any of these is "not finished". QUEUED and NOT_STARTED matter: Dagster's own
 #: IN_PROGRESS_RUN_STATUSES omits them, and a guard built on it piles up queued dispatchers.
@@ -22,6 +29,16 @@ NOT_FINISHED_STATUSES = (
 )
 
 
+def db_clock(engine: sa.Engine) -> dt.datetime:
+    """The joblease database's current time (UTC, aware): what sensors compare against, not the host's."""
+    with translate_errors("read the database clock"), engine.connect() as conn:
+        value = conn.execute(sa.select(db_now())).scalar_one()
+    if isinstance(value, str):  # SQLite returns the text layout it stores
+        value = dt.datetime.fromisoformat(value)
+    assert isinstance(value, dt.datetime)
+    return value.replace(tzinfo=dt.UTC) if value.tzinfo is None else value.astimezone(dt.UTC)
+
+
 def build_outbox_sensor(
     job: dg.JobDefinition,
     *,
@@ -29,8 +46,16 @@ def build_outbox_sensor(
     resource_key: str = "joblease",
     minimum_interval_seconds: int = 30,
     default_status: dg.DefaultSensorStatus = dg.DefaultSensorStatus.STOPPED,
+    routes: RoutesSource | None = None,
+    health: OutboxHealth | None = None,
+    checks_interval_seconds: int = 300,
 ) -> dg.SensorDefinition:
-    """A sensor that requests a run of ``job`` (the dispatcher) when outbox rows are due.
+    """A sensor that requests a run of ``job`` (the dispatcher) when outbox rows of its topics are due.
+
+    ``routes`` (the dispatcher's routes, or a callable returning them) scopes the sensor to the topics
+    this location delivers, so a location never starts dispatchers for another location's rows; ``None``
+    looks at every topic. With ``health`` the sensor also reports those outbox checks (at most every
+    ``checks_interval_seconds``), so they are evaluated even while no dispatcher runs.
 
     Each evaluation runs one query over the partial index of due rows. Nothing due: a ``SkipReason``
     with the count. Rows due while a dispatcher run is queued or running: a ``SkipReason`` naming that
@@ -40,6 +65,10 @@ def build_outbox_sensor(
     Test it with ``sensor.evaluate_tick(ctx)`` inside ``with build_sensor_context(resources=...) as ctx``
     (the resource has setup/teardown hooks, so the ``with`` is required).
     """
+    if isinstance(checks_interval_seconds, bool) or not isinstance(checks_interval_seconds, int):
+        raise errors.ConfigurationError(
+            f"checks_interval_seconds={checks_interval_seconds!r} must be an int (seconds)"
+        )
 
     @dg.sensor(
         name=name,
@@ -47,29 +76,47 @@ def build_outbox_sensor(
         minimum_interval_seconds=minimum_interval_seconds,
         default_status=default_status,
         required_resource_keys={resource_key},
-        description="Requests a dispatcher run while outbox rows are due (one unfinished run at a time).",
+        description="Requests a dispatcher run while outbox rows of its topics are due (one at a time).",
     )
-    def _sensor(context: dg.SensorEvaluationContext) -> dg.RunRequest | dg.SkipReason:
+    def _sensor(context: dg.SensorEvaluationContext) -> dg.SensorResult:
         resource: JobLeaseResource = getattr(context.resources, resource_key)
-        summary = resource.due_summary()
+        engine = resource.engine
+        topics = None if routes is None else tuple(sorted(resolve_routes(routes)))
+        summary = outbox.delivery_health(engine, topics=topics)
+        cursor: dict[str, Any] = json.loads(context.cursor) if context.cursor else {}
+        checks_at = float(cursor.get("checks_at", 0))
+        events: list[dg.AssetCheckEvaluation] = []
+        if health is not None:
+            now = db_clock(engine).timestamp()
+            if now - checks_at >= checks_interval_seconds:
+                events = health.evaluate(engine)
+                checks_at = now
+        new_cursor = json.dumps({"checks_at": checks_at})
         if summary.due == 0:
-            return dg.SkipReason("0 outbox rows due")
+            return dg.SensorResult(
+                skip_reason=dg.SkipReason("0 outbox rows due"), asset_events=events, cursor=new_cursor
+            )
         busy = context.instance.get_runs(
             dg.RunsFilter(job_name=job.name, statuses=list(NOT_FINISHED_STATUSES)), limit=1
         )
         if busy:
             run = busy[0]
-            return dg.SkipReason(
-                f"{summary.due} outbox rows due; dispatcher run {run.run_id} is {run.status.value} "
-                "(not finished), so no new run is requested"
+            return dg.SensorResult(
+                skip_reason=dg.SkipReason(
+                    f"{summary.due} outbox rows due; dispatcher run {run.run_id} is {run.status.value} "
+                    "(not finished), so no new run is requested"
+                ),
+                asset_events=events,
+                cursor=new_cursor,
             )
         stamp = dt.datetime.now(dt.UTC).strftime("%Y%m%dT%H%M%S%f")
-        return dg.RunRequest(
+        request = dg.RunRequest(
             run_key=f"outbox-dispatch-{stamp}-{uuid.uuid4().hex[:8]}",
             tags={
                 "joblease/due": str(summary.due),
                 "joblease/oldest_due_age_ms": str(summary.oldest_due_age_ms or 0),
             },
         )
+        return dg.SensorResult(run_requests=[request], asset_events=events, cursor=new_cursor)
 
     return _sensor

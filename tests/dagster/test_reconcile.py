@@ -1,0 +1,298 @@
+"""The reconciliation sensor on a PostgreSQL-backed instance: what it relaunches, what it leaves alone.
+
+Lease rows are made by the real LeaseService; Dagster runs are stored in the real instance with the
+statuses and tags the daemon would give them. The sensor is evaluated as the daemon evaluates it.
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+import json
+import uuid
+from collections.abc import Iterator
+from typing import Any
+
+import dagster as dg
+import pytest
+import sqlalchemy as sa
+from dagster._core.remote_origin import RegisteredCodeLocationOrigin, RemoteJobOrigin, RemoteRepositoryOrigin
+
+from dagster_joblease import JobIdentity, LeaseService, create_engine, errors, outbox
+from dagster_joblease.dagster import (
+    BACKLOG_CHECK,
+    DEAD_ROWS_CHECK,
+    TAG_OUTCOME,
+    TAG_RECONCILE,
+    TAG_RELAUNCH,
+    UNROUTED_CHECK,
+    JobLeaseResource,
+    OutboxHealth,
+    build_reconciliation_sensor,
+)
+from dagster_joblease.dispatch import Route
+from dagster_joblease.storage.schema import lease_table
+from tests.conftest import wait_until
+from tests.dagster import jobs
+from tests.dagster.conftest import DagsterPg
+
+DAYS = [f"2024-02-{d:02d}" for d in range(1, 8)]
+
+
+@pytest.fixture
+def engine(dagster_pg: DagsterPg) -> Iterator[sa.Engine]:
+    eng = create_engine(dagster_pg.joblease_url)
+    yield eng
+    eng.dispose()
+
+
+@pytest.fixture
+def case() -> tuple[str, dg.JobDefinition]:
+    """A fresh code and job name per test (the module shares one database and one instance)."""
+    suffix = uuid.uuid4().hex[:6]
+    code = f"rc-{suffix}"
+    return code, jobs._job(code, f"rc_job_{suffix}")
+
+
+def _tick(
+    dagster_pg: DagsterPg, sensor: dg.SensorDefinition, cursor: str | None = None
+) -> tuple[list[dg.RunRequest], str, dict[str, Any], Any]:
+    targets = sensor.targets  # empty for a sensor on an asset selection
+    defs = dg.Definitions(
+        jobs=[targets[0].job_def] if targets else [],
+        assets=[] if targets else [jobs.leased_daily_asset],
+        sensors=[sensor],
+        resources={"joblease": JobLeaseResource()},
+    )
+    with dg.build_sensor_context(
+        instance=dagster_pg.instance,
+        resources={"joblease": JobLeaseResource()},
+        cursor=cursor,
+        definitions=defs,
+    ) as context:
+        data = sensor.evaluate_tick(context)
+    return list(data.run_requests or []), data.skip_message or "", json.loads(data.cursor or "{}"), data
+
+
+def _origin(job_name: str) -> RemoteJobOrigin:
+    location = RegisteredCodeLocationOrigin(location_name="tests")
+    return RemoteJobOrigin(
+        repository_origin=RemoteRepositoryOrigin(
+            code_location_origin=location, repository_name="__repository__"
+        ),
+        job_name=job_name,
+    )
+
+
+def _run(
+    dagster_pg: DagsterPg,
+    job: dg.JobDefinition,
+    key: str,
+    status: dg.DagsterRunStatus,
+    tags: dict[str, str] | None = None,
+) -> dg.DagsterRun:
+    return dagster_pg.instance.create_run_for_job(
+        job,
+        status=status,
+        tags={"dagster/partition": key, **(tags or {})},
+        remote_job_origin=_origin(job.name),
+    )
+
+
+def _fail(engine: sa.Engine, code: str, key: str) -> int:
+    service = LeaseService(engine)
+    held = service.acquire(JobIdentity.schedule(code, key))
+    assert held is not None
+    service.fail(held, "boom")
+    return held.attempt
+
+
+def _set_idle(engine: sa.Engine, code: str, key: str, seconds: int) -> None:
+    """Move a lease's last activity into the past (as if it failed ``seconds`` ago)."""
+    t = lease_table
+    with engine.begin() as conn:
+        conn.execute(
+            sa.update(t)
+            .where(t.c.code == code, t.c.run_key == key)
+            .values(
+                finished_at=sa.func.clock_timestamp() - dt.timedelta(seconds=seconds),
+                heartbeat_at=sa.func.clock_timestamp() - dt.timedelta(seconds=seconds),
+            )
+        )
+
+
+def test_failed_and_expired_leases_are_relaunched_live_and_done_ones_are_not(
+    dagster_pg: DagsterPg, engine: sa.Engine, case: tuple[str, dg.JobDefinition]
+) -> None:
+    code, job = case
+    service = LeaseService(engine)
+    attempt = _fail(engine, code, DAYS[0])
+    expired = service.acquire(JobIdentity.schedule(code, DAYS[1]), lease_ms=3)
+    assert expired is not None
+    live = service.acquire(JobIdentity.schedule(code, DAYS[2]), lease_ms=600_000)
+    assert live is not None
+    done = service.acquire(JobIdentity.schedule(code, DAYS[3]))
+    assert done is not None
+    service.complete(done)
+    with engine.connect() as conn:  # the 3 ms lease is past its expiry on the database clock
+        wait_until(
+            lambda: conn.execute(
+                sa.select(lease_table.c.expires_at < sa.func.clock_timestamp()).where(
+                    lease_table.c.run_key == DAYS[1]
+                )
+            ).scalar_one()
+        )
+
+    sensor = build_reconciliation_sensor(job, code=code)
+    assert sensor.default_status == dg.DefaultSensorStatus.RUNNING
+    requests, _, _, _ = _tick(dagster_pg, sensor)
+    by_key = {r.partition_key: r for r in requests}
+    assert set(by_key) == {DAYS[0], DAYS[1]}
+    first = by_key[DAYS[0]]
+    assert first.run_key == f"reconcile:{code}:{DAYS[0]}:attempt-{attempt}:relaunch-1"
+    assert first.tags[TAG_RECONCILE] == sensor.name and first.tags[TAG_RELAUNCH] == "1/5"
+    assert first.tags["joblease/reconcile_reason"] == "lease FAIL"
+    assert first.tags["joblease/idempotency_key"] == JobIdentity.schedule(code, DAYS[0]).idempotency_key
+    assert by_key[DAYS[1]].tags["joblease/reconcile_reason"] == "lease expired"
+
+    # The daemon launched them; while they are queued, nothing new is requested.
+    for key in (DAYS[0], DAYS[1]):
+        _run(dagster_pg, job, key, dg.DagsterRunStatus.QUEUED, dict(by_key[key].tags))
+    requests, message, _, _ = _tick(dagster_pg, sensor)
+    assert requests == []
+    assert "already queued or running" in message and "1 held by a live lease" in message
+
+
+def test_relaunches_back_off_are_capped_and_the_cap_is_visible(
+    dagster_pg: DagsterPg, engine: sa.Engine, case: tuple[str, dg.JobDefinition]
+) -> None:
+    code, job = case
+    key = DAYS[0]
+    _fail(engine, code, key)
+    sensor = build_reconciliation_sensor(
+        job, code=code, max_relaunches=3, backoff=dt.timedelta(minutes=10), max_backoff=dt.timedelta(hours=1)
+    )
+    run_keys = []
+    for relaunch in range(1, 4):
+        requests, message, _, _ = _tick(dagster_pg, sensor)
+        if relaunch > 1:
+            # The relaunched run failed again just now: the next relaunch waits (10 min, then 20 min).
+            assert requests == [] and f"{key} (relaunch {relaunch} in" in message, message
+            _set_idle(engine, code, key, seconds=10 * 60 * 2 ** (relaunch - 2) + 5)
+            requests, message, _, _ = _tick(dagster_pg, sensor)
+        (request,) = requests
+        assert request.tags[TAG_RELAUNCH] == f"{relaunch}/3"
+        run_keys.append(request.run_key)
+        _run(dagster_pg, job, key, dg.DagsterRunStatus.FAILURE, dict(request.tags))
+        _fail(engine, code, key)  # the relaunched run took the lease and failed again
+    assert len(set(run_keys)) == 3  # never collides with an earlier attempt's key
+
+    _set_idle(engine, code, key, seconds=24 * 3600)
+    requests, message, cursor, _ = _tick(dagster_pg, sensor)
+    assert requests == []
+    assert f"CAPPED after 3 relaunches: {key} (3 relaunches (lease FAIL)" in message
+    assert key in cursor["capped"] and cursor["capped_count"] == 1
+
+
+def test_a_canceled_partition_is_left_alone_unless_configured(
+    dagster_pg: DagsterPg, engine: sa.Engine, case: tuple[str, dg.JobDefinition]
+) -> None:
+    code, job = case
+    _fail(engine, code, DAYS[0])  # a terminated run releases its lease: FAIL
+    _run(dagster_pg, job, DAYS[0], dg.DagsterRunStatus.CANCELED)
+    requests, message, _, _ = _tick(dagster_pg, build_reconciliation_sensor(job, code=code))
+    assert requests == [] and f"latest run canceled, not relaunched (relaunch_canceled=False): {DAYS[0]}" in (
+        message
+    )
+    eager = build_reconciliation_sensor(job, code=code, relaunch_canceled=True, name="eager_reconcile")
+    (request,) = _tick(dagster_pg, eager)[0]
+    assert request.partition_key == DAYS[0]
+
+
+def test_a_run_that_failed_as_held_is_relaunched_once_the_holder_is_done(
+    dagster_pg: DagsterPg, engine: sa.Engine, case: tuple[str, dg.JobDefinition]
+) -> None:
+    code, job = case
+    service = LeaseService(engine)
+    holder = service.acquire(JobIdentity.schedule(code, DAYS[0]), lease_ms=600_000)
+    assert holder is not None
+    _run(dagster_pg, job, DAYS[0], dg.DagsterRunStatus.FAILURE, {TAG_OUTCOME: "held"})
+    sensor = build_reconciliation_sensor(job, code=code)
+    requests, message, _, _ = _tick(dagster_pg, sensor)
+    assert requests == [] and "1 held by a live lease" in message  # the holder is still working
+
+    service.complete(holder)  # the holder succeeded: the partition's latest run must not stay red
+    (request,) = _tick(dagster_pg, sensor)[0]
+    assert request.partition_key == DAYS[0]
+    assert request.tags["joblease/reconcile_reason"] == "last run failed: held"
+    assert request.run_key == f"reconcile:{code}:{DAYS[0]}:attempt-0:relaunch-1"
+
+    _run(dagster_pg, job, DAYS[0], dg.DagsterRunStatus.SUCCESS, dict(request.tags))
+    assert _tick(dagster_pg, sensor)[0] == []  # a later run settled it
+
+
+def test_catch_up_requests_never_attempted_partitions_oldest_first_bounded_per_tick(
+    dagster_pg: DagsterPg, engine: sa.Engine, case: tuple[str, dg.JobDefinition]
+) -> None:
+    code, job = case
+    service = LeaseService(engine)
+    done = service.acquire(JobIdentity.schedule(code, DAYS[1]))
+    assert done is not None
+    service.complete(done)
+    sensor = build_reconciliation_sensor(job, code=code, catch_up_from=DAYS[0], max_requests_per_tick=3)
+    requests, _, _, _ = _tick(dagster_pg, sensor)
+    assert [r.partition_key for r in requests] == [DAYS[0], DAYS[2], DAYS[3]]
+    assert all(r.tags["joblease/reconcile_reason"] == "never attempted (catch-up)" for r in requests)
+    for request in requests:
+        _run(dagster_pg, job, request.partition_key or "", dg.DagsterRunStatus.STARTED, dict(request.tags))
+    requests, _, _, _ = _tick(dagster_pg, sensor)
+    assert [r.partition_key for r in requests] == [DAYS[4], DAYS[5], DAYS[6]]
+
+    with pytest.raises(errors.ConfigurationError, match="not a partition key"):
+        build_reconciliation_sensor(job, code=code, catch_up_from="not-a-day")
+
+
+def test_leases_outside_the_lookback_window_are_not_relaunched(
+    dagster_pg: DagsterPg, engine: sa.Engine, case: tuple[str, dg.JobDefinition]
+) -> None:
+    code, job = case
+    _fail(engine, code, DAYS[0])
+    _set_idle(engine, code, DAYS[0], seconds=3 * 3600)
+    old = build_reconciliation_sensor(job, code=code, lookback=dt.timedelta(hours=2))
+    assert _tick(dagster_pg, old)[0] == []
+    wide = build_reconciliation_sensor(job, code=code, lookback=dt.timedelta(hours=4), name="wide")
+    assert [r.partition_key for r in _tick(dagster_pg, wide)[0]] == [DAYS[0]]
+
+
+def test_a_leased_asset_is_relaunched_as_an_asset_run(dagster_pg: DagsterPg, engine: sa.Engine) -> None:
+    _fail(engine, "t-asset", "2024-03-01")
+    sensor = build_reconciliation_sensor(jobs.leased_daily_asset, code="t-asset")
+    (request,) = [r for r in _tick(dagster_pg, sensor)[0] if r.partition_key == "2024-03-01"]
+    assert request.asset_selection == [jobs.leased_daily_asset.key]
+
+
+def test_the_sensor_reports_the_outbox_checks_on_its_own(
+    dagster_pg: DagsterPg, engine: sa.Engine, case: tuple[str, dg.JobDefinition]
+) -> None:
+    code, job = case
+    topic = f"rc.{code}"
+    with engine.begin() as conn:
+        outbox.enqueue_once(conn, idempotency_key=f"v2:{code}", topic=topic, payload={})
+    health = OutboxHealth(routes={topic: Route("http://127.0.0.1:9/x")}, stale_due_ms=0)
+    sensor = build_reconciliation_sensor(job, code=code, health=health, checks_interval_seconds=3600)
+    _, _, cursor, data = _tick(dagster_pg, sensor)
+    checks = {e.check_name: e for e in data.asset_events}
+    assert set(checks) == {DEAD_ROWS_CHECK, BACKLOG_CHECK, UNROUTED_CHECK}
+    assert checks[DEAD_ROWS_CHECK].passed and checks[UNROUTED_CHECK].passed
+    assert checks[BACKLOG_CHECK].metadata["due"] == dg.MetadataValue.int(1)
+    # Within the interval the checks are not evaluated again; the cursor remembers when they were.
+    assert _tick(dagster_pg, sensor, json.dumps(cursor))[3].asset_events == []
+
+
+def test_bad_arguments_are_refused_before_anything_runs(case: tuple[str, dg.JobDefinition]) -> None:
+    code, job = case
+    with pytest.raises(errors.ConfigurationError, match="max_relaunches=0 must be an int >= 1"):
+        build_reconciliation_sensor(job, code=code, max_relaunches=0)
+    with pytest.raises(errors.ConfigurationError, match="no partitions_def"):
+        build_reconciliation_sensor(dg.GraphDefinition("g").to_job(), code=code)
+    with pytest.raises(errors.ConfigurationError, match="lookback"):
+        build_reconciliation_sensor(job, code=code, lookback=dt.timedelta(seconds=-1))
