@@ -4,7 +4,7 @@ Both deployments run the same leased job (lease code ``accept-billing``) on one 
 so a partition's schedule run, its runs in two overlapping backfills, a re-execution and run retries all
 compete for one lease. Each winner enqueues two effects in its fenced transaction: ``accept.effect``,
 which both deployments route, and ``accept.audit``, which only deployment ``b`` routes (a dispatcher must
-leave a topic it has no route for alone).
+leave a topic it has no route for alone). A reconciliation sensor relaunches partitions left undone.
 
 Configuration comes from the environment the test gives the daemon and the webserver (their code servers
 and run workers inherit it):
@@ -27,9 +27,11 @@ import dagster as dg
 from dagster_joblease.dagster import (
     JobLeaseResource,
     LeasedRun,
+    OutboxHealth,
     build_dispatcher_job,
     build_leased_schedule,
     build_outbox_sensor,
+    build_reconciliation_sensor,
     leased_op,
 )
 from dagster_joblease.dispatch import Route
@@ -94,14 +96,23 @@ accept_dispatch_job = build_dispatcher_job(routes, name=DISPATCH_JOB_NAME)
 accept_dispatch_sensor = build_outbox_sensor(
     accept_dispatch_job,
     name="accept_dispatch_sensor",
+    routes=routes,
     minimum_interval_seconds=5,
     default_status=dg.DefaultSensorStatus.RUNNING,
+)
+# The safety net, at its defaults except the interval (60 s by default; 10 s keeps the test short).
+accept_reconcile_sensor = build_reconciliation_sensor(
+    accept_job,
+    code=CODE,
+    name="accept_reconcile_sensor",
+    health=OutboxHealth(routes=routes),
+    minimum_interval_seconds=10,
 )
 
 defs = dg.Definitions(
     jobs=[accept_job, accept_dispatch_job],
     schedules=[accept_schedule],
-    sensors=[accept_dispatch_sensor],
+    sensors=[accept_dispatch_sensor, accept_reconcile_sensor],
     resources={"joblease": JobLeaseResource()},
     executor=dg.in_process_executor,
 )
