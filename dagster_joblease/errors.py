@@ -132,15 +132,28 @@ class LostLeaseError(JobLeaseError):
 
 
 class OutboxConflictError(JobLeaseError):
-    """The same idempotency key was enqueued with a different payload."""
+    """The same idempotency key was enqueued with a different payload or for a different topic."""
 
-    def __init__(self, *, idempotency_key: str, existing_sha256: str, new_sha256: str) -> None:
+    def __init__(
+        self,
+        *,
+        idempotency_key: str,
+        existing_sha256: str,
+        new_sha256: str,
+        existing_topic: str | None = None,
+        new_topic: str | None = None,
+    ) -> None:
         self.idempotency_key = idempotency_key
         self.existing_sha256 = existing_sha256
         self.new_sha256 = new_sha256
+        self.existing_topic = existing_topic
+        self.new_topic = new_topic
+        if existing_topic is not None and new_topic is not None and existing_topic != new_topic:
+            what = f"an effect for topic {existing_topic!r}, not {new_topic!r}"
+        else:
+            what = f"a different payload (sha256 {existing_sha256[:12]}… vs {new_sha256[:12]}…)"
         super().__init__(
-            f"outbox key {idempotency_key!r} already holds a different payload "
-            f"(sha256 {existing_sha256[:12]}… vs {new_sha256[:12]}…): one identity must mean one effect. "
+            f"outbox key {idempotency_key!r} already holds {what}: one identity must mean one effect. "
             "Derive a distinct key per effect with effect_key(run_key, name), or keep the payload "
             "deterministic."
         )

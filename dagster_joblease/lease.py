@@ -18,6 +18,7 @@ import os
 import secrets
 import socket
 import threading
+import unicodedata
 from collections.abc import Callable, Iterator
 from datetime import datetime
 from typing import Any, TypeVar
@@ -65,8 +66,33 @@ def bound_error(text: str, limit: int = MAX_ERROR_CHARS) -> str:
     return (text[:kept] + f"… [{len(text) - kept} chars cut]")[:limit]
 
 
+MAX_HOLDER_CHARS = 255  #: the lease table's ``holder`` column
+
+
 def _holder() -> str:
-    return f"{socket.gethostname()}:{os.getpid()}"[:255]
+    return f"{socket.gethostname()}:{os.getpid()}"[:MAX_HOLDER_CHARS]
+
+
+def default_holder() -> str:
+    """The holder label of a claim made without one: ``host:pid`` of the claiming process."""
+    return _holder()
+
+
+def validate_holder(value: object) -> str:
+    """A holder label as stored: 1-255 characters, no control characters (it shows in CLI tables)."""
+    if not isinstance(value, str):
+        raise errors.InvalidLeaseOptionsError("holder", value, f"must be a str, got {type(value).__name__}")
+    if not 0 < len(value) <= MAX_HOLDER_CHARS or value != value.strip():
+        raise errors.InvalidLeaseOptionsError(
+            "holder",
+            value,
+            f"must be 1-{MAX_HOLDER_CHARS} characters without surrounding whitespace; shorten it",
+        )
+    if any(unicodedata.category(ch) == "Cc" for ch in value):
+        raise errors.InvalidLeaseOptionsError(
+            "holder", value, "must not contain control characters; use a printable label such as host:pid"
+        )
+    return value
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
@@ -122,35 +148,36 @@ class AcquireResult:
         return self.lease is not None
 
 
+_REASONS = {
+    LeaseStatus.SUCCESS.value: NotAcquiredReason.SUCCEEDED,
+    LeaseStatus.RUNNING.value: NotAcquiredReason.HELD,
+}
+
 _RECLAIM_NOTE = " expired without finishing (worker died or stalled)"
 
 
-@functools.cache
-def acquire_statement(dialect_name: str) -> Any:
-    """The one-statement claim, built once per dialect (SQLAlchemy then reuses its compiled form).
+def _claim_values(lease_ms: Any) -> dict[str, Any]:
+    """Column → value of a fresh claim (attempt 1), all times from the database clock."""
+    return {
+        "lock_key": sa.bindparam("p_lock_key", type_=sa.String()),
+        "job_type": sa.bindparam("p_job_type", type_=sa.String()),
+        "code": sa.bindparam("p_code", type_=sa.String()),
+        "run_key": sa.bindparam("p_run_key", type_=sa.String()),
+        "status": LeaseStatus.RUNNING.value,
+        "owner_token": sa.bindparam("p_owner_token", type_=sa.String()),
+        "attempt": 1,
+        "lease_ms": lease_ms,
+        "holder": sa.bindparam("p_holder", type_=sa.String()),
+        "created_at": db_now(),
+        "acquired_at": db_now(),
+        "heartbeat_at": db_now(),
+        "expires_at": db_now_plus_ms(lease_ms),
+    }
 
-    ``INSERT … ON CONFLICT (lock_key) DO UPDATE … WHERE status = 'FAIL' OR (status = 'RUNNING' AND
-    expires_at < db now) RETURNING …``, with bound parameters ``p_lock_key``, ``p_job_type``, ``p_code``,
-    ``p_run_key``, ``p_owner_token``, ``p_lease_ms`` and ``p_holder``.
-    """
+
+def _reclaim_on_conflict(stmt: Any, lease_ms: Any) -> Any:
+    """``ON CONFLICT (lock_key) DO UPDATE`` that reclaims a FAIL or expired RUNNING row, and only those."""
     t = lease_table
-    insert = (postgresql.insert if dialect_name == "postgresql" else sqlite.insert)(t)
-    lease_ms = sa.bindparam("p_lease_ms", type_=sa.BigInteger())
-    stmt = insert.values(
-        lock_key=sa.bindparam("p_lock_key", type_=sa.String()),
-        job_type=sa.bindparam("p_job_type", type_=sa.String()),
-        code=sa.bindparam("p_code", type_=sa.String()),
-        run_key=sa.bindparam("p_run_key", type_=sa.String()),
-        status=LeaseStatus.RUNNING.value,
-        owner_token=sa.bindparam("p_owner_token", type_=sa.String()),
-        attempt=1,
-        lease_ms=lease_ms,
-        holder=sa.bindparam("p_holder", type_=sa.String()),
-        created_at=db_now(),
-        acquired_at=db_now(),
-        heartbeat_at=db_now(),
-        expires_at=db_now_plus_ms(lease_ms),
-    )
     reclaimable = sa.or_(
         t.c.status == LeaseStatus.FAIL.value,
         sa.and_(t.c.status == LeaseStatus.RUNNING.value, t.c.expires_at < db_now()),
@@ -178,23 +205,91 @@ def acquire_statement(dialect_name: str) -> Any:
             ),
         },
         where=reclaimable,
-    ).returning(t.c.id, t.c.attempt, t.c.expires_at, t.c.last_error)
+    )
+
+
+@functools.cache
+def acquire_statement(dialect_name: str) -> Any:
+    """The one-statement claim, built once per dialect (SQLAlchemy then reuses its compiled form).
+
+    ``INSERT … ON CONFLICT (lock_key) DO UPDATE … WHERE status = 'FAIL' OR (status = 'RUNNING' AND
+    expires_at < db now) RETURNING …``, with bound parameters ``p_lock_key``, ``p_job_type``, ``p_code``,
+    ``p_run_key``, ``p_owner_token``, ``p_lease_ms`` and ``p_holder``.
+    """
+    t = lease_table
+    insert = (postgresql.insert if dialect_name == "postgresql" else sqlite.insert)(t)
+    lease_ms = sa.bindparam("p_lease_ms", type_=sa.BigInteger())
+    stmt = insert.values(**_claim_values(lease_ms))
+    return _reclaim_on_conflict(stmt, lease_ms).returning(t.c.id, t.c.attempt, t.c.expires_at, t.c.last_error)
 
 
 _STATUS_OF = sa.select(lease_table.c.status).where(lease_table.c.lock_key == sa.bindparam("p_lock_key"))
 
 
 @functools.cache
-def _psycopg_sql() -> tuple[str, dict[str, Any], str]:
-    """The claim and the status read compiled once for psycopg, with the claim's constant parameters.
+def claim_or_status_statement() -> Any:
+    """PostgreSQL: the claim and, when it is refused, the row's status, in one statement (one round trip).
+
+    The statement first reads the row. When it shows a live holder (RUNNING, not expired on the database
+    clock) or SUCCESS, nothing is written: the refusal is a plain read (no row lock, no transaction id, no
+    commit flush), where :func:`acquire_statement`'s ``ON CONFLICT DO UPDATE`` would lock the row even to
+    refuse. Otherwise it runs the same INSERT … ON CONFLICT DO UPDATE … WHERE reclaimable, which re-checks
+    the row under its lock, so there is still exactly one winner. Rows: a win returns ``(id, attempt,
+    expires_at, last_error, NULL)``; a refusal returns ``(NULL, …, status)`` from the statement's snapshot;
+    a claim that lost a race to a row inserted after that snapshot returns nothing and is reported as
+    ``CONTENDED`` ("lost a race for the same run"), which is what happened.
+    """
+    t = lease_table
+    lease_ms = sa.bindparam("p_lease_ms", type_=sa.BigInteger())
+    blocks = sa.or_(
+        t.c.status == LeaseStatus.SUCCESS.value,
+        sa.and_(t.c.status == LeaseStatus.RUNNING.value, t.c.expires_at >= db_now()),
+    )
+    current = (
+        sa.select(t.c.status, blocks.label("blocks"))
+        .where(t.c.lock_key == sa.bindparam("p_lock_key", type_=sa.String()))
+        .cte("current_row")
+    )
+    values = _claim_values(lease_ms)
+    source = sa.select(
+        *(v if isinstance(v, sa.ColumnElement) else sa.literal(v) for v in values.values())
+    ).where(~sa.exists(sa.select(current.c.status).where(current.c.blocks)))
+    insert = postgresql.insert(t).from_select(list(values), source)
+    claimed = (
+        _reclaim_on_conflict(insert, lease_ms)
+        .returning(t.c.id, t.c.attempt, t.c.expires_at, t.c.last_error)
+        .cte("claimed")
+    )
+    won = sa.select(
+        claimed.c.id,
+        claimed.c.attempt,
+        claimed.c.expires_at,
+        claimed.c.last_error,
+        sa.cast(sa.null(), sa.String()).label("status"),
+    )
+    refused = sa.select(
+        sa.cast(sa.null(), sa.BigInteger()),
+        sa.cast(sa.null(), sa.Integer()),
+        sa.cast(sa.null(), sa.DateTime(timezone=True)),
+        sa.cast(sa.null(), sa.Text()),
+        current.c.status,
+    ).where(~sa.exists(sa.select(claimed.c.id)))
+    return sa.union_all(won, refused)
+
+
+@functools.cache
+def _psycopg_sql() -> tuple[str, tuple[str, ...], dict[str, Any]]:
+    """:func:`claim_or_status_statement` compiled once for psycopg with positional ``%s`` parameters: the
+    SQL, the parameter names in order, and the claim's constant parameters.
 
     Compiled for a fresh psycopg dialect rather than each engine's, so engines built per run or per
-    sensor tick do not each add a cache entry.
+    sensor tick do not each add a cache entry; positional parameters spare psycopg a mapping per call.
     """
-    dialect = psycopg_dialect.dialect()  # type: ignore[no-untyped-call]
-    compiled = acquire_statement("postgresql").compile(dialect=dialect)
+    dialect = psycopg_dialect.dialect(paramstyle="format")  # type: ignore[no-untyped-call]
+    compiled = claim_or_status_statement().compile(dialect=dialect)
     constants = {k: v for k, v in compiled.params.items() if not k.startswith("p_")}
-    return str(compiled), constants, str(_STATUS_OF.compile(dialect=dialect))
+    assert compiled.positiontup is not None
+    return str(compiled), tuple(compiled.positiontup), constants
 
 
 class LeaseService:
@@ -204,6 +299,8 @@ class LeaseService:
         engine: an engine over a database migrated with :func:`dagster_joblease.migrate`.
         lease_ms: default lease length (15 minutes).
         heartbeat_ms: default renewal interval for :meth:`run_exclusive` (``min(60 s, lease_ms // 3)``).
+        holder: the label recorded as the holder of leases this service takes (default ``host:pid`` of
+            the claiming process); the Dagster layer records its run here.
 
     Example::
 
@@ -214,10 +311,16 @@ class LeaseService:
     """
 
     def __init__(
-        self, engine: sa.Engine, *, lease_ms: int | None = None, heartbeat_ms: int | None = None
+        self,
+        engine: sa.Engine,
+        *,
+        lease_ms: int | None = None,
+        heartbeat_ms: int | None = None,
+        holder: str | None = None,
     ) -> None:
         self.engine = engine
         self.timing = options.resolve_timing(lease_ms, heartbeat_ms)
+        self.holder = None if holder is None else validate_holder(holder)
 
     @contextlib.contextmanager
     def _one_statement(self, action: str) -> Iterator[sa.Connection]:
@@ -236,11 +339,17 @@ class LeaseService:
 
     # -- acquire -----------------------------------------------------------------------------------
 
-    def try_acquire(self, job: identity.JobIdentity, *, lease_ms: int | None = None) -> AcquireResult:
-        """Claim or reclaim ``job`` in one statement; on a loss, say why (one cheap read)."""
+    def try_acquire(
+        self, job: identity.JobIdentity, *, lease_ms: int | None = None, holder: str | None = None
+    ) -> AcquireResult:
+        """Claim or reclaim ``job`` in one statement; on a loss, say why (same round trip on PostgreSQL).
+
+        ``holder`` overrides the service's holder label for this claim.
+        """
         if not isinstance(job, identity.JobIdentity):
             raise errors.InvalidJobIdentityError("identity", job, "must be a JobIdentity")
-        length = options.resolve_timing(lease_ms, None, defaults=self.timing).lease_ms
+        length = self.timing.lease_ms if lease_ms is None else options.resolve_timing(lease_ms).lease_ms
+        label = validate_holder(holder) if holder is not None else self.holder or _holder()
         token = secrets.token_hex(16)
         params = {
             "p_lock_key": job.idempotency_key,
@@ -249,9 +358,10 @@ class LeaseService:
             "p_run_key": job.run_key,
             "p_owner_token": token,
             "p_lease_ms": length,
-            "p_holder": _holder(),
+            "p_holder": label,
         }
         dialect = self.engine.dialect
+        current: str | None = None
         if dialect.name == "postgresql" and dialect.driver == "psycopg":
             row, current = self._claim_psycopg(params)
         else:
@@ -262,10 +372,7 @@ class LeaseService:
                         _STATUS_OF, {"p_lock_key": job.idempotency_key}
                     ).scalar_one_or_none()
         if row is None:
-            reason = {
-                LeaseStatus.SUCCESS.value: NotAcquiredReason.SUCCEEDED,
-                LeaseStatus.RUNNING.value: NotAcquiredReason.HELD,
-            }.get(current or "", NotAcquiredReason.CONTENDED)
+            reason = _REASONS.get(current or "", NotAcquiredReason.CONTENDED)
             logger.info("lease not acquired for %s: %s", job, reason.value, extra={"action": "lease_skipped"})
             return AcquireResult(lease=None, reason=reason)
         lease_id, attempt, expires_at, last_error = row
@@ -288,13 +395,17 @@ class LeaseService:
         return AcquireResult(lease=lease)
 
     def _claim_psycopg(self, params: dict[str, Any]) -> tuple[Any, str | None]:
-        """The claim on PostgreSQL: the statement's cached SQL on a pooled psycopg connection, autocommit.
+        """The claim on PostgreSQL: one prepared statement on a pooled psycopg connection, autocommit.
 
         Claims are the hot path (every worker, every tick, every partition). Going straight to the pooled
         driver connection skips SQLAlchemy's per-execution work, which cost more CPU than the driver and
-        the statement together; the SQL is exactly what SQLAlchemy compiles from :func:`acquire_statement`.
+        the statement together; the SQL is what SQLAlchemy compiles from :func:`claim_or_status_statement`,
+        which also reports a refused claim's status, so a loss costs no second round trip.
+        Returns the claimed row (or None) and, when refused, the row's status.
         """
-        sql, constants, status_sql = _psycopg_sql()
+        sql, order, constants = _psycopg_sql()
+        values = {**constants, **params}
+        args = tuple([values[name] for name in order])
         dbapi = self.engine.dialect.loaded_dbapi
         with translate_errors("acquire a lease"):
             pooled = self.engine.raw_connection()
@@ -304,13 +415,8 @@ class LeaseService:
                 try:
                     conn.autocommit = True
                     with conn.cursor() as cursor:
-                        cursor.execute(sql, {**constants, **params})
-                        row = cursor.fetchone()
-                        current = None
-                        if row is None:
-                            cursor.execute(status_sql, {"p_lock_key": params["p_lock_key"]})
-                            found = cursor.fetchone()
-                            current = found[0] if found is not None else None
+                        cursor.execute(sql, args, prepare=True)
+                        found = cursor.fetchone()
                 finally:
                     try:
                         conn.autocommit = False
@@ -322,11 +428,68 @@ class LeaseService:
                 raise
             finally:
                 pooled.close()
-        return row, current
+        if found is None:
+            return None, None
+        if found[4] is not None:
+            return None, found[4]
+        return found[:4], None
 
-    def acquire(self, job: identity.JobIdentity, *, lease_ms: int | None = None) -> Lease | None:
+    def acquire(
+        self, job: identity.JobIdentity, *, lease_ms: int | None = None, holder: str | None = None
+    ) -> Lease | None:
         """Claim or reclaim ``job``; ``None`` when another worker holds it or it already succeeded."""
-        return self.try_acquire(job, lease_ms=lease_ms).lease
+        return self.try_acquire(job, lease_ms=lease_ms, holder=holder).lease
+
+    def fail_dead_holder(
+        self,
+        job: identity.JobIdentity,
+        *,
+        attempt: int,
+        owner_token: str | None = None,
+        stale_ms: int,
+        reason: str,
+    ) -> bool:
+        """Take a dead holder's ``RUNNING`` lease away at once (``FAIL``), so the next acquire reclaims it.
+
+        One statement, fenced on what the caller observed: the row must still be ``RUNNING`` at
+        ``attempt`` (and ``owner_token``, when given) with a heartbeat older than ``stale_ms`` on the
+        database clock. A holder that heartbeated in between, or a claim that moved on, keeps its lease;
+        a surviving holder that stopped heartbeating is fenced out (its writes raise
+        :class:`LostLeaseError`). The caller decides that the holder is dead (e.g. its Dagster run is
+        finished); returns True when this call failed the lease.
+        """
+        if not isinstance(job, identity.JobIdentity):
+            raise errors.InvalidJobIdentityError("identity", job, "must be a JobIdentity")
+        for name, value in (("attempt", attempt), ("stale_ms", stale_ms)):
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise errors.InvalidLeaseOptionsError(name, value, "must be a positive int")
+        t = lease_table
+        conditions = [
+            t.c.lock_key == job.idempotency_key,
+            t.c.status == LeaseStatus.RUNNING.value,
+            t.c.attempt == attempt,
+            t.c.heartbeat_at < db_now_plus_ms(sa.literal(-stale_ms, sa.BigInteger())),
+        ]
+        if owner_token is not None:
+            conditions.append(t.c.owner_token == owner_token)
+        stmt = (
+            sa.update(t)
+            .where(*conditions)
+            .values(status=LeaseStatus.FAIL.value, finished_at=db_now(), last_error=bound_error(reason))
+            .returning(t.c.id)
+        )
+        with self._one_statement("fail a dead holder's lease") as conn:
+            row = conn.execute(stmt).first()
+        if row is not None:
+            logger.warning(
+                "lease %d for %s (attempt %d) taken from a dead holder: %s",
+                row.id,
+                job,
+                attempt,
+                reason,
+                extra={"action": "lease_dead_holder"},
+            )
+        return row is not None
 
     # -- fenced writes -----------------------------------------------------------------------------
 

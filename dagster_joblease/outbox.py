@@ -13,6 +13,7 @@ import enum
 import functools
 import hashlib
 import json
+from collections.abc import Collection
 from typing import Any
 
 import sqlalchemy as sa
@@ -171,46 +172,52 @@ def _insert_statement(dialect_name: str) -> Any:
     )
 
 
-_EXISTING = sa.select(outbox_table.c.payload_sha256).where(
+_EXISTING = sa.select(outbox_table.c.payload_sha256, outbox_table.c.topic).where(
     outbox_table.c.idempotency_key == sa.bindparam("key", type_=sa.String())
 )
+_PARAMS = ("key", "topic", "payload_text", "sha256")
 
 
 @functools.cache
-def _psycopg_sql() -> tuple[str, dict[str, Any], str]:
-    """The INSERT and the fingerprint read, compiled once by SQLAlchemy for psycopg, with constants.
+def _psycopg_sql() -> tuple[str, tuple[str, ...], dict[str, Any], str]:
+    """The INSERT (positional ``%s`` parameters, their names in order, its constants) and the read of an
+    existing row, compiled once by SQLAlchemy for psycopg.
 
     Compiled for a fresh psycopg dialect, not each engine's, so the cache holds one entry.
     """
-    dialect = psycopg_dialect.dialect()  # type: ignore[no-untyped-call]
+    dialect = psycopg_dialect.dialect(paramstyle="format")  # type: ignore[no-untyped-call]
     compiled = _insert_statement("postgresql").compile(dialect=dialect)
-    constants = {
-        k: v for k, v in compiled.params.items() if k not in ("key", "topic", "payload_text", "sha256")
-    }
-    return str(compiled), constants, str(_EXISTING.compile(dialect=dialect))
+    constants = {k: v for k, v in compiled.params.items() if k not in _PARAMS}
+    assert compiled.positiontup is not None
+    existing = str(_EXISTING.compile(dialect=dialect))
+    return str(compiled), tuple(compiled.positiontup), constants, existing
 
 
-def _run_psycopg(connection: sa.Connection, params: dict[str, Any]) -> tuple[bool, str | None]:
-    """The enqueue on the caller's own psycopg connection (so inside its transaction), without
-    SQLAlchemy's per-execution work, which cost as much as the INSERT's round trip on this hot path."""
-    insert_sql, constants, existing_sql = _psycopg_sql()
+_Existing = tuple[str, str] | None
+
+
+def _run_psycopg(connection: sa.Connection, params: dict[str, Any]) -> tuple[bool, _Existing]:
+    """The enqueue on the caller's own psycopg connection (so inside its transaction), as a prepared
+    statement without SQLAlchemy's per-execution work, which cost as much as the INSERT's round trip."""
+    insert_sql, order, constants, existing_sql = _psycopg_sql()
     driver = connection.connection.driver_connection
     assert driver is not None, "the connection is closed"
+    values = {**constants, **params}
     with translate_errors("enqueue an outbox row"), driver.cursor() as cursor:
-        cursor.execute(insert_sql, {**constants, **params})
+        cursor.execute(insert_sql, tuple([values[name] for name in order]), prepare=True)
         if cursor.fetchone() is not None:
             return True, None
-        cursor.execute(existing_sql, {"key": params["key"]})
+        cursor.execute(existing_sql, (params["key"],), prepare=True)
         row = cursor.fetchone()
-        return False, None if row is None else row[0]
+        return False, None if row is None else (row[0], row[1])
 
 
-def _run_generic(connection: sa.Connection, params: dict[str, Any]) -> tuple[bool, str | None]:
+def _run_generic(connection: sa.Connection, params: dict[str, Any]) -> tuple[bool, _Existing]:
     with translate_errors("enqueue an outbox row"):
         if connection.execute(_insert_statement(connection.dialect.name), params).first() is not None:
             return True, None
-        existing: str | None = connection.execute(_EXISTING, {"key": params["key"]}).scalar_one_or_none()
-        return False, existing
+        row = connection.execute(_EXISTING, {"key": params["key"]}).first()
+        return False, None if row is None else (row[0], row[1])
 
 
 def enqueue_once(
@@ -224,8 +231,10 @@ def enqueue_once(
     """Add a pending outbox row inside the caller's transaction; True if inserted, False if already there.
 
     Call it on the connection that holds the domain change, so both commit (or roll back) together. A
-    repeat with the same key and the same payload is a no-op (returns False); the same key with a
-    different payload raises :class:`OutboxConflictError`. Invalid input raises
+    repeat with the same key, topic and payload is a no-op (returns False); the same key with a different
+    payload *or another topic* raises :class:`OutboxConflictError`. The key alone is the effect's
+    identity downstream (the receiver deduplicates on ``Idempotency-Key``), so a second row under one key
+    could never be delivered as a second effect: it would be swallowed as a replay. Invalid input raises
     :class:`InvalidPayloadError` before any SQL is sent.
 
     Example::
@@ -258,10 +267,15 @@ def enqueue_once(
             return True
         if existing is None:
             continue
-        if existing == fingerprint:
+        existing_sha256, existing_topic = existing
+        if existing_sha256 == fingerprint and existing_topic == topic:
             return False
         raise errors.OutboxConflictError(
-            idempotency_key=idempotency_key, existing_sha256=existing, new_sha256=fingerprint
+            idempotency_key=idempotency_key,
+            existing_sha256=existing_sha256,
+            new_sha256=fingerprint,
+            existing_topic=existing_topic,
+            new_topic=topic,
         )
     raise errors.StorageError(
         f"outbox key {idempotency_key!r} conflicted but could not be read back twice; retry the transaction"
@@ -270,35 +284,78 @@ def enqueue_once(
 
 @dataclasses.dataclass(frozen=True)
 class DueSummary:
-    """How much is waiting: rows a dispatcher could claim now, and how long the oldest has waited."""
+    """How much is waiting: rows a dispatcher could claim now, how long the oldest has waited, and how many
+    pending rows already failed at least once (due now or waiting out a backoff, not in flight)."""
 
     due: int
     oldest_due_age_ms: int | None
+    retrying: int = 0
 
 
-def due_summary(engine_or_connection: sa.Engine | sa.Connection) -> DueSummary:
-    """Count due rows and the age of the oldest, in one query over the partial index of pending rows."""
+def _check_topics(topics: object) -> list[str] | None:
+    if topics is None:
+        return None
+    if isinstance(topics, str | bytes) or not isinstance(topics, Collection):
+        raise errors.ConfigurationError(
+            f"topics={topics!r} must be a collection of topic names (e.g. a list or set), or None for all"
+        )
+    names = sorted(set(topics))
+    for name in names:
+        if not isinstance(name, str):
+            raise errors.ConfigurationError(f"topics must hold str topic names, got {name!r}")
+    return names
+
+
+def due_summary(
+    engine_or_connection: sa.Engine | sa.Connection, *, topics: Collection[str] | None = None
+) -> DueSummary:
+    """Count due rows, the age of the oldest and the retrying rows, in one query over pending rows only
+    (the partial index of pending rows, or the status/topic index when ``topics`` narrows it).
+
+    ``topics`` limits the summary to those topics (a dispatcher's routed topics); ``None`` means all.
+    """
+    names = _check_topics(topics)
+    if names == []:
+        return DueSummary(due=0, oldest_due_age_ms=None, retrying=0)
     t = outbox_table
-    oldest = sa.func.min(t.c.next_attempt_at)
-    stmt = sa.select(sa.func.count(), -ms_until(oldest)).select_from(t).where(due_clause())
+    due = sa.and_(
+        t.c.next_attempt_at <= db_now(),
+        sa.or_(t.c.claim_expires_at.is_(None), t.c.claim_expires_at < db_now()),
+    )
+    not_in_flight = sa.or_(t.c.claim_expires_at.is_(None), t.c.claim_expires_at < db_now())
+    stmt = (
+        sa.select(
+            sa.func.count().filter(due),
+            -ms_until(sa.func.min(t.c.next_attempt_at).filter(due)),
+            sa.func.count().filter(sa.and_(t.c.attempts > 0, not_in_flight)),
+        )
+        .select_from(t)
+        .where(_PENDING)
+    )
+    if names is not None:
+        stmt = stmt.where(t.c.topic.in_(names))
     with translate_errors("summarize the outbox"):
         if isinstance(engine_or_connection, sa.Engine):
             with engine_or_connection.connect() as conn:
                 row = conn.execute(stmt).one()
         else:
             row = engine_or_connection.execute(stmt).one()
-    due, age = row
-    return DueSummary(due=int(due), oldest_due_age_ms=None if age is None else max(0, int(age)))
+    count, age, retrying = row
+    return DueSummary(
+        due=int(count),
+        oldest_due_age_ms=None if age is None else max(0, int(age)),
+        retrying=int(retrying),
+    )
 
 
 @dataclasses.dataclass(frozen=True)
 class DeliveryHealth:
     """What a location's delivery checks look at, on the database clock.
 
-    ``due``/``oldest_due_age_ms``: rows of the routed topics a dispatcher could claim now. ``retrying``:
-    routed rows still pending after a failed attempt. ``dead``: routed rows parked DEAD. ``unrouted``:
-    pending rows of topics this location does not route that are older than the threshold (another
-    location should deliver them; if none does, they would otherwise sit unseen).
+    ``due``/``oldest_due_age_ms``/``retrying``: as :func:`due_summary` counts them for the routed topics.
+    ``dead``: routed rows parked DEAD. ``unrouted``: pending rows of topics this location does not route
+    that are older than the threshold (another location should deliver them; if none does, they would
+    otherwise sit unseen).
     """
 
     due: int
@@ -310,21 +367,10 @@ class DeliveryHealth:
     unrouted_topics: tuple[str, ...]
 
 
-def _check_topics(topics: Any) -> tuple[str, ...] | None:
-    if topics is None:
-        return None
-    if isinstance(topics, str) or not all(isinstance(t, str) for t in topics):
-        raise errors.ConfigurationError(
-            f"topics={topics!r} must be a collection of topic names (e.g. the keys of the routes), or None "
-            "for every topic"
-        )
-    return tuple(sorted(set(topics)))
-
-
 def delivery_health(
     engine_or_connection: sa.Engine | sa.Connection,
     *,
-    topics: Any = None,
+    topics: Collection[str] | None = None,
     unrouted_after_ms: int = 15 * 60_000,
 ) -> DeliveryHealth:
     """Summarize delivery for ``topics`` (``None``: every topic) in a few indexed queries.
@@ -343,16 +389,6 @@ def delivery_health(
         )
     t = outbox_table
     routed: sa.ColumnElement[bool] = sa.true() if scoped is None else t.c.topic.in_(scoped)
-    due_stmt = (
-        sa.select(sa.func.count(), -ms_until(sa.func.min(t.c.next_attempt_at)))
-        .select_from(t)
-        .where(due_clause(), routed)
-    )
-    retrying_stmt = (
-        sa.select(sa.func.count())
-        .select_from(t)
-        .where(_PENDING, routed, t.c.attempts > 0, t.c.last_error.is_not(None))
-    )
     dead_stmt = (
         sa.select(sa.func.count()).select_from(t).where(t.c.status == sa.literal_column("'DEAD'"), routed)
     )
@@ -361,8 +397,7 @@ def delivery_health(
             conn = stack.enter_context(engine_or_connection.connect())
         else:
             conn = engine_or_connection
-        due, due_age = conn.execute(due_stmt).one()
-        retrying = int(conn.execute(retrying_stmt).scalar_one())
+        summary = due_summary(conn, topics=scoped)
         dead = int(conn.execute(dead_stmt).scalar_one())
         unrouted, unrouted_age, unrouted_topics = 0, None, ()
         if scoped is not None:
@@ -381,9 +416,9 @@ def delivery_health(
                     .all()
                 )
     return DeliveryHealth(
-        due=int(due),
-        oldest_due_age_ms=None if due_age is None else max(0, int(due_age)),
-        retrying=retrying,
+        due=summary.due,
+        oldest_due_age_ms=summary.oldest_due_age_ms,
+        retrying=summary.retrying,
         dead=dead,
         unrouted=int(unrouted),
         oldest_unrouted_age_ms=None if unrouted_age is None else max(0, int(unrouted_age)),

@@ -214,24 +214,59 @@ def test_redirects_are_not_followed_and_secrets_stay_home(
     assert "redirects are not followed" in row.last_error
 
 
-def test_delivers_through_the_receiver_and_parks_unknown_topics(engine: sa.Engine, db_url: str) -> None:
+def test_delivers_through_the_receiver_and_leaves_unrouted_topics_untouched(
+    engine: sa.Engine, db_url: str
+) -> None:
     keys = enqueue_many(engine, 40, topic="work")
     with engine.begin() as conn:
         outbox.enqueue_once(conn, idempotency_key="v2:orphan", topic="nowhere", payload={"v": 1})
+    before = _row(engine, "v2:orphan")
     with (
         start_receiver(db_url) as receiver,
         Dispatcher(engine, {"work": Route(receiver.url + "/work")}, concurrency=8) as dispatcher,
     ):
         report = dispatcher.dispatch(limit=100)
-    assert (report.claimed, report.sent, report.dead, report.retried) == (41, 40, 1, 0)
-    assert status_counts(engine) == {"SENT": 40, "DEAD": 1}
+        assert dispatcher.dispatch(limit=100).claimed == 0
+    assert (report.claimed, report.sent, report.dead, report.retried) == (40, 40, 0, 0)
+    assert status_counts(engine) == {"SENT": 40, "PENDING": 1}
     applied = effects(engine)
     assert sorted(k for k, _, _ in applied) == keys
     assert all(json.loads(body)["v"] == 1 and topic == "work" for _, topic, body in applied)
-    orphan = _row(engine, "v2:orphan")
-    assert orphan.last_error.startswith("no route configured for topic 'nowhere'")
-    assert orphan.last_status is None
-    assert outbox.due_summary(engine).due == 0
+    # A topic this dispatcher does not route is someone else's: not claimed, not dead-lettered, not touched.
+    assert _row(engine, "v2:orphan") == before
+    assert outbox.due_summary(engine).due == 1
+    assert outbox.due_summary(engine, topics=["work"]).due == 0
+    assert outbox.due_summary(engine, topics={"nowhere"}).due == 1
+
+
+def test_two_dispatchers_with_disjoint_routes_share_one_database(pg_engine: sa.Engine, pg_url: str) -> None:
+    """Two code locations, one joblease database: each delivers only its own topics, in any order."""
+    billing = enqueue_many(pg_engine, 15, topic="billing", prefix="v2:bill")
+    mail = enqueue_many(pg_engine, 10, topic="mail", prefix="v2:mail")
+    with (
+        start_receiver(pg_url) as receiver,
+        Dispatcher(pg_engine, {"billing": Route(receiver.url + "/billing")}, concurrency=4) as first,
+        Dispatcher(pg_engine, {"mail": Route(receiver.url + "/mail")}, concurrency=1) as second,
+    ):
+        assert outbox.due_summary(pg_engine, topics=["billing"]).due == 15
+        assert outbox.due_summary(pg_engine, topics=["mail"]).due == 10
+        one = first.dispatch(limit=100)
+        assert (one.claimed, one.sent) == (15, 15)
+        assert {r.topic for r in one.rows} == {"billing"}
+        assert status_counts(pg_engine) == {"SENT": 15, "PENDING": 10}
+        t = outbox_table
+        with pg_engine.connect() as conn:
+            untouched = conn.execute(
+                sa.select(t.c.attempts, t.c.claim_token, t.c.last_error).where(t.c.topic == "mail")
+            ).all()
+        assert set(untouched) == {(0, None, None)}
+        assert first.dispatch(limit=100).claimed == 0
+        two = second.dispatch(limit=100)
+        assert (two.claimed, two.sent) == (10, 10)
+    assert status_counts(pg_engine) == {"SENT": 25}
+    applied = {key: topic for key, topic, _ in effects(pg_engine)}
+    assert applied == {**dict.fromkeys(billing, "billing"), **dict.fromkeys(mail, "mail")}
+    assert outbox.due_summary(pg_engine) == outbox.DueSummary(due=0, oldest_due_age_ms=None, retrying=0)
 
 
 def test_transient_failures_retry_and_land_while_a_400_goes_dead_at_once(

@@ -10,6 +10,13 @@
 
 from __future__ import annotations
 
+from dagster_joblease.dagster.holders import (
+    DagsterHolder,
+    decode_holder,
+    encode_holder,
+    holder_run_finished,
+    holder_run_status,
+)
 from dagster_joblease.dagster.jobs import (
     BACKLOG_CHECK,
     DEAD_ROWS_CHECK,
@@ -23,11 +30,22 @@ from dagster_joblease.dagster.jobs import (
     outbox_asset_spec,
 )
 from dagster_joblease.dagster.metadata import (
+    FAILED,
+    HELD,
+    LOST,
+    PENDING,
+    RECLAIMED,
+    SKIPPED_SUCCEEDED,
     TAG_ATTEMPT,
     TAG_CODE,
+    TAG_ERROR,
+    TAG_HOLDER,
     TAG_IDEMPOTENCY_KEY,
     TAG_OUTBOX,
     TAG_OUTCOME,
+    TAG_RUN_KEY,
+    TAG_WINNER_RUN_ID,
+    WON,
     LeasedResult,
     schedule_tags,
 )
@@ -45,10 +63,18 @@ from dagster_joblease.dagster.sensors import NOT_FINISHED_STATUSES, build_outbox
 __all__ = [
     "BACKLOG_CHECK",
     "DEAD_ROWS_CHECK",
+    "FAILED",
+    "HELD",
+    "LOST",
     "NOT_FINISHED_STATUSES",
     "OUTBOX_ASSET_KEY",
+    "PENDING",
+    "RECLAIMED",
+    "SKIPPED_SUCCEEDED",
     "TAG_ATTEMPT",
     "TAG_CODE",
+    "TAG_ERROR",
+    "TAG_HOLDER",
     "TAG_IDEMPOTENCY_KEY",
     "TAG_OUTBOX",
     "TAG_OUTCOME",
@@ -56,6 +82,10 @@ __all__ = [
     "TAG_RECONCILE_REASON",
     "TAG_RELAUNCH",
     "UNROUTED_CHECK",
+    "TAG_RUN_KEY",
+    "TAG_WINNER_RUN_ID",
+    "WON",
+    "DagsterHolder",
     "DispatchConfig",
     "JobLeaseResource",
     "LeasedResult",
@@ -67,6 +97,10 @@ __all__ = [
     "build_outbox_sensor",
     "build_reconciliation_sensor",
     "dead_rows_evaluation",
+    "decode_holder",
+    "encode_holder",
+    "holder_run_finished",
+    "holder_run_status",
     "leased_asset",
     "leased_op",
     "outbox_asset_spec",

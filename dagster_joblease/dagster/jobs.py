@@ -17,7 +17,7 @@ their own schedule, so they run even when no dispatcher does.
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
 import dagster as dg
@@ -58,7 +58,6 @@ outbox_asset_spec = dg.AssetSpec(
     group_name="joblease",
 )
 
-_DispatchOutput = dg.Output[dict[str, int]]
 RoutesSource = Mapping[str, "dispatch.Route"] | Callable[[], Mapping[str, "dispatch.Route"]]
 
 
@@ -243,7 +242,6 @@ class OutboxHealth:
 
     def asset_checks(self) -> list[dg.AssetChecksDefinition]:
         """The three checks as asset checks on ``joblease_outbox``, runnable on their own from the UI."""
-        key = self.resource_key
         descriptions = {
             DEAD_ROWS_CHECK: "Fails (ERROR) while a routed outbox row is dead-lettered, and names the rows.",
             BACKLOG_CHECK: "Warns while routed rows are retrying or the oldest due row is older than the "
@@ -251,27 +249,24 @@ class OutboxHealth:
             UNROUTED_CHECK: "Warns while pending rows of topics this location does not route are older than "
             "the threshold.",
         }
-        checks = []
-        for index, (name, description) in enumerate(descriptions.items()):
+        return [self._asset_check(i, name, text) for i, (name, text) in enumerate(descriptions.items())]
 
-            def _check(context: AssetCheckExecutionContext, index: int = index) -> dg.AssetCheckResult:
-                evaluation = self.evaluate(getattr(context.resources, key).engine)[index]
-                return dg.AssetCheckResult(
-                    passed=evaluation.passed,
-                    severity=evaluation.severity,
-                    metadata=evaluation.metadata,
-                    description=evaluation.description,
-                )
+    def _asset_check(self, index: int, name: str, description: str) -> dg.AssetChecksDefinition:
+        key = self.resource_key
 
-            checks.append(
-                dg.asset_check(
-                    asset=OUTBOX_ASSET_KEY,
-                    name=name,
-                    description=description,
-                    required_resource_keys={key},
-                )(real_annotations(_check, dg.AssetCheckResult, context=AssetCheckExecutionContext))
+        def _check(context: AssetCheckExecutionContext) -> dg.AssetCheckResult:
+            evaluation = self.evaluate(getattr(context.resources, key).engine)[index]
+            return dg.AssetCheckResult(
+                passed=evaluation.passed,
+                severity=evaluation.severity,
+                metadata=evaluation.metadata,
+                description=evaluation.description,
             )
-        return checks
+
+        check: dg.AssetChecksDefinition = dg.asset_check(
+            asset=OUTBOX_ASSET_KEY, name=name, description=description, required_resource_keys={key}
+        )(real_annotations(_check, dg.AssetCheckResult, context=AssetCheckExecutionContext))
+        return check
 
 
 def build_dead_rows_check(
@@ -317,7 +312,7 @@ def build_dispatcher_job(
     """
     checks = health or OutboxHealth(routes=routes, resource_key=resource_key)
 
-    def _dispatch(context: OpExecutionContext, config: DispatchConfig) -> dg.Output[dict[str, int]]:
+    def _dispatch(context: OpExecutionContext, config: DispatchConfig) -> Iterator[Any]:
         resource = getattr(context.resources, resource_key)
         route_map = resolve_routes(routes)
         topics = tuple(sorted(route_map))
@@ -357,9 +352,10 @@ def build_dispatcher_job(
         meta["result"] = dg.MetadataValue.text(verdict)
         meta["delivered_nothing"] = dg.MetadataValue.bool(totals.sent == 0)
         meta["topics"] = dg.MetadataValue.text(", ".join(topics))
-        context.log_event(dg.AssetObservation(asset_key=OUTBOX_ASSET_KEY, metadata=meta))
-        for evaluation in checks.evaluate(resource.engine):
-            context.log_event(evaluation)  # type: ignore[arg-type]
+        # Yielded, not logged: logged events are flushed only when the step succeeds, and a run that
+        # delivered nothing must still show its counts and checks.
+        yield dg.AssetObservation(asset_key=OUTBOX_ASSET_KEY, metadata=meta)
+        yield from checks.evaluate(resource.engine)
         if totals.claimed > 0 and totals.sent == 0:
             raise dg.Failure(
                 description=(
@@ -371,13 +367,13 @@ def build_dispatcher_job(
                 metadata=meta,
                 allow_retries=True,
             )
-        return dg.Output(counts, metadata=meta)
+        yield dg.Output(counts, metadata=meta)
 
     dispatch_op = dg.op(
         name=f"{name}_dispatch",
         required_resource_keys={resource_key},
         description="Claim, deliver and record due outbox rows of the routed topics; report the counts.",
-    )(real_annotations(_dispatch, _DispatchOutput, context=OpExecutionContext, config=DispatchConfig))
+    )(real_annotations(_dispatch, context=OpExecutionContext, config=DispatchConfig))
 
     @dg.job(
         name=name,

@@ -447,7 +447,9 @@ def build_reconciliation_sensor(
         )
 
     decorator_kwargs: dict[str, Any] = (
-        {"job": target} if asset_key is None else {"asset_selection": [asset_key]}
+        # The job by name: a sensor holding the job object is rebuilt when Definitions binds resources,
+        # and that copy raises a BetaWarning (``owners=[]``) in every process that loads the location.
+        {"job_name": job_name} if asset_key is None else {"asset_selection": [asset_key]}
     )
     sensor: dg.SensorDefinition = dg.sensor(
         name=sensor_name,

@@ -17,13 +17,40 @@ import dagster as dg
 import sqlalchemy as sa
 from pydantic import Field, PrivateAttr
 
-from dagster_joblease import exclusive, identity, lease, options, outbox
+from dagster_joblease import errors, exclusive, identity, lease, options, outbox
+from dagster_joblease.dagster import holders
 from dagster_joblease.storage import engine as storage_engine
 from dagster_joblease.storage.migrate import current_revision, head_revision, migrate, require_schema
 
-__all__ = ["JobLeaseResource"]
+__all__ = [
+    "DAGSTER_DEFAULT_HEARTBEAT_MS",
+    "DAGSTER_DEFAULT_HELD_WAIT_MS",
+    "DAGSTER_DEFAULT_LEASE_MS",
+    "JobLeaseResource",
+    "check_held_wait_ms",
+]
 
 T = TypeVar("T")
+
+#: Dagster-side defaults: a dead holder on this instance is taken over after about two heartbeats
+#: (20 s) once its run is finished; one on another deployment after at most the lease (3 minutes).
+DAGSTER_DEFAULT_LEASE_MS = 3 * 60_000
+DAGSTER_DEFAULT_HEARTBEAT_MS = 10_000
+#: How long a run that finds its partition held waits for the holder: longer than the default lease, so
+#: a dead holder anywhere is taken over within one wait.
+DAGSTER_DEFAULT_HELD_WAIT_MS = 5 * 60_000
+MAX_HELD_WAIT_MS = 24 * 3_600_000
+
+
+def check_held_wait_ms(value: object) -> int:
+    """``held_wait_ms``: 0 (do not wait) up to a day, as an int number of milliseconds."""
+    if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value <= MAX_HELD_WAIT_MS:
+        raise errors.InvalidLeaseOptionsError(
+            "held_wait_ms",
+            value,
+            f"must be an int number of milliseconds from 0 (fail at once) to {MAX_HELD_WAIT_MS} (a day)",
+        )
+    return value
 
 
 class JobLeaseResource(dg.ConfigurableResource):  # type: ignore[type-arg]
@@ -49,9 +76,29 @@ class JobLeaseResource(dg.ConfigurableResource):  # type: ignore[type-arg]
             "$JOBLEASE_DATABASE_URL, else an SQLite file under $DAGSTER_HOME or ./.joblease/."
         ),
     )
-    lease_ms: int | None = Field(default=None, description="Lease length in ms (default 15 minutes).")
+    lease_ms: int | None = Field(
+        default=None, description="Lease length in ms (default 3 minutes inside Dagster)."
+    )
     heartbeat_ms: int | None = Field(
-        default=None, description="Renewal interval in ms (default min(60 s, lease_ms / 3); 0: none)."
+        default=None,
+        description=(
+            "Renewal interval in ms (default min(10 s, lease_ms / 3); 0: none). A finished run's lease "
+            "is taken over once its heartbeat is older than twice this."
+        ),
+    )
+    held_wait_ms: int | None = Field(
+        default=None,
+        description=(
+            "How long a run that finds its partition held by a live lease waits for the holder before it "
+            "fails as 'held' (default 5 minutes; leased_op/leased_asset can override it)."
+        ),
+    )
+    deployment: str | None = Field(
+        default=None,
+        description=(
+            "This deployment's name in lease holders (dagster:<deployment>/<run_id>); default "
+            "'storage-' + the start of the instance's run storage id."
+        ),
     )
     migrate_on_first_use: bool = Field(
         default=True,
@@ -77,9 +124,33 @@ class JobLeaseResource(dg.ConfigurableResource):  # type: ignore[type-arg]
     def teardown_after_execution(self, context: dg.InitResourceContext) -> None:
         self.close()
 
+    def timing(self) -> options.LeaseTiming:
+        """The lease length and heartbeat with the Dagster-side defaults (3 minutes, 10 s)."""
+        lease_ms = DAGSTER_DEFAULT_LEASE_MS if self.lease_ms is None else self.lease_ms
+        heartbeat_ms = self.heartbeat_ms
+        if heartbeat_ms is None and isinstance(lease_ms, int) and not isinstance(lease_ms, bool):
+            heartbeat_ms = min(DAGSTER_DEFAULT_HEARTBEAT_MS, options.default_heartbeat_ms(lease_ms))
+        return options.resolve_timing(lease_ms, heartbeat_ms)
+
+    def resolved_held_wait_ms(self) -> int:
+        return (
+            DAGSTER_DEFAULT_HELD_WAIT_MS
+            if self.held_wait_ms is None
+            else check_held_wait_ms(self.held_wait_ms)
+        )
+
+    def resolved_deployment(self, instance: dg.DagsterInstance) -> str:
+        """The deployment label for holders: the configured one, else derived from ``instance``."""
+        if self.deployment is not None:
+            return holders.validate_deployment(self.deployment)
+        return holders.default_deployment(instance)
+
     def _start(self) -> None:
-        # Validate the timing before any connection is opened: bad options must not touch the database.
-        options.resolve_timing(self.lease_ms, self.heartbeat_ms)
+        # Validate the options before any connection is opened: bad options must not touch the database.
+        timing = self.timing()
+        self.resolved_held_wait_ms()
+        if self.deployment is not None:
+            holders.validate_deployment(self.deployment)
         engine = storage_engine.create_engine(self.resolved_url())
         try:
             if self.migrate_on_first_use:
@@ -87,7 +158,7 @@ class JobLeaseResource(dg.ConfigurableResource):  # type: ignore[type-arg]
                     migrate(engine)
             else:
                 require_schema(engine)
-            service = lease.LeaseService(engine, lease_ms=self.lease_ms, heartbeat_ms=self.heartbeat_ms)
+            service = lease.LeaseService(engine, lease_ms=timing.lease_ms, heartbeat_ms=timing.heartbeat_ms)
         except BaseException:
             engine.dispose()
             raise

@@ -70,9 +70,11 @@ def build_outbox_sensor(
             f"checks_interval_seconds={checks_interval_seconds!r} must be an int (seconds)"
         )
 
+    # By name, not by object: Definitions rebuilds a sensor's job objects when it binds resources, and
+    # that copy passes `owners=[]`, which Dagster 1.13 reports as a BetaWarning in every process.
     @dg.sensor(
         name=name,
-        job=job,
+        job_name=job.name,
         minimum_interval_seconds=minimum_interval_seconds,
         default_status=default_status,
         required_resource_keys={resource_key},

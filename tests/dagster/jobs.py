@@ -7,11 +7,13 @@ subprocess or a re-executed run in another process finds the same database.
 from __future__ import annotations
 
 import os
+import time
 from pathlib import Path
 
 import dagster as dg
 import sqlalchemy as sa
 
+from dagster_joblease import LeaseService
 from dagster_joblease.dagster import (
     JobLeaseResource,
     LeasedRun,
@@ -59,8 +61,8 @@ def write_domain_and_outbox(run: LeasedRun) -> str:
     return key
 
 
-def _job(code: str, name: str) -> dg.JobDefinition:
-    op = leased_op(code=code, name=f"{name}_op")(write_domain_and_outbox)
+def _job(code: str, name: str, held_wait_ms: int | None = None) -> dg.JobDefinition:
+    op = leased_op(code=code, name=f"{name}_op", held_wait_ms=held_wait_ms)(write_domain_and_outbox)
 
     @dg.job(
         name=name,
@@ -70,6 +72,70 @@ def _job(code: str, name: str) -> dg.JobDefinition:
     )
     def _the_job() -> None:
         op()
+
+    return _the_job
+
+
+#: Leases far longer than any test: a lease freed during a test was freed by its holder or a takeover.
+#: A 1 s heartbeat: a finished run's holder is dead once its heartbeat is 2 s old.
+WAIT_RESOURCE = JobLeaseResource(heartbeat_ms=1_000, lease_ms=600_000, deployment="tests")
+
+
+def waiting_job() -> dg.JobDefinition:
+    """A run that waits up to 60 s for a live holder (long leases: only takeover or the holder frees it)."""
+    op = leased_op(code="t-wait", name="waiting_job_op", held_wait_ms=60_000)(write_domain_and_outbox)
+
+    @dg.job(
+        name="waiting_job",
+        partitions_def=days,
+        executor_def=dg.in_process_executor,
+        resource_defs={"joblease": WAIT_RESOURCE},
+    )
+    def _the_job() -> None:
+        op()
+
+    return _the_job
+
+
+def impatient_job() -> dg.JobDefinition:
+    """Gives up on a live holder after 0.3 s: the run fails as ``held``."""
+    op = leased_op(code="t-wait", name="impatient_job_op", held_wait_ms=300)(write_domain_and_outbox)
+
+    @dg.job(
+        name="impatient_job",
+        partitions_def=days,
+        executor_def=dg.in_process_executor,
+        resource_defs={"joblease": WAIT_RESOURCE},
+    )
+    def _the_job() -> None:
+        op()
+
+    return _the_job
+
+
+READY_ENV = "JOBLEASE_TEST_READY_FILE"  # the blocking op writes "<pid> <run id>" once it holds the lease
+
+
+@leased_op(code="t-wait", name="blocking_op")
+def blocking_op(run: LeasedRun) -> None:
+    """Holds the lease (heartbeating) until its process is killed; a test reads the pid from the file."""
+    Path(os.environ[READY_ENV]).write_text(f"{os.getpid()} {run.context.run_id}")
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline:
+        time.sleep(0.05)
+
+
+def blocking_job() -> dg.JobDefinition:
+    """The op runs in its own step process (multiprocess executor), as in a deployed run worker."""
+
+    @dg.job(
+        name="blocking_job",
+        partitions_def=days,
+        executor_def=dg.multiprocess_executor,
+        resource_defs={"joblease": WAIT_RESOURCE},
+    )
+    def _the_job() -> None:
+        blocking_op()
 
     return _the_job
 
@@ -87,6 +153,50 @@ def leased_daily_asset(run: LeasedRun) -> str:
     return write_domain_and_outbox(run)
 
 
+def _seen_tags(run: LeasedRun) -> dict[str, str]:
+    """The run's joblease tags as stored while the body runs (after the step's 'pending' overwrite)."""
+    stored = run.context.instance.get_run_by_id(run.context.run_id)
+    assert stored is not None
+    return {k: v for k, v in stored.tags.items() if k.startswith("joblease/")}
+
+
+@leased_op(code="t-tags", name="tag_probe_op")
+def tag_probe_op(run: LeasedRun) -> dict[str, str]:
+    seen = _seen_tags(run)
+    write_domain_and_outbox(run)
+    return seen
+
+
+@leased_op(code="t-lost", name="lost_op")
+def lost_op(run: LeasedRun) -> None:
+    """Another worker reclaims the lease mid-body (simulated by failing it): the fenced commit refuses."""
+    LeaseService(run.resource.engine).fail(run.lease, "reclaimed by another worker")
+    write_domain_and_outbox(run)
+
+
+first_leased = leased_op(code="t-two-a", name="first_leased")(write_domain_and_outbox)
+second_leased = leased_op(code="t-two-b", name="second_leased")(write_domain_and_outbox)
+
+
+def probe_jobs() -> list[dg.JobDefinition]:
+    resources = {"joblease": JobLeaseResource(heartbeat_ms=200, lease_ms=2_000)}
+
+    @dg.job(name="tag_probe_job", partitions_def=days, resource_defs=resources)
+    def tag_probe_job() -> None:
+        tag_probe_op()
+
+    @dg.job(name="lost_job", partitions_def=days, resource_defs=resources)
+    def lost_job() -> None:
+        lost_op()
+
+    @dg.job(name="two_leased_ops_job", partitions_def=days, resource_defs=resources)
+    def two_leased_ops_job() -> None:
+        first_leased()
+        second_leased()
+
+    return [tag_probe_job, lost_job, two_leased_ops_job]
+
+
 def routes() -> dict[str, Route]:
     return {TOPIC: Route(os.environ.get(RECEIVER_ENV, "http://127.0.0.1:9/unset") + "/" + TOPIC)}
 
@@ -98,7 +208,7 @@ dead_rows_check = build_dead_rows_check()
 defs = dg.Definitions(
     assets=[outbox_asset_spec, leased_daily_asset],
     asset_checks=[dead_rows_check],
-    jobs=[backfill_job(), retry_job(), dispatch_job],
+    jobs=[backfill_job(), retry_job(), dispatch_job, *probe_jobs()],
     sensors=[dispatch_sensor],
     resources={"joblease": JobLeaseResource()},
 )

@@ -29,11 +29,14 @@ def _outbox_count(url: str) -> int:
         engine.dispose()
 
 
-@leased_op(code="unit-op")
-def enqueue_partition(run: LeasedRun) -> str:
+def _enqueue(run: LeasedRun) -> str:
     with run.transaction() as conn:
         run.enqueue_once(conn, topic="unit", payload={"p": run.partition_key})
     return f"did {run.partition_key}"
+
+
+enqueue_partition = leased_op(code="unit-op", name="enqueue_partition")(_enqueue)
+impatient_enqueue = leased_op(code="unit-op", name="impatient_enqueue", held_wait_ms=200)(_enqueue)
 
 
 def test_op_under_build_op_context_wins_then_skips(db_url: str) -> None:
@@ -49,30 +52,29 @@ def test_op_under_build_op_context_wins_then_skips(db_url: str) -> None:
     assert first.metadata["joblease/outcome"] == dg.MetadataValue.text("won")
     assert first.metadata["joblease/attempt"] == dg.MetadataValue.int(1)
     (skipped,) = second.value
-    assert (skipped.outcome, skipped.attempt, skipped.outbox) == (
-        "skipped: already succeeded",
-        1,
-        "not enqueued",
-    )
+    assert (skipped.outcome, skipped.attempt, skipped.outbox) == ("skipped-succeeded", 1, "not-enqueued")
+    assert first.metadata["joblease/holder"] == dg.MetadataValue.text(won.holder or "")
+    assert skipped.holder == won.holder  # build_op_context has no run: the holder is host:pid
     assert _outbox_count(db_url) == 1
 
 
-def test_a_live_lease_elsewhere_is_a_recorded_skip(db_url: str) -> None:
+def test_a_live_lease_elsewhere_is_held_not_a_green_skip(db_url: str) -> None:
     engine = create_engine(db_url)
     try:
-        held = LeaseService(engine).acquire(JobIdentity.schedule("unit-op", "2024-01-02"))
-        assert held is not None
-        with dg.build_op_context(
-            partition_key="2024-01-02", resources={"joblease": JobLeaseResource(database_url=db_url)}
-        ) as context:
-            output = enqueue_partition(context)
-        (result,) = output.value
-        assert (result.outcome, result.attempt, result.outbox) == (
-            "skipped: held by a live lease",
-            1,
-            "not enqueued",
+        held = LeaseService(engine, holder="elsewhere:42").acquire(
+            JobIdentity.schedule("unit-op", "2024-01-02")
         )
+        assert held is not None
+        with (
+            dg.build_op_context(
+                partition_key="2024-01-02", resources={"joblease": JobLeaseResource(database_url=db_url)}
+            ) as context,
+            pytest.raises(dg.Failure, match="still held by elsewhere:42") as failure,
+        ):
+            impatient_enqueue(context)
+        assert failure.value.metadata["joblease/outcome"] == dg.MetadataValue.text("held")
         assert _outbox_count(db_url) == 0
+        assert LeaseService(engine).heartbeat(held)  # the holder keeps its lease
     finally:
         engine.dispose()
 
@@ -141,7 +143,7 @@ def test_initial_op_runs_once_forever(sqlite_url: str) -> None:
         with dg.build_op_context(resources=resources) as context:
             (result,) = seed(context).value
             outcomes.append((result.outcome, result.partition_key, result.outbox))
-    assert outcomes == [("won", None, "inserted"), ("skipped: already succeeded", None, "not enqueued")]
+    assert outcomes == [("won", None, "inserted"), ("skipped-succeeded", None, "not-enqueued")]
 
 
 def test_a_schedule_op_without_a_partition_is_a_configuration_error(sqlite_url: str) -> None:

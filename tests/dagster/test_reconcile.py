@@ -36,6 +36,7 @@ from tests.dagster import jobs
 from tests.dagster.conftest import DagsterPg
 
 DAYS = [f"2024-02-{d:02d}" for d in range(1, 8)]
+JOBS: dict[str, dg.JobDefinition] = {}
 
 
 @pytest.fixture
@@ -50,16 +51,17 @@ def case() -> tuple[str, dg.JobDefinition]:
     """A fresh code and job name per test (the module shares one database and one instance)."""
     suffix = uuid.uuid4().hex[:6]
     code = f"rc-{suffix}"
-    return code, jobs._job(code, f"rc_job_{suffix}")
+    job = JOBS[f"rc_job_{suffix}"] = jobs._job(code, f"rc_job_{suffix}")
+    return code, job
 
 
 def _tick(
     dagster_pg: DagsterPg, sensor: dg.SensorDefinition, cursor: str | None = None
 ) -> tuple[list[dg.RunRequest], str, dict[str, Any], Any]:
-    targets = sensor.targets  # empty for a sensor on an asset selection
+    job = None if sensor.asset_selection is not None else JOBS[sensor.job_name]
     defs = dg.Definitions(
-        jobs=[targets[0].job_def] if targets else [],
-        assets=[] if targets else [jobs.leased_daily_asset],
+        jobs=[job] if job else [],
+        assets=[] if job else [jobs.leased_daily_asset],
         sensors=[sensor],
         resources={"joblease": JobLeaseResource()},
     )
