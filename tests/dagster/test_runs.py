@@ -15,14 +15,20 @@ import pytest
 import sqlalchemy as sa
 from dagster_graphql.test.utils import define_out_of_process_context, execute_dagster_graphql
 
-from dagster_joblease import JobIdentity, create_engine, outbox
+from dagster_joblease import JobIdentity, LeaseService, create_engine, outbox
 from dagster_joblease.dagster import (
     TAG_ATTEMPT,
+    TAG_CODE,
+    TAG_ERROR,
+    TAG_HOLDER,
     TAG_IDEMPOTENCY_KEY,
     TAG_OUTBOX,
     TAG_OUTCOME,
+    TAG_RUN_KEY,
+    TAG_WINNER_RUN_ID,
     JobLeaseResource,
 )
+from dagster_joblease.dagster.holders import default_deployment
 from dagster_joblease.receiver import effect_count
 from dagster_joblease.storage.schema import lease_table, outbox_table
 from tests.conftest import wait_until
@@ -66,6 +72,12 @@ def _due(url: str) -> int:
         engine.dispose()
 
 
+def _run_tags(dagster_pg: DagsterPg, run_id: str) -> dict[str, str]:
+    run = dagster_pg.instance.get_run_by_id(run_id)
+    assert run is not None
+    return dict(run.tags)
+
+
 def _key(code: str, day: str) -> str:
     return JobIdentity.schedule(code, day).idempotency_key
 
@@ -104,11 +116,13 @@ def test_two_concurrent_backfills_and_schedule_runs_give_one_effect_per_partitio
     losers = [run for run in runs if run not in winners]
     assert sorted(run.tags["dagster/partition"] for run in winners) == DAYS
     assert len(losers) == 40
-    assert {run.tags[TAG_OUTCOME] for run in losers} <= {
-        "skipped: already succeeded",
-        "skipped: held by a live lease",
-    }
-    assert {run.tags[TAG_OUTBOX] for run in losers} == {"not enqueued"}
+    # A loser that found its partition held waited for the winner: every loser is a recorded skip
+    # naming the winner's run, none a green "held" skip.
+    assert {run.tags[TAG_OUTCOME] for run in losers} == {"skipped-succeeded"}
+    winner_of = {run.tags["dagster/partition"]: run.run_id for run in winners}
+    for run in losers:
+        assert run.tags[TAG_WINNER_RUN_ID] == winner_of[run.tags["dagster/partition"]]
+    assert {run.tags[TAG_OUTBOX] for run in losers} == {"not-enqueued"}
     assert {run.tags[TAG_OUTBOX] for run in winners} == {"inserted"}
     for run in runs:
         assert run.tags[TAG_IDEMPOTENCY_KEY] == _key("t-backfill", run.tags["dagster/partition"])
@@ -156,8 +170,9 @@ def test_reexecution_of_a_successful_run_skips_without_a_new_effect(dagster_pg: 
         assert again.success
     child = dagster_pg.instance.get_run_by_id(again.run_id)
     assert child is not None and child.parent_run_id == first.run_id
-    assert child.tags[TAG_OUTCOME] == "skipped: already succeeded"
+    assert child.tags[TAG_OUTCOME] == "skipped-succeeded"
     assert child.tags[TAG_ATTEMPT] == "1" and child.tags[TAG_IDEMPOTENCY_KEY] == key
+    assert child.tags[TAG_WINNER_RUN_ID] == first.run_id
     assert _outbox_keys(dagster_pg.joblease_url, [key]) == {key: "PENDING"}
     assert _lease(dagster_pg.joblease_url, key).status == "SUCCESS"
 
@@ -174,6 +189,14 @@ def test_a_retry_of_a_failed_run_takes_over_with_the_same_key(dagster_pg: Dagste
         ) as failed:
             assert not failed.success
         assert _lease(dagster_pg.joblease_url, key).status == "FAIL"
+        failed_tags = _run_tags(dagster_pg, failed.run_id)
+        assert (failed_tags[TAG_OUTCOME], failed_tags[TAG_ATTEMPT], failed_tags[TAG_IDEMPOTENCY_KEY]) == (
+            "failed",
+            "1",
+            key,
+        )
+        assert (failed_tags[TAG_CODE], failed_tags[TAG_RUN_KEY]) == ("t-retry", day)
+        assert failed_tags[TAG_ERROR] == "RuntimeError: failing once on purpose"
         assert _outbox_keys(dagster_pg.joblease_url, [key]) == {}
         with dg.execute_job(
             job,
@@ -187,6 +210,7 @@ def test_a_retry_of_a_failed_run_takes_over_with_the_same_key(dagster_pg: Dagste
         os.environ.pop(jobs.FAIL_ONCE_ENV)
     run = dagster_pg.instance.get_run_by_id(retried.run_id)
     assert run is not None
+    assert run.tags[TAG_ERROR] == "none"  # the parent's error does not stand on the retry
     assert run.tags[TAG_OUTCOME] == "reclaimed"
     assert run.tags[TAG_ATTEMPT] == "2"
     assert run.tags[TAG_IDEMPOTENCY_KEY] == key
@@ -215,15 +239,24 @@ def test_single_run_backfill_of_a_partitioned_asset_takes_one_lease_per_key(dags
         },
     )
     assert ranged.success
-    (materialization, *_) = ranged.asset_materializations_for_node("leased_daily_asset")
-    meta = materialization.metadata
-    assert meta["joblease/won"] == dg.MetadataValue.int(4)
-    assert meta["joblease/skipped"] == dg.MetadataValue.int(1)
-    assert "2024-01-03 | skipped: already succeeded" in str(meta["joblease/results"])
+    # One materialization per partition this run did; none for the skip (the winner's stands).
+    materialized = ranged.asset_materializations_for_node("leased_daily_asset")
+    assert sorted(m.partition or "" for m in materialized) == [
+        "2024-01-01",
+        "2024-01-02",
+        "2024-01-04",
+        "2024-01-05",
+    ]
+    for m in materialized:
+        assert m.metadata[TAG_OUTCOME] == dg.MetadataValue.text("won")
     run = dagster_pg.instance.get_run_by_id(ranged.run_id)
     assert run is not None
-    assert run.tags[TAG_OUTCOME] == "skipped: already succeeded x1, won x4"
+    assert run.tags[TAG_OUTCOME] == "won"  # the most severe of the keys' outcomes
+    assert run.tags["joblease/outcomes"] == "won:4,skipped-succeeded:1"
     assert run.tags["joblease/partitions"] == "5"
+    assert run.tags[TAG_RUN_KEY] == "2024-01-01..2024-01-05"
+    assert run.tags[TAG_IDEMPOTENCY_KEY] == run.tags[TAG_ATTEMPT] == "multiple"
+    assert run.tags[TAG_HOLDER] == f"dagster:{default_deployment(dagster_pg.instance)}/{ranged.run_id}"
     keys = [_key("t-asset", f"2024-01-0{d}") for d in range(1, 6)]
     assert _outbox_keys(dagster_pg.joblease_url, keys) == dict.fromkeys(keys, "PENDING")
 
@@ -267,6 +300,8 @@ def test_graphql_shows_the_lease_tags_and_metadata(dagster_pg: DagsterPg) -> Non
     assert tags[TAG_ATTEMPT] == "1"
     assert tags[TAG_IDEMPOTENCY_KEY] == _key("t-retry", day)
     assert tags[TAG_OUTBOX] == "inserted"
+    assert tags[TAG_HOLDER] == f"dagster:{default_deployment(dagster_pg.instance)}/{result.run_id}"
+    assert tags[TAG_WINNER_RUN_ID] == result.run_id
     (output,) = [e for e in run["eventConnection"]["events"] if e["__typename"] == "ExecutionStepOutputEvent"]
     entries = {
         entry["label"]: entry.get("text", entry.get("intValue")) for entry in output["metadataEntries"]
@@ -275,3 +310,98 @@ def test_graphql_shows_the_lease_tags_and_metadata(dagster_pg: DagsterPg) -> Non
     assert entries[TAG_ATTEMPT] == 1
     assert entries[TAG_IDEMPOTENCY_KEY] == _key("t-retry", day)
     assert entries[TAG_OUTBOX] == "inserted"
+
+
+def test_copied_parent_tags_are_overwritten_when_the_step_starts(dagster_pg: DagsterPg) -> None:
+    """A UI re-execution copies its parent's tags; the leased step replaces every one, 'pending' first."""
+    day = "2024-07-02"
+    parent = {
+        TAG_OUTCOME: "won",
+        TAG_OUTBOX: "inserted",
+        TAG_ATTEMPT: "7",
+        TAG_WINNER_RUN_ID: "parent-run",
+        TAG_HOLDER: "dagster:elsewhere/parent-run",
+        TAG_ERROR: "old error",
+        "joblease/partitions": "5",
+        "joblease/outcomes": "won:5",
+    }
+    job = jobs.defs.resolve_job_def("tag_probe_job")
+    result = job.execute_in_process(
+        partition_key=day, instance=dagster_pg.instance, run_config=QUIET, tags=parent
+    )
+    assert result.success
+    (probe,) = result.output_for_node("tag_probe_op")
+    seen = probe.result  # the run's joblease tags while the body ran
+    assert seen[TAG_OUTCOME] == "pending"
+    assert {seen[t] for t in (TAG_OUTBOX, TAG_ATTEMPT, TAG_WINNER_RUN_ID, TAG_HOLDER)} == {"pending"}
+    assert seen[TAG_ERROR] == "none" and seen["joblease/partitions"] == "1"
+    assert (seen[TAG_CODE], seen[TAG_RUN_KEY], seen[TAG_IDEMPOTENCY_KEY]) == (
+        "t-tags",
+        day,
+        _key("t-tags", day),
+    )
+    tags = _run_tags(dagster_pg, result.run_id)
+    assert (tags[TAG_OUTCOME], tags[TAG_OUTBOX], tags[TAG_ATTEMPT], tags[TAG_ERROR]) == (
+        "won",
+        "inserted",
+        "1",
+        "none",
+    )
+    assert tags[TAG_WINNER_RUN_ID] == result.run_id and tags["joblease/outcomes"] == "won:1"
+
+
+def test_a_run_that_lost_its_lease_says_lost(dagster_pg: DagsterPg) -> None:
+    day = "2024-07-03"
+    job = jobs.defs.resolve_job_def("lost_job")
+    result = job.execute_in_process(
+        partition_key=day, instance=dagster_pg.instance, run_config=QUIET, raise_on_error=False
+    )
+    assert not result.success
+    tags = _run_tags(dagster_pg, result.run_id)
+    assert (tags[TAG_OUTCOME], tags[TAG_ATTEMPT], tags[TAG_IDEMPOTENCY_KEY]) == (
+        "lost",
+        "1",
+        _key("t-lost", day),
+    )
+    assert tags[TAG_ERROR].startswith("LostLeaseError: cannot ") and "no longer owns it" in tags[TAG_ERROR]
+    assert len(tags[TAG_ERROR]) <= 200
+    assert _outbox_keys(dagster_pg.joblease_url, [_key("t-lost", day)]) == {}
+
+
+def test_a_job_with_two_leased_ops_tags_each_op_and_the_worst(dagster_pg: DagsterPg, tmp_path: Path) -> None:
+    day = "2024-07-04"
+    job = jobs.defs.resolve_job_def("two_leased_ops_job")
+    first = job.execute_in_process(partition_key=day, instance=dagster_pg.instance, run_config=QUIET)
+    tags = _run_tags(dagster_pg, first.run_id)
+    assert (tags["joblease/outcome.first_leased"], tags["joblease/outcome.second_leased"]) == ("won", "won")
+    assert (tags[TAG_OUTCOME], tags[TAG_CODE], tags[TAG_RUN_KEY], tags[TAG_ATTEMPT]) == (
+        "won",
+        "multiple",
+        day,
+        "multiple",
+    )
+    assert tags[TAG_ERROR] == "multiple" and tags["joblease/error.first_leased"] == "none"
+    # Next day: the first op's partition was already done elsewhere, the second op's body fails.
+    day = "2024-07-05"
+    engine = create_engine(dagster_pg.joblease_url)
+    try:
+        done = LeaseService(engine, holder="worker:1").acquire(JobIdentity.schedule("t-two-a", day))
+        assert done is not None
+        LeaseService(engine).complete(done)
+    finally:
+        engine.dispose()
+    marker = tmp_path / "fail-once"
+    marker.touch()
+    os.environ[jobs.FAIL_ONCE_ENV] = str(marker)
+    try:
+        again = job.execute_in_process(
+            partition_key=day, instance=dagster_pg.instance, run_config=QUIET, tags=tags, raise_on_error=False
+        )
+    finally:
+        os.environ.pop(jobs.FAIL_ONCE_ENV)
+    assert not again.success
+    tags = _run_tags(dagster_pg, again.run_id)
+    assert tags["joblease/outcome.first_leased"] == "skipped-succeeded"
+    assert tags["joblease/outcome.second_leased"] == "failed"
+    assert tags["joblease/error.second_leased"] == "RuntimeError: failing once on purpose"
+    assert tags[TAG_OUTCOME] == "failed"  # the most severe of the two

@@ -114,6 +114,10 @@ def test_a_run_waits_for_a_live_holder_and_mirrors_how_it_ended(
         assert (row.status, row.attempt, row.holder) == ("SUCCESS", 2, own)
 
 
+def _ready(ready: Path) -> bool:
+    return ready.exists() and len(ready.read_text().split()) == 2
+
+
 def _start_blocking_run(dagster_pg: DagsterPg, day: str, ready: Path) -> subprocess.Popen[str]:
     return subprocess.Popen(
         [sys.executable, "-m", "tests.dagster.blocking_run", day, str(ready)],
@@ -135,7 +139,7 @@ def test_a_killed_holder_is_taken_over_in_seconds_and_a_live_one_never(
     ready = tmp_path / "ready"
     proc = _start_blocking_run(dagster_pg, day, ready)
     try:
-        wait_until(lambda: ready.exists() and ready.read_text() != "" or proc.poll() is not None, timeout=120)
+        wait_until(lambda: _ready(ready) or proc.poll() is not None, timeout=120)
         assert ready.exists(), proc.communicate()[1]
         step_pid, holder_run_id = ready.read_text().split()
         holder = f"dagster:tests/{holder_run_id}"

@@ -1,0 +1,105 @@
+"""An asset partition is materialized only by a run whose partition succeeded, and exactly once per instance.
+
+A skip adds no second materialization where the winner's is recorded (nothing downstream re-triggers); a
+partition another deployment won shows as materialized here once, pointing at the winner, so Declarative
+Automation does not request it again and again; a held partition materializes nothing.
+"""
+
+from __future__ import annotations
+
+import uuid
+
+import dagster as dg
+
+from dagster_joblease import JobIdentity, LeaseService, create_engine
+from dagster_joblease.dagster import (
+    TAG_HOLDER,
+    TAG_OUTCOME,
+    TAG_WINNER_RUN_ID,
+    JobLeaseResource,
+    encode_holder,
+)
+from tests.dagster import jobs
+from tests.dagster.conftest import DagsterPg
+
+QUIET = {"loggers": {"console": {"config": {"log_level": "ERROR"}}}}
+ASSET = jobs.leased_daily_asset.key
+
+
+def _materializations(instance: dg.DagsterInstance, partition: str) -> list[dg.AssetMaterialization]:
+    records = instance.fetch_materializations(
+        dg.AssetRecordsFilter(asset_key=ASSET, asset_partitions=[partition]), limit=10
+    ).records
+    return [r.asset_materialization for r in records if r.asset_materialization is not None]
+
+
+def _materialize(dagster_pg: DagsterPg, partition: str, **resource: int) -> dg.ExecuteInProcessResult:
+    return dg.materialize(
+        [jobs.leased_daily_asset],
+        partition_key=partition,
+        instance=dagster_pg.instance,
+        resources={"joblease": JobLeaseResource(**resource)},
+        run_config=QUIET,
+        raise_on_error=False,
+    )
+
+
+def _tags(dagster_pg: DagsterPg, run_id: str) -> dict[str, str]:
+    run = dagster_pg.instance.get_run_by_id(run_id)
+    assert run is not None
+    return dict(run.tags)
+
+
+def test_a_partition_won_elsewhere_is_recorded_once_pointing_at_the_winner(dagster_pg: DagsterPg) -> None:
+    day, other_run = "2024-03-01", str(uuid.uuid4())
+    holder = encode_holder("other-deployment", other_run)
+    engine = create_engine(dagster_pg.joblease_url)
+    try:
+        service = LeaseService(engine, holder=holder)
+        won = service.acquire(JobIdentity.schedule("t-asset", day))
+        assert won is not None
+        service.complete(won)
+    finally:
+        engine.dispose()
+    assert _materializations(dagster_pg.instance, day) == []
+
+    first = _materialize(dagster_pg, day)
+    second = _materialize(dagster_pg, day)
+    assert first.success and second.success
+    (recorded,) = _materializations(dagster_pg.instance, day)  # once, not once per skip
+    assert recorded.metadata[TAG_OUTCOME] == dg.MetadataValue.text("skipped-succeeded")
+    assert recorded.metadata[TAG_WINNER_RUN_ID] == dg.MetadataValue.text(other_run)
+    assert recorded.metadata[TAG_HOLDER] == dg.MetadataValue.text(holder)
+    assert day in dagster_pg.instance.get_materialized_partitions(ASSET)
+    for run in (first, second):
+        assert _tags(dagster_pg, run.run_id)[TAG_WINNER_RUN_ID] == other_run
+
+
+def test_a_skip_adds_no_second_materialization_to_the_winners(dagster_pg: DagsterPg) -> None:
+    day = "2024-03-02"
+    winner = _materialize(dagster_pg, day)
+    skip = _materialize(dagster_pg, day)
+    assert winner.success and skip.success
+    (recorded,) = _materializations(dagster_pg.instance, day)
+    assert recorded.metadata[TAG_OUTCOME] == dg.MetadataValue.text("won")
+    assert skip.asset_materializations_for_node("leased_daily_asset") == []
+    tags = _tags(dagster_pg, skip.run_id)
+    assert (tags[TAG_OUTCOME], tags[TAG_WINNER_RUN_ID]) == ("skipped-succeeded", winner.run_id)
+
+
+def test_a_held_partition_fails_and_materializes_nothing(dagster_pg: DagsterPg) -> None:
+    day = "2024-03-03"
+    engine = create_engine(dagster_pg.joblease_url)
+    try:
+        held = LeaseService(engine, lease_ms=600_000, heartbeat_ms=0, holder="worker:7").acquire(
+            JobIdentity.schedule("t-asset", day)
+        )
+        assert held is not None
+        result = _materialize(dagster_pg, day, held_wait_ms=200)
+    finally:
+        engine.dispose()
+    assert not result.success
+    assert _materializations(dagster_pg.instance, day) == []
+    assert day not in dagster_pg.instance.get_materialized_partitions(ASSET)
+    tags = _tags(dagster_pg, result.run_id)
+    assert (tags[TAG_OUTCOME], tags[TAG_HOLDER]) == ("held", "worker:7")
