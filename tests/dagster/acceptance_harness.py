@@ -9,15 +9,18 @@ QueuedRunCoordinator, run retries on) with a ``workspace.yaml`` that loads
 
 from __future__ import annotations
 
+import base64
 import contextlib
 import dataclasses
 import json
 import os
 import re
+import shutil
 import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 import uuid
 from collections.abc import Callable, Iterator, Mapping, Sequence
@@ -180,6 +183,8 @@ run_monitoring:
   poll_interval_seconds: 5
 telemetry:
   enabled: false
+nux:
+  enabled: false
 """
         )
         (home / "workspace.yaml").write_text(
@@ -286,6 +291,114 @@ telemetry:
             if proc is not None:
                 proc.stop()
         self.instance.dispose()
+
+
+class _DevTools:
+    """A minimal Chrome DevTools Protocol client over one page's websocket."""
+
+    def __init__(self, ws: Any) -> None:
+        self.ws = ws
+        self.next_id = 0
+
+    def __call__(self, method: str, **params: Any) -> dict[str, Any]:
+        self.next_id += 1
+        self.ws.send(json.dumps({"id": self.next_id, "method": method, "params": params}))
+        while True:
+            message = json.loads(self.ws.recv(timeout=60))
+            if message.get("id") == self.next_id:
+                if "error" in message:
+                    raise AssertionError(f"DevTools {method}: {message['error']}")
+                result: dict[str, Any] = message.get("result", {})
+                return result
+
+    def evaluate(self, expression: str) -> Any:
+        return self("Runtime.evaluate", expression=expression, returnByValue=True)["result"].get("value")
+
+
+def screenshot(
+    url: str,
+    path: Path,
+    *,
+    shows: Sequence[str],
+    local_storage: Mapping[str, Any] | None = None,
+    width: int = 1600,
+    height: int = 1700,
+) -> None:
+    """A PNG of ``url`` from real headless Chromium, taken once the page shows every text in ``shows``.
+
+    ``local_storage`` is written on the page's origin first: UI preferences a person sets by clicking
+    (e.g. the Dagster runs table's "Hide tag").
+    """
+    chromium = next((c for c in ("chromium", "chromium-browser", "google-chrome") if shutil.which(c)), None)
+    if chromium is None:
+        raise AssertionError("no chromium on PATH (apt-get install chromium) for the screenshots")
+    from websockets.sync.client import connect
+
+    path.parent.mkdir(parents=True, exist_ok=True)
+    port = free_port()
+    with tempfile.TemporaryDirectory() as profile:
+        proc = subprocess.Popen(
+            [
+                chromium,
+                "--headless",
+                "--no-sandbox",
+                "--disable-gpu",
+                "--hide-scrollbars",
+                f"--user-data-dir={profile}",
+                f"--window-size={width},{height}",
+                f"--remote-debugging-port={port}",
+                "about:blank",
+            ],
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+        )
+        try:
+
+            def page_socket() -> str | None:
+                try:
+                    targets = httpx.get(f"http://127.0.0.1:{port}/json/list", timeout=5).json()
+                except (httpx.HTTPError, ValueError):
+                    return None
+                return next((t["webSocketDebuggerUrl"] for t in targets if t.get("type") == "page"), None)
+
+            with connect(wait_for("chromium's DevTools", page_socket, 60), max_size=None) as ws:
+                tools = _DevTools(ws)
+                tools(
+                    "Emulation.setDeviceMetricsOverride",
+                    width=width,
+                    height=height,
+                    deviceScaleFactor=1,
+                    mobile=False,
+                )
+                origin = "/".join(url.split("/", 3)[:3])
+                tools("Page.navigate", url=f"{origin}/runs")
+                wait_for(
+                    "the UI's origin to load", lambda: tools.evaluate("document.readyState") == "complete", 60
+                )
+                for key, value in (local_storage or {}).items():
+                    tools.evaluate(
+                        f"localStorage.setItem({json.dumps(key)}, {json.dumps(json.dumps(value))})"
+                    )
+                tools("Page.navigate", url=url)
+                probe = " && ".join(f"document.body.innerText.includes({json.dumps(t)})" for t in shows)
+                wait_for(f"{url} to show {list(shows)}", lambda: tools.evaluate(probe), 90)
+                last: list[str] = [""]
+
+                def settled() -> bool:
+                    text = str(tools.evaluate("document.body.innerText"))
+                    same, last[0] = text == last[0], text
+                    return same
+
+                wait_for("the page to stop changing", settled, 30, 1.0)
+                png = tools("Page.captureScreenshot", format="png")["data"]
+            path.write_bytes(base64.b64decode(png))
+        finally:
+            proc.terminate()
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                proc.wait(10)
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait(10)
 
 
 def run_line(run: dg.DagsterRun) -> str:

@@ -47,6 +47,7 @@ from tests.dagster.acceptance_harness import (
     descendants,
     fresh_database,
     run_line,
+    screenshot,
     table_dump,
     wait_for,
 )
@@ -64,6 +65,8 @@ UNFINISHED = [
     dg.DagsterRunStatus.CANCELING,
 ]
 #: Bounds for the waits (generous: the machine is shared). None of them is asserted as a timing.
+#: Set to a directory (e.g. docs/img) to save screenshots of deployment a's UI after a passing run.
+SCREENSHOTS_ENV = "JOBLEASE_ACCEPT_SCREENSHOTS"
 START_TIMEOUT_S = 120.0
 CONVERGE_TIMEOUT_S = 300.0
 
@@ -384,6 +387,9 @@ def test_two_deployments_every_partition_one_effect(pg_template: str, tmp_path: 
                 }
             )
             wait_for("both deployments to converge", s.converged, CONVERGE_TIMEOUT_S, 1.0)
+            shots = os.environ.get(SCREENSHOTS_ENV)
+            if shots:
+                take_screenshots(s, Path(shots))
             check_outcome(s)
         except BaseException:
             print(s.diagnostics())
@@ -434,8 +440,6 @@ def check_outcome(s: Scenario) -> None:
             assert run.tags.get(TAG_WINNER) == winners[partition][0], (d.label, run.run_id, run.tags)
         if run.status != dg.DagsterRunStatus.SUCCESS:
             assert outcome not in (*WINNING, SKIPPED), (d.label, run.run_id, run.status, run.tags)
-    for run_id in s.killed["run_ids"]:
-        assert by_id[run_id].status == dg.DagsterRunStatus.FAILURE, by_id[run_id]
     reexecuted = by_id[s.reexecution["run"]]
     assert reexecuted.status == dg.DagsterRunStatus.SUCCESS
     assert reexecuted.tags.get(TAG_OUTCOME) == SKIPPED, reexecuted.tags
@@ -444,3 +448,38 @@ def check_outcome(s: Scenario) -> None:
     print("runs of", loc.JOB_NAME, "by (deployment, status, outcome):")
     for key, n in sorted(counts.items()):
         print("  ", key, n)
+
+    # The killed run failed, and (issue 8, item 5) says which attempt it was and why it did not finish.
+    for run_id in s.killed["run_ids"]:
+        killed = by_id[run_id]
+        assert killed.status == dg.DagsterRunStatus.FAILURE, killed
+        assert killed.tags.get(TAG_OUTCOME) in ("lost", "failed"), killed.tags
+        assert killed.tags.get("joblease/attempt") == str(s.killed["attempt"]), killed.tags
+        assert killed.tags.get("joblease/error", "none") != "none", killed.tags
+
+
+def take_screenshots(s: Scenario, directory: Path) -> None:
+    """The runs page and backfill a's page once everything converged, with the outcome tags in view.
+
+    The runs table shows every pinned tag; like a person clicking "Hide tag", the screenshots hide the
+    other ``joblease/*`` tags so each row shows its partition, outcome, attempt and winner.
+    """
+    url = s.a.webserver_url
+    assert url is not None
+    keep = {TAG_OUTCOME, TAG_WINNER, "joblease/attempt"}
+    noisy = sorted({k for _d, r in s.job_runs() for k in r.tags if k.startswith("joblease/")} - keep)
+    prefs = {"unpinned-tags": noisy}
+    shows = ["skipped-succeeded", "joblease/outcome: "]
+    screenshot(
+        f"{url}/runs?view=runs&q%5B0%5D=job%3A{loc.JOB_NAME}",
+        directory / "dagster-runs.png",
+        shows=shows,
+        local_storage=prefs,
+    )
+    screenshot(
+        f"{url}/runs/b/{s.backfills['a']}?tab=runs",
+        directory / "dagster-backfill.png",
+        shows=shows,
+        local_storage=prefs,
+    )
+    print(f"screenshots saved under {directory}")
