@@ -385,7 +385,13 @@ def screenshot(
                 last: list[str] = [""]
 
                 def settled() -> bool:
-                    text = str(tools.evaluate("document.body.innerText"))
+                    # The table's rows and links, not its text: clocks and countdowns on the page tick.
+                    text = str(
+                        tools.evaluate(
+                            "Array.from(document.querySelectorAll('table tr, table a'))"
+                            ".map(e => e.tagName + (e.tagName === 'A' ? e.textContent : '')).join('|')"
+                        )
+                    )
                     same, last[0] = text == last[0], text
                     return same
 
