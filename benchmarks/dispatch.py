@@ -1,17 +1,22 @@
-"""Outbox and dispatcher throughput against floors measured in the same run, on a scratch PostgreSQL database.
+"""Outbox enqueue and end-to-end delivery beside the *minimal* way to do the same work, in one run.
 
-    .venv/bin/python benchmarks/dispatch.py [--pg-url postgresql+psycopg://postgres@127.0.0.1:5432/postgres]
+    .venv/bin/python benchmarks/dispatch.py [--fast] [--seconds 2] [--rounds 3] [--processes 1,4]
 
-Rows measured, each as a ratio to its floor:
+The server comes from ``JOBLEASE_BENCH_PG_URL`` (default ``postgresql+psycopg://postgres@127.0.0.1:5432/
+postgres``); the script creates scratch databases and drops them at the end. Every cell alternates library
+and floor rounds (the order flips each round) and prints medians, the ratio and client CPU per row
+(``time.process_time``, summed over the processes). Paths:
 
-* enqueue rows/s with ``enqueue_once`` (one row per transaction, and 100 per transaction) vs the same
-  INSERT (same canonical JSON and SHA-256 work) from a bare psycopg loop;
-* delivered rows/s with 1, 2 and 4 dispatcher processes vs a bare keep-alive httpx POST loop against the
-  same reference receiver process (plus one dispatcher at concurrency 1, the like-for-like comparison);
-* the claim statement's latency with 1,000 due rows among 1,000,000 sent rows vs among 1,000 rows.
-
-Targets: enqueue >= 0.7 of its floor; one dispatcher >= 0.6 of the HTTP floor; claim latency at 1,000,000
-within 1.5x of that at 1,000. The whole run takes a few minutes; the scratch database is dropped at the end.
+* ``enqueue``: ``with engine.begin(): enqueue_once(...)``, one row per transaction, vs a bare psycopg 3 loop
+  on one connection per process: ``BEGIN; INSERT … ON CONFLICT DO NOTHING RETURNING id; COMMIT`` with a
+  prepared statement, inserting the same row (its JSON text and SHA-256 computed the plain way).
+  Target >= 0.85.
+* ``delivery``: pending rows → ``Dispatcher.dispatch(limit=100)`` in a loop until drained (concurrency 1
+  per process) → HTTP POST with ``Idempotency-Key`` → the plain receiver (``benchmarks/plain_receiver.py``,
+  one ``INSERT … ON CONFLICT`` per request, in its own process) vs a bare keep-alive ``httpx.Client`` POST
+  loop against the same receiver with the same bodies and keys. Target >= 0.70.
+* ``claim latency``: the dispatcher's claim of 100 rows with 1,000 due among 1,000,000 sent rows (100,000
+  with ``--fast``) vs 1,000 due alone, alternating between two databases. Target <= 1.5x.
 """
 
 from __future__ import annotations
@@ -21,297 +26,376 @@ import hashlib
 import json
 import multiprocessing
 import os
+import queue
 import secrets
 import statistics
 import sys
-import tempfile
 import time
-import uuid
+from collections.abc import Callable
+from multiprocessing.synchronize import Barrier
 from pathlib import Path
 from typing import Any
 
 import httpx
 import psycopg
 import sqlalchemy as sa
+from sqlalchemy.engine import URL, make_url
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
+from dagster_joblease import outbox
+from dagster_joblease.dispatch import Dispatcher, Route
+from dagster_joblease.dispatch.dispatcher import claim_statement
+from dagster_joblease.storage import create_engine, migrate, redact_url
 
-from dagster_joblease import outbox  # noqa: E402
-from dagster_joblease.dispatch.dispatcher import claim_statement  # noqa: E402
-from dagster_joblease.storage import create_engine, migrate  # noqa: E402
-from tests import dispatch_workers  # noqa: E402
-from tests.receiver_proc import start_receiver  # noqa: E402
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from plain_receiver import start_plain_receiver
 
-DEFAULT_PG_URL = os.environ.get(
-    "JOBLEASE_TEST_PG_URL", "postgresql+psycopg://postgres@127.0.0.1:5432/postgres"
-)
-
-INSERT_SQL = (
+DEFAULT_URL = "postgresql+psycopg://postgres@127.0.0.1:5432/postgres"
+FLOOR_INSERT = (
     "INSERT INTO joblease_outbox (idempotency_key, topic, payload, payload_sha256, status, attempts, "
     "next_attempt_at, created_at, updated_at) VALUES (%s, %s, %s::jsonb, %s, 'PENDING', 0, "
     "clock_timestamp(), clock_timestamp(), clock_timestamp()) "
     "ON CONFLICT (idempotency_key) DO NOTHING RETURNING id"
 )
 
-rows_out: list[tuple[str, str, str, str, str]] = []
 
-
-def record(name: str, value: float, floor: float, unit: str, target: str, ok: bool) -> None:
-    ratio = value / floor if floor else float("nan")
-    rows_out.append(
-        (
-            name,
-            f"{value:,.1f} {unit}",
-            f"{floor:,.1f} {unit}",
-            f"{ratio:.2f}",
-            f"{target} {'OK' if ok else 'MISSED'}",
-        )
-    )
-    print(f"  {name}: {value:,.1f} {unit} vs floor {floor:,.1f} ({ratio:.2f})", flush=True)
-
-
-def _truncate(engine: sa.Engine) -> None:
-    with engine.begin() as conn:
-        conn.exec_driver_sql("TRUNCATE joblease_outbox RESTART IDENTITY")
+def _dsn(url: URL | str) -> str:
+    parsed = make_url(url) if isinstance(url, str) else url
+    return parsed.set(drivername="postgresql").render_as_string(hide_password=False)
 
 
 def _payload(i: int) -> dict[str, Any]:
     return {"v": 1, "order": i, "customer": f"c-{i % 97}", "lines": [{"sku": "A-1", "qty": 2}]}
 
 
+# -- processes ---------------------------------------------------------------------------------------
+
+
+def _run_processes(
+    target: Callable[..., None], processes: int, *args: Any
+) -> list[tuple[int, float, float, float]]:
+    """Run ``target(barrier, results, *args)`` in ``processes`` forked processes; their (count, cpu, start,
+    end) results."""
+    mp = multiprocessing.get_context("fork")
+    barrier = mp.Barrier(processes)
+    results = mp.Queue()
+    procs = [mp.Process(target=target, args=(barrier, results, *args)) for _ in range(processes)]
+    for proc in procs:
+        proc.start()
+    out: list[tuple[int, float, float, float]] = []
+    while len(out) < processes:
+        try:
+            out.append(results.get(timeout=0.5))
+        except queue.Empty:
+            failed = [proc.exitcode for proc in procs if proc.exitcode not in (None, 0)]
+            if failed:
+                for proc in procs:
+                    proc.kill()
+                raise SystemExit(f"a worker failed (exit codes {failed})") from None
+    for proc in procs:
+        proc.join()
+    return out
+
+
+def _rate(results: list[tuple[int, float, float, float]]) -> tuple[float, float]:
+    """Rows per second over the common span, and client CPU microseconds per row."""
+    rows = sum(r[0] for r in results)
+    span = max(r[3] for r in results) - min(r[2] for r in results)
+    return rows / span, sum(r[1] for r in results) / max(rows, 1) * 1e6
+
+
 # -- enqueue -------------------------------------------------------------------------------------------
 
 
-def bench_enqueue(engine: sa.Engine, dsn: str, n: int) -> None:
-    print(f"enqueue: {n} rows per measurement", flush=True)
-
-    def library(batch: int) -> float:
-        _truncate(engine)
-        prefix = uuid.uuid4().hex[:6]
-        start = time.perf_counter()
-        for first in range(0, n, batch):
+def _enqueue_worker(barrier: Barrier, results: Any, kind: str, url: str, seconds: float) -> None:
+    prefix = f"v2:{kind}-{os.getpid()}-{secrets.token_hex(3)}-"
+    count = 0
+    if kind == "library":
+        engine = create_engine(url)
+        for i in range(10):
             with engine.begin() as conn:
-                for i in range(first, min(n, first + batch)):
-                    outbox.enqueue_once(
-                        conn, idempotency_key=f"v2:{prefix}-{i}", topic="bench", payload=_payload(i)
-                    )
-        return n / (time.perf_counter() - start)
+                outbox.enqueue_once(conn, idempotency_key=f"{prefix}w{i}", topic="bench", payload=_payload(i))
+        barrier.wait()
+        cpu, start = time.process_time(), time.perf_counter()
+        deadline = start + seconds
+        while time.perf_counter() < deadline:
+            with engine.begin() as conn:
+                outbox.enqueue_once(
+                    conn, idempotency_key=f"{prefix}{count}", topic="bench", payload=_payload(count)
+                )
+            count += 1
+        end, cpu = time.perf_counter(), time.process_time() - cpu
+        engine.dispose()
+    else:
+        with psycopg.connect(_dsn(url)) as conn:
 
-    def floor(batch: int) -> float:
-        _truncate(engine)
-        prefix = uuid.uuid4().hex[:6]
-        with psycopg.connect(dsn) as conn:
-            start = time.perf_counter()
-            with conn.cursor() as cur:
-                for i in range(n):
-                    text = json.dumps(_payload(i), sort_keys=True, separators=(",", ":"), ensure_ascii=False)
-                    sha = hashlib.sha256(text.encode()).hexdigest()
-                    cur.execute(INSERT_SQL, (f"v2:{prefix}-{i}", "bench", text, sha))
-                    cur.fetchone()
-                    if (i + 1) % batch == 0:
-                        conn.commit()
-            conn.commit()
-            return n / (time.perf_counter() - start)
+            def insert(key: str, i: int) -> None:
+                text = json.dumps(_payload(i), sort_keys=True, separators=(",", ":"))
+                sha = hashlib.sha256(text.encode()).hexdigest()
+                conn.execute(FLOOR_INSERT, (key, "bench", text, sha), prepare=True).fetchone()
+                conn.commit()
 
-    for batch, label in ((1, "enqueue_once, 1 row/transaction"), (100, "enqueue_once, 100 rows/transaction")):
-        lib = statistics.median(library(batch) for _ in range(3))
-        base = statistics.median(floor(batch) for _ in range(3))
-        record(label, lib, base, "rows/s", ">= 0.70", lib >= 0.7 * base)
-    _truncate(engine)
+            for i in range(10):
+                insert(f"{prefix}w{i}", i)
+            barrier.wait()
+            cpu, start = time.process_time(), time.perf_counter()
+            deadline = start + seconds
+            while time.perf_counter() < deadline:
+                insert(f"{prefix}{count}", count)
+                count += 1
+            end, cpu = time.perf_counter(), time.process_time() - cpu
+    results.put((count, cpu, start, end))
 
 
 # -- delivery ------------------------------------------------------------------------------------------
 
 
-def _fill_pending(engine: sa.Engine, n: int, prefix: str) -> None:
-    with engine.begin() as conn:
-        conn.execute(
-            sa.text(
-                "INSERT INTO joblease_outbox (idempotency_key, topic, payload, payload_sha256, status, "
-                "attempts,"
-                " next_attempt_at, created_at, updated_at) SELECT :prefix || g, 'bench', "
-                "jsonb_build_object('v', 1, 'order', g), md5(g::text) || md5(g::text), 'PENDING', 0, "
-                "clock_timestamp(), clock_timestamp(), clock_timestamp() FROM generate_series(1, :n) AS g"
-            ),
-            {"prefix": prefix, "n": n},
-        )
-
-
-def bench_delivery(engine: sa.Engine, url: str, n: int, floor_n: int) -> None:
-    print(f"delivery: {n} rows per dispatcher run, {floor_n} POSTs for the bare loop", flush=True)
-    ctx = multiprocessing.get_context("spawn")
-    with start_receiver(url) as receiver, tempfile.TemporaryDirectory() as tmp:
-        target = receiver.url + "/bench"
-        body = json.dumps({"v": 1, "order": 1}).encode()
+def _deliver_worker(
+    barrier: Barrier, results: Any, kind: str, url: str, target: str, rows: int, tag: str
+) -> None:
+    count = 0
+    if kind == "library":
+        engine = create_engine(url)
+        with Dispatcher(engine, {"bench": Route(target)}, concurrency=1) as dispatcher:
+            barrier.wait()
+            cpu, start = time.process_time(), time.perf_counter()
+            while True:
+                report = dispatcher.dispatch(limit=100)
+                count += report.sent
+                if report.claimed == 0:
+                    break
+            end, cpu = time.perf_counter(), time.process_time() - cpu
+        engine.dispose()
+    else:
+        bodies = [
+            json.dumps(_payload(i), sort_keys=True, separators=(",", ":")).encode() for i in range(rows)
+        ]
         with httpx.Client() as client:
-            for i in range(20):  # warm up the receiver and the connection
+            for i in range(5):
                 client.post(
                     target,
-                    content=body,
-                    headers={"Idempotency-Key": f"v2:warm-{i}", "Content-Type": "application/json"},
+                    content=b"{}",
+                    headers={"Idempotency-Key": f"v2:warm-{os.getpid()}-{i}-{secrets.token_hex(4)}"},
                 )
-            start = time.perf_counter()
-            for i in range(floor_n):
+            barrier.wait()
+            cpu, start = time.process_time(), time.perf_counter()
+            for i, body in enumerate(bodies):
                 response = client.post(
                     target,
                     content=body,
                     headers={
-                        "Idempotency-Key": f"v2:bare-{i}-{secrets.token_hex(4)}",
                         "Content-Type": "application/json",
+                        "Idempotency-Key": f"v2:floor-{tag}-{os.getpid()}-{i}",
                     },
                 )
                 response.raise_for_status()
-            http_floor = floor_n / (time.perf_counter() - start)
-        print(f"  bare keep-alive httpx POST loop: {http_floor:,.1f} req/s", flush=True)
-
-        def run(processes: int, concurrency: int, rows: int) -> float:
-            _truncate(engine)
-            _fill_pending(engine, rows, f"v2:d{processes}c{concurrency}-{uuid.uuid4().hex[:6]}-")
-            paths = [Path(tmp) / f"{uuid.uuid4().hex}.json" for _ in range(processes)]
-            workers = [
-                ctx.Process(
-                    target=dispatch_workers.drain,
-                    args=(url, {"bench": {"url": target}}, {"concurrency": concurrency}, str(p), 250),
-                )
-                for p in paths
-            ]
-            for w in workers:
-                w.start()
-            for w in workers:
-                w.join(300)
-            results = [json.loads(p.read_text()) for p in paths]
-            assert sum(r["sent"] for r in results) == rows, results
-            span = max(r["finished"] for r in results) - min(r["started"] for r in results)
-            return rows / span
-
-        like = run(1, 1, floor_n)
-        record("1 dispatcher, concurrency 1", like, http_floor, "rows/s", ">= 0.60", like >= 0.6 * http_floor)
-        for processes in (1, 2, 4):
-            rate = run(processes, 8, n)
-            target_text = ">= 0.60" if processes == 1 else "(info)"
-            record(
-                f"{processes} dispatcher process{'es' if processes > 1 else ''}, concurrency 8",
-                rate,
-                http_floor,
-                "rows/s",
-                target_text,
-                rate >= 0.6 * http_floor,
-            )
-    _truncate(engine)
+                count += 1
+            end, cpu = time.perf_counter(), time.process_time() - cpu
+    results.put((count, cpu, start, end))
 
 
-# -- claim latency -----------------------------------------------------------------------------------
-
-
-def _claim_latency_ms(engine: sa.Engine, reps: int = 40) -> float:
-    samples = []
-    with engine.connect() as conn:
-        stmt = claim_statement("postgresql", token=secrets.token_hex(16), limit=100, claim_ms=60_000)
-        for _ in range(reps + 5):
-            with conn.begin() as tx:
-                start = time.perf_counter()
-                claimed = conn.execute(stmt).all()
-                samples.append((time.perf_counter() - start) * 1000)
-                tx.rollback()
-            assert len(claimed) == 100
-    return statistics.median(samples[5:])
-
-
-def bench_claim(engine: sa.Engine, sent: int, due: int) -> None:
-    print(f"claim latency: {due} due rows among {sent:,} sent rows vs alone", flush=True)
-    _truncate(engine)
-    _fill_pending(engine, due, "v2:due-")
-    with engine.connect().execution_options(isolation_level="AUTOCOMMIT") as conn:
-        conn.exec_driver_sql("VACUUM ANALYZE joblease_outbox")
-    small = _claim_latency_ms(engine)
-    with engine.begin() as conn:
+def _fill_pending(url: str, rows: int, prefix: str) -> None:
+    with psycopg.connect(_dsn(url), autocommit=True) as conn:
         conn.execute(
-            sa.text(
-                "INSERT INTO joblease_outbox (idempotency_key, topic, payload, payload_sha256, status, "
-                "attempts,"
-                " next_attempt_at, created_at, updated_at, sent_at) SELECT 'v2:sent-' || g, 'bench', "
-                "jsonb_build_object('v', 1, 'order', g), md5(g::text) || md5(g::text), 'SENT', 1, "
-                "clock_timestamp(), clock_timestamp(), clock_timestamp(), clock_timestamp() "
-                "FROM generate_series(1, :n) AS g"
-            ),
-            {"n": sent},
+            "INSERT INTO joblease_outbox (idempotency_key, topic, payload, payload_sha256, status, attempts, "
+            "next_attempt_at, created_at, updated_at) SELECT %s || g, 'bench', jsonb_build_object('v', 1, "
+            "'order', g, 'customer', 'c-' || (g %% 97), 'lines', jsonb_build_array(jsonb_build_object("
+            "'sku', 'A-1', 'qty', 2))), md5(g::text) || md5(g::text), 'PENDING', 0, clock_timestamp(), "
+            "clock_timestamp(), clock_timestamp() FROM generate_series(1, %s) AS g",
+            (prefix, rows),
         )
-    with engine.connect().execution_options(isolation_level="AUTOCOMMIT") as conn:
-        conn.exec_driver_sql("VACUUM ANALYZE joblease_outbox")
-    big = _claim_latency_ms(engine)
-    with engine.connect() as conn:
-        plan = "\n".join(
-            r[0]
-            for r in conn.execute(
-                sa.text(
-                    "EXPLAIN "
-                    + str(
-                        claim_statement("postgresql", token="x", limit=100, claim_ms=1).compile(
-                            dialect=engine.dialect, compile_kwargs={"literal_binds": True}
-                        )
-                    )
-                )
-            )
-        )
-    uses_index = "ix_joblease_outbox_due" in plan
-    # Latency: lower is better, so the ratio shown is floor/value (>= 1/1.5 meets the target).
-    rows_out.append(
-        (
-            f"claim 100 of {due} due among {sent:,} sent",
-            f"{big:.2f} ms",
-            f"{small:.2f} ms",
-            f"{big / small:.2f}x",
-            f"<= 1.50x {'OK' if big <= 1.5 * small else 'MISSED'} (partial index used: {uses_index})",
-        )
-    )
-    print(
-        f"  {big:.2f} ms vs {small:.2f} ms alone; plan uses ix_joblease_outbox_due: {uses_index}", flush=True
-    )
-    _truncate(engine)
+        conn.execute("VACUUM ANALYZE joblease_outbox")
 
 
-def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--pg-url", default=DEFAULT_PG_URL, help="a role that may create databases")
-    parser.add_argument("--enqueue-rows", type=int, default=2_000)
-    parser.add_argument("--deliver-rows", type=int, default=1_000)
-    parser.add_argument("--floor-posts", type=int, default=200)
-    parser.add_argument("--sent-rows", type=int, default=1_000_000)
-    args = parser.parse_args()
+def _truncate(url: str) -> None:
+    with psycopg.connect(_dsn(url), autocommit=True) as conn:
+        conn.execute("TRUNCATE joblease_outbox RESTART IDENTITY")
+        conn.execute("TRUNCATE plain_effect")
+        conn.execute("VACUUM ANALYZE joblease_outbox")
 
-    admin = sa.create_engine(
-        sa.engine.make_url(args.pg_url).set(drivername="postgresql+psycopg"),
-        isolation_level="AUTOCOMMIT",
-        poolclass=sa.pool.NullPool,
-    )
-    name = f"joblease_bench_{uuid.uuid4().hex[:8]}"
-    with admin.connect() as conn:
-        conn.exec_driver_sql(f'CREATE DATABASE "{name}"')
-    url_obj = sa.engine.make_url(args.pg_url).set(drivername="postgresql+psycopg", database=name)
-    url = url_obj.render_as_string(hide_password=False)
-    dsn = url_obj.set(drivername="postgresql").render_as_string(hide_password=False)
+
+# -- claim latency -------------------------------------------------------------------------------------
+
+
+def _claim_ms(url: str, reps: int) -> list[float]:
     engine = create_engine(url)
-    started = time.perf_counter()
+    samples = []
     try:
-        migrate(engine)
-        bench_enqueue(engine, dsn, args.enqueue_rows)
-        bench_delivery(engine, url, args.deliver_rows, args.floor_posts)
-        bench_claim(engine, args.sent_rows, 1_000)
+        with engine.connect() as conn:
+            stmt = claim_statement(
+                "postgresql", token=secrets.token_hex(16), limit=100, claim_ms=60_000, topics={"bench"}
+            )
+            for _ in range(reps):
+                with conn.begin() as tx:
+                    start = time.perf_counter()
+                    claimed = conn.execute(stmt).all()
+                    samples.append((time.perf_counter() - start) * 1000)
+                    tx.rollback()
+                assert len(claimed) == 100
     finally:
         engine.dispose()
-        with admin.connect() as conn:
-            conn.exec_driver_sql(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
-        admin.dispose()
-    headers = ("measure", "value", "floor", "ratio", "target")
-    widths = [max(len(h), *(len(r[i]) for r in rows_out)) for i, h in enumerate(headers)]
+    return samples
+
+
+def _fill_sent(url: str, rows: int) -> None:
+    with psycopg.connect(_dsn(url), autocommit=True) as conn:
+        conn.execute(
+            "INSERT INTO joblease_outbox (idempotency_key, topic, payload, payload_sha256, status, attempts, "
+            "next_attempt_at, created_at, updated_at, sent_at) SELECT 'v2:sent-' || g, 'bench', "
+            "jsonb_build_object('v', 1, 'order', g), md5(g::text) || md5(g::text), 'SENT', 1, "
+            "clock_timestamp(), clock_timestamp(), clock_timestamp(), clock_timestamp() "
+            "FROM generate_series(1, %s) AS g",
+            (rows,),
+        )
+        conn.execute("VACUUM ANALYZE joblease_outbox")
+
+
+# -- main ----------------------------------------------------------------------------------------------
+
+
+def _alternate(
+    rounds: int, a: Callable[[], tuple[float, float]], b: Callable[[], tuple[float, float]]
+) -> Any:
+    """Alternate ``a`` (library) and ``b`` (floor), flipping the order each round; medians of each."""
+    got: dict[str, list[tuple[float, float]]] = {"a": [], "b": []}
+    for round_ in range(rounds):
+        order = (("a", a), ("b", b)) if round_ % 2 == 0 else (("b", b), ("a", a))
+        for side, fn in order:
+            got[side].append(fn())
+    return tuple(statistics.median(x[i] for x in got[side]) for side in ("a", "b") for i in (0, 1))
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--seconds", type=float, default=2.0, help="seconds per enqueue round (default 2)")
+    parser.add_argument("--rounds", type=int, default=3, help="alternating rounds per cell (default 3)")
+    parser.add_argument("--processes", default="1,4", help="process counts (default 1,4)")
+    parser.add_argument("--deliver-rows", type=int, default=2_000, help="rows per delivery round")
+    parser.add_argument("--sent-rows", type=int, default=1_000_000, help="sent rows for the claim latency")
+    parser.add_argument("--fast", action="store_true", help="quick check: short rounds, 100,000 sent rows")
+    args = parser.parse_args(argv)
+    if args.fast:
+        args.seconds, args.deliver_rows, args.sent_rows = 0.5, 600, min(args.sent_rows, 100_000)
+    counts = [int(x) for x in args.processes.split(",")]
+
+    server = make_url(os.environ.get("JOBLEASE_BENCH_PG_URL", DEFAULT_URL)).set(
+        drivername="postgresql+psycopg"
+    )
+    names = [f"joblease_bench_{os.getpid()}_{i}" for i in (1, 2)]
+    urls = [server.set(database=n).render_as_string(hide_password=False) for n in names]
+    with psycopg.connect(_dsn(server), autocommit=True) as conn:
+        for name in names:
+            conn.execute(f'CREATE DATABASE "{name}"')  # type: ignore[arg-type]
+    table: list[tuple[str, ...]] = []
+
+    def add(path: str, procs: str, floor: str, lib: str, ratio: str, cpu: str, target: str) -> None:
+        table.append((path, procs, floor, lib, ratio, cpu, target))
+        print("  " + " | ".join(table[-1]), flush=True)
+
+    started = time.perf_counter()
+    url = urls[0]
+    base_url, stop_receiver = "", lambda: None
+    try:
+        for u in urls:
+            migrate(create_engine(u, poolclass=sa.pool.NullPool))
+        base_url, stop_receiver = start_plain_receiver(_dsn(url))
+        print(
+            f"PostgreSQL {redact_url(server)}; {os.cpu_count()} CPUs; {args.rounds} alternating rounds per "
+            "cell, medians",
+            flush=True,
+        )
+        for processes in counts:
+
+            def enqueue(kind: str, p: int = processes) -> tuple[float, float]:
+                _truncate(url)
+                return _rate(_run_processes(_enqueue_worker, p, kind, url, args.seconds))
+
+            lib, lib_cpu, floor, floor_cpu = _alternate(
+                args.rounds, lambda: enqueue("library"), lambda: enqueue("floor")
+            )
+            add(
+                "enqueue, 1 row/transaction",
+                str(processes),
+                f"{floor:,.0f}/s",
+                f"{lib:,.0f}/s",
+                f"{lib / floor:.2f}",
+                f"{lib_cpu:.0f} / {floor_cpu:.0f}",
+                f">= 0.85 {'OK' if lib >= 0.85 * floor else 'MISSED'}",
+            )
+        target = base_url + "/bench"
+        for processes in counts:
+            rows = args.deliver_rows * processes
+
+            def deliver(kind: str, p: int = processes, n: int = rows) -> tuple[float, float]:
+                _truncate(url)
+                tag = secrets.token_hex(3)
+                if kind == "library":
+                    _fill_pending(url, n, f"v2:lib-{tag}-")
+                    results = _run_processes(_deliver_worker, p, kind, url, target, 0, tag)
+                    assert sum(r[0] for r in results) == n, results
+                else:
+                    results = _run_processes(_deliver_worker, p, kind, url, target, n // p, tag)
+                with psycopg.connect(_dsn(url)) as conn:
+                    effects = conn.execute(
+                        "SELECT count(*) FROM plain_effect WHERE key LIKE %s", (f"v2:%{tag}%",)
+                    )
+                    landed = effects.fetchone()
+                assert landed is not None and landed[0] == n, (landed, n)
+                return _rate(results)
+
+            lib, lib_cpu, floor, floor_cpu = _alternate(
+                args.rounds, lambda: deliver("library"), lambda: deliver("floor")
+            )
+            add(
+                "delivery → plain receiver",
+                str(processes),
+                f"{floor:,.0f}/s",
+                f"{lib:,.0f}/s",
+                f"{lib / floor:.2f}",
+                f"{lib_cpu:.0f} / {floor_cpu:.0f}",
+                f">= 0.70 {'OK' if lib >= 0.7 * floor else 'MISSED'}",
+            )
+        stop_receiver()
+        stop_receiver = lambda: None  # noqa: E731
+        print(f"claim latency: filling {args.sent_rows:,} sent rows ...", flush=True)
+        for u in urls:
+            _truncate_outbox_only(u)
+            _fill_pending(u, 1_000, "v2:due-")
+        _fill_sent(urls[1], args.sent_rows)
+
+        def latency(u: str) -> tuple[float, float]:
+            return statistics.median(_claim_ms(u, 40)[5:]), 0.0
+
+        big, _, small, _ = _alternate(args.rounds, lambda: latency(urls[1]), lambda: latency(urls[0]))
+        add(
+            f"claim 100 of 1,000 due among {args.sent_rows:,} sent vs alone",
+            "1",
+            f"{small:.2f} ms",
+            f"{big:.2f} ms",
+            f"{big / small:.2f}x cost",
+            "-",
+            f"<= 1.50x {'OK' if big <= 1.5 * small else 'MISSED'}",
+        )
+    finally:
+        stop_receiver()
+        with psycopg.connect(_dsn(server), autocommit=True) as conn:
+            for name in names:
+                conn.execute(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')  # type: ignore[arg-type]
+    headers = ("path", "procs", "floor", "library", "ratio", "cpu us/row lib / floor", "target")
+    widths = [max(len(h), *(len(r[i]) for r in table)) for i, h in enumerate(headers)]
     print()
     print(" | ".join(h.ljust(w) for h, w in zip(headers, widths, strict=True)))
     print("-+-".join("-" * w for w in widths))
-    for row in rows_out:
-        print(" | ".join(c.ljust(w) for c, w in zip(row, widths, strict=True)))
+    for r in table:
+        print(" | ".join(c.ljust(w) for c, w in zip(r, widths, strict=True)))
     print(f"\ntotal runtime {time.perf_counter() - started:.0f} s")
     return 0
+
+
+def _truncate_outbox_only(url: str) -> None:
+    with psycopg.connect(_dsn(url), autocommit=True) as conn:
+        conn.execute("TRUNCATE joblease_outbox RESTART IDENTITY")
 
 
 if __name__ == "__main__":

@@ -80,7 +80,7 @@ def _jobs(workload: str, tag: str, count: int) -> list[JobIdentity]:
 
 def _worker(kind: str, workload: str, url: str, seconds: float, barrier: Barrier, results: Any) -> None:
     tag = f"{kind}-{os.getpid()}-{uuid.uuid4().hex[:6]}"
-    jobs = _jobs(workload, tag, 400_000)
+    jobs = _jobs(workload, tag, 50_000)
     count = 0
     if kind == "library":
         engine = create_engine(url)

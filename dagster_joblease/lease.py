@@ -156,6 +156,18 @@ _REASONS = {
 _RECLAIM_NOTE = " expired without finishing (worker died or stalled)"
 
 
+def _text(value: str) -> Any:
+    """A constant written into the SQL rather than bound: the claim sends only what varies per call."""
+    assert "'" not in value
+    return sa.literal_column(f"'{value}'", sa.String())
+
+
+_RUNNING, _FAIL, _SUCCESS = (
+    _text(s.value) for s in (LeaseStatus.RUNNING, LeaseStatus.FAIL, LeaseStatus.SUCCESS)
+)
+_ONE = sa.literal_column("1", sa.Integer())
+
+
 def _claim_values(lease_ms: Any) -> dict[str, Any]:
     """Column → value of a fresh claim (attempt 1), all times from the database clock."""
     return {
@@ -163,9 +175,9 @@ def _claim_values(lease_ms: Any) -> dict[str, Any]:
         "job_type": sa.bindparam("p_job_type", type_=sa.String()),
         "code": sa.bindparam("p_code", type_=sa.String()),
         "run_key": sa.bindparam("p_run_key", type_=sa.String()),
-        "status": LeaseStatus.RUNNING.value,
+        "status": _RUNNING,
         "owner_token": sa.bindparam("p_owner_token", type_=sa.String()),
-        "attempt": 1,
+        "attempt": _ONE,
         "lease_ms": lease_ms,
         "holder": sa.bindparam("p_holder", type_=sa.String()),
         "created_at": db_now(),
@@ -179,27 +191,27 @@ def _reclaim_on_conflict(stmt: Any, lease_ms: Any) -> Any:
     """``ON CONFLICT (lock_key) DO UPDATE`` that reclaims a FAIL or expired RUNNING row, and only those."""
     t = lease_table
     reclaimable = sa.or_(
-        t.c.status == LeaseStatus.FAIL.value,
-        sa.and_(t.c.status == LeaseStatus.RUNNING.value, t.c.expires_at < db_now()),
+        t.c.status == _FAIL,
+        sa.and_(t.c.status == _RUNNING, t.c.expires_at < db_now()),
     )
     return stmt.on_conflict_do_update(
         index_elements=[t.c.lock_key],
         set_={
-            "status": LeaseStatus.RUNNING.value,
+            "status": _RUNNING,
             "owner_token": stmt.excluded.owner_token,
-            "attempt": t.c.attempt + 1,
+            "attempt": t.c.attempt + _ONE,
             "lease_ms": stmt.excluded.lease_ms,
             "holder": stmt.excluded.holder,
             "acquired_at": db_now(),
             "heartbeat_at": db_now(),
             "expires_at": db_now_plus_ms(lease_ms),
-            "finished_at": None,
+            "finished_at": sa.null(),
             "result": sa.null(),  # SQL NULL, not the JSON literal null that None would become
             # Keep the previous attempt's error; say so when it simply stopped heartbeating.
             "last_error": sa.case(
                 (
-                    t.c.status == LeaseStatus.RUNNING.value,
-                    sa.literal("attempt ") + sa.cast(t.c.attempt, sa.String) + sa.literal(_RECLAIM_NOTE),
+                    t.c.status == _RUNNING,
+                    _text("attempt ") + sa.cast(t.c.attempt, sa.String) + _text(_RECLAIM_NOTE),
                 ),
                 else_=t.c.last_error,
             ),
@@ -241,10 +253,7 @@ def claim_or_status_statement() -> Any:
     """
     t = lease_table
     lease_ms = sa.bindparam("p_lease_ms", type_=sa.BigInteger())
-    blocks = sa.or_(
-        t.c.status == LeaseStatus.SUCCESS.value,
-        sa.and_(t.c.status == LeaseStatus.RUNNING.value, t.c.expires_at >= db_now()),
-    )
+    blocks = sa.or_(t.c.status == _SUCCESS, sa.and_(t.c.status == _RUNNING, t.c.expires_at >= db_now()))
     current = (
         sa.select(t.c.status, blocks.label("blocks"))
         .where(t.c.lock_key == sa.bindparam("p_lock_key", type_=sa.String()))
@@ -462,7 +471,9 @@ class LeaseService:
             raise errors.InvalidJobIdentityError("identity", job, "must be a JobIdentity")
         for name, value in (("attempt", attempt), ("stale_ms", stale_ms)):
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise errors.InvalidLeaseOptionsError(name, value, "must be a positive int")
+                raise errors.InvalidLeaseOptionsError(
+                    name, value, "must be a positive int (the attempt read from the row; milliseconds)"
+                )
         t = lease_table
         conditions = [
             t.c.lock_key == job.idempotency_key,

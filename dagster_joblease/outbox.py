@@ -13,6 +13,7 @@ import enum
 import functools
 import hashlib
 import json
+import re
 from collections.abc import Collection
 from typing import Any
 
@@ -41,6 +42,8 @@ __all__ = [
 DEFAULT_MAX_PAYLOAD_BYTES = 256 * 1024
 MAX_TOPIC_LENGTH = 128
 MAX_KEY_LENGTH = 320
+#: C0 and C1 control characters (and DEL): never valid in a key or a topic.
+_CONTROL = re.compile("[\x00-\x1f\x7f-\x9f]")
 
 
 class OutboxStatus(enum.StrEnum):
@@ -118,11 +121,11 @@ def _check_text(field: str, value: object, max_length: int, *, ascii_only: bool)
         raise errors.InvalidPayloadError(
             field, f"is {len(value)} characters; at most {max_length} are allowed, shorten it"
         )
-    for ch in value:
-        if ord(ch) < 0x20 or 0x7F <= ord(ch) < 0xA0:
-            raise errors.InvalidPayloadError(
-                field, f"{value[:40]!r} contains the control character U+{ord(ch):04X}; remove it"
-            )
+    control = _CONTROL.search(value)
+    if control is not None:
+        raise errors.InvalidPayloadError(
+            field, f"{value[:40]!r} contains the control character U+{ord(control.group()):04X}; remove it"
+        )
     if ascii_only:
         if not value.isascii():
             raise errors.InvalidPayloadError(

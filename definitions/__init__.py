@@ -2,7 +2,8 @@
 
 Scenarios: a daily billing job whose effect (a POST to the billing API) must happen once per day however
 many runs a partition gets (schedule ticks, backfills, re-executions, retries); a 5-minute order sync; a
-run-once settings seed; and the outbox sensor + dispatcher job that deliver the effects.
+run-once settings seed; the outbox sensor + dispatcher job that deliver the effects, with the delivery
+checks; and a reconciliation sensor per partitioned job that relaunches partitions left undone.
 
 Configuration (environment):
 - ``JOBLEASE_DATABASE_URL``: the joblease tables (``postgresql+psycopg://…``); unset, an SQLite file
@@ -14,6 +15,7 @@ Configuration (environment):
 
 from __future__ import annotations
 
+import datetime as dt
 import os
 from collections.abc import Mapping
 
@@ -23,10 +25,11 @@ import sqlalchemy as sa
 from dagster_joblease.dagster import (
     JobLeaseResource,
     LeasedRun,
-    build_dead_rows_check,
+    OutboxHealth,
     build_dispatcher_job,
     build_leased_schedule,
     build_outbox_sensor,
+    build_reconciliation_sensor,
     leased_op,
     outbox_asset_spec,
 )
@@ -37,12 +40,14 @@ __all__ = [
     "BILLING_TOPIC",
     "billing_table",
     "daily_billing_job",
+    "daily_billing_reconcile",
     "daily_billing_schedule",
     "defs",
     "outbox_dispatch_job",
     "outbox_dispatch_sensor",
     "seed_default_settings_job",
     "sync_orders_job",
+    "sync_orders_reconcile",
     "sync_orders_schedule",
 ]
 
@@ -118,6 +123,10 @@ def daily_billing_job() -> None:
 daily_billing_schedule = build_leased_schedule(
     daily_billing_job, code=BILLING_CODE, cron_schedule="0 2 * * *", name="daily_billing_schedule"
 )
+# RUNNING by default: relaunches failed, expired, dead-holder and `held` partitions of the last 7 days.
+daily_billing_reconcile = build_reconciliation_sensor(
+    daily_billing_job, code=BILLING_CODE, name="daily_billing_reconcile"
+)
 
 # -- order sync every 5 minutes ------------------------------------------------------------------
 
@@ -143,6 +152,9 @@ def sync_orders_job() -> None:
 
 
 sync_orders_schedule = build_leased_schedule(sync_orders_job, code=ORDERS_CODE, name="sync_orders_schedule")
+sync_orders_reconcile = build_reconciliation_sensor(
+    sync_orders_job, code=ORDERS_CODE, name="sync_orders_reconcile", lookback=dt.timedelta(days=1)
+)
 
 # -- run once, forever -----------------------------------------------------------------------------
 
@@ -172,14 +184,18 @@ def routes() -> dict[str, Route]:
     }
 
 
-outbox_dispatch_job = build_dispatcher_job(routes, name="outbox_dispatch_job")
-outbox_dispatch_sensor = build_outbox_sensor(outbox_dispatch_job, name="outbox_dispatch_sensor")
+# The delivery checks look only at this location's topics; the outbox sensor reports them every 5 minutes.
+outbox_health = OutboxHealth(routes=routes)
+outbox_dispatch_job = build_dispatcher_job(routes, name="outbox_dispatch_job", health=outbox_health)
+outbox_dispatch_sensor = build_outbox_sensor(
+    outbox_dispatch_job, name="outbox_dispatch_sensor", routes=routes, health=outbox_health
+)
 
 defs = dg.Definitions(
     assets=[outbox_asset_spec],
-    asset_checks=[build_dead_rows_check()],
+    asset_checks=outbox_health.asset_checks(),
     jobs=[daily_billing_job, sync_orders_job, seed_default_settings_job, outbox_dispatch_job],
     schedules=[daily_billing_schedule, sync_orders_schedule],
-    sensors=[outbox_dispatch_sensor],
+    sensors=[outbox_dispatch_sensor, daily_billing_reconcile, sync_orders_reconcile],
     resources={"joblease": JobLeaseResource()},
 )

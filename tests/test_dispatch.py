@@ -4,6 +4,7 @@ recording servers in a thread where the test must see exact headers or a redirec
 from __future__ import annotations
 
 import json
+import socket
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -382,3 +383,125 @@ def test_run_stops_on_its_event_and_returns_totals(engine: sa.Engine, db_url: st
     assert [r.claimed for r in reports] == [5, 5, 2]
     assert len(totals.rows) == 12
     assert status_counts(engine) == {"SENT": 12}
+
+
+# -- a total deadline per request, and recording without waiting on the pool ---------------------------
+
+
+class Dribbler:
+    """A raw TCP downstream that reads a request, then answers one byte every ``interval_s`` and records
+    how many bytes it got out before the client hung up."""
+
+    def __init__(self, response: bytes, interval_s: float = 0.1) -> None:
+        self.response = response
+        self.interval_s = interval_s
+        self.sent = 0
+        self.finished = threading.Event()
+        self.listener = socket.create_server(("127.0.0.1", 0))
+        self.url = f"http://127.0.0.1:{self.listener.getsockname()[1]}/slow"
+        self.thread = threading.Thread(target=self._serve, daemon=True)
+        self.thread.start()
+
+    def _serve(self) -> None:
+        conn, _ = self.listener.accept()
+        with conn:
+            data = b""
+            while b"\r\n\r\n" not in data:
+                data += conn.recv(65536)
+            head, _, body = data.partition(b"\r\n\r\n")
+            length = int(
+                next(
+                    v
+                    for k, _, v in (h.partition(b":") for h in head.split(b"\r\n"))
+                    if k.lower() == b"content-length"
+                )
+            )
+            while len(body) < length:
+                body += conn.recv(65536)
+            try:
+                for i in range(len(self.response)):
+                    conn.sendall(self.response[i : i + 1])
+                    self.sent += 1
+                    time.sleep(self.interval_s)
+            except OSError:
+                pass  # the client hung up: what a total deadline does
+        self.finished.set()
+
+    def close(self) -> None:
+        self.listener.close()
+        self.thread.join(15)
+
+
+@pytest.mark.parametrize("phase", ["headers", "body"])
+def test_a_dribbling_downstream_cannot_keep_a_request_past_its_total_deadline(
+    pg_engine: sa.Engine, phase: str
+) -> None:
+    """httpx's timeouts are per socket read: a byte every 0.1 s never trips a 1 s read timeout. The request
+    must end at its total deadline (route timeout_s, itself inside the claim), long before the answer is
+    complete, and count as a retryable timeout rather than a success."""
+    enqueue_many(pg_engine, 1, topic="slow", prefix="v2:dribble")
+    padding = b"x" * 50
+    if phase == "headers":
+        response = b"HTTP/1.1 200 OK\r\nX-Pad: " + padding + b"\r\nContent-Length: 2\r\n\r\nok"
+    else:
+        response = b"HTTP/1.1 200 OK\r\nContent-Length: 52\r\n\r\n" + padding + b"ok"
+    dribbler = Dribbler(response)
+    try:
+        with Dispatcher(
+            pg_engine, {"slow": Route(dribbler.url, timeout_s=1.0)}, claim_ms=3_000, **FAST
+        ) as dispatcher:
+            report = dispatcher.dispatch()
+        dribbler.finished.wait(15)
+    finally:
+        dribbler.close()
+    assert (report.claimed, report.sent, report.retried) == (1, 0, 1)
+    assert dribbler.sent < len(response), "the whole dribbled answer was read: no total deadline"
+    row = _row(pg_engine, "v2:dribble-00000")
+    assert (row.status, row.attempts, row.sent_at) == ("PENDING", 1, None)
+    assert "timeout" in row.last_error.lower()
+
+
+def test_recording_outcomes_never_needs_more_than_one_pooled_connection(pg_url: str) -> None:
+    """At any concurrency the deliveries' outcomes are recorded by the dispatching thread, a group per
+    statement, so the dispatcher holds at most one connection of its engine's pool at a time and can never
+    wait on the pool (it used to open one transaction per row from every delivery thread at once)."""
+    from dagster_joblease.storage import create_engine
+
+    concurrency = 12
+    engine = create_engine(pg_url, pool_size=1, max_overflow=concurrency, pool_timeout=30)
+    in_use = 0
+    most = 0
+    lock = threading.Lock()
+
+    @sa.event.listens_for(engine, "checkout")
+    def _checkout(*_: Any) -> None:
+        nonlocal in_use, most
+        with lock:
+            in_use += 1
+            most = max(most, in_use)
+
+    @sa.event.listens_for(engine, "checkin")
+    def _checkin(*_: Any) -> None:
+        nonlocal in_use
+        with lock:
+            in_use -= 1
+
+    gate = threading.Barrier(concurrency, timeout=20)
+
+    def respond(_path: str) -> tuple[int, dict[str, str]]:
+        gate.wait()  # every delivery of the batch answers at the same moment
+        return 200, {}
+
+    rec = Recorder(respond)
+    try:
+        enqueue_many(engine, concurrency * 3, topic="work", prefix="v2:pool")
+        with Dispatcher(engine, {"work": Route(rec.url + "/work")}, concurrency=concurrency) as dispatcher:
+            totals = DispatchReport()
+            for _ in range(3):
+                totals = totals.merge(dispatcher.dispatch(limit=concurrency))
+    finally:
+        rec.close()
+    assert (totals.claimed, totals.sent, totals.unrecorded, totals.lost_claims) == (36, 36, 0, 0)
+    assert status_counts(engine) == {"SENT": 36}
+    assert most == 1, f"the dispatcher held {most} pooled connections at once"
+    engine.dispose()

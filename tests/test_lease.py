@@ -445,3 +445,33 @@ def test_fenced_transaction_refuses_an_expired_lease_nobody_reclaimed(
     with pytest.raises(errors.LostLeaseError), service.fenced_transaction(lease) as conn:
         conn.execute(table.insert().values(k="late"))
     assert _domain_keys(engine, table) == []
+
+
+@pytest.mark.parametrize("finish", ["running", "succeeded"])
+def test_a_refused_claim_is_a_plain_read_that_never_waits_on_the_row(pg_url: str, finish: str) -> None:
+    """A claim refused because the run is held or done says why in the same statement without locking the
+    row: it neither waits behind a transaction that holds the row nor writes (no commit flush). The
+    ``ON CONFLICT DO UPDATE`` alone locks the row even to refuse, so it would block here until the
+    lock timeout."""
+    holder_engine = create_engine(pg_url)
+    rival_engine = create_engine(pg_url, connect_args={"options": "-c lock_timeout=3000"})
+    try:
+        holder = LeaseService(holder_engine)
+        lease = holder.acquire(JOB)
+        assert lease is not None
+        if finish == "succeeded":
+            holder.complete(lease)
+        with holder_engine.begin() as conn:
+            conn.execute(
+                sa.select(lease_table.c.id)
+                .where(lease_table.c.lock_key == JOB.idempotency_key)
+                .with_for_update()
+            )
+            result = LeaseService(rival_engine).try_acquire(JOB)
+        expected = NotAcquiredReason.HELD if finish == "running" else NotAcquiredReason.SUCCEEDED
+        assert result.reason is expected
+        row = row_of(holder_engine, JOB)
+        assert row.attempt == 1 and row.owner_token == lease.owner_token
+    finally:
+        holder_engine.dispose()
+        rival_engine.dispose()

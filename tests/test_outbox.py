@@ -142,6 +142,50 @@ def test_canonical_json_and_fingerprint() -> None:
     assert len(outbox.payload_fingerprint(a)) == 64
 
 
+def test_same_key_same_payload_other_topic_conflicts_and_writes_nothing(engine: sa.Engine) -> None:
+    """The key alone is the effect's identity downstream: a second topic under it is a conflict, not a no-op
+    (it used to return False and silently drop the second effect)."""
+    assert _enqueue(engine, topic="mail", payload={"v": 1, "n": 7})
+    with pytest.raises(errors.OutboxConflictError) as info:
+        _enqueue(engine, topic="sms", payload={"v": 1, "n": 7})
+    assert (info.value.existing_topic, info.value.new_topic) == ("mail", "sms")
+    assert info.value.existing_sha256 == info.value.new_sha256
+    assert "'mail'" in str(info.value) and "'sms'" in str(info.value)
+    (row,) = _rows(engine)
+    assert (row.topic, row.payload) == ("mail", {"v": 1, "n": 7})
+    assert _enqueue(engine, topic="mail", payload={"v": 1, "n": 7}) is False
+
+
+def test_due_summary_by_topic_and_retrying(engine: sa.Engine) -> None:
+    for key, topic in (("v2:a1", "a"), ("v2:a2", "a"), ("v2:b1", "b"), ("v2:c1", "c")):
+        _enqueue(engine, key=key, topic=topic)
+    t = outbox_table
+    with engine.begin() as conn:
+        # a2 failed once and waits out its backoff; b1 failed once and is due again; c1 is in flight.
+        conn.execute(
+            sa.update(t)
+            .where(t.c.idempotency_key == "v2:a2")
+            .values(attempts=1, next_attempt_at=db_now_plus_ms(sa.literal(60_000)))
+        )
+        conn.execute(sa.update(t).where(t.c.idempotency_key == "v2:b1").values(attempts=1))
+        conn.execute(
+            sa.update(t)
+            .where(t.c.idempotency_key == "v2:c1")
+            .values(attempts=1, claim_token="x", claim_expires_at=db_now_plus_ms(sa.literal(60_000)))
+        )
+    everything = outbox.due_summary(engine)
+    assert (everything.due, everything.retrying) == (2, 2)  # due: a1, b1; retrying: a2, b1
+    a = outbox.due_summary(engine, topics=["a"])
+    assert (a.due, a.retrying) == (1, 1) and a.oldest_due_age_ms is not None
+    b = outbox.due_summary(engine, topics=("b", "zzz"))
+    assert (b.due, b.retrying) == (1, 1)
+    assert outbox.due_summary(engine, topics=["c"]) == outbox.DueSummary(0, None, 0)
+    assert outbox.due_summary(engine, topics=[]) == outbox.DueSummary(0, None, 0)
+    for bad in ("a", 3, [1]):
+        with pytest.raises(errors.ConfigurationError, match="topic"):
+            outbox.due_summary(engine, topics=bad)  # type: ignore[arg-type]
+
+
 def test_due_summary_counts_only_claimable_rows(engine: sa.Engine) -> None:
     assert outbox.due_summary(engine) == outbox.DueSummary(due=0, oldest_due_age_ms=None)
     for name in ("due", "later", "claimed", "expired-claim", "sent", "dead"):

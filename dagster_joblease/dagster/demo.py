@@ -8,8 +8,10 @@
 5. print the table and exit non-zero unless every partition has exactly one winner, one outbox row and
    one effect at the receiver (POSTs may exceed effects: redelivery is deduplicated by the inbox).
 
-The Dagster home (runs, tags, metadata) is left in the work directory with ``--keep``, so
-``DAGSTER_HOME=<dir>/dagster_home dagster dev`` shows the same runs in the UI.
+The runs belong to the packaged code location :mod:`dagster_joblease.dagster.demo_location` (they carry
+its repository origin, so the job's Partitions tab lists them). With ``--keep`` the work directory stays,
+and the demo prints the two commands that show the same runs in the Dagster UI: a receiver to keep up,
+and ``dagster dev -m dagster_joblease.dagster.demo_location``. Nothing here needs the source checkout.
 """
 
 from __future__ import annotations
@@ -124,19 +126,10 @@ class _Progress:
             self.stream.flush()
 
 
-def _project_root() -> Path | None:
-    root = Path(__file__).resolve().parent.parent
-    return root if (root / "definitions" / "__init__.py").is_file() else None
-
-
 def _env(workdir: Path, joblease_url: str, billing_url: str | None = None) -> dict[str, str]:
     env = dict(os.environ)
     env["JOBLEASE_DATABASE_URL"] = joblease_url
     env["DAGSTER_HOME"] = str(workdir / "dagster_home")
-    env["PYTHONWARNINGS"] = "ignore"
-    root = _project_root()
-    if root is not None:
-        env["PYTHONPATH"] = os.pathsep.join(p for p in (str(root), env.get("PYTHONPATH")) if p)
     if billing_url is not None:
         env["BILLING_API_URL"] = billing_url
     return env
@@ -185,17 +178,14 @@ def _worker_main(argv: Sequence[str]) -> int:
     warnings.simplefilter("ignore")
     import dagster as dg
 
-    import definitions
+    from dagster_joblease.dagster import demo_location
 
-    job = definitions.defs.resolve_job_def(JOB_NAME)
+    job = demo_location.defs.resolve_job_def(JOB_NAME)
     instance = dg.DagsterInstance.get()
+    tags = {"joblease/demo_launcher": label, **demo_location.origin_tags(JOB_NAME)}
     for day in days:
         result = job.execute_in_process(
-            partition_key=day,
-            instance=instance,
-            run_config=QUIET,
-            tags={"joblease/demo_launcher": label},
-            raise_on_error=False,
+            partition_key=day, instance=instance, run_config=QUIET, tags=tags, raise_on_error=False
         )
         run = instance.get_run_by_id(result.run_id)
         outcome = run.tags.get("joblease/outcome", "failed") if run is not None else "failed"
@@ -318,12 +308,12 @@ def run_demo(
         )
 
         progress.update("[5/5] outbox_dispatch_job delivers the rest")
-        import definitions
+        from dagster_joblease.dagster import demo_location
 
         os.environ["BILLING_API_URL"] = billing_url
         os.environ["JOBLEASE_DATABASE_URL"] = joblease_url
-        result = definitions.defs.resolve_job_def("outbox_dispatch_job").execute_in_process(
-            instance=instance, run_config=QUIET
+        result = demo_location.defs.resolve_job_def("outbox_dispatch_job").execute_in_process(
+            instance=instance, run_config=QUIET, tags=demo_location.origin_tags("outbox_dispatch_job")
         )
         if not result.success:
             raise click.ClickException("demo: outbox_dispatch_job failed")
@@ -369,6 +359,19 @@ def run_demo(
                 os.environ[key] = value
 
 
+def ui_commands(work: Path) -> str:
+    """The two commands that show a kept demo in the UI: a receiver kept up (the location's dispatcher and
+    sensors deliver to it) and ``dagster dev`` on the packaged demo location, with this environment's
+    executables."""
+    bin_dir = Path(sys.executable).parent
+    receiver_db = f"sqlite:///{work / 'receiver.sqlite'}"
+    return (
+        f"  {bin_dir / 'joblease'} receiver --database-url {receiver_db} --port 8765 &\n"
+        f"  DAGSTER_HOME={work / 'dagster_home'} JOBLEASE_DATABASE_URL=sqlite:///{work / 'joblease.sqlite'} "
+        f"{bin_dir / 'dagster'} dev -m dagster_joblease.dagster.demo_location"
+    )
+
+
 @click.command("demo")
 @click.option(
     "--partitions",
@@ -388,7 +391,7 @@ def run_demo(
 )
 def demo_command(partitions: int, workdir: Path | None, keep: bool) -> None:
     """End-to-end demo: duplicate runs, a killed dispatcher, and still one effect per partition."""
-    work = workdir or Path(tempfile.mkdtemp(prefix="joblease-demo-"))
+    work = (workdir or Path(tempfile.mkdtemp(prefix="joblease-demo-"))).resolve()
     try:
         report = run_demo(partitions=partitions, workdir=work)
         click.echo()
@@ -409,11 +412,7 @@ def demo_command(partitions: int, workdir: Path | None, keep: bool) -> None:
                 f"and {2 * partitions} runs; see {work}"
             )
         if keep:
-            click.echo(
-                f"\nKept {work}. See the runs in the UI (from the repository root):\n"
-                f"  DAGSTER_HOME={work / 'dagster_home'} "
-                f"JOBLEASE_DATABASE_URL=sqlite:///{work / 'joblease.sqlite'} dagster dev"
-            )
+            click.echo(f"\nKept {work}. To see the same runs in the Dagster UI, run:\n{ui_commands(work)}")
     finally:
         if not keep:
             shutil.rmtree(work, ignore_errors=True)

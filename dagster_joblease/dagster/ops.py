@@ -215,6 +215,21 @@ def _winner_run_id(holder: str | None) -> str | None:
     return None if decoded is None else decoded.run_id
 
 
+def _tag_dead_holder_run(instance: dg.DagsterInstance, row: _Row, reason: str) -> None:
+    """A SIGKILLed run cannot tag itself: the run that took its lease says ``lost`` for it."""
+    run_id = _winner_run_id(row.holder)
+    if run_id is None or instance.get_run_by_id(run_id) is None:
+        return
+    instance.add_run_tags(
+        run_id,
+        {
+            metadata.TAG_OUTCOME: metadata.LOST,
+            metadata.TAG_ERROR: metadata.bound_tag_text(reason),
+            metadata.TAG_HOLDER: row.holder or metadata.NONE,
+        },
+    )
+
+
 def _error_text(exc: BaseException) -> str:
     return f"{type(exc).__name__}: {exc}"
 
@@ -320,6 +335,7 @@ def _run_key(step: _Step, job: identity.JobIdentity, results: list[metadata.Leas
                     reason=reason,
                 ):
                     log.warning(f"joblease {job}: {reason}")
+                    _tag_dead_holder_run(step.context.instance, row, reason)
                 continue  # reclaim it now (or see who did)
             if time.monotonic() >= deadline:
                 error = (
@@ -335,9 +351,12 @@ def _run_key(step: _Step, job: identity.JobIdentity, results: list[metadata.Leas
                     f"joblease {job}: held by {row.holder} (attempt {row.attempt}); waiting up to "
                     f"{step.held_wait_ms} ms for it to finish"
                 )
-        elif time.monotonic() >= deadline and row is None:
-            error = f"partition {job.run_key} of code {job.code!r} could not be claimed; retry later"
-            results.append(result(metadata.HELD, None, error=error))
+        elif time.monotonic() >= deadline:  # FAIL or gone, yet other claims kept winning the race
+            error = (
+                f"partition {job.run_key or '(initial)'} of code {job.code!r} could not be claimed "
+                f"within {step.held_wait_ms} ms; retry later"
+            )
+            results.append(result(metadata.HELD, row.attempt if row else None, error=error))
             return
         time.sleep(max(0.0, min(delay, deadline - time.monotonic())))
         delay = min(delay * 2, _MAX_POLL_S)
@@ -363,6 +382,24 @@ def run_leased(
     exception fails the lease (the next run or retry takes over with the same idempotency key) and
     propagates; the other keys of a range are not attempted then.
     """
+    results: list[metadata.LeasedResult] = []
+    _settle(context, resource, code, fn, initial, lease_ms, heartbeat_ms, held_wait_ms, results)
+    _raise_if_held(results)
+    return results
+
+
+def _settle(
+    context: AnyContext,
+    resource: JobLeaseResource,
+    code: str,
+    fn: Callable[[LeasedRun], Any],
+    initial: bool,
+    lease_ms: int | None,
+    heartbeat_ms: int | None,
+    held_wait_ms: int | None,
+    results: list[metadata.LeasedResult],
+) -> None:
+    """Settle every key of this step into ``results`` and tag the run (see :func:`run_leased`)."""
     op_context = _op_context(context)
     keys = _partition_keys(op_context, code, initial)
     jobs = [
@@ -386,10 +423,27 @@ def run_leased(
     _set_run_tags(op_context, metadata.pending_tags(code, jobs, several_ops=several_ops, op_name=op_name))
     if several_ops:
         _aggregate_op_outcomes(op_context)
-    results: list[metadata.LeasedResult] = []
     try:
         for job in jobs:
-            _run_key(step, job, results)
+            settled = len(results)
+            try:
+                _run_key(step, job, results)
+            except BaseException as exc:
+                if len(results) == settled:
+                    # Failed outside the body (e.g. the database went away while waiting): still say so.
+                    results.append(
+                        metadata.LeasedResult(
+                            code=job.code,
+                            partition_key=job.run_key,
+                            idempotency_key=job.idempotency_key,
+                            outcome=metadata.FAILED,
+                            attempt=None,
+                            outbox=metadata.OUTBOX_NOT_ENQUEUED,
+                            holder=holder,
+                            error=_error_text(exc),
+                        )
+                    )
+                raise
             last = results[-1]
             op_context.log.info(
                 f"joblease {job}: {last.outcome} (attempt {last.attempt}, outbox {last.outbox}, "
@@ -400,6 +454,10 @@ def run_leased(
         _set_run_tags(op_context, tags)
         if several_ops:
             _aggregate_op_outcomes(op_context)
+
+
+def _raise_if_held(results: list[metadata.LeasedResult]) -> None:
+    """A key still held after the wait fails the step, retryably: the run must not claim success."""
     held = [r for r in results if r.outcome == metadata.HELD]
     if held:
         raise dg.Failure(
@@ -412,7 +470,6 @@ def run_leased(
             },
             allow_retries=True,
         )
-    return results
 
 
 def leased_op(
@@ -522,18 +579,24 @@ def leased_asset(
 
     def decorate(fn: Callable[[LeasedRun], Any]) -> dg.AssetsDefinition:
         def _leased(context: AssetExecutionContext) -> Iterator[dg.MaterializeResult[Any]]:
-            results = run_leased(
-                context,
-                getattr(context.resources, resource_key),
-                code=code,
-                fn=fn,
-                initial=initial,
-                lease_ms=lease_ms,
-                heartbeat_ms=heartbeat_ms,
-                held_wait_ms=held_wait_ms,
-            )
+            results: list[metadata.LeasedResult] = []
+            failure: Exception | None = None
+            try:
+                _settle(
+                    context,
+                    getattr(context.resources, resource_key),
+                    code,
+                    fn,
+                    initial,
+                    lease_ms,
+                    heartbeat_ms,
+                    held_wait_ms,
+                    results,
+                )
+            except Exception as exc:  # record what the earlier keys of a range did, then fail
+                failure = exc
             chosen = _to_materialize(context, results)
-            if all(chosen):
+            if failure is None and all(chosen):
                 yield dg.MaterializeResult(metadata=metadata.output_metadata(results))
                 return
             for result, materialize in zip(results, chosen, strict=True):
@@ -545,6 +608,9 @@ def leased_asset(
                             metadata=metadata.output_metadata([result]),
                         )
                     )
+            if failure is not None:
+                raise failure
+            _raise_if_held(results)
 
         asset_def: dg.AssetsDefinition = dg.asset(
             name=name or fn.__name__,

@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import dataclasses
 import datetime as dt
-import importlib
 import json
 from collections.abc import Iterator, Sequence
 from typing import Any
@@ -32,8 +31,8 @@ from typing import Any
 import dagster as dg
 import sqlalchemy as sa
 
-from dagster_joblease import errors, identity, options
-from dagster_joblease.dagster import metadata
+from dagster_joblease import errors, identity
+from dagster_joblease.dagster import holders, metadata
 from dagster_joblease.dagster.jobs import OutboxHealth
 from dagster_joblease.dagster.resource import JobLeaseResource
 from dagster_joblease.dagster.sensors import NOT_FINISHED_STATUSES, db_clock
@@ -53,8 +52,7 @@ TAG_RELAUNCH = "joblease/relaunch"
 TAG_RECONCILE_REASON = "joblease/reconcile_reason"
 PARTITION_TAG = "dagster/partition"
 ASSET_JOB_NAME = "__ASSET_JOB"
-#: The outcome a run records when it gave up waiting for a live holder (item 2 of issue 8).
-HELD_OUTCOME = "held"
+HELD_OUTCOME = metadata.HELD
 #: At most this many lease rows and runs are read per tick; the rest wait for the next tick.
 MAX_ROWS_PER_TICK = 1_000
 CATCH_UP_CHUNK = 500
@@ -77,19 +75,6 @@ class _Verdicts:
     canceled: list[str] = dataclasses.field(default_factory=list)
     in_flight: list[str] = dataclasses.field(default_factory=list)
     deferred: list[str] = dataclasses.field(default_factory=list)
-
-
-def _holder_run_finished(instance: dg.DagsterInstance, holder: str | None) -> bool | None:
-    """Whether the holder's Dagster run is finished; ``None`` when that cannot be told (not a Dagster
-    run, another deployment). Provided by ``dagster_joblease.dagster.holders`` (holder identity)."""
-    if holder is None:
-        return None
-    try:
-        holders = importlib.import_module("dagster_joblease.dagster.holders")
-    except ImportError:
-        return None
-    result: bool | None = holders.holder_run_finished(instance, holder)
-    return result
 
 
 def _positive(name: str, value: object, minimum: int = 1) -> int:
@@ -131,7 +116,7 @@ def _lease_candidates(
     instance: dg.DagsterInstance,
     code: str,
     lookback_ms: int,
-    holder_stale_ms: int | None,
+    holder_stale_ms: int,
 ) -> tuple[list[_Candidate], set[str]]:
     """Lease rows needing a run, and the keys held by a live lease (database clock throughout)."""
     t = lease_table
@@ -142,7 +127,6 @@ def _lease_candidates(
             t.c.status,
             t.c.attempt,
             t.c.holder,
-            t.c.lease_ms,
             -ms_until(t.c.expires_at),
             -ms_until(t.c.heartbeat_at),
             idle,
@@ -160,18 +144,13 @@ def _lease_candidates(
         rows = conn.execute(stmt).all()
     candidates: list[_Candidate] = []
     live: set[str] = set()
-    for run_key, status, attempt, holder, lease_ms, overdue_ms, heartbeat_age_ms, idle_ms in rows:
+    for run_key, status, attempt, holder, overdue_ms, heartbeat_age_ms, idle_ms in rows:
         if status == "FAIL":
             candidates.append(_Candidate(run_key, "lease FAIL", attempt, int(idle_ms)))
         elif overdue_ms > 0:
             candidates.append(_Candidate(run_key, "lease expired", attempt, int(idle_ms)))
         else:
-            stale_after = (
-                holder_stale_ms
-                if holder_stale_ms is not None
-                else 2 * max(options.default_heartbeat_ms(int(lease_ms)), 1)
-            )
-            if heartbeat_age_ms > stale_after and _holder_run_finished(instance, holder) is True:
+            if heartbeat_age_ms > holder_stale_ms and holders.holder_run_finished(instance, holder) is True:
                 candidates.append(_Candidate(run_key, f"dead holder {holder}", attempt, int(idle_ms)))
             else:
                 live.add(run_key)
@@ -274,8 +253,9 @@ def build_reconciliation_sensor(
         backoff / max_backoff: the n-th relaunch waits ``backoff * 2**(n-2)`` (capped) after the lease's
             last activity; the first relaunch is immediate.
         relaunch_canceled: relaunch a partition whose latest run was canceled (default: leave it alone).
-        holder_stale_ms: a RUNNING lease whose holder's Dagster run is finished is reclaimable once its
-            heartbeat is older than this; default twice the default heartbeat for the row's lease length.
+        holder_stale_ms: a RUNNING lease whose holder's Dagster run is finished (on this instance) is
+            relaunched once its heartbeat is older than this; default twice the resource's heartbeat
+            (20 s with the Dagster-side defaults). The relaunched run takes the dead holder's lease over.
         health: also report these outbox checks (at most every ``checks_interval_seconds``), so they run
             without a dispatcher run.
         default_status: RUNNING by default: it is the safety net, it only acts on partitions someone
@@ -316,7 +296,9 @@ def build_reconciliation_sensor(
         now = db_clock(engine)
         cursor: dict[str, Any] = json.loads(context.cursor) if context.cursor else {}
 
-        candidates, live = _lease_candidates(engine, instance, code, lookback_ms, holder_stale_ms)
+        timing = resource.timing()
+        stale_ms = holder_stale_ms or 2 * (timing.heartbeat_ms or timing.lease_ms)
+        candidates, live = _lease_candidates(engine, instance, code, lookback_ms, stale_ms)
         by_key = {c.key: c for c in candidates}
         held_runs = instance.get_runs(
             dg.RunsFilter(

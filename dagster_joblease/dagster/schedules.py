@@ -49,9 +49,10 @@ def build_leased_schedule(
     """A schedule that requests, on each tick, the last complete partition of ``job``.
 
     Each request is ``RunRequest(run_key=<partition key>, partition_key=<partition key>)`` tagged with
-    ``joblease/code`` and ``joblease/idempotency_key``. The cron defaults to the partitions' own cadence
-    and the time zone to the partitions' time zone; e.g. ``cron_schedule="0 2 * * *"`` on daily UTC
-    partitions bills yesterday at 02:00 UTC.
+    ``joblease/code``, ``joblease/run_key``, ``joblease/idempotency_key`` and ``joblease/outcome=pending``
+    (what a queued run shows until its leased step writes the real outcome). The cron defaults to the
+    partitions' own cadence and the time zone to the partitions' time zone; e.g.
+    ``cron_schedule="0 2 * * *"`` on daily UTC partitions bills yesterday at 02:00 UTC.
     """
     identity.JobIdentity.initial(code)  # validate the code at definition time
     partitions_def = _time_partitions(job, code)

@@ -9,6 +9,7 @@ from typing import Any
 
 import dagster as dg
 import sqlalchemy as sa
+from dagster._core.storage.tags import REPOSITORY_LABEL_TAG
 
 from dagster_joblease import errors, outbox
 from dagster_joblease.dagster.jobs import OutboxHealth, RoutesSource, resolve_routes
@@ -37,6 +38,14 @@ def db_clock(engine: sa.Engine) -> dt.datetime:
         value = dt.datetime.fromisoformat(value)
     assert isinstance(value, dt.datetime)
     return value.replace(tzinfo=dt.UTC) if value.tzinfo is None else value.astimezone(dt.UTC)
+
+
+def _own_location(context: dg.SensorEvaluationContext) -> dict[str, str]:
+    """Tags that pick this code location's runs (another location may have a job of the same name)."""
+    origin = context.code_location_origin
+    if origin is None or context.repository_name is None:
+        return {}
+    return {REPOSITORY_LABEL_TAG: f"{context.repository_name}@{origin.location_name}"}
 
 
 def build_outbox_sensor(
@@ -99,7 +108,10 @@ def build_outbox_sensor(
                 skip_reason=dg.SkipReason("0 outbox rows due"), asset_events=events, cursor=new_cursor
             )
         busy = context.instance.get_runs(
-            dg.RunsFilter(job_name=job.name, statuses=list(NOT_FINISHED_STATUSES)), limit=1
+            dg.RunsFilter(
+                job_name=job.name, statuses=list(NOT_FINISHED_STATUSES), tags=_own_location(context)
+            ),
+            limit=1,
         )
         if busy:
             run = busy[0]

@@ -61,7 +61,6 @@ RECORD_RETRY_PAUSES_S = (0.05, 0.25, 1.0)
 #: Longest a finished delivery waits to be recorded while the rest of its batch is still in flight.
 MAX_RECORD_DELAY_S = 0.25
 _OutcomeLabel = str
-_RELEASE = "released"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -299,6 +298,7 @@ class Dispatcher:
             raise errors.ConfigurationError("routes must be a mapping of topic → Route")
         self.routes: dict[str, Route] = {}
         self._headers: dict[str, dict[str, str]] = {}
+        self._timeouts: dict[str, httpx.Timeout] = {}
         for topic, route in routes.items():
             if not isinstance(route, Route):
                 raise errors.ConfigurationError(
@@ -306,6 +306,7 @@ class Dispatcher:
                 )
             self.routes[topic] = route
             self._headers[topic] = {**route.resolve_headers(), "Content-Type": "application/json"}
+            self._timeouts[topic] = route.timeout
         self.topics: frozenset[str] = frozenset(self.routes)
         longest_ms = max((int(r.timeout_s * 1000) for r in self.routes.values()), default=0)
         if longest_ms + _safety_ms(self.claim_ms) >= self.claim_ms:
@@ -437,7 +438,11 @@ class Dispatcher:
     def _post(self, row: _Claimed, route: Route, deadline: float) -> policy.Classification:
         headers = {**self._headers[row.topic], "Idempotency-Key": row.idempotency_key}
         request = self._client.build_request(
-            "POST", route.url, content=row.payload.encode("utf-8"), headers=headers, timeout=route.timeout
+            "POST",
+            route.url,
+            content=row.payload.encode("utf-8"),
+            headers=headers,
+            timeout=self._timeouts[row.topic],
         )
         response = self._client.send(request, stream=True, follow_redirects=False)
         try:

@@ -102,14 +102,14 @@ def _response_now(response: httpx.Response) -> datetime | None:
 def classify_response(response: httpx.Response, body_snippet: str | None = None) -> Classification:
     """Judge an HTTP response. ``body_snippet`` defaults to the (already read) response text."""
     status = response.status_code
+    if 200 <= status < 300:
+        return Classification(Outcome.SENT, status, f"HTTP {status}")
     if body_snippet is None:
         try:
             body_snippet = response.text
         except httpx.ResponseNotRead:
             body_snippet = ""
     detail = f"HTTP {status}: {' '.join(body_snippet.split())}".rstrip(": ")
-    if 200 <= status < 300:
-        return Classification(Outcome.SENT, status, _bound(f"HTTP {status}"))
     if 300 <= status < 400:
         location = response.headers.get("location", "")
         return Classification(

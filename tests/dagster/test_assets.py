@@ -103,3 +103,35 @@ def test_a_held_partition_fails_and_materializes_nothing(dagster_pg: DagsterPg) 
     assert day not in dagster_pg.instance.get_materialized_partitions(ASSET)
     tags = _tags(dagster_pg, result.run_id)
     assert (tags[TAG_OUTCOME], tags[TAG_HOLDER]) == ("held", "worker:7")
+
+
+def test_a_range_run_records_the_keys_it_did_even_when_one_is_held(dagster_pg: DagsterPg) -> None:
+    engine = create_engine(dagster_pg.joblease_url)
+    try:
+        held = LeaseService(engine, lease_ms=600_000, heartbeat_ms=0, holder="worker:8").acquire(
+            JobIdentity.schedule("t-asset", "2024-03-11")
+        )
+        assert held is not None
+        result = dg.materialize(
+            [jobs.leased_daily_asset],
+            instance=dagster_pg.instance,
+            resources={"joblease": JobLeaseResource(held_wait_ms=200)},
+            run_config=QUIET,
+            raise_on_error=False,
+            tags={
+                "dagster/asset_partition_range_start": "2024-03-10",
+                "dagster/asset_partition_range_end": "2024-03-12",
+            },
+        )
+    finally:
+        engine.dispose()
+    assert not result.success
+    assert [
+        len(_materializations(dagster_pg.instance, d)) for d in ("2024-03-10", "2024-03-11", "2024-03-12")
+    ] == [
+        1,
+        0,
+        1,
+    ]
+    tags = _tags(dagster_pg, result.run_id)
+    assert (tags[TAG_OUTCOME], tags["joblease/outcomes"]) == ("held", "held:1,won:2")

@@ -9,18 +9,44 @@ from pathlib import Path
 
 import dagster as dg
 import pytest
+from dagster._core.storage.tags import PARTITION_SET_TAG, REPOSITORY_LABEL_TAG
+
+from dagster_joblease.dagster import demo_location
 
 ROOT = Path(__file__).resolve().parents[2]
 
 
+NOISY = ("BetaWarning", "ExperimentalWarning", "PreviewWarning")
+
+
 def test_definitions_validate_and_the_demo_pass_in_subprocesses(tmp_path: Path) -> None:
-    env = {**os.environ, "PYTHONWARNINGS": "ignore"}
-    env.pop("DAGSTER_HOME", None)
+    env = {k: v for k, v in os.environ.items() if k not in ("DAGSTER_HOME", "PYTHONWARNINGS")}
     dagster = Path(sys.executable).with_name("dagster")
-    validate = subprocess.Popen(
-        [str(dagster), "definitions", "validate", "-m", "definitions"],
-        cwd=tmp_path,  # not the repo root: `dagster` drops a temporary home into the working directory
-        env={**env, "PYTHONPATH": str(ROOT)},
+    validate = {
+        module: subprocess.Popen(
+            [str(dagster), "definitions", "validate", "-m", module],
+            cwd=tmp_path,  # not the repo root: `dagster` drops a temporary home into the working directory
+            env={**env, "PYTHONPATH": str(ROOT)},
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+        )
+        for module in ("definitions", "dagster_joblease.dagster.demo_location")
+    }
+    # A real run of the example location with the default (multiprocess) executor: the run and its step
+    # subprocess each load the location; none of them may print Dagster's beta/experimental warnings.
+    home = tmp_path / "home"
+    home.mkdir()
+    (home / "dagster.yaml").write_text("telemetry:\n  enabled: false\n")
+    run = subprocess.Popen(
+        [str(dagster), "job", "execute", "-m", "definitions", "-j", "seed_default_settings_job"],
+        cwd=tmp_path,
+        env={
+            **env,
+            "PYTHONPATH": str(ROOT),
+            "DAGSTER_HOME": str(home),
+            "JOBLEASE_DATABASE_URL": f"sqlite:///{tmp_path / 'example.sqlite'}",
+        },
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,
         text=True,
@@ -32,6 +58,7 @@ def test_definitions_validate_and_the_demo_pass_in_subprocesses(tmp_path: Path) 
             "dagster_joblease.dagster.demo",
             "--partitions",
             "4",
+            "--keep",
             "--workdir",
             str(tmp_path / "demo"),
         ],
@@ -40,10 +67,16 @@ def test_definitions_validate_and_the_demo_pass_in_subprocesses(tmp_path: Path) 
         stderr=subprocess.STDOUT,
         text=True,
     )
-    validate_out = validate.communicate(timeout=120)[0]
-    demo_out = demo.communicate(timeout=120)[0]
-    assert validate.returncode == 0, validate_out
-    assert "Validation successful for code location definitions" in validate_out
+    for module, proc in validate.items():
+        out = proc.communicate(timeout=180)[0]
+        assert proc.returncode == 0, out
+        assert f"Validation successful for code location {module}" in out
+        assert not [w for w in NOISY if w in out], out
+    run_out = run.communicate(timeout=180)[0]
+    assert run.returncode == 0, run_out
+    assert "RUN_SUCCESS" in run_out and "STEP_SUCCESS" in run_out
+    assert not [w for w in NOISY if w in run_out], run_out
+    demo_out = demo.communicate(timeout=180)[0]
     assert demo.returncode == 0, demo_out
     assert "OK: one effect per partition (4/4)." in demo_out
     header = "| partitions | runs | winners | skips | outbox rows | POSTs | effects applied |"
@@ -51,6 +84,22 @@ def test_definitions_validate_and_the_demo_pass_in_subprocesses(tmp_path: Path) 
     row = demo_out.splitlines()[demo_out.splitlines().index(header) + 2]
     cells = [int(cell) for cell in row.strip("|").split("|")]
     assert cells[:5] == [4, 8, 4, 4, 4] and cells[5] >= 4 and cells[6] == 4
+    assert "joblease receiver --database-url sqlite:///" in demo_out
+    assert "dev -m dagster_joblease.dagster.demo_location" in demo_out
+
+    # What the job's Partitions tab reads (the same query the UI's GraphQL makes): the demo's runs are
+    # there under the packaged location's repository, one latest run per partition, all succeeded.
+    with dg.DagsterInstance.from_config(str(tmp_path / "demo" / "dagster_home")) as instance:
+        data = instance.run_storage.get_run_partition_data(
+            dg.RunsFilter(tags=demo_location.origin_tags("daily_billing_job"))
+        )
+    assert {d.partition: d.status for d in data} == {
+        f"2024-01-0{i}": dg.DagsterRunStatus.SUCCESS for i in range(1, 5)
+    }
+    assert demo_location.origin_tags("x") == {
+        REPOSITORY_LABEL_TAG: f"__repository__@{demo_location.LOCATION_NAME}",
+        PARTITION_SET_TAG: "x_partition_set",
+    }
 
 
 def test_the_code_location_has_exactly_the_documented_names() -> None:
@@ -62,6 +111,14 @@ def test_the_code_location_has_exactly_the_documented_names() -> None:
     assert defs.resolve_schedule_def("daily_billing_schedule").cron_schedule == "0 2 * * *"
     assert defs.resolve_schedule_def("sync_orders_schedule").cron_schedule == "*/5 * * * *"
     assert defs.resolve_sensor_def("outbox_dispatch_sensor").job_name == "outbox_dispatch_job"
+    for job, sensor in [
+        ("daily_billing_job", "daily_billing_reconcile"),
+        ("sync_orders_job", "sync_orders_reconcile"),
+    ]:
+        reconcile = defs.resolve_sensor_def(sensor)
+        assert reconcile.job_name == job and reconcile.default_status == dg.DefaultSensorStatus.RUNNING
+    checks = {key.name for key in defs.resolve_asset_graph().asset_check_keys}
+    assert checks == {"no_dead_rows", "delivery_backlog", "no_unrouted_rows"}
 
 
 def test_seed_default_settings_job_runs_once(sqlite_url: str, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -77,4 +134,4 @@ def test_seed_default_settings_job_runs_once(sqlite_url: str, monkeypatch: pytes
             run = instance.get_run_by_id(result.run_id)
             assert run is not None
             outcomes.append(run.tags["joblease/outcome"])
-    assert outcomes == ["won", "skipped: already succeeded"]
+    assert outcomes == ["won", "skipped-succeeded"]

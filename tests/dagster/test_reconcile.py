@@ -29,6 +29,7 @@ from dagster_joblease.dagster import (
     OutboxHealth,
     build_reconciliation_sensor,
 )
+from dagster_joblease.dagster.holders import encode_holder
 from dagster_joblease.dispatch import Route
 from dagster_joblease.storage.schema import lease_table
 from tests.conftest import wait_until
@@ -298,3 +299,60 @@ def test_bad_arguments_are_refused_before_anything_runs(case: tuple[str, dg.JobD
         build_reconciliation_sensor(dg.GraphDefinition("g").to_job(), code=code)
     with pytest.raises(errors.ConfigurationError, match="lookback"):
         build_reconciliation_sensor(job, code=code, lookback=dt.timedelta(seconds=-1))
+
+
+def test_a_dead_dagster_holder_is_relaunched_a_live_one_is_not(
+    dagster_pg: DagsterPg, engine: sa.Engine, case: tuple[str, dg.JobDefinition]
+) -> None:
+    code, job = case
+    service = LeaseService(engine, lease_ms=600_000)
+    runs = {}
+    for key, status in ((DAYS[0], dg.DagsterRunStatus.FAILURE), (DAYS[1], dg.DagsterRunStatus.STARTED)):
+        runs[key] = _run(dagster_pg, job, key, status)
+        held = service.try_acquire(
+            JobIdentity.schedule(code, key), holder=encode_holder("tests", runs[key].run_id)
+        )
+        assert held.acquired
+        _set_idle(engine, code, key, seconds=60)  # no heartbeat for a minute; the lease runs 10 minutes
+    sensor = build_reconciliation_sensor(job, code=code)  # stale after 2 x 10 s (the Dagster default)
+    requests, message, _, _ = _tick(dagster_pg, sensor)
+    (request,) = requests
+    assert request.partition_key == DAYS[0]
+    assert request.tags["joblease/reconcile_reason"] == (f"dead holder dagster:tests/{runs[DAYS[0]].run_id}")
+    patient = build_reconciliation_sensor(job, code=code, holder_stale_ms=3_600_000, name="patient")
+    requests, message, _, _ = _tick(dagster_pg, patient)
+    assert requests == [] and "2 held by a live lease" in message
+
+
+def test_a_failed_partition_converges_without_dagster_run_retries(
+    dagster_pg: DagsterPg,
+    engine: sa.Engine,
+    case: tuple[str, dg.JobDefinition],
+    tmp_path: Any,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    code, job = case
+    marker = tmp_path / "fail-once"
+    marker.write_text("")
+    monkeypatch.setenv(jobs.FAIL_ONCE_ENV, str(marker))
+    quiet = {"loggers": {"console": {"config": {"log_level": "ERROR"}}}}
+    first = job.execute_in_process(
+        partition_key=DAYS[0], instance=dagster_pg.instance, run_config=quiet, raise_on_error=False
+    )
+    assert not first.success  # the body failed once: lease FAIL, run FAILURE, no run retries configured
+
+    sensor = build_reconciliation_sensor(job, code=code)
+    (request,) = _tick(dagster_pg, sensor)[0]
+    relaunch = job.execute_in_process(  # what the daemon does with the request
+        partition_key=request.partition_key, instance=dagster_pg.instance, run_config=quiet, tags=request.tags
+    )
+    assert relaunch.success
+    with engine.connect() as conn:
+        status, attempt = conn.execute(
+            sa.select(lease_table.c.status, lease_table.c.attempt).where(
+                lease_table.c.code == code, lease_table.c.run_key == DAYS[0]
+            )
+        ).one()
+    assert (status, attempt) == ("SUCCESS", 2)
+    requests, message, _, _ = _tick(dagster_pg, sensor)
+    assert requests == [] and message.startswith("0 relaunched")

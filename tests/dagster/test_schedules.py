@@ -9,7 +9,13 @@ import dagster as dg
 import pytest
 
 from dagster_joblease import ConfigurationError, JobIdentity
-from dagster_joblease.dagster import TAG_CODE, TAG_IDEMPOTENCY_KEY, build_leased_schedule
+from dagster_joblease.dagster import (
+    TAG_CODE,
+    TAG_IDEMPOTENCY_KEY,
+    TAG_OUTCOME,
+    TAG_RUN_KEY,
+    build_leased_schedule,
+)
 
 UTC = dt.UTC
 
@@ -39,6 +45,8 @@ def _assert_request(request: dg.RunRequest, code: str, key: str) -> None:
     assert request.partition_key == key
     assert request.tags[TAG_CODE] == code
     assert request.tags[TAG_IDEMPOTENCY_KEY] == JobIdentity.schedule(code, key).idempotency_key
+    # Known at launch; the outcome is 'pending' from the queue on until the leased step says otherwise.
+    assert (request.tags[TAG_RUN_KEY], request.tags[TAG_OUTCOME]) == (key, "pending")
 
 
 def test_daily_at_two_utc_requests_yesterday() -> None:

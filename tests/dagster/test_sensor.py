@@ -219,14 +219,18 @@ def test_a_dispatcher_run_that_delivers_nothing_is_not_green(
     refused = here.dispatch(dagster_pg)
     assert not refused.success  # the downstream refuses connections: a failed (retryable) run
     meta = _meta(refused, f"{here.job.name}_dispatch")
-    assert meta["result"] == "delivered NOTHING of 3 claimed row(s)"
-    assert meta["delivered_nothing"] is True and meta["retried"] == 3 and meta["sent"] == 0
+    # Full jitter can make a retried row due again at once, so a run may claim a row more than once.
+    claimed = meta["claimed"]
+    assert claimed >= 3 and meta["retried"] == claimed and meta["sent"] == 0
+    assert meta["result"] == f"delivered NOTHING of {claimed} claimed row(s)"
+    assert meta["delivered_nothing"] is True
     (failure,) = [e for e in refused.all_events if e.event_type == dg.DagsterEventType.STEP_FAILURE]
-    assert "delivered NOTHING of 3 claimed row(s)" in str(failure.step_failure_data.error)
+    assert f"delivered NOTHING of {claimed} claimed row(s)" in str(failure.step_failure_data.error)
     backlog = _checks(refused)[BACKLOG_CHECK]
     assert not backlog.passed and backlog.severity == dg.AssetCheckSeverity.WARN
     assert "3 row(s) retrying after a failed delivery attempt" in (backlog.description or "")
-    assert _rows(engine, topic) == [("PENDING", 1)] * 3
+    assert [status for status, _ in _rows(engine, topic)] == ["PENDING"] * 3
+    assert all(attempts >= 1 for _, attempts in _rows(engine, topic))
 
 
 def test_the_checks_run_on_their_own_and_from_the_sensor(dagster_pg: DagsterPg, engine: sa.Engine) -> None:

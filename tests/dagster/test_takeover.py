@@ -184,5 +184,9 @@ def test_a_killed_holder_is_taken_over_in_seconds_and_a_live_one_never(
     # The lease was 10 minutes long: only the dead-holder takeover can have freed it.
     print(f"\ndead holder taken over {took:.1f} s after SIGKILL (lease 600 s, heartbeat 1 s)")
     messages = [entry.user_message or "" for entry in instance.all_logs(result.run_id)]
+    # The killed run could not tag itself; the run that took its lease over did.
+    dead = _tags(instance, holder_run_id)
+    assert (dead[TAG_OUTCOME], dead[TAG_HOLDER]) == ("lost", holder)
+    assert dead[TAG_ERROR].startswith(f"attempt 1: holder {holder} is dead")
     # CANCELED as reported, or FAILURE once the run worker saw its step process die.
     assert any(f"holder {holder} is dead (its Dagster run is " in m for m in messages), messages

@@ -1,0 +1,210 @@
+"""README's UI path, end to end, from a wheel installed outside the checkout.
+
+Build the wheel (``pip wheel --no-deps``), install it into a fresh venv in a temporary directory, run
+``joblease demo --keep`` there, then run the two commands the demo prints: the receiver and
+``dagster dev -m dagster_joblease.dagster.demo_location``. The UI's own GraphQL API must then list the
+demo's runs in the job's Partitions tab (every partition SUCCESS).
+
+To avoid a full reinstall, the fresh venv sees this venv's site-packages through a ``.pth`` line (appended
+after its own site-packages, so the wheel's ``dagster_joblease`` wins, and ``.pth`` files there, like the
+editable install's, are not processed). ``bin/dagster`` is a two-line stand-in for the console script pip
+would install with ``dagster``.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import sysconfig
+import time
+import urllib.error
+import urllib.request
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+PARTITIONS_QUERY = """
+query($repo: RepositorySelector!, $name: String!) {
+  partitionSetOrError(repositorySelector: $repo, partitionSetName: $name) {
+    __typename
+    ... on PartitionSet {
+      partitionStatusesOrError {
+        __typename
+        ... on PartitionStatuses { results { partitionName runStatus } }
+      }
+    }
+  }
+}
+"""
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port: int = sock.getsockname()[1]
+        return port
+
+
+def _graphql(port: int, query: str, variables: dict[str, object]) -> dict[str, object]:
+    request = urllib.request.Request(
+        f"http://127.0.0.1:{port}/graphql",
+        data=json.dumps({"query": query, "variables": variables}).encode(),
+        headers={"Content-Type": "application/json"},
+    )
+    with urllib.request.urlopen(request, timeout=10) as response:
+        data: dict[str, object] = json.loads(response.read())["data"]
+        return data
+
+
+def _clean_env() -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "DAGSTER_HOME", "PYTHONWARNINGS")}
+    env.pop("JOBLEASE_DATABASE_URL", None)
+    return env
+
+
+@pytest.mark.chaos
+def test_the_demo_runs_from_a_wheel_and_its_runs_show_in_the_partitions_tab(tmp_path: Path) -> None:
+    env = _clean_env()
+    subprocess.run(
+        [sys.executable, "-m", "pip", "wheel", "--no-deps", "-q", "-w", str(tmp_path / "dist"), str(ROOT)],
+        check=True,
+        env=env,
+        cwd=tmp_path,
+    )
+    (wheel,) = (tmp_path / "dist").glob("dagster_joblease-*.whl")
+    venv = tmp_path / "venv"
+    subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True, env=env)
+    python = venv / "bin" / "python"
+    site = subprocess.run(
+        [str(python), "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
+        check=True,
+        capture_output=True,
+        text=True,
+    ).stdout.strip()
+    Path(site, "_joblease_test_deps.pth").write_text(sysconfig.get_paths()["purelib"] + "\n")
+    subprocess.run(
+        [str(python), "-m", "pip", "install", "-q", "--no-deps", "--no-index", str(wheel)],
+        check=True,
+        env=env,
+    )
+    (venv / "bin" / "dagster").write_text(
+        f"#!{python}\nimport sys\nfrom dagster._cli import main\nsys.exit(main())\n"
+    )
+    (venv / "bin" / "dagster").chmod(0o755)
+
+    where = subprocess.run(
+        [
+            str(python),
+            "-c",
+            "import importlib.util, dagster_joblease; print(dagster_joblease.__file__); "
+            "print(importlib.util.find_spec('definitions'))",
+        ],
+        check=True,
+        capture_output=True,
+        text=True,
+        cwd=tmp_path,
+        env=env,
+    ).stdout.split()
+    assert where[0].startswith(site) and where[1] == "None"  # the wheel's package; no definitions/
+
+    work = tmp_path / "demo"
+    demo = subprocess.run(
+        [str(venv / "bin" / "joblease"), "demo", "--partitions", "3", "--keep", "--workdir", str(work)],
+        capture_output=True,
+        text=True,
+        cwd=tmp_path,
+        env=env,
+        timeout=300,
+    )
+    assert demo.returncode == 0, demo.stdout + demo.stderr
+    assert "OK: one effect per partition (3/3)." in demo.stdout
+    receiver_cmd, dagster_cmd = [
+        line.strip() for line in demo.stdout.splitlines() if line.startswith("  ") and str(venv) in line
+    ]
+    assert receiver_cmd == (
+        f"{venv}/bin/joblease receiver --database-url sqlite:///{work}/receiver.sqlite --port 8765 &"
+    )
+    assert dagster_cmd.endswith(f"{venv}/bin/dagster dev -m dagster_joblease.dagster.demo_location")
+
+    # The printed receiver command starts a receiver (on a free port here: 8765 may be taken).
+    receiver = subprocess.Popen(
+        receiver_cmd.removesuffix(" &").replace("--port 8765", "--port 0").split(),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.DEVNULL,
+        text=True,
+        env=env,
+    )
+    port = _free_port()
+    assignments, command = dagster_cmd.split(f" {venv}/bin/dagster ")
+    ui_env = {**env, **dict(a.split("=", 1) for a in assignments.split())}
+    # `dagster dev` ignores SIGINT when started from a script; restore it so it can shut down cleanly.
+    dev = subprocess.Popen(
+        [
+            str(python),
+            "-c",
+            "import os, signal, sys; signal.signal(signal.SIGINT, signal.SIG_DFL); "
+            "os.execv(sys.argv[1], sys.argv[1:])",
+            str(venv / "bin" / "dagster"),
+            *command.split(),
+            "-p",
+            str(port),
+            "-h",
+            "127.0.0.1",
+        ],
+        cwd=tmp_path,
+        env=ui_env,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        text=True,
+        start_new_session=True,
+    )
+    try:
+        assert receiver.stdout is not None
+        assert receiver.stdout.readline().startswith("listening on http://127.0.0.1:")
+        variables = {
+            "repo": {
+                "repositoryLocationName": "dagster_joblease.dagster.demo_location",
+                "repositoryName": "__repository__",
+            },
+            "name": "daily_billing_job_partition_set",
+        }
+        deadline = time.monotonic() + 180
+        statuses: dict[str, str | None] = {}
+        while time.monotonic() < deadline:
+            assert dev.poll() is None, dev.communicate()[1][-3000:]
+            try:
+                data = _graphql(port, PARTITIONS_QUERY, variables)
+            except (urllib.error.URLError, ConnectionError, TimeoutError, KeyError):
+                time.sleep(1)
+                continue
+            result: dict[str, object] = data["partitionSetOrError"]  # type: ignore[assignment]
+            if result["__typename"] == "PartitionSet":
+                inner: dict[str, object] = result["partitionStatusesOrError"]  # type: ignore[assignment]
+                assert inner["__typename"] == "PartitionStatuses", inner
+                statuses = {
+                    r["partitionName"]: r["runStatus"]
+                    for r in inner["results"]  # type: ignore[union-attr]
+                }
+                break
+            time.sleep(1)
+        assert {k: statuses.get(k) for k in ("2024-01-01", "2024-01-02", "2024-01-03")} == {
+            "2024-01-01": "SUCCESS",
+            "2024-01-02": "SUCCESS",
+            "2024-01-03": "SUCCESS",
+        }, statuses
+        assert statuses.get("2024-01-04") is None  # not run by the demo: missing, as it should be
+    finally:
+        receiver.terminate()
+        receiver.wait(timeout=10)
+        if dev.poll() is None:
+            os.killpg(dev.pid, signal.SIGINT)
+            try:
+                dev.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                os.killpg(dev.pid, signal.SIGKILL)
+                dev.wait(timeout=10)
