@@ -105,7 +105,11 @@ def impatient_job() -> dg.JobDefinition:
         name="impatient_job",
         partitions_def=days,
         executor_def=dg.in_process_executor,
-        resource_defs={"joblease": WAIT_RESOURCE},
+        # Judges a finished run's holder dead only after 10 s without a heartbeat: a live but briefly
+        # starved holder on a loaded machine must not be taken over.
+        resource_defs={
+            "joblease": JobLeaseResource(heartbeat_ms=5_000, lease_ms=600_000, deployment="tests")
+        },
     )
     def _the_job() -> None:
         op()

@@ -68,25 +68,29 @@ def _waiting_run_logged(instance: dg.DagsterInstance) -> bool:
     return False
 
 
-@pytest.mark.parametrize("holder_ends", ["succeeds", "fails"])
+@pytest.mark.parametrize("holder_ends", ["succeeds", "fails", "expires"])
 def test_a_run_waits_for_a_live_holder_and_mirrors_how_it_ended(
     dagster_pg: DagsterPg, holder_ends: str
 ) -> None:
-    day = "2024-06-01" if holder_ends == "succeeds" else "2024-06-02"
+    day = {"succeeds": "2024-06-01", "fails": "2024-06-02", "expires": "2024-06-04"}[holder_ends]
     job = JobIdentity.schedule("t-wait", day)
     other_run = str(uuid.uuid4())  # a run of another deployment: this instance cannot see it
     holder = encode_holder("other-deployment", other_run)
     engine = create_engine(dagster_pg.joblease_url)
-    service = LeaseService(engine, lease_ms=600_000, heartbeat_ms=0, holder=holder)
+    # A holder that stops heartbeating on another deployment: only its expiry frees the partition.
+    lease_ms = 1_500 if holder_ends == "expires" else 600_000
+    service = LeaseService(engine, lease_ms=lease_ms, heartbeat_ms=0, holder=holder)
     held = service.acquire(job)
     assert held is not None
     assert holder_run_finished(dagster_pg.instance, holder) is None
 
     def finish_holder() -> None:
+        if holder_ends == "expires":
+            return
         wait_until(lambda: _waiting_run_logged(dagster_pg.instance), timeout=60, interval=0.1)
         if holder_ends == "succeeds":
             service.complete(held)
-        else:
+        elif holder_ends == "fails":
             service.fail(held, "RuntimeError: the holder's body failed")
 
     finisher = threading.Thread(target=finish_holder)
