@@ -396,6 +396,20 @@ def screenshot(
                     return same
 
                 wait_for("the page to stop changing", settled, 30, 1.0)
+
+                def painted() -> bool:
+                    # Icons arrive after the rows: wait (best effort) until the table's pixels hold still.
+                    box = tools.evaluate(
+                        "(() => { const r = (document.querySelector('table') || document.body)"
+                        ".getBoundingClientRect(); return [r.x, r.y, r.width, r.height]; })()"
+                    )
+                    clip = dict(zip(("x", "y", "width", "height"), box, strict=True)) | {"scale": 1}
+                    pixels = str(tools("Page.captureScreenshot", format="png", clip=clip)["data"])
+                    same, last[0] = pixels == last[0], pixels
+                    return same
+
+                with contextlib.suppress(AssertionError):
+                    wait_for("the table's icons to paint", painted, 10, 1.0)
                 png = tools("Page.captureScreenshot", format="png")["data"]
             path.write_bytes(base64.b64decode(png))
         finally:
