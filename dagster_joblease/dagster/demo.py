@@ -413,6 +413,11 @@ def demo_command(partitions: int, workdir: Path | None, keep: bool) -> None:
             )
         if keep:
             click.echo(f"\nKept {work}. To see the same runs in the Dagster UI, run:\n{ui_commands(work)}")
+        else:
+            click.echo(
+                "\nTo see these runs in the Dagster UI, run `joblease demo --keep --workdir DIR`: it prints "
+                "the receiver and `dagster dev` commands."
+            )
     finally:
         if not keep:
             shutil.rmtree(work, ignore_errors=True)

@@ -167,10 +167,11 @@ def _catch_up_chunks(
 ) -> Iterator[list[str]]:
     """Partition keys from ``start`` on that have no lease row (never attempted), oldest first, in chunks."""
     with dg.partition_loading_context(effective_dt=now):
-        keys = list(partitions_def.get_partition_keys())
-    if start not in keys:
-        return
-    keys = keys[keys.index(start) :]
+        last = partitions_def.get_last_partition_key()
+        if last is None or not partitions_def.has_partition_key(start):
+            return
+        # From ``start`` on only: a time-window definition lists just that window, not its whole history.
+        keys = list(partitions_def.get_partition_keys_in_range(dg.PartitionKeyRange(start, last)))
     t = lease_table
     for offset in range(0, len(keys), CATCH_UP_CHUNK):
         chunk = keys[offset : offset + CATCH_UP_CHUNK]

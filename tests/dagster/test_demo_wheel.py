@@ -15,12 +15,14 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import socket
 import subprocess
 import sys
 import sysconfig
 import time
+import tomllib
 import urllib.error
 import urllib.request
 from pathlib import Path
@@ -208,3 +210,27 @@ def test_the_demo_runs_from_a_wheel_and_its_runs_show_in_the_partitions_tab(tmp_
             except subprocess.TimeoutExpired:
                 os.killpg(dev.pid, signal.SIGKILL)
                 dev.wait(timeout=10)
+
+
+def test_readmes_first_command_installs_what_its_ui_step_needs() -> None:
+    readme = (ROOT / "README.md").read_text()
+    setup = readme.split("## Set up", 1)[1].split("\n## ", 1)[0]
+    commands = re.findall(r"```bash\n(.*?)```", setup, re.S)
+    assert len(commands) == 2  # the set-up section stays two commands
+    assert commands[0].strip() == (
+        "python3 -m venv .venv && .venv/bin/pip install -q -e '.[ui]' && .venv/bin/joblease demo"
+    )
+    project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
+    (dagster_pin,) = [d for d in project["dependencies"] if d.startswith("dagster==")]
+    assert project["optional-dependencies"]["ui"] == [dagster_pin.replace("dagster==", "dagster-webserver==")]
+    assert not [
+        d for d in project["dependencies"] if d.startswith("dagster-webserver")
+    ]  # not for run workers
+    demo = readme.split("### The demo", 1)[1].split("\n## ", 1)[0]
+    (ui,) = re.findall(r"```bash\n(.*?)```", demo, re.S)
+    assert ui.splitlines() == [
+        ".venv/bin/joblease demo --keep --workdir /tmp/jl-demo",
+        ".venv/bin/joblease receiver --database-url sqlite:////tmp/jl-demo/receiver.sqlite --port 8765 &",
+        "DAGSTER_HOME=/tmp/jl-demo/dagster_home JOBLEASE_DATABASE_URL=sqlite:////tmp/jl-demo/joblease.sqlite "
+        ".venv/bin/dagster dev -m dagster_joblease.dagster.demo_location",
+    ]
