@@ -126,13 +126,13 @@ def _enqueue_worker(barrier: Barrier, results: Any, kind: str, url: str, seconds
         end, cpu = time.perf_counter(), time.process_time() - cpu
         engine.dispose()
     else:
-        with psycopg.connect(_dsn(url)) as conn:
+        with psycopg.connect(_dsn(url)) as pg:
 
             def insert(key: str, i: int) -> None:
                 text = json.dumps(_payload(i), sort_keys=True, separators=(",", ":"))
                 sha = hashlib.sha256(text.encode()).hexdigest()
-                conn.execute(FLOOR_INSERT, (key, "bench", text, sha), prepare=True).fetchone()
-                conn.commit()
+                pg.execute(FLOOR_INSERT, (key, "bench", text, sha), prepare=True).fetchone()
+                pg.commit()
 
             for i in range(10):
                 insert(f"{prefix}w{i}", i)
@@ -286,7 +286,7 @@ def main(argv: list[str] | None = None) -> int:
     urls = [server.set(database=n).render_as_string(hide_password=False) for n in names]
     with psycopg.connect(_dsn(server), autocommit=True) as conn:
         for name in names:
-            conn.execute(f'CREATE DATABASE "{name}"')  # type: ignore[arg-type]
+            conn.execute(f'CREATE DATABASE "{name}"')
     table: list[tuple[str, ...]] = []
 
     def add(path: str, procs: str, floor: str, lib: str, ratio: str, cpu: str, target: str) -> None:
@@ -295,7 +295,8 @@ def main(argv: list[str] | None = None) -> int:
 
     started = time.perf_counter()
     url = urls[0]
-    base_url, stop_receiver = "", lambda: None
+    base_url = ""
+    stop_receiver: Callable[[], None] = _noop
     try:
         for u in urls:
             migrate(create_engine(u, poolclass=sa.pool.NullPool))
@@ -357,7 +358,7 @@ def main(argv: list[str] | None = None) -> int:
                 f">= 0.70 {'OK' if lib >= 0.7 * floor else 'MISSED'}",
             )
         stop_receiver()
-        stop_receiver = lambda: None  # noqa: E731
+        stop_receiver = _noop
         print(f"claim latency: filling {args.sent_rows:,} sent rows ...", flush=True)
         for u in urls:
             _truncate_outbox_only(u)
@@ -381,7 +382,7 @@ def main(argv: list[str] | None = None) -> int:
         stop_receiver()
         with psycopg.connect(_dsn(server), autocommit=True) as conn:
             for name in names:
-                conn.execute(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')  # type: ignore[arg-type]
+                conn.execute(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
     headers = ("path", "procs", "floor", "library", "ratio", "cpu us/row lib / floor", "target")
     widths = [max(len(h), *(len(r[i]) for r in table)) for i, h in enumerate(headers)]
     print()
@@ -391,6 +392,10 @@ def main(argv: list[str] | None = None) -> int:
         print(" | ".join(c.ljust(w) for c, w in zip(r, widths, strict=True)))
     print(f"\ntotal runtime {time.perf_counter() - started:.0f} s")
     return 0
+
+
+def _noop() -> None:
+    pass
 
 
 def _truncate_outbox_only(url: str) -> None:
