@@ -29,6 +29,7 @@ import os
 import signal
 import time
 import uuid
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -89,7 +90,8 @@ mutation($params: ReexecutionParams!) {
 
 
 @contextlib.contextmanager
-def cloned_joblease_db(template: str) -> Any:
+def cloned_joblease_db(template: str) -> Iterator[str]:
+    """A copy of the migrated template: the ONE joblease database both deployments share."""
     name = f"accept_jl_{uuid.uuid4().hex[:10]}"
     try:
         yield clone_template(template, name)
