@@ -34,6 +34,7 @@ from types import FrameType
 from typing import Any, cast
 from urllib.parse import urlsplit
 
+import psycopg
 import sqlalchemy as sa
 
 from dagster_joblease import errors, inbox
@@ -42,6 +43,7 @@ from dagster_joblease.storage.engine import create_engine, translate_errors
 from dagster_joblease.storage.migrate import migrate as migrate_schema
 
 __all__ = [
+    "APPLY_FUNCTION",
     "FAULT_KINDS",
     "MAX_BODY_BYTES",
     "Faults",
@@ -168,11 +170,72 @@ def _check_injection(n: object, fault: object, status: object, seconds: object) 
     return _Injected(kind=fault, remaining=n, status=status, seconds=float(seconds))
 
 
+#: PostgreSQL: the receiver's whole POST as one function, so it costs one round trip and one commit.
+#: It takes the inbox's in-flight advisory lock on the key (same class and hash as :mod:`inbox`, so it
+#: interoperates with :meth:`inbox.Inbox.process` on the same keys), reads the key's inbox row and
+#: either answers from it (replay, conflict, in flight) or writes the effect row and the DONE row with
+#: the response the receiver computed beforehand. Called in autocommit, the statement is its own
+#: transaction: the effect, the stored response and DONE commit together or not at all.
+APPLY_FUNCTION = "joblease_receiver_apply"
+_DONE = inbox.InboxStatus.DONE.value
+_APPLY_FUNCTION_SQL = f"""
+CREATE OR REPLACE FUNCTION {APPLY_FUNCTION}(
+    p_key text, p_sha256 text, p_topic text, p_payload text, p_status integer, p_body text
+) RETURNS TABLE(outcome text, response_status integer, response_body text, lock_left_ms bigint)
+LANGUAGE plpgsql AS $fn$
+DECLARE
+    found_row record;
+BEGIN
+    IF NOT pg_try_advisory_xact_lock({inbox.ADVISORY_LOCK_CLASS}, hashtext(p_key)) THEN
+        RETURN QUERY SELECT 'in-flight'::text, NULL::integer, NULL::text, NULL::bigint;
+        RETURN;
+    END IF;
+    SELECT i.status, i.payload_sha256, i.response_status AS status_code, i.response_body AS body,
+           CAST(EXTRACT(EPOCH FROM (i.locked_until - clock_timestamp())) * 1000 AS BIGINT) AS left_ms
+      INTO found_row
+      FROM joblease_inbox AS i WHERE i.idempotency_key = p_key;
+    IF FOUND THEN
+        IF found_row.payload_sha256 <> p_sha256
+           AND (found_row.status = '{_DONE}' OR found_row.left_ms IS NULL OR found_row.left_ms >= 0) THEN
+            RETURN QUERY SELECT 'conflict'::text, NULL::integer, NULL::text, NULL::bigint;
+            RETURN;
+        END IF;
+        IF found_row.status = '{_DONE}' THEN
+            RETURN QUERY SELECT 'replay'::text, found_row.status_code, found_row.body, NULL::bigint;
+            RETURN;
+        END IF;
+        IF found_row.left_ms IS NULL OR found_row.left_ms >= 0 THEN
+            -- a live claim of the older two-step consumer
+            RETURN QUERY SELECT 'in-flight'::text, NULL::integer, NULL::text, found_row.left_ms;
+            RETURN;
+        END IF;
+        -- an expired claim: its holder is gone and left no effect
+        DELETE FROM joblease_inbox WHERE idempotency_key = p_key;
+    END IF;
+    INSERT INTO joblease_receiver_effect (idempotency_key, topic, payload, applied_at)
+        VALUES (p_key, p_topic, p_payload, clock_timestamp());
+    INSERT INTO joblease_inbox (idempotency_key, payload_sha256, status, response_status, response_body,
+                                created_at, completed_at)
+        VALUES (p_key, p_sha256, '{_DONE}', p_status, p_body, clock_timestamp(), clock_timestamp());
+    RETURN QUERY SELECT 'applied'::text, p_status, p_body, NULL::bigint;
+END
+$fn$
+"""
+_APPLY_CALL = (
+    f"SELECT outcome, response_status, response_body, lock_left_ms FROM {APPLY_FUNCTION}"
+    "(%s::text, %s::text, %s::text, %s::text, %s::integer, %s::text)"
+)
+
+
 def ensure_tables(engine: sa.Engine) -> None:
-    """Create the receiver's tables if missing; safe when several receivers start at once."""
+    """Create the receiver's tables if missing (and on PostgreSQL its one-round-trip function).
+
+    Safe when several receivers start at once: on PostgreSQL they take turns under an advisory lock.
+    """
     with translate_errors("create the receiver tables"), engine.begin() as conn:
         if conn.dialect.name == "postgresql":
             conn.execute(sa.text("SELECT pg_advisory_xact_lock(:id)"), {"id": _CREATE_LOCK_ID})
+            conn.exec_driver_sql(_APPLY_FUNCTION_SQL)
         receiver_metadata.create_all(conn, checkfirst=True)
 
 
@@ -417,6 +480,13 @@ class ReceiverServer(ThreadingHTTPServer):
         self.engine = engine
         self.inbox = inbox.Inbox(engine, lock_ms=lock_ms)
         self.faults = faults or Faults()
+        dialect = engine.dialect
+        #: One round trip per POST (:data:`APPLY_FUNCTION`) on PostgreSQL via psycopg. An effect delay
+        #: (a testing aid that stalls *inside* the transaction) keeps the generic inbox path, whose
+        #: stalled transaction dies with its session when the receiver is killed.
+        self.fast_path = (dialect.name, dialect.driver) == ("postgresql", "psycopg") and not (
+            self.faults.effect_delay_ms
+        )
         self._counter = 0
         self._counter_lock = threading.Lock()
         self._injected: collections.deque[_Injected] = collections.deque()
@@ -462,6 +532,78 @@ class ReceiverServer(ThreadingHTTPServer):
                     self._injected.popleft()
                 taken = head
             return self._counter, taken
+
+    def apply(self, key: str, topic: str, body: bytes) -> inbox.InboxResult:
+        """Apply one validated POST once per key, or answer from the inbox (replay, 409, 422).
+
+        Raises what :meth:`inbox.Inbox.process` raises (InboxConflictError, InboxInProgressError,
+        StorageError); on PostgreSQL it is one call of :data:`APPLY_FUNCTION` in autocommit.
+        """
+        payload = body.decode("utf-8", "replace").replace("\x00", "\ufffd")
+        response = json.dumps({"applied": True, "key": key, "topic": topic})
+        if not self.fast_path:
+            return self.inbox.process(key, body, self._effect(key, topic, payload, response))
+        params = (key, inbox.request_fingerprint(body), topic, payload, 200, response)
+        for attempt in (1, 2):
+            try:
+                outcome, status_code, stored_body, left_ms = self._call_apply(params)
+            except errors.StorageError as exc:
+                cause = exc.__cause__
+                if attempt == 1 and isinstance(cause, psycopg.errors.UndefinedFunction):
+                    ensure_tables(self.engine)  # a database set up by an older receiver
+                    continue
+                if attempt == 1 and isinstance(cause, psycopg.errors.UniqueViolation):
+                    continue  # recorded meanwhile outside the key's lock: the next call sees the row
+                if attempt == 1 and isinstance(cause, psycopg.errors.InvalidSqlStatementName):
+                    continue  # the server forgot the prepared statement; that connection is gone
+                raise
+            if outcome == "applied":
+                return inbox.InboxResult(status_code=status_code, body=stored_body, replayed=False)
+            if outcome == "replay":
+                return inbox.InboxResult(status_code=status_code, body=stored_body, replayed=True)
+            if outcome == "conflict":
+                raise errors.InboxConflictError(idempotency_key=key)
+            raise errors.InboxInProgressError(idempotency_key=key, retry_after_ms=left_ms)
+        raise errors.InboxInProgressError(idempotency_key=key)
+
+    def _call_apply(self, params: tuple[str, str, str, str, int, str]) -> tuple[str, int, str, int | None]:
+        """One autocommit call of the function on a pooled connection: one round trip, one commit.
+
+        The statement is prepared on the server unless the URL says ``?prepare_threshold=none``
+        (PgBouncer's transaction pooling, where a prepared statement may be on another server session).
+        """
+        with translate_errors("apply a receiver effect"), self.engine.connect() as conn:
+            driver = conn.connection.driver_connection
+            assert driver is not None, "the connection is closed"
+            prepare = None if driver.prepare_threshold is None else True
+            driver.autocommit = True
+            try:
+                row = driver.execute(_APPLY_CALL, params, prepare=prepare).fetchone()
+            except psycopg.errors.InvalidSqlStatementName:
+                conn.invalidate()  # the server forgot its prepared statements (DISCARD ALL)
+                raise
+            finally:
+                if conn.invalidated:
+                    pass
+                elif driver.pgconn.transaction_status == psycopg.pq.TransactionStatus.IDLE:
+                    driver.autocommit = False
+                else:
+                    conn.invalidate()  # never hand a connection in an unknown state back to the pool
+        assert row is not None, f"{APPLY_FUNCTION} returned no row"
+        return row[0], row[1], row[2], row[3]
+
+    def _effect(self, key: str, topic: str, payload: str, response: str) -> inbox.Effect:
+        """The effect for the generic inbox path (SQLite, or an effect delay for tests)."""
+        delay_ms = self.faults.effect_delay_ms
+        params = {"key": key, "topic": topic, "payload": payload}
+
+        def apply(conn: sa.Connection) -> tuple[int, str]:
+            if delay_ms:
+                time.sleep(delay_ms / 1000)
+            conn.execute(_EFFECT_INSERT, params)
+            return 200, response
+
+        return apply
 
     def flush_log(self) -> None:
         """Block until every POST received so far is in the request log (see :func:`request_count`).
@@ -732,7 +874,7 @@ class _Handler(BaseHTTPRequestHandler):
         if len(topic) > MAX_TOPIC_LENGTH:
             return _problem_answer(400, "Topic too long", f"the topic has more than {MAX_TOPIC_LENGTH} chars")
         try:
-            result = self.server.inbox.process(key, body, self._effect(key, topic, body))
+            result = self.server.apply(key, topic, body)
         except errors.InboxConflictError as exc:
             return _problem_answer(422, "Idempotency-Key reused with another payload", str(exc))
         except errors.InboxInProgressError as exc:
@@ -752,22 +894,6 @@ class _Handler(BaseHTTPRequestHandler):
         return _Answer(
             result.status_code, result.body.encode("utf-8"), headers=headers, applied=not result.replayed
         )
-
-    def _effect(self, key: str, topic: str, body: bytes) -> inbox.Effect:
-        delay_ms = self.server.faults.effect_delay_ms
-        params = {
-            "key": key,
-            "topic": topic,
-            "payload": body.decode("utf-8", "replace").replace("\x00", "\ufffd"),
-        }
-
-        def apply(conn: sa.Connection) -> tuple[int, str]:
-            if delay_ms:
-                time.sleep(delay_ms / 1000)
-            conn.execute(_EFFECT_INSERT, params)
-            return 200, json.dumps({"applied": True, "key": key, "topic": topic})
-
-        return apply
 
 
 #: The effect: one row per key, written in the inbox's transaction (built once, so its SQL is cached).
