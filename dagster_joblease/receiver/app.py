@@ -387,12 +387,28 @@ class _RequestLog:
         with translate_errors("write the receiver's request log"), self._engine.begin() as conn:
             if conn.dialect.name == "postgresql":
                 conn.exec_driver_sql("SET LOCAL synchronous_commit = off")
+                self._write_pg(conn, new, updates)
+                return
             if rows:
                 ids = conn.execute(_LOG_INSERT.returning(t.c.id, sort_by_parameter_order=True), rows)
                 for entry, row_id in zip(new, ids.scalars(), strict=True):
                     entry.row_id = row_id
             if updates:
                 conn.execute(_LOG_UPDATE, [{"row_id": e.row_id, "new_status": e.status} for e in updates])
+
+    @staticmethod
+    def _write_pg(conn: sa.Connection, new: list[_LogEntry], updates: list[_LogEntry]) -> None:
+        """A batch as two fixed statements over arrays: no per-row SQL to build, plan or parse."""
+        if new:
+            ids = conn.exec_driver_sql(
+                _PG_LOG_INSERT,
+                ([e.key for e in new], [e.topic for e in new], [e.status for e in new]),
+            ).scalars()
+            # Identity values are drawn row by row in the SELECT's order, so sorted ids follow arrival.
+            for entry, row_id in zip(new, sorted(ids), strict=True):
+                entry.row_id = row_id
+        if updates:
+            conn.exec_driver_sql(_PG_LOG_UPDATE, ([e.row_id for e in updates], [e.status for e in updates]))
 
     def _run(self) -> None:
         while not self._closed.is_set():
@@ -416,6 +432,16 @@ class _RequestLog:
             logger.warning("could not write the receiver's request log at shutdown: %s", exc)
 
 
+_PG_LOG_INSERT = (
+    "INSERT INTO joblease_receiver_request (idempotency_key, topic, received_at, status_code)"
+    " SELECT u.k, u.t, clock_timestamp(), u.s"
+    " FROM unnest(%s::text[], %s::text[], %s::integer[]) WITH ORDINALITY AS u(k, t, s, n) ORDER BY u.n"
+    " RETURNING id"
+)
+_PG_LOG_UPDATE = (
+    "UPDATE joblease_receiver_request AS r SET status_code = u.s"
+    " FROM unnest(%s::bigint[], %s::integer[]) AS u(i, s) WHERE r.id = u.i"
+)
 _LOG_INSERT = request_table.insert().values(received_at=db_now())
 _LOG_UPDATE = (
     sa.update(request_table)
