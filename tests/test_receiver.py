@@ -651,3 +651,24 @@ def test_postgres_fast_path_prepares_only_when_allowed(
         assert effect_count(engine) == 8
     finally:
         engine.dispose()
+
+
+@pytest.mark.postgres_only
+def test_postgres_fast_path_gives_its_connections_back_when_closed(
+    pg_engine: sa.Engine, client: httpx.Client
+) -> None:
+    """Connections kept between POSTs (fewer than the pool holds) go back to the pool at server_close."""
+    ensure_tables(pg_engine)
+    server = ReceiverServer(pg_engine, ("127.0.0.1", 0))
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    try:
+        for n in range(3):
+            assert _post(client, f"{server.url}/mail", {"v": n}, f"c-{n}").status_code == 200
+        assert 1 <= pg_engine.pool.checkedout() < pg_engine.pool.size()  # type: ignore[attr-defined]
+    finally:
+        server.shutdown()
+        server.server_close()
+        thread.join(10)
+    assert pg_engine.pool.checkedout() == 0  # type: ignore[attr-defined]
+    assert effect_count(pg_engine) == 3
