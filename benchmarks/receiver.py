@@ -8,7 +8,8 @@ POST, for ``--seconds``; posts/s is the sum over processes. Targets:
 
 * (a) the plain receiver (``benchmarks/plain_receiver.py``: one ``INSERT ... ON CONFLICT DO NOTHING`` per
   POST, autocommit) -- the floor;
-* (b) the reference receiver (``joblease receiver``, its own process) with its inbox on PostgreSQL.
+* (b) the reference receiver (``joblease receiver``, its own process) with its inbox on PostgreSQL: one
+  call of its ``joblease_receiver_apply`` function per POST (one round trip, one commit).
 
 Rounds alternate (a, b, then b, a, ...) so drift on a shared machine hits both; the table shows medians
 and the ratio b / a (goal >= 0.7), and each receiver process's CPU per POST (all its threads; the

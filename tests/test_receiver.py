@@ -12,13 +12,15 @@ from pathlib import Path
 from typing import Any
 
 import httpx
+import psycopg
 import pytest
 import sqlalchemy as sa
 from click.testing import CliRunner
 
 from dagster_joblease import errors
-from dagster_joblease.inbox import ADVISORY_LOCK_CLASS, InboxStatus
+from dagster_joblease.inbox import ADVISORY_LOCK_CLASS, InboxStatus, request_fingerprint
 from dagster_joblease.receiver import (
+    APPLY_FUNCTION,
     ReceiverServer,
     effect_count,
     effects,
@@ -538,3 +540,135 @@ def test_database_errors_reach_the_log_not_the_client(
         assert "127.0.0.1" in caplog.text  # the detail is in the log, for the operator
     finally:
         dead.dispose()
+
+
+def _pg_driver_url(pg_url: str) -> str:
+    return "postgresql://" + pg_url.split("://", 1)[1]
+
+
+@pytest.mark.postgres_only
+def test_postgres_fast_path_answers_like_the_inbox(
+    pg_url: str, pg_engine: sa.Engine, serve_in_thread: Any, client: httpx.Client
+) -> None:
+    """One function call per POST: applied, replayed, conflicting and in-flight keys as the contract says."""
+    ensure_tables(pg_engine)
+    server = serve_in_thread(pg_engine)
+    assert server.fast_path
+    url = f"{server.url}/mail"
+    first = _post(client, url, {"v": 1}, "fast")
+    assert first.status_code == 200 and first.json() == {"applied": True, "key": "fast", "topic": "mail"}
+    assert "Idempotent-Replayed" not in first.headers
+    replay = client.post(url, content=b'{ "v" : 1 }', headers={"Idempotency-Key": '"fast"'})
+    assert replay.status_code == 200 and replay.content == first.content
+    assert replay.headers["Idempotent-Replayed"] == "true"
+    assert _post(client, url, {"v": 2}, "fast").status_code == 422
+    assert effects(pg_engine) == [("fast", "mail", '{"v": 1}')]
+    assert _inbox_status(pg_engine, "fast") == InboxStatus.DONE.value
+
+    # A concurrent duplicate: another transaction holds the key's in-flight lock (as a consumer would).
+    with psycopg.connect(_pg_driver_url(pg_url)) as holder:
+        holder.execute("SELECT pg_advisory_xact_lock(%s, hashtext(%s))", (ADVISORY_LOCK_CLASS, "busy"))
+        busy = _post(client, url, {"v": 1}, "busy")
+        assert busy.status_code == 409 and busy.headers["Retry-After"] == "1"
+        assert effect_count(pg_engine, idempotency_key="busy") == 0
+    assert _post(client, url, {"v": 1}, "busy").status_code == 200  # the lock ended with its transaction
+    assert effect_count(pg_engine, idempotency_key="busy") == 1
+
+
+@pytest.mark.postgres_only
+def test_postgres_fast_path_honours_claims_of_the_two_step_consumer(
+    pg_engine: sa.Engine, serve_in_thread: Any, client: httpx.Client
+) -> None:
+    """An IN_PROGRESS row: live, 409 (its lock as Retry-After) or 422; expired, it is taken over."""
+    ensure_tables(pg_engine)
+    server = serve_in_thread(pg_engine)
+    url = f"{server.url}/mail"
+    claim = {
+        "payload_sha256": request_fingerprint(json.dumps({"v": 1}).encode()),
+        "status": InboxStatus.IN_PROGRESS.value,
+        "lock_token": "t",
+        "created_at": sa.func.clock_timestamp(),
+    }
+    with pg_engine.begin() as conn:
+        for key, lock_s in (("live", 20), ("gone", -1)):
+            until = sa.func.clock_timestamp() + sa.text(f"interval '{lock_s} s'")
+            conn.execute(inbox_table.insert().values(idempotency_key=key, locked_until=until, **claim))
+    live = _post(client, url, {"v": 1}, "live")
+    assert live.status_code == 409 and 1 < int(live.headers["Retry-After"]) <= 20
+    assert _post(client, url, {"v": 2}, "live").status_code == 422
+    taken = _post(client, url, {"v": 2}, "gone")  # its holder is gone and left no effect
+    assert taken.status_code == 200 and "Idempotent-Replayed" not in taken.headers
+    assert effects(pg_engine) == [("gone", "mail", '{"v": 2}')]
+    assert _inbox_status(pg_engine, "live") == InboxStatus.IN_PROGRESS.value
+    assert _inbox_status(pg_engine, "gone") == InboxStatus.DONE.value
+
+
+@pytest.mark.postgres_only
+def test_postgres_fast_path_never_commits_an_effect_without_done(
+    pg_engine: sa.Engine, serve_in_thread: Any, client: httpx.Client
+) -> None:
+    """The DONE insert fails after the effect row went in: both roll back; the client sees no SQL text."""
+    ensure_tables(pg_engine)
+    with pg_engine.begin() as conn:
+        conn.exec_driver_sql(
+            "CREATE FUNCTION refuse_boom() RETURNS trigger LANGUAGE plpgsql AS $$ BEGIN "
+            "IF NEW.idempotency_key = 'boom' THEN RAISE EXCEPTION 'secret detail'; END IF; RETURN NEW; END $$"
+        )
+        conn.exec_driver_sql(
+            "CREATE TRIGGER refuse_boom BEFORE INSERT ON joblease_inbox"
+            " FOR EACH ROW EXECUTE FUNCTION refuse_boom()"
+        )
+    server = serve_in_thread(pg_engine)
+    answer = _post(client, f"{server.url}/mail", {"v": 1}, "boom")
+    assert answer.status_code == 503 and answer.headers["Retry-After"] == "1"
+    assert "secret" not in answer.text and "joblease" not in answer.text
+    assert effect_count(pg_engine, idempotency_key="boom") == 0 and _inbox_status(pg_engine, "boom") is None
+    assert _post(client, f"{server.url}/mail", {"v": 1}, "fine").status_code == 200  # the pool recovered
+
+
+@pytest.mark.postgres_only
+@pytest.mark.parametrize("threshold", ["", "?prepare_threshold=none"])
+def test_postgres_fast_path_prepares_only_when_allowed(
+    pg_url: str, serve_in_thread: Any, client: httpx.Client, threshold: str
+) -> None:
+    """Prepared on the server by default; behind PgBouncer (?prepare_threshold=none) never."""
+    engine = create_engine(pg_url + threshold, pool_size=1, max_overflow=0)
+    try:
+        ensure_tables(engine)
+        with engine.begin() as conn:  # a database set up by a receiver without the function
+            conn.exec_driver_sql(f"DROP FUNCTION {APPLY_FUNCTION}")
+        server = serve_in_thread(engine)
+        for n in range(8):
+            assert _post(client, f"{server.url}/mail", {"v": n}, f"p-{n}").status_code == 200
+        assert _post(client, f"{server.url}/mail", {"v": 0}, "p-0").headers["Idempotent-Replayed"] == "true"
+        server.flush_log()
+        with engine.connect() as conn:  # the pool's only connection: the one every POST used
+            prepared = conn.exec_driver_sql(
+                "SELECT count(*) FROM pg_prepared_statements WHERE statement LIKE %(f)s",
+                {"f": f"%{APPLY_FUNCTION}%"},
+            ).scalar_one()
+        assert prepared == (0 if threshold else 1)
+        assert effect_count(engine) == 8
+    finally:
+        engine.dispose()
+
+
+@pytest.mark.postgres_only
+def test_postgres_fast_path_gives_its_connections_back_when_closed(
+    pg_engine: sa.Engine, client: httpx.Client
+) -> None:
+    """Connections kept between POSTs (fewer than the pool holds) go back to the pool at server_close."""
+    ensure_tables(pg_engine)
+    server = ReceiverServer(pg_engine, ("127.0.0.1", 0))
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    try:
+        for n in range(3):
+            assert _post(client, f"{server.url}/mail", {"v": n}, f"c-{n}").status_code == 200
+        assert 1 <= pg_engine.pool.checkedout() < pg_engine.pool.size()  # type: ignore[attr-defined]
+    finally:
+        server.shutdown()
+        server.server_close()
+        thread.join(10)
+    assert pg_engine.pool.checkedout() == 0  # type: ignore[attr-defined]
+    assert effect_count(pg_engine) == 3

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dagster_joblease.receiver.app import (
+    APPLY_FUNCTION,
     Faults,
     ReceiverServer,
     effect_count,
@@ -15,6 +16,7 @@ from dagster_joblease.receiver.app import (
 from dagster_joblease.receiver.command import receiver_command
 
 __all__ = [
+    "APPLY_FUNCTION",
     "Faults",
     "ReceiverServer",
     "effect_count",
