@@ -8,7 +8,7 @@ import click
 
 from dagster_joblease import errors, inbox
 from dagster_joblease.receiver import app
-from dagster_joblease.storage.engine import DATABASE_URL_ENV
+from dagster_joblease.storage.engine import DATABASE_URL_ENV, scrub_secrets
 
 __all__ = ["receiver_command"]
 
@@ -169,6 +169,7 @@ def receiver_command(
             read_timeout_s=read_timeout_s,
         )
     except errors.JobLeaseError as exc:
-        raise click.ClickException(str(exc)) from exc
+        # The message may quote a driver error that names the URL or pieces of its password.
+        raise click.ClickException(scrub_secrets(str(exc), database_url)) from exc
     except OSError as exc:
         raise click.ClickException(f"cannot listen on {host}:{port}: {exc.strerror or exc}") from exc
