@@ -9,6 +9,7 @@ from pathlib import Path
 
 import dagster as dg
 import pytest
+from dagster._core.instance.ref import InstanceRef
 from dagster._core.storage.tags import PARTITION_SET_TAG, REPOSITORY_LABEL_TAG
 
 from dagster_joblease.dagster import demo_location
@@ -74,8 +75,14 @@ def test_definitions_validate_and_the_demo_pass_in_subprocesses(tmp_path: Path) 
         assert not [w for w in NOISY if w in out], out
     run_out = run.communicate(timeout=180)[0]
     assert run.returncode == 0, run_out
-    assert "RUN_SUCCESS" in run_out and "STEP_SUCCESS" in run_out
     assert not [w for w in NOISY if w in run_out], run_out
+    # The step's own console lines pass through Dagster's compute-log capture, which can drop them from
+    # the pipe on a loaded machine; the run's stored events are what say it succeeded.
+    with dg.DagsterInstance.from_ref(InstanceRef.from_dir(str(home))) as instance:
+        (stored,) = instance.get_runs()
+        assert stored.status == dg.DagsterRunStatus.SUCCESS, run_out
+        events = {e.dagster_event.event_type for e in instance.all_logs(stored.run_id) if e.dagster_event}
+        assert {dg.DagsterEventType.STEP_SUCCESS, dg.DagsterEventType.RUN_SUCCESS} <= events, run_out
     demo_out = demo.communicate(timeout=180)[0]
     assert demo.returncode == 0, demo_out
     assert "OK: one effect per partition (4/4)." in demo_out
