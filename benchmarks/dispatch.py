@@ -41,7 +41,7 @@ from typing import Any
 import httpx
 import psycopg
 import sqlalchemy as sa
-from sqlalchemy.engine import URL, make_url
+from sqlalchemy.engine import make_url
 
 from dagster_joblease import outbox
 from dagster_joblease.dispatch import Dispatcher, Route
@@ -50,6 +50,7 @@ from dagster_joblease.storage import create_engine, migrate, redact_url
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from plain_receiver import start_plain_receiver
+from report import dsn, print_table
 
 DEFAULT_URL = "postgresql+psycopg://postgres@127.0.0.1:5432/postgres"
 FLOOR_INSERT = (
@@ -58,11 +59,6 @@ FLOOR_INSERT = (
     "clock_timestamp(), clock_timestamp(), clock_timestamp()) "
     "ON CONFLICT (idempotency_key) DO NOTHING RETURNING id"
 )
-
-
-def _dsn(url: URL | str) -> str:
-    parsed = make_url(url) if isinstance(url, str) else url
-    return parsed.set(drivername="postgresql").render_as_string(hide_password=False)
 
 
 def _payload(i: int) -> dict[str, Any]:
@@ -113,7 +109,7 @@ def _enqueue_worker(barrier: Barrier, results: Any, kind: str, url: str, seconds
     the floor's INSERT inside ``engine.begin()`` (what SQLAlchemy's transaction scaffolding alone costs)."""
     prefix = f"v2:{kind}-{os.getpid()}-{secrets.token_hex(3)}-"
     engine = create_engine(url)
-    pg = psycopg.connect(_dsn(url))
+    pg = psycopg.connect(dsn(url))
 
     def floor_insert(conn: psycopg.Connection[Any], key: str, i: int) -> None:
         text = json.dumps(_payload(i), sort_keys=True, separators=(",", ":"))
@@ -196,7 +192,7 @@ def _deliver_worker(
 
 
 def _fill_pending(url: str, rows: int, prefix: str) -> None:
-    with psycopg.connect(_dsn(url), autocommit=True) as conn:
+    with psycopg.connect(dsn(url), autocommit=True) as conn:
         conn.execute(
             "INSERT INTO joblease_outbox (idempotency_key, topic, payload, payload_sha256, status, attempts, "
             "next_attempt_at, created_at, updated_at) SELECT %s || g, 'bench', jsonb_build_object('v', 1, "
@@ -209,7 +205,7 @@ def _fill_pending(url: str, rows: int, prefix: str) -> None:
 
 
 def _truncate(url: str) -> None:
-    with psycopg.connect(_dsn(url), autocommit=True) as conn:
+    with psycopg.connect(dsn(url), autocommit=True) as conn:
         conn.execute("TRUNCATE joblease_outbox RESTART IDENTITY")
         conn.execute("TRUNCATE plain_effect")
         conn.execute("VACUUM ANALYZE joblease_outbox")
@@ -239,7 +235,7 @@ def _claim_ms(url: str, reps: int) -> list[float]:
 
 
 def _fill_sent(url: str, rows: int) -> None:
-    with psycopg.connect(_dsn(url), autocommit=True) as conn:
+    with psycopg.connect(dsn(url), autocommit=True) as conn:
         conn.execute(
             "INSERT INTO joblease_outbox (idempotency_key, topic, payload, payload_sha256, status, attempts, "
             "next_attempt_at, created_at, updated_at, sent_at) SELECT 'v2:sent-' || g, 'bench', "
@@ -286,7 +282,7 @@ def main(argv: list[str] | None = None) -> int:
     )
     names = [f"joblease_bench_{os.getpid()}_{i}" for i in (1, 2)]
     urls = [server.set(database=n).render_as_string(hide_password=False) for n in names]
-    with psycopg.connect(_dsn(server), autocommit=True) as conn:
+    with psycopg.connect(dsn(server), autocommit=True) as conn:
         for name in names:
             conn.execute(f'CREATE DATABASE "{name}"')
     table: list[tuple[str, ...]] = []
@@ -302,7 +298,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         for u in urls:
             migrate(create_engine(u, poolclass=sa.pool.NullPool))
-        base_url, stop_receiver = start_plain_receiver(_dsn(url))
+        base_url, stop_receiver = start_plain_receiver(dsn(url))
         print(
             f"PostgreSQL {redact_url(server)}; {os.cpu_count()} CPUs; {args.rounds} alternating rounds per "
             "cell, medians",
@@ -351,7 +347,7 @@ def main(argv: list[str] | None = None) -> int:
                     assert sum(r[0] for r in results) == n, results
                 else:
                     results = _run_processes(_deliver_worker, p, kind, url, target, n // p, tag)
-                with psycopg.connect(_dsn(url)) as conn:
+                with psycopg.connect(dsn(url)) as conn:
                     effects = conn.execute(
                         "SELECT count(*) FROM plain_effect WHERE key LIKE %s", (f"v2:%{tag}%",)
                     )
@@ -394,17 +390,11 @@ def main(argv: list[str] | None = None) -> int:
         )
     finally:
         stop_receiver()
-        with psycopg.connect(_dsn(server), autocommit=True) as conn:
+        with psycopg.connect(dsn(server), autocommit=True) as conn:
             for name in names:
                 conn.execute(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
     headers = ("path", "procs", "floor", "library", "ratio", "cpu us/row lib / floor", "target")
-    widths = [max(len(h), *(len(r[i]) for r in table)) for i, h in enumerate(headers)]
-    print()
-    print(" | ".join(h.ljust(w) for h, w in zip(headers, widths, strict=True)))
-    print("-+-".join("-" * w for w in widths))
-    for r in table:
-        print(" | ".join(c.ljust(w) for c, w in zip(r, widths, strict=True)))
-    print(f"\ntotal runtime {time.perf_counter() - started:.0f} s")
+    print_table(headers, table, started)
     return 0
 
 
@@ -413,7 +403,7 @@ def _noop() -> None:
 
 
 def _truncate_outbox_only(url: str) -> None:
-    with psycopg.connect(_dsn(url), autocommit=True) as conn:
+    with psycopg.connect(dsn(url), autocommit=True) as conn:
         conn.execute("TRUNCATE joblease_outbox RESTART IDENTITY")
 
 

@@ -36,6 +36,7 @@ from typing import Any
 
 import psycopg
 import sqlalchemy as sa
+from report import dsn, print_table
 from sqlalchemy.engine import URL, make_url
 
 from dagster_joblease.identity import JobIdentity
@@ -62,13 +63,8 @@ FLOOR_REFUSED = (
 
 
 def _admin(url: URL, sql: str) -> None:
-    with psycopg.connect(_dsn(url), autocommit=True) as conn:
+    with psycopg.connect(dsn(url), autocommit=True) as conn:
         conn.execute(sql)
-
-
-def _dsn(url: URL | str) -> str:
-    parsed = make_url(url) if isinstance(url, str) else url
-    return parsed.set(drivername="postgresql").render_as_string(hide_password=False)
 
 
 def _jobs(workload: str, tag: str, count: int) -> list[JobIdentity]:
@@ -100,7 +96,7 @@ def _worker(kind: str, workload: str, url: str, seconds: float, barrier: Barrier
     else:
         sql = FLOOR_CLAIM if workload != "refused" else FLOOR_REFUSED
         holder = f"floor:{os.getpid()}"
-        with psycopg.connect(_dsn(url), autocommit=True) as conn:
+        with psycopg.connect(dsn(url), autocommit=True) as conn:
             for i in range(10):
                 warm = JobIdentity.schedule("bench-warmup", f"{tag}-{i}")
                 args = (warm.idempotency_key, warm.code, warm.run_key, "w", LEASE_MS, holder, LEASE_MS)
@@ -154,7 +150,7 @@ def _measure(kind: str, workload: str, url: str, processes: int, seconds: float)
 
 def _reset(url: str, keep_finished: bool) -> None:
     """Drop the rows earlier rounds claimed (keeping the held keys and, if asked, the finished ones)."""
-    with psycopg.connect(_dsn(url), autocommit=True) as conn:
+    with psycopg.connect(dsn(url), autocommit=True) as conn:
         if keep_finished:
             conn.execute("DELETE FROM joblease_lease WHERE code IN ('bench', 'bench-warmup')")
         else:
@@ -171,7 +167,7 @@ def _hold_keys(url: str) -> None:
 
 
 def _fill_finished(url: str, rows: int) -> None:
-    with psycopg.connect(_dsn(url), autocommit=True) as conn:
+    with psycopg.connect(dsn(url), autocommit=True) as conn:
         conn.execute(
             "INSERT INTO joblease_lease (lock_key, job_type, code, run_key, status, owner_token, attempt, "
             "lease_ms, holder, created_at, acquired_at, heartbeat_at, expires_at, finished_at) "
@@ -187,7 +183,7 @@ def _server_ms(url: str, reps: int = 50) -> float:
     the statement's own cost, without the commit flush and the round trip that dominate a noisy machine."""
     sql, order, constants = _psycopg_sql()
     samples = []
-    with psycopg.connect(_dsn(url)) as conn:
+    with psycopg.connect(dsn(url)) as conn:
         for _ in range(reps):
             job = JobIdentity.schedule("bench", secrets.token_hex(8))
             values = {
@@ -258,7 +254,7 @@ def main(argv: list[str] | None = None) -> int:
         for url in urls:
             migrate(create_engine(url, poolclass=sa.pool.NullPool))
         _hold_keys(urls[0])
-        with psycopg.connect(_dsn(server)) as conn:
+        with psycopg.connect(dsn(server)) as conn:
             settings = {
                 k: conn.execute(f"SHOW {k}").fetchone()[0]  # type: ignore[index]
                 for k in ("server_version", "synchronous_commit", "fsync")
@@ -322,13 +318,7 @@ def main(argv: list[str] | None = None) -> int:
         for name in names:
             _admin(server, f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
     headers = ("path", "procs", "floor", "library", "ratio", "cpu us/call lib / floor", "target")
-    widths = [max(len(h), *(len(r[i]) for r in table)) for i, h in enumerate(headers)]
-    print()
-    print(" | ".join(h.ljust(w) for h, w in zip(headers, widths, strict=True)))
-    print("-+-".join("-" * w for w in widths))
-    for r in table:
-        print(" | ".join(c.ljust(w) for c, w in zip(r, widths, strict=True)))
-    print(f"\ntotal runtime {time.perf_counter() - started:.0f} s")
+    print_table(headers, table, started)
     return 0
 
 
