@@ -40,7 +40,7 @@ from report import dsn, print_table
 from sqlalchemy.engine import URL, make_url
 
 from dagster_joblease.identity import JobIdentity
-from dagster_joblease.lease import LeaseService, _psycopg_sql
+from dagster_joblease.lease import LeaseService, psycopg_claim_sql
 from dagster_joblease.storage import create_engine, migrate, redact_url
 
 DEFAULT_URL = "postgresql+psycopg://postgres@127.0.0.1:5432/postgres"
@@ -181,13 +181,12 @@ def _fill_finished(url: str, rows: int) -> None:
 def _server_ms(url: str, reps: int = 50) -> float:
     """Median server execution time of the library's claim of a new key (EXPLAIN ANALYZE, rolled back):
     the statement's own cost, without the commit flush and the round trip that dominate a noisy machine."""
-    sql, order, constants = _psycopg_sql()
+    insert, _ = psycopg_claim_sql()
     samples = []
     with psycopg.connect(dsn(url)) as conn:
         for _ in range(reps):
             job = JobIdentity.schedule("bench", secrets.token_hex(8))
             values = {
-                **constants,
                 "p_lock_key": job.idempotency_key,
                 "p_job_type": job.type.value,
                 "p_code": job.code,
@@ -197,8 +196,8 @@ def _server_ms(url: str, reps: int = 50) -> float:
                 "p_holder": "bench",
             }
             row = conn.execute(
-                "EXPLAIN (ANALYZE, FORMAT JSON) " + sql,
-                tuple(values[k] for k in order),
+                "EXPLAIN (ANALYZE, FORMAT JSON) " + insert.sql,
+                insert.args(values),
             ).fetchone()
             assert row is not None
             samples.append(float(row[0][0]["Execution Time"]))

@@ -1,0 +1,162 @@
+"""Autocommit psycopg connections kept beside an engine's pool, for one-statement hot paths.
+
+A lease claim is one statement. Checked out of SQLAlchemy's pool it also pays the checkout and checkin
+events, the reset-on-return and two autocommit switches: more client CPU than the driver and the
+statement together. These connections are made like the engine's (same URL, connect arguments and
+connect events), detached at once from a pool of their own, switched to autocommit once and reused, one
+caller at a time.
+
+Bounds and lifetime: at most ``pool.size()`` of them sit idle per engine (none for an engine without
+a sized pool, e.g. ``NullPool``: each claim then opens and closes its own); ``engine.dispose()`` closes
+the idle ones and any in use when they come back; a connection idle for ``IDLE_PING_AFTER_S`` is pinged
+before reuse; a broken one is closed, and so are its idle siblings (the server probably restarted).
+A forked child never reuses (or closes) its parent's connections.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+import time
+import weakref
+from typing import Any
+
+import psycopg
+import sqlalchemy as sa
+from psycopg.pq import TransactionStatus
+from sqlalchemy import event
+
+from dagster_joblease.storage import engine as engine_module
+
+__all__ = ["AutocommitConnection", "AutocommitConnections", "autocommit_connections"]
+
+_IDLE = TransactionStatus.IDLE
+
+
+class AutocommitConnection:
+    """One driver connection in autocommit, with a cursor kept for reuse (a cursor per call costs more
+    than the statement's parameters)."""
+
+    __slots__ = ("connection", "cursor", "generation")
+
+    def __init__(self, connection: psycopg.Connection[Any], generation: int) -> None:
+        self.connection = connection
+        self.cursor = connection.cursor()
+        self.generation = generation
+
+
+class AutocommitConnections:
+    """Idle autocommit driver connections of one engine (thread-safe; each connection used by one
+    caller at a time)."""
+
+    def __init__(self, max_idle: int) -> None:
+        self.max_idle = max_idle
+        self._lock = threading.Lock()
+        self._idle: list[tuple[AutocommitConnection, float]] = []
+        self._generation = 0
+        self._pid = os.getpid()
+        self._factory: sa.pool.Pool | None = None
+
+    def acquire(self, engine: sa.Engine) -> AutocommitConnection:
+        """An idle connection, or a new one from ``engine``; hand it back with :meth:`release`."""
+        if self._pid != os.getpid():
+            self._forget_after_fork()
+        while True:
+            with self._lock:
+                if not self._idle:
+                    break
+                handle, since = self._idle.pop()
+            if handle.connection.closed:
+                continue
+            if time.monotonic() - since < engine_module.IDLE_PING_AFTER_S:
+                return handle
+            try:
+                handle.cursor.execute("SELECT 1")
+            except psycopg.Error:
+                handle.connection.close()
+                continue
+            return handle
+        generation = self._generation
+        if self._factory is None:
+            # A pool of our own (same creator and connect events as the engine's) that only ever makes
+            # new connections: the engine's pool may hold connections a forked child inherited.
+            self._factory = engine.pool.recreate()
+        proxied = self._factory.connect()
+        conn: psycopg.Connection[Any] = proxied.driver_connection  # type: ignore[assignment]
+        proxied.detach()
+        try:
+            conn.autocommit = True
+        except BaseException:
+            conn.close()
+            raise
+        return AutocommitConnection(conn, generation)
+
+    def release(self, handle: AutocommitConnection) -> None:
+        """Keep ``conn`` for reuse if it is healthy and idle; close it otherwise.
+
+        A connection interrupted mid-statement (its status not IDLE) is never reused. A broken one
+        also closes the idle ones: whatever broke it (a restart, a failover) broke them too.
+        """
+        conn = handle.connection
+        if self._pid != os.getpid():
+            return  # fork during the call: the socket is the parent's (see _forget_after_fork)
+        if conn.closed or conn.broken:
+            conn.close()
+            self.close_idle()
+            return
+        if conn.info.transaction_status is not _IDLE or handle.generation != self._generation:
+            conn.close()
+            return
+        with self._lock:
+            if len(self._idle) < self.max_idle:
+                self._idle.append((handle, time.monotonic()))
+                return
+        conn.close()
+
+    def close_idle(self) -> None:
+        """Close the idle connections; those in use are closed when they come back."""
+        if self._pid != os.getpid():
+            self._forget_after_fork()
+            return
+        with self._lock:
+            idle, self._idle = self._idle, []
+            self._generation += 1
+        for handle, _ in idle:
+            handle.connection.close()
+
+    def _forget_after_fork(self) -> None:
+        # The parent's sockets are shared with this process: never use them, never close them (psycopg
+        # does not terminate a connection it finds garbage-collected in another process).
+        self._lock = threading.Lock()
+        self._idle = []
+        self._generation += 1
+        self._pid = os.getpid()
+        self._factory = None
+
+
+_by_engine: weakref.WeakKeyDictionary[sa.Engine, AutocommitConnections] = weakref.WeakKeyDictionary()
+_registry_lock = threading.Lock()
+
+
+def autocommit_connections(engine: sa.Engine) -> AutocommitConnections:
+    """The autocommit connections of ``engine`` (created on first use; PostgreSQL with psycopg only)."""
+    found = _by_engine.get(engine)
+    if found is not None:
+        return found
+    with _registry_lock:
+        found = _by_engine.get(engine)
+        if found is None:
+            pool = engine.pool
+            size = pool.size() if isinstance(pool, sa.pool.QueuePool) else 0
+            found = AutocommitConnections(max_idle=size)
+            event.listen(engine, "engine_disposed", _on_dispose(found))
+            weakref.finalize(engine, found.close_idle)
+            _by_engine[engine] = found
+    return found
+
+
+def _on_dispose(connections: AutocommitConnections) -> Any:
+    def closer(_engine: sa.Engine) -> None:
+        connections.close_idle()
+
+    return closer
