@@ -17,7 +17,9 @@ import re
 from collections.abc import Collection
 from typing import Any
 
+import psycopg
 import sqlalchemy as sa
+from psycopg.pq import TransactionStatus
 from sqlalchemy.dialects import postgresql, sqlite
 from sqlalchemy.dialects.postgresql import psycopg as psycopg_dialect
 
@@ -55,7 +57,8 @@ class OutboxStatus(enum.StrEnum):
 # The partial index ix_joblease_outbox_due is declared WHERE status = 'PENDING'. PostgreSQL only uses it
 # when the query repeats that predicate with a literal (a bound parameter cannot be proven to match once
 # psycopg switches to a prepared, generic plan), so the predicate is spelled out as SQL text.
-_PENDING = outbox_table.c.status == sa.literal_column("'PENDING'")
+_PENDING_TEXT = sa.literal_column("'PENDING'", sa.String())
+_PENDING = outbox_table.c.status == _PENDING_TEXT
 
 
 def due_clause() -> sa.ColumnElement[bool]:
@@ -68,6 +71,10 @@ def due_clause() -> sa.ColumnElement[bool]:
     )
 
 
+#: One encoder for every payload (``json.dumps`` with options builds a new one per call).
+_CANONICAL = json.JSONEncoder(sort_keys=True, separators=(",", ":"), ensure_ascii=False, allow_nan=False)
+
+
 def canonical_json(payload: Any) -> str:
     """The payload as canonical JSON (sorted keys, compact, UTF-8 text); the basis of its fingerprint.
 
@@ -75,7 +82,7 @@ def canonical_json(payload: Any) -> str:
     objects, NaN and ±Infinity, lone surrogates, and NUL characters (PostgreSQL's jsonb rejects them).
     """
     try:
-        text = json.dumps(payload, sort_keys=True, separators=(",", ":"), ensure_ascii=False, allow_nan=False)
+        text = _CANONICAL.encode(payload)
     except ValueError as exc:  # allow_nan=False, circular references
         raise errors.InvalidPayloadError(
             "payload",
@@ -173,8 +180,8 @@ def _insert_statement(dialect_name: str) -> Any:
             topic=sa.bindparam("topic", type_=sa.String()),
             payload=payload,
             payload_sha256=sa.bindparam("sha256", type_=sa.String()),
-            status=OutboxStatus.PENDING.value,
-            attempts=0,
+            status=_PENDING_TEXT,
+            attempts=sa.literal_column("0", sa.Integer()),
             next_attempt_at=db_now(),
             created_at=db_now(),
             updated_at=db_now(),
@@ -191,49 +198,73 @@ _PARAMS = ("key", "topic", "payload_text", "sha256")
 
 
 @functools.cache
-def _psycopg_sql() -> tuple[str, tuple[str, ...], dict[str, Any], str]:
-    """The INSERT (positional ``%s`` parameters, their names in order, its constants) and the read of an
-    existing row, compiled once by SQLAlchemy for psycopg.
+def _psycopg_sql() -> tuple[str, str]:
+    """The INSERT (positional ``%s`` parameters in the order of ``_PARAMS``) and the read of an existing
+    row, compiled once by SQLAlchemy for psycopg.
 
     Compiled for a fresh psycopg dialect, not each engine's, so the cache holds one entry.
     """
     dialect = psycopg_dialect.dialect(paramstyle="format")  # type: ignore[no-untyped-call]
     compiled = _insert_statement("postgresql").compile(dialect=dialect)
-    constants = {k: v for k, v in compiled.params.items() if k not in _PARAMS}
-    assert compiled.positiontup is not None
-    existing = str(_EXISTING.compile(dialect=dialect))
-    return str(compiled), tuple(compiled.positiontup), constants, existing
+    assert compiled.positiontup == list(_PARAMS), compiled.positiontup
+    return str(compiled), str(_EXISTING.compile(dialect=dialect))
 
 
 _Existing = tuple[str, str] | None
+_Params = tuple[str, str, str, str]  #: key, topic, payload_text, sha256 (the order of _PARAMS)
 
 
-def _run_psycopg(connection: sa.Connection, params: dict[str, Any]) -> tuple[bool, _Existing]:
+def _run_psycopg(driver: psycopg.Connection[Any], params: _Params) -> tuple[bool, _Existing]:
     """The enqueue on the caller's own psycopg connection (so inside its transaction), as a prepared
     statement without SQLAlchemy's per-execution work, which cost as much as the INSERT's round trip."""
-    insert_sql, order, constants, existing_sql = _psycopg_sql()
-    driver = connection.connection.driver_connection
-    assert driver is not None, "the connection is closed"
-    values = {**constants, **params}
+    insert_sql, existing_sql = _psycopg_sql()
     with translate_errors("enqueue an outbox row"), driver.cursor() as cursor:
-        cursor.execute(insert_sql, tuple([values[name] for name in order]), prepare=True)
+        cursor.execute(insert_sql, params, prepare=True)
         if cursor.fetchone() is not None:
             return True, None
-        cursor.execute(existing_sql, (params["key"],), prepare=True)
+        cursor.execute(existing_sql, (params[0],), prepare=True)
         row = cursor.fetchone()
         return False, None if row is None else (row[0], row[1])
 
 
-def _run_generic(connection: sa.Connection, params: dict[str, Any]) -> tuple[bool, _Existing]:
+def _run_generic(connection: sa.Connection, params: _Params) -> tuple[bool, _Existing]:
     with translate_errors("enqueue an outbox row"):
-        if connection.execute(_insert_statement(connection.dialect.name), params).first() is not None:
+        named = dict(zip(_PARAMS, params, strict=True))
+        if connection.execute(_insert_statement(connection.dialect.name), named).first() is not None:
             return True, None
-        row = connection.execute(_EXISTING, {"key": params["key"]}).first()
+        row = connection.execute(_EXISTING, {"key": params[0]}).first()
         return False, None if row is None else (row[0], row[1])
 
 
+def _psycopg_driver(connection: object) -> psycopg.Connection[Any] | None:
+    """The psycopg connection to run the enqueue on, or None for SQLAlchemy's generic path."""
+    if isinstance(connection, psycopg.Connection):
+        if connection.closed:
+            raise errors.InvalidPayloadError(
+                "connection", "is closed; pass the open connection of your transaction"
+            )
+        if connection.autocommit and connection.info.transaction_status == TransactionStatus.IDLE:
+            raise errors.InvalidPayloadError(
+                "connection",
+                "is a psycopg connection in autocommit outside a transaction, so the row would commit on "
+                "its own, apart from your domain change; enqueue inside `with conn.transaction():`",
+            )
+        return connection
+    if not isinstance(connection, sa.Connection):
+        raise errors.InvalidPayloadError(
+            "connection",
+            f"must be a SQLAlchemy Connection or a psycopg Connection, got {type(connection).__name__}",
+        )
+    dialect = connection.dialect
+    if dialect.name == "postgresql" and dialect.driver == "psycopg":
+        driver = connection.connection.driver_connection
+        assert driver is not None, "the connection is closed"
+        return driver  # type: ignore[no-any-return]
+    return None
+
+
 def enqueue_once(
-    connection: sa.Connection,
+    connection: sa.Connection | psycopg.Connection[Any],
     *,
     idempotency_key: str,
     topic: str,
@@ -242,7 +273,9 @@ def enqueue_once(
 ) -> bool:
     """Add a pending outbox row inside the caller's transaction; True if inserted, False if already there.
 
-    Call it on the connection that holds the domain change, so both commit (or roll back) together. A
+    Call it on the connection that holds the domain change, so both commit (or roll back) together: a
+    SQLAlchemy ``Connection`` (PostgreSQL or SQLite) or, on PostgreSQL, a plain psycopg 3 ``Connection``
+    (which skips SQLAlchemy's per-transaction work altogether). A
     repeat with the same key, topic and payload is a no-op (returns False); the same key with a different
     payload *or another topic* raises :class:`OutboxConflictError`. The key alone is the effect's
     identity downstream (the receiver deduplicates on ``Idempotency-Key``), so a second row under one key
@@ -255,7 +288,12 @@ def enqueue_once(
             conn.execute(invoices.insert().values(...))
             enqueue_once(conn, idempotency_key=effect_key(lease.idempotency_key, "invoice-mail"),
                          topic="mail", payload={"v": 1, "invoice": 42})
+
+        with psycopg.connect(dsn) as pg, pg.transaction():  # or on your own psycopg connection
+            pg.execute("INSERT INTO invoices …")
+            enqueue_once(pg, idempotency_key=…, topic="mail", payload={"v": 1, "invoice": 42})
     """
+    driver = _psycopg_driver(connection)
     _check_text("idempotency_key", idempotency_key, MAX_KEY_LENGTH, ascii_only=True)
     _check_text("topic", topic, MAX_TOPIC_LENGTH, ascii_only=False)
     limit = _check_max_bytes(max_payload_bytes)
@@ -268,13 +306,15 @@ def enqueue_once(
             "(send ids, let the consumer fetch the rest) or raise max_payload_bytes",
         )
     fingerprint = hashlib.sha256(data).hexdigest()
-    params = {"key": idempotency_key, "topic": topic, "payload_text": text, "sha256": fingerprint}
-    dialect = connection.dialect
-    run = _run_psycopg if (dialect.name, dialect.driver) == ("postgresql", "psycopg") else _run_generic
+    params = (idempotency_key, topic, text, fingerprint)
     # Two rounds: a conflicting row can vanish between the INSERT and the read (a concurrent purge or a
     # rolled-back writer); the second INSERT then simply succeeds.
     for _ in range(2):
-        inserted, existing = run(connection, params)
+        if driver is not None:
+            inserted, existing = _run_psycopg(driver, params)
+        else:
+            assert isinstance(connection, sa.Connection)
+            inserted, existing = _run_generic(connection, params)
         if inserted:
             return True
         if existing is None:

@@ -279,3 +279,51 @@ def test_driver_errors_surface_as_storage_errors_inside_the_callers_transaction(
     with pg_engine.connect() as conn:
         assert conn.exec_driver_sql("SELECT count(*) FROM domain_probe").scalar_one() == 0
         assert conn.exec_driver_sql("SELECT count(*) FROM joblease_outbox").scalar_one() == 0
+
+
+def _psycopg_connect(pg_url: str, **kwargs: Any) -> Any:
+    import psycopg
+
+    url = sa.make_url(pg_url)
+    return psycopg.connect(
+        host=url.host, port=url.port, user=url.username, password=url.password, dbname=url.database, **kwargs
+    )
+
+
+def test_enqueue_on_a_plain_psycopg_connection_commits_and_rolls_back_with_it(
+    pg_engine: sa.Engine, pg_url: str
+) -> None:
+    with _psycopg_connect(pg_url) as pg:
+        assert outbox.enqueue_once(pg, idempotency_key="v2:pg-1", topic="mail", payload={"v": 1})
+        pg.rollback()
+        assert _rows(pg_engine) == []
+        with pg.transaction():
+            assert outbox.enqueue_once(pg, idempotency_key="v2:pg-1", topic="mail", payload={"v": 1})
+        assert outbox.enqueue_once(pg, idempotency_key="v2:pg-1", topic="mail", payload={"v": 1}) is False
+        with pytest.raises(errors.OutboxConflictError):
+            outbox.enqueue_once(pg, idempotency_key="v2:pg-1", topic="mail", payload={"v": 2})
+        pg.rollback()
+    rows = _rows(pg_engine)
+    assert [(r.idempotency_key, r.topic, r.payload, r.status) for r in rows] == [
+        ("v2:pg-1", "mail", {"v": 1}, "PENDING")
+    ]
+    # The same row, whichever connection wrote it: a SQLAlchemy enqueue of it is a no-op.
+    assert _enqueue(pg_engine, key="v2:pg-1", payload={"v": 1}) is False
+
+
+def test_enqueue_refuses_a_psycopg_connection_that_would_commit_the_row_alone(
+    pg_engine: sa.Engine, pg_url: str
+) -> None:
+    with _psycopg_connect(pg_url, autocommit=True) as pg:
+        with pytest.raises(errors.InvalidPayloadError, match="autocommit outside a transaction"):
+            outbox.enqueue_once(pg, idempotency_key="v2:auto", topic="mail", payload={"v": 1})
+        assert _rows(pg_engine) == []
+        with pg.transaction():  # inside a transaction block it joins that transaction
+            assert outbox.enqueue_once(pg, idempotency_key="v2:auto", topic="mail", payload={"v": 1})
+    assert len(_rows(pg_engine)) == 1
+    pg.close()
+    with pytest.raises(errors.InvalidPayloadError, match="closed"):
+        outbox.enqueue_once(pg, idempotency_key="v2:closed", topic="mail", payload={"v": 1})
+    with pytest.raises(errors.InvalidPayloadError, match="SQLAlchemy Connection or a psycopg Connection"):
+        outbox.enqueue_once(pg_engine, idempotency_key="v2:engine", topic="mail", payload={"v": 1})  # type: ignore[arg-type]
+    assert len(_rows(pg_engine)) == 1
