@@ -12,7 +12,7 @@ import sqlalchemy as sa
 from dagster_joblease import errors
 from dagster_joblease.identity import JobIdentity
 from dagster_joblease.lease import LeaseService, NotAcquiredReason
-from dagster_joblease.storage import create_engine
+from dagster_joblease.storage import create_engine, migrate
 from dagster_joblease.storage import engine as engine_module
 from dagster_joblease.storage.autocommit import autocommit_connections
 
@@ -174,5 +174,44 @@ def test_a_killed_session_fails_one_claim_loudly_then_claims_recover(
         with pytest.raises(errors.StorageError, match="acquire a lease"):
             service.acquire(JobIdentity.schedule("killed", "2"))
         assert service.acquire(JobIdentity.schedule("killed", "2")) is not None
+    finally:
+        engine.dispose()
+
+
+def _prepared_on_claim_connection(engine: sa.Engine) -> int:
+    connections = autocommit_connections(engine)
+    handle = connections.acquire(engine)
+    try:
+        handle.cursor.execute("SELECT count(*) FROM pg_prepared_statements")
+        row = handle.cursor.fetchone()
+        assert row is not None
+        return int(row[0])
+    finally:
+        connections.release(handle)
+
+
+@pytest.mark.parametrize("threshold", ["", "&prepare_threshold=none"])
+def test_claim_connections_honour_the_url_schema_and_prepare_threshold(
+    pg_url: str, admin: sa.Engine, threshold: str
+) -> None:
+    """The operations guide's URLs: a search path via ``options``, and PgBouncer's prepare_threshold=none."""
+    with admin.begin() as conn:
+        conn.execute(sa.text("CREATE SCHEMA own"))
+    url = f"{pg_url}?options=-csearch_path%3Down{threshold}"
+    engine = create_engine(url)
+    try:
+        migrate(engine)
+        service = LeaseService(engine, lease_ms=60_000)
+        for i in range(8):
+            assert service.acquire(JobIdentity.schedule("schema", str(i))) is not None
+            assert (
+                service.try_acquire(JobIdentity.schedule("schema", str(i))).reason is NotAcquiredReason.HELD
+            )
+        with admin.connect() as conn:
+            in_own = conn.execute(sa.text("SELECT count(*) FROM own.joblease_lease")).scalar_one()
+            in_public = conn.execute(sa.text("SELECT count(*) FROM public.joblease_lease")).scalar_one()
+        assert (in_own, in_public) == (8, 0)
+        prepared = _prepared_on_claim_connection(engine)
+        assert prepared == 0 if threshold else prepared >= 2
     finally:
         engine.dispose()

@@ -480,3 +480,29 @@ def test_a_refused_claim_is_a_plain_read_that_never_waits_on_the_row(pg_url: str
     finally:
         holder_engine.dispose()
         rival_engine.dispose()
+
+
+@pytest.mark.postgres_only
+def test_a_row_purged_between_the_insert_and_the_reclaim_is_claimed_afresh(pg_engine: sa.Engine) -> None:
+    """On PostgreSQL a claim that meets a row takes a second statement; a purge can remove the row in
+    between. A statement trigger deletes it at exactly that moment: the claim then inserts again."""
+    service = LeaseService(pg_engine, lease_ms=60_000)
+    job = JobIdentity.schedule("vanish", "1")
+    lease = service.acquire(job)
+    assert lease is not None
+    service.complete(lease)
+    with pg_engine.begin() as conn:
+        conn.exec_driver_sql(
+            "CREATE FUNCTION purge_vanish() RETURNS trigger LANGUAGE plpgsql AS $$ BEGIN "
+            "DELETE FROM joblease_lease WHERE code = 'vanish' AND status = 'SUCCESS'; RETURN NULL; END $$"
+        )
+        conn.exec_driver_sql(
+            "CREATE TRIGGER purge_vanish AFTER INSERT ON joblease_lease "
+            "FOR EACH STATEMENT EXECUTE FUNCTION purge_vanish()"
+        )
+    again = service.try_acquire(job)
+    assert again.lease is not None, again.reason
+    assert again.lease.attempt == 1
+    with pg_engine.connect() as conn:
+        rows = conn.execute(sa.select(lease_table.c.status).where(lease_table.c.code == "vanish")).all()
+    assert [r.status for r in rows] == ["RUNNING"]
