@@ -116,6 +116,10 @@ def _reject_constant(name: str) -> Any:
     raise ValueError(f"{name} is not JSON")
 
 
+#: What ``json.loads(raw, parse_constant=…)`` does, without building a decoder per request body.
+_DECODER = json.JSONDecoder(parse_constant=_reject_constant)
+
+
 def request_fingerprint(payload: Any) -> str:
     """SHA-256 hex of the payload, insensitive to JSON formatting.
 
@@ -126,7 +130,7 @@ def request_fingerprint(payload: Any) -> str:
     if isinstance(payload, bytes | bytearray | str):
         raw = payload.encode("utf-8", "surrogatepass") if isinstance(payload, str) else bytes(payload)
         try:
-            parsed = json.loads(raw, parse_constant=_reject_constant)
+            parsed = _DECODER.decode(raw.decode(json.detect_encoding(raw), "surrogatepass"))
             return outbox.payload_fingerprint(parsed)
         except (ValueError, RecursionError, errors.InvalidPayloadError):
             return hashlib.sha256(raw).hexdigest()

@@ -352,7 +352,8 @@ class _RequestLog:
             if len(self._new) > self.MAX_PENDING:
                 del self._new[0]
                 logger.warning("the receiver's request log is behind; dropped its oldest pending entry")
-        self._wake.set()
+        if not self._wake.is_set():  # set() takes a lock and notifies even when already set
+            self._wake.set()
         return entry
 
     def answered(self, entry: _LogEntry, status: int) -> None:
@@ -360,7 +361,8 @@ class _RequestLog:
             entry.status = status
             if entry.written:
                 self._updates.append(entry)
-        self._wake.set()
+        if not self._wake.is_set():
+            self._wake.set()
 
     def flush(self) -> None:
         """Write every pending entry and status now (raises StorageError if the database refuses)."""
