@@ -449,24 +449,20 @@ class LeaseService:
         """
         insert, reclaim = psycopg_claim_sql()
         connections = autocommit_connections(self.engine)
-        with translate_errors("acquire a lease"):
-            handle = connections.acquire(self.engine)
-            try:
-                cursor = handle.cursor
-                for _ in range(2):  # twice only if the row was purged between the two statements
-                    cursor.execute(insert.sql, insert.args(params), prepare=True)
-                    found = cursor.fetchone()
-                    if found is not None:
-                        return found, None
-                    cursor.execute(reclaim.sql, reclaim.args(params), prepare=True)
-                    found = cursor.fetchone()
-                    if found is not None:
-                        if found[4] is not None:
-                            return None, str(found[4])
-                        return found[:4], None
-                return None, None
-            finally:
-                connections.release(handle)
+        with translate_errors("acquire a lease"), connections.connection(self.engine) as handle:
+            cursor = handle.cursor
+            for _ in range(2):  # twice only if the row was purged between the two statements
+                cursor.execute(insert.sql, insert.args(params), prepare=True)
+                found = cursor.fetchone()
+                if found is not None:
+                    return found, None
+                cursor.execute(reclaim.sql, reclaim.args(params), prepare=True)
+                found = cursor.fetchone()
+                if found is not None:
+                    if found[4] is not None:
+                        return None, str(found[4])
+                    return found[:4], None
+            return None, None
 
     def acquire(
         self, job: identity.JobIdentity, *, lease_ms: int | None = None, holder: str | None = None

@@ -30,6 +30,7 @@ from dagster_joblease.receiver import (
     request_log,
 )
 from dagster_joblease.storage import create_engine, inbox_table
+from dagster_joblease.storage.autocommit import autocommit_connections
 from tests.conftest import wait_until
 from tests.receiver_proc import start_receiver
 
@@ -642,33 +643,38 @@ def test_postgres_fast_path_prepares_only_when_allowed(
             assert _post(client, f"{server.url}/mail", {"v": n}, f"p-{n}").status_code == 200
         assert _post(client, f"{server.url}/mail", {"v": 0}, "p-0").headers["Idempotent-Replayed"] == "true"
         server.flush_log()
-        with engine.connect() as conn:  # the pool's only connection: the one every POST used
-            prepared = conn.exec_driver_sql(
-                "SELECT count(*) FROM pg_prepared_statements WHERE statement LIKE %(f)s",
-                {"f": f"%{APPLY_FUNCTION}%"},
-            ).scalar_one()
-        assert prepared == (0 if threshold else 1)
+        connections = autocommit_connections(engine)
+        assert len(connections._idle) == 1  # POSTs one at a time: one connection served them all
+        with connections.connection(engine) as handle:
+            count = "SELECT count(*) FROM pg_prepared_statements WHERE statement LIKE %s"
+            handle.cursor.execute(count, (f"%{APPLY_FUNCTION}%",))
+            prepared = handle.cursor.fetchone()
+        assert prepared == (0 if threshold else 1,)
         assert effect_count(engine) == 8
     finally:
         engine.dispose()
 
 
 @pytest.mark.postgres_only
-def test_postgres_fast_path_gives_its_connections_back_when_closed(
+def test_postgres_fast_path_closes_its_connections_when_closed(
     pg_engine: sa.Engine, client: httpx.Client
 ) -> None:
-    """Connections kept between POSTs (fewer than the pool holds) go back to the pool at server_close."""
+    """POSTs run on autocommit connections kept beside the pool (which they never hold), closed at
+    server_close."""
     ensure_tables(pg_engine)
     server = ReceiverServer(pg_engine, ("127.0.0.1", 0))
     thread = threading.Thread(target=server.serve_forever, daemon=True)
     thread.start()
+    connections = autocommit_connections(pg_engine)
     try:
         for n in range(3):
             assert _post(client, f"{server.url}/mail", {"v": n}, f"c-{n}").status_code == 200
-        assert 1 <= pg_engine.pool.checkedout() < pg_engine.pool.size()  # type: ignore[attr-defined]
+        assert len(connections._idle) == 1
+        assert pg_engine.pool.checkedout() == 0  # type: ignore[attr-defined]
     finally:
         server.shutdown()
         server.server_close()
         thread.join(10)
+    assert connections._idle == []
     assert pg_engine.pool.checkedout() == 0  # type: ignore[attr-defined]
     assert effect_count(pg_engine) == 3

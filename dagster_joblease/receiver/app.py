@@ -39,6 +39,7 @@ import psycopg
 import sqlalchemy as sa
 
 from dagster_joblease import errors, inbox
+from dagster_joblease.storage.autocommit import autocommit_connections
 from dagster_joblease.storage.clock import db_now
 from dagster_joblease.storage.engine import create_engine, translate_errors
 from dagster_joblease.storage.migrate import migrate as migrate_schema
@@ -516,13 +517,6 @@ class ReceiverServer(ThreadingHTTPServer):
         self.fast_path = (dialect.name, dialect.driver) == ("postgresql", "psycopg") and not (
             self.faults.effect_delay_ms
         )
-        # Fast-path connections kept checked out of the engine's pool in autocommit between POSTs, which
-        # saves a pool round and two autocommit switches per POST. At most one less than the pool's
-        # size, so the request log's writer (and anyone else on the engine) always finds a connection.
-        self._spare: list[Any] = []
-        self._spare_lock = threading.Lock()
-        self._spare_max = max(0, int(getattr(engine.pool, "size", lambda: 0)()) - 1)
-        self._spare_closed = False
         self._counter = 0
         self._counter_lock = threading.Lock()
         self._injected: collections.deque[_Injected] = collections.deque()
@@ -605,51 +599,18 @@ class ReceiverServer(ThreadingHTTPServer):
     def _call_apply(self, params: tuple[str, str, str, str, int, str]) -> tuple[str, int, str, int | None]:
         """One autocommit call of the function: one round trip, one commit.
 
-        The statement is prepared on the server unless the URL says ``?prepare_threshold=none``
-        (PgBouncer's transaction pooling, where a prepared statement may be on another server session).
+        It runs on the engine's autocommit connections (:mod:`dagster_joblease.storage.autocommit`, as
+        lease claims do): no pool checkout or autocommit switch per POST. The statement is prepared on
+        the server unless the URL says ``?prepare_threshold=none`` (PgBouncer's transaction pooling,
+        where a prepared statement may be on another server session); a connection that saw an error
+        is closed, so a retry runs on another.
         """
-        with translate_errors("apply a receiver effect"):
-            with self._spare_lock:
-                raw = self._spare.pop() if self._spare else None
-            if raw is None:
-                raw = self.engine.raw_connection()
-            keep = False
-            try:
-                driver = raw.driver_connection
-                assert driver is not None, "the connection is closed"
-                if not driver.autocommit:
-                    driver.autocommit = True
-                prepare = None if driver.prepare_threshold is None else True
-                row = driver.execute(_APPLY_CALL, params, prepare=prepare).fetchone()
-                keep = driver.pgconn.transaction_status == psycopg.pq.TransactionStatus.IDLE
-            finally:
-                self._release(raw, keep)
+        connections = autocommit_connections(self.engine)
+        with translate_errors("apply a receiver effect"), connections.connection(self.engine) as handle:
+            handle.cursor.execute(_APPLY_CALL, params, prepare=True)
+            row = handle.cursor.fetchone()
         assert row is not None, f"{APPLY_FUNCTION} returned no row"
         return row[0], row[1], row[2], row[3]
-
-    def _release(self, raw: Any, keep: bool) -> None:
-        """Keep a healthy connection for the next POST, else give it back (a failed one invalidated)."""
-        if not keep:
-            raw.invalidate()  # an error or an unknown state: never reuse it
-            raw.close()
-            return
-        with self._spare_lock:
-            if not self._spare_closed and len(self._spare) < self._spare_max:
-                self._spare.append(raw)
-                return
-        raw.driver_connection.autocommit = False
-        raw.close()
-
-    def _close_spares(self) -> None:
-        with self._spare_lock:
-            self._spare_closed = True
-            spares, self._spare = self._spare, []
-        for raw in spares:
-            try:
-                raw.driver_connection.autocommit = False
-                raw.close()
-            except Exception:
-                raw.invalidate()
 
     def _effect(self, key: str, topic: str, payload: str, response: str) -> inbox.Effect:
         """The effect for the generic inbox path (SQLite, or an effect delay for tests)."""
@@ -703,7 +664,8 @@ class ReceiverServer(ThreadingHTTPServer):
         """Close the socket, then write what the request log still holds and stop its writer."""
         super().server_close()
         self.request_log.close()
-        self._close_spares()
+        if self.fast_path:
+            autocommit_connections(self.engine).close_idle()
 
 
 def _problem(status: int, title: str, detail: str) -> bytes:

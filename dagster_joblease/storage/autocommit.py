@@ -15,10 +15,12 @@ A forked child never reuses (or closes) its parent's connections.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import threading
 import time
 import weakref
+from collections.abc import Iterator
 from typing import Any
 
 import psycopg
@@ -91,11 +93,24 @@ class AutocommitConnections:
             raise
         return AutocommitConnection(conn, generation)
 
-    def release(self, handle: AutocommitConnection) -> None:
-        """Keep ``conn`` for reuse if it is healthy and idle; close it otherwise.
+    @contextlib.contextmanager
+    def connection(self, engine: sa.Engine) -> Iterator[AutocommitConnection]:
+        """An autocommit connection for the block; one that saw an error there is closed, not reused."""
+        handle = self.acquire(engine)
+        try:
+            yield handle
+        except BaseException:
+            self.release(handle, discard=True)
+            raise
+        self.release(handle)
 
-        A connection interrupted mid-statement (its status not IDLE) is never reused. A broken one
-        also closes the idle ones: whatever broke it (a restart, a failover) broke them too.
+    def release(self, handle: AutocommitConnection, *, discard: bool = False) -> None:
+        """Keep the connection for reuse if it is healthy and idle; close it otherwise.
+
+        ``discard``: the caller saw an error on it. It is closed rather than trusted again (a server
+        that forgot a prepared statement, behind a pooler, fails every later call on that session).
+        A connection interrupted mid-statement (its status not IDLE) is never reused either. A broken
+        one also closes the idle ones: whatever broke it (a restart, a failover) broke them too.
         """
         conn = handle.connection
         if self._pid != os.getpid():
@@ -104,7 +119,7 @@ class AutocommitConnections:
             conn.close()
             self.close_idle()
             return
-        if conn.info.transaction_status is not _IDLE or handle.generation != self._generation:
+        if discard or conn.pgconn.transaction_status != _IDLE or handle.generation != self._generation:
             conn.close()
             return
         with self._lock:
