@@ -1,10 +1,10 @@
 """Autocommit psycopg connections kept beside an engine's pool, for one-statement hot paths.
 
-A lease claim is one statement. Checked out of SQLAlchemy's pool it also pays the checkout and checkin
-events, the reset-on-return and two autocommit switches: more client CPU than the driver and the
-statement together. These connections are made like the engine's (same URL, connect arguments and
-connect events), detached at once from a pool of their own, switched to autocommit once and reused, one
-caller at a time.
+A lease claim is one statement (two when it meets an existing row), a receiver POST one function call.
+Checked out of SQLAlchemy's pool each would also pay the checkout and checkin events, the reset-on-return
+and two autocommit switches: more client CPU than the driver and the statement together. These
+connections are made like the engine's (same URL, connect arguments and connect events), detached at
+once from a pool of their own, switched to autocommit once and reused, one caller at a time.
 
 Bounds and lifetime: at most ``pool.size()`` of them sit idle per engine (none for an engine without
 a sized pool, e.g. ``NullPool``: each claim then opens and closes its own); ``engine.dispose()`` closes
