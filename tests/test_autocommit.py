@@ -236,3 +236,15 @@ def test_a_session_that_forgot_its_prepared_statements_fails_one_claim_then_is_r
             assert service.acquire(JobIdentity.schedule("forgot", str(i))) is not None
     finally:
         engine.dispose()
+
+
+def test_pool_size_zero_means_no_limit_as_in_sqlalchemy(pg_url: str, admin: sa.Engine) -> None:
+    engine = create_engine(pg_url, pool_size=0)
+    try:
+        service = LeaseService(engine, lease_ms=60_000)
+        for i in range(5):
+            assert service.acquire(JobIdentity.schedule("unbounded", str(i))) is not None
+        assert len(autocommit_connections(engine)._idle) == 1  # reused, not reopened per claim
+        assert _sessions(admin) == 1
+    finally:
+        engine.dispose()

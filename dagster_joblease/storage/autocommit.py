@@ -6,8 +6,9 @@ and two autocommit switches: more client CPU than the driver and the statement t
 connections are made like the engine's (same URL, connect arguments and connect events), detached at
 once from a pool of their own, switched to autocommit once and reused, one caller at a time.
 
-Bounds and lifetime: at most ``pool.size()`` of them sit idle per engine (none for an engine without
-a sized pool, e.g. ``NullPool``: each claim then opens and closes its own); ``engine.dispose()`` closes
+Bounds and lifetime: at most ``pool.size()`` of them sit idle per engine (no limit for ``pool_size=0``,
+as for the pool; none for an engine without a sized pool, e.g. ``NullPool``: each claim then opens and
+closes its own); ``engine.dispose()`` closes
 the idle ones and any in use when they come back; a connection idle for ``IDLE_PING_AFTER_S`` is pinged
 before reuse; a broken one is closed, and so are its idle siblings (the server probably restarted).
 A forked child never reuses (or closes) its parent's connections.
@@ -17,6 +18,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import sys
 import threading
 import time
 import weakref
@@ -163,6 +165,8 @@ def autocommit_connections(engine: sa.Engine) -> AutocommitConnections:
         if found is None:
             pool = engine.pool
             size = pool.size() if isinstance(pool, sa.pool.QueuePool) else 0
+            if isinstance(pool, sa.pool.QueuePool) and size <= 0:
+                size = sys.maxsize  # pool_size=0: SQLAlchemy's "no limit"; keep as many as are used
             found = AutocommitConnections(max_idle=size)
             event.listen(engine, "engine_disposed", _on_dispose(found))
             weakref.finalize(engine, found.close_idle)
