@@ -261,15 +261,13 @@ def _fill_sent(url: str, rows: int) -> None:
 def _rotate(
     rounds: int, sides: dict[str, Callable[[], tuple[float, float]]]
 ) -> dict[str, tuple[float, float]]:
-    """Run every side once per round, in an order that rotates each round; medians of each side."""
+    """Run every side once per round, the order rotated by one each round (two sides simply alternate);
+    medians of each side's (rate, cpu)."""
     names = list(sides)
     got: dict[str, list[tuple[float, float]]] = {name: [] for name in names}
     for round_ in range(rounds):
         shift = round_ % len(names)
-        order = names[shift:] + names[:shift]
-        if round_ % 2:
-            order.reverse()
-        for name in order:
+        for name in names[shift:] + names[:shift]:
             got[name].append(sides[name]())
     return {
         name: (statistics.median(x[0] for x in v), statistics.median(x[1] for x in v))
@@ -279,14 +277,10 @@ def _rotate(
 
 def _alternate(
     rounds: int, a: Callable[[], tuple[float, float]], b: Callable[[], tuple[float, float]]
-) -> Any:
-    """Alternate ``a`` (library) and ``b`` (floor), flipping the order each round; medians of each."""
-    got: dict[str, list[tuple[float, float]]] = {"a": [], "b": []}
-    for round_ in range(rounds):
-        order = (("a", a), ("b", b)) if round_ % 2 == 0 else (("b", b), ("a", a))
-        for side, fn in order:
-            got[side].append(fn())
-    return tuple(statistics.median(x[i] for x in got[side]) for side in ("a", "b") for i in (0, 1))
+) -> tuple[float, float, float, float]:
+    """Alternate ``a`` (library) and ``b`` (floor): their median rate and CPU, ``a``'s first."""
+    got = _rotate(rounds, {"a": a, "b": b})
+    return (*got["a"], *got["b"])
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -10,8 +10,9 @@ per call (``time.process_time``). Paths:
 * ``claim``: every call claims a new identity. Floor: a prepared ``INSERT … ON CONFLICT (lock_key) DO
   NOTHING RETURNING id`` of the same row, autocommit, one connection per process.
 * ``refused``: every call targets an identity held by a live lease. Floor: a prepared ``INSERT … ON
-  CONFLICT (lock_key) DO UPDATE … WHERE <reclaimable> RETURNING id`` (which says nothing about why).
-  The library must also say why (held), in the same round trip.
+  CONFLICT (lock_key) DO UPDATE … WHERE <reclaimable> RETURNING id`` (which says nothing about why and
+  locks the row). The library also says why (held): its insert finds the row, then one more statement
+  reads its status without a lock.
 * ``scale``: the library's ``claim`` at 1 process with 1,000,000 finished leases in the table (100,000
   with ``--fast``) vs on an empty table, alternating between two databases, as throughput and as the
   statement's server execution time (``EXPLAIN ANALYZE``, rolled back; the commit flush and the round

@@ -164,18 +164,12 @@ def autocommit_connections(engine: sa.Engine) -> AutocommitConnections:
         found = _by_engine.get(engine)
         if found is None:
             pool = engine.pool
-            size = pool.size() if isinstance(pool, sa.pool.QueuePool) else 0
-            if isinstance(pool, sa.pool.QueuePool) and size <= 0:
-                size = sys.maxsize  # pool_size=0: SQLAlchemy's "no limit"; keep as many as are used
-            found = AutocommitConnections(max_idle=size)
-            event.listen(engine, "engine_disposed", _on_dispose(found))
-            weakref.finalize(engine, found.close_idle)
-            _by_engine[engine] = found
+            size = 0  # NullPool and other unsized pools: keep none
+            if isinstance(pool, sa.pool.QueuePool):
+                # pool_size=0 is SQLAlchemy's "no limit": keep as many as are used.
+                size = pool.size() if pool.size() > 0 else sys.maxsize
+            connections = AutocommitConnections(max_idle=size)
+            event.listen(engine, "engine_disposed", lambda _engine: connections.close_idle())
+            weakref.finalize(engine, connections.close_idle)
+            found = _by_engine[engine] = connections
     return found
-
-
-def _on_dispose(connections: AutocommitConnections) -> Any:
-    def closer(_engine: sa.Engine) -> None:
-        connections.close_idle()
-
-    return closer
