@@ -241,8 +241,9 @@ def acquire_statement(dialect_name: str) -> Any:
 
     ``INSERT … ON CONFLICT (lock_key) DO UPDATE … WHERE status = 'FAIL' OR (status = 'RUNNING' AND
     expires_at < db now) RETURNING …``, with bound parameters ``p_lock_key``, ``p_job_type``, ``p_code``,
-    ``p_run_key``, ``p_owner_token``, ``p_lease_ms``, ``p_heartbeat_ms`` and ``p_holder``. SQLite (and PostgreSQL without
-    psycopg) claims with it; PostgreSQL with psycopg uses :func:`insert_claim_statement` first.
+    ``p_run_key``, ``p_owner_token``, ``p_lease_ms``, ``p_heartbeat_ms`` and ``p_holder``. SQLite (and
+    PostgreSQL without psycopg) claims with it; PostgreSQL with psycopg uses :func:`insert_claim_statement`
+    first.
     """
     t = lease_table
     insert = (postgresql.insert if dialect_name == "postgresql" else sqlite.insert)(t)

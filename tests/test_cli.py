@@ -169,7 +169,11 @@ def test_schema_behind_exits_2_and_changes_nothing_until_db_upgrade(empty_pg_url
 
     current = run(empty_pg_url, "db", "current", "--json")
     assert current.exit_code == 0
-    assert json.loads(current.output) == {"current_revision": None, "head_revision": HEAD_REVISION, "at_head": False}
+    assert json.loads(current.output) == {
+        "current_revision": None,
+        "head_revision": HEAD_REVISION,
+        "at_head": False,
+    }
     check = run(empty_pg_url, "db", "check")
     assert check.exit_code == 2
     assert "schema is behind" in check.output and "add_table: joblease_lease" in check.output
@@ -275,6 +279,7 @@ def test_leases_list_show_and_json(populated: tuple[str, sa.Engine, dict[str, st
         "STATUS",
         "ATTEMPT",
         "REMAINING",
+        "HEARTBEAT",
         "HOLDER",
         "LAST",
         "ERROR",
@@ -283,6 +288,7 @@ def test_leases_list_show_and_json(populated: tuple[str, sa.Engine, dict[str, st
     assert "RuntimeError: upstream 503 with a second line" in table.output
     (live_line,) = [line for line in lines if "RUNNING" in line]
     assert "2026-01-02" in live_line and ("9m" in live_line or "10m" in live_line)
+    assert "every 1m, last " in live_line and "STALE" not in live_line  # the holder's own interval
     assert lines[0].index("STATUS") == live_line.index("RUNNING")
 
     rows = json.loads(run(url, "leases", "list", "--json").output)
@@ -297,6 +303,7 @@ def test_leases_list_show_and_json(populated: tuple[str, sa.Engine, dict[str, st
         "last_error",
     }
     assert rows[1]["expires_at"].endswith("+00:00") and 0 < rows[1]["remaining_ms"] <= 600_000
+    assert (rows[1]["heartbeat_ms"], rows[1]["stale"]) == (60_000, False)
     assert [
         r["code"] for r in json.loads(run(url, "leases", "list", "--code", "export", "--json").output)
     ] == ["export"]
@@ -306,6 +313,7 @@ def test_leases_list_show_and_json(populated: tuple[str, sa.Engine, dict[str, st
 
     by_key = run(url, "leases", "show", keys["live"])
     assert by_key.exit_code == 0 and "status        RUNNING" in by_key.output
+    assert "heartbeats    every 1m, last " in by_key.output
     shown = json.loads(run(url, "leases", "show", "daily-billing", "2026-01-01", "--json").output)
     assert shown["status"] == "SUCCESS" and shown["result"] == {"rows": 3}
     assert (

@@ -9,10 +9,12 @@ from pathlib import Path
 import pytest
 import sqlalchemy as sa
 
+from dagster_joblease import admin
 from dagster_joblease.identity import JobIdentity
 from dagster_joblease.lease import Lease, LeaseService
 from dagster_joblease.staleness import is_stale, stale_after_ms
 from dagster_joblease.storage import create_engine, current_revision, head_revision, lease_table, migrate
+from dagster_joblease.storage.clock import db_now_plus_ms
 from tests.conftest import _admin_execute, admin_url
 from tests.test_lease import force_expire
 
@@ -42,7 +44,9 @@ def test_a_manual_acquire_records_the_service_heartbeat_setting(engine: sa.Engin
 def test_run_exclusive_records_the_interval_it_heartbeats_at(engine: sa.Engine) -> None:
     service = LeaseService(engine, lease_ms=60_000)
     seen: list[tuple[int, int | None]] = []
-    service.run_exclusive(JOB, lambda lease: seen.append(recorded(engine)), lease_ms=30_000, heartbeat_ms=4_000)
+    service.run_exclusive(
+        JOB, lambda lease: seen.append(recorded(engine)), lease_ms=30_000, heartbeat_ms=4_000
+    )
     assert seen == [(30_000, 4_000)]
 
 
@@ -91,9 +95,9 @@ def _claim_as_0001_code(engine: sa.Engine) -> None:
     with engine.begin() as conn:
         conn.execute(
             sa.text(
-                "INSERT INTO joblease_lease (lock_key, job_type, code, run_key, status, owner_token, attempt, "
-                "lease_ms, holder, created_at, acquired_at, heartbeat_at, expires_at) VALUES (:k, 'SCHEDULE', "
-                ":c, :r, 'RUNNING', 'old-token', 1, 60000, 'old-host:1', :t, :t, :t, :e)"
+                "INSERT INTO joblease_lease (lock_key, job_type, code, run_key, status, owner_token, "
+                "attempt, lease_ms, holder, created_at, acquired_at, heartbeat_at, expires_at) VALUES "
+                "(:k, 'SCHEDULE', :c, :r, 'RUNNING', 'old-token', 1, 60000, 'old-host:1', :t, :t, :t, :e)"
             ),
             {
                 "k": JOB.idempotency_key,
@@ -120,3 +124,26 @@ def test_rows_written_before_0002_upgrade_in_place_and_keep_the_old_rule(old_url
         assert recorded(engine) == (30_000, 3_000)
     finally:
         engine.dispose()
+
+
+def test_leases_show_judges_staleness_by_the_holder_interval(engine: sa.Engine) -> None:
+    slow = JobIdentity.schedule("holder-timing", "slow")
+    silent = JobIdentity.schedule("holder-timing", "silent")
+    LeaseService(engine, lease_ms=3_600_000, heartbeat_ms=600_000).acquire(slow)
+    LeaseService(engine, lease_ms=3_600_000, heartbeat_ms=0).acquire(silent)
+    _age(engine, 180)  # 3 minutes without a heartbeat, on the database clock
+    shown = admin.show_lease(engine, slow.idempotency_key)
+    assert (shown.heartbeat_ms, shown.stale) == (600_000, False)  # 3 min < 2 x 10 min
+    assert shown.heartbeat_age_ms is not None and shown.heartbeat_age_ms >= 180_000
+    _age(engine, 1_300)
+    assert admin.show_lease(engine, slow.idempotency_key).stale
+    quiet = admin.show_lease(engine, silent.idempotency_key)
+    assert (quiet.heartbeat_ms, quiet.stale) == (0, False)  # never heartbeats: expiry only
+
+
+def _age(engine: sa.Engine, seconds: int) -> None:
+    t = lease_table
+    with engine.begin() as conn:
+        conn.execute(
+            sa.update(t).values(heartbeat_at=db_now_plus_ms(sa.literal(-seconds * 1000, sa.BigInteger())))
+        )
