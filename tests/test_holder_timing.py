@@ -147,3 +147,17 @@ def _age(engine: sa.Engine, seconds: int) -> None:
         conn.execute(
             sa.update(t).values(heartbeat_at=db_now_plus_ms(sa.literal(-seconds * 1000, sa.BigInteger())))
         )
+
+
+def test_a_batch_claim_records_the_same_holder_timing(engine: sa.Engine) -> None:
+    from dagster_joblease.batch import claim_many
+
+    days = [JobIdentity.schedule("holder-timing", f"batch-{i}") for i in range(3)]
+    service = LeaseService(engine, lease_ms=60_000, heartbeat_ms=7_000)
+    assert len(claim_many(service, days[:2]).leases) == 2
+    assert [recorded(engine, d) for d in days[:2]] == [(60_000, 7_000)] * 2
+    claim_many(service, days[2:], lease_ms=90_000, heartbeat_ms=0)
+    assert recorded(engine, days[2]) == (90_000, 0)
+    force_expire(engine, days[0])
+    claim_many(LeaseService(engine, lease_ms=9_000, heartbeat_ms=1_000), days[:1])  # a reclaim
+    assert recorded(engine, days[0]) == (9_000, 1_000)
