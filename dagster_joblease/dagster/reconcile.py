@@ -1,23 +1,54 @@
-"""The reconciliation sensor: nothing stays undone silently.
+"""The reconciliation sensor: nothing stays undone silently, at any number of partitions and runs.
 
 A partition can be left undone with nothing scheduled to redo it: its holder was SIGKILLed (the lease
 expires, but no run is coming back for it), a run failed after Dagster's own retries (off by default) were
-spent, a backfill already counted as finished, or a run gave up waiting for a live holder (``held``).
-Dagster does not know the partition still needs work; the lease table does. Each tick this sensor reads
-the lease rows of one code (database clock) and the Dagster runs of those partitions, and requests a run
-for every partition that
+spent, a backfill already counted as finished, a run gave up waiting for a live holder (``held``), or a
+range run stopped before trying some of its keys (``not-attempted``). Dagster does not know the partition
+still needs work; the lease table does. Each tick this sensor requests a run for every partition that
 
 - has a ``FAIL`` lease, an expired ``RUNNING`` lease, or a ``RUNNING`` lease whose holder's Dagster run is
-  finished and whose heartbeat is stale (a dead holder), with activity inside the lookback window; or
+  finished and whose heartbeat is stale *by the holder's own recorded interval* (a dead holder), with
+  activity inside the lookback window; or
 - whose latest run failed with the outcome ``held`` (a run that gave up on a live holder); or
+- belongs to a failed range run that never claimed it (no lease row: ``not-attempted``); or
 - (with ``catch_up_from``) was never attempted at all, oldest first, after downtime.
+
+**Paging.** Each tick reads the most recently active lease rows first (a new failure is seen within one
+tick), then continues a sweep through older rows by row id from where the last tick stopped (the sensor
+cursor), wrapping around at the end; every row in the lookback window is looked at within
+``ceil(rows / SWEEP_ROWS_PER_TICK)`` ticks (plus one per ``max_requests_per_tick`` requests it defers).
+The skip message says how many rows are still to look at in the current sweep. A tick also stops
+judging after :data:`TICK_BUDGET_S` seconds (Dagster's sensor timeout is 60 s) and resumes there.
+
+**Runs of a partition, whatever launched them.** Caps, backoff, a person's cancel and the in-flight check
+look at every run of the partition: single-partition runs (``dagster/partition``), range runs (Dagster
+tags them ``dagster/asset_partition_range_start``/``_end``; tag filters are equality-only, so range runs
+are fetched by their range-start values and time and matched in memory, bounded) and, for an asset, runs
+of every job that targets it (``define_asset_job`` jobs and the implicit ``__ASSET_JOB``). Queries go by
+pages of keys with per-key fallbacks when a page's answer was cut off, so no window of "the newest 1,000
+runs" can hide a partition's runs.
+
+**Zombie runs.** A run still ``STARTING``/``STARTED`` counts as in flight only while it holds the
+partition's lease live, or while it could still be waiting for a holder (created within the held wait
+plus ``zombie_margin``). One whose lease expired (by the holder's own lease length), or that holds
+nothing long after it could have been waiting, is a zombie: typically its worker was SIGKILLed and, with
+Dagster's run monitoring off (the default), Dagster still calls it STARTED. The partition is relaunched
+and the zombie run is tagged ``joblease/outcome=lost``. A stale heartbeat on an unexpired lease is not
+proof of death: the sensor waits for expiry. Enable run monitoring to have Dagster fail such runs and free
+their queue slots.
+
+**Done but not recorded.** For a leased asset, a partition whose lease is ``SUCCESS`` but which has no
+materialization on this instance (a run killed between completing the lease and logging its event) is
+recorded by the sensor (an ``AssetMaterialization`` pointing at the run that did it) instead of relaunched.
 
 Relaunches are capped per partition (``max_relaunches``) with exponential backoff between them, so a
 deterministic bug does not loop forever; a capped partition is named in the skip message and the sensor
-cursor. A partition whose latest run was canceled (by a person) is left alone unless
-``relaunch_canceled=True``. Run keys include the lease attempt and the relaunch number, so they never
-collide with an earlier request (a sensor's run keys dedupe forever). A relaunched run is an ordinary
-leased run: the lease still lets exactly one run do the work.
+cursor. The cap counts the partition's runs that Dagster tagged with this sensor's name
+(``dagster/sensor_name``) and that are not re-executions or retries (``parent_run_id is None``). A
+partition whose latest run was canceled (by a person) is left alone unless ``relaunch_canceled=True``.
+Run keys include the lease attempt and the relaunch number, so they never collide with an earlier
+request (a sensor's run keys dedupe forever). A relaunched run is an ordinary leased run: the lease still
+lets exactly one run do the work.
 """
 
 from __future__ import annotations
@@ -25,11 +56,13 @@ from __future__ import annotations
 import dataclasses
 import datetime as dt
 import json
-from collections.abc import Iterator, Sequence
+import time
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from typing import Any
 
 import dagster as dg
 import sqlalchemy as sa
+from dagster._core.events import DagsterEventType
 
 from dagster_joblease import errors, identity, staleness
 from dagster_joblease.dagster import holders, metadata
@@ -42,21 +75,70 @@ from dagster_joblease.storage.schema import lease_table
 
 __all__ = [
     "TAG_RECONCILE",
-    "TAG_RELAUNCH",
     "TAG_RECONCILE_REASON",
+    "TAG_RELAUNCH",
     "build_reconciliation_sensor",
+    "is_zombie",
 ]
 
+#: Legacy name (before the tag diet): which sensor launched a run is Dagster's ``dagster/sensor_name``.
 TAG_RECONCILE = metadata.TAG_RECONCILE
 TAG_RELAUNCH = metadata.TAG_RELAUNCH
 TAG_RECONCILE_REASON = metadata.TAG_RECONCILE_REASON
 PARTITION_TAG = "dagster/partition"
+RANGE_START_TAG = "dagster/asset_partition_range_start"
+RANGE_END_TAG = "dagster/asset_partition_range_end"
 ASSET_JOB_NAME = "__ASSET_JOB"
 HELD_OUTCOME = metadata.HELD
-#: At most this many lease rows and runs are read per tick; the rest wait for the next tick.
-MAX_ROWS_PER_TICK = 1_000
+
+#: The most recently active lease rows read first, every tick.
+RECENT_ROWS_PER_TICK = 200
+#: Older rows read per tick by the sweep, continuing from the cursor.
+SWEEP_ROWS_PER_TICK = 1_000
+#: Candidate keys whose runs are fetched in one query.
+KEYS_PER_RUN_QUERY = 100
+#: Runs fetched per key of a page; a page's answer that fills its limit is re-read key by key.
+RUNS_PER_KEY = 10
+#: Range runs (and ``held`` runs) inside the lookback looked at per tick, newest first.
+RANGE_RUNS_PER_TICK = 500
+#: Keys of failed range runs checked for "never claimed" per tick.
+RANGE_KEYS_PER_TICK = 2_000
+#: A tick stops judging after this long and resumes there next tick (Dagster's sensor timeout: 60 s).
+TICK_BUDGET_S = 20.0
+#: A SUCCESS lease whose holder's run is still STARTED this long after finishing has no event coming.
+MATERIALIZATION_GRACE_MS = 10 * 60_000
 CATCH_UP_CHUNK = 500
 SHOWN_IN_CURSOR = 50
+SHOWN_IN_MESSAGE = 10
+
+_WAITING_STATUSES = frozenset(
+    {dg.DagsterRunStatus.QUEUED, dg.DagsterRunStatus.NOT_STARTED, dg.DagsterRunStatus.CANCELING}
+)
+_RUNNING_STATUSES = frozenset({dg.DagsterRunStatus.STARTING, dg.DagsterRunStatus.STARTED})
+
+
+@dataclasses.dataclass(frozen=True)
+class _LeaseRow:
+    """A lease row as reconciliation sees it; ages are on the database clock."""
+
+    id: int
+    key: str
+    status: str
+    attempt: int
+    holder: str | None
+    overdue_ms: int  #: > 0: the lease expired that long ago (by the holder's own length)
+    heartbeat_age_ms: int
+    idle_ms: int  #: since the last heartbeat or finish
+    heartbeat_ms: int | None  #: the holder's recorded interval (None: a row from before 0002)
+
+    @property
+    def holder_run_id(self) -> str | None:
+        decoded = holders.decode_holder(self.holder)
+        return None if decoded is None else decoded.run_id
+
+    @property
+    def live(self) -> bool:
+        return self.status == "RUNNING" and self.overdue_ms <= 0
 
 
 @dataclasses.dataclass(frozen=True)
@@ -65,6 +147,7 @@ class _Candidate:
     reason: str
     attempt: int  #: the lease's attempt (0: no lease row)
     idle_ms: int | None  #: ms since the lease's last activity, database clock (None: no lease row)
+    row: _LeaseRow | None = None
 
 
 @dataclasses.dataclass
@@ -74,7 +157,267 @@ class _Verdicts:
     waiting: dict[str, str] = dataclasses.field(default_factory=dict)
     canceled: list[str] = dataclasses.field(default_factory=list)
     in_flight: list[str] = dataclasses.field(default_factory=list)
+    zombies: dict[str, tuple[dg.DagsterRun, str]] = dataclasses.field(default_factory=dict)
     deferred: list[str] = dataclasses.field(default_factory=list)
+    recorded: list[str] = dataclasses.field(default_factory=list)
+    live: int = 0
+
+
+@dataclasses.dataclass(frozen=True)
+class _RangeRun:
+    run: dg.DagsterRun
+    first: int  #: index of the range's first key in the partitions definition
+    last: int
+
+
+# ---- pure decisions ------------------------------------------------------------------------------------
+
+
+def is_zombie(
+    status: dg.DagsterRunStatus,
+    *,
+    holds_live_lease: bool,
+    age_ms: int,
+    may_wait_ms: int,
+) -> bool:
+    """Is an unfinished run of a partition a zombie (not in flight)?
+
+    Queued, not-started and canceling runs are in flight. A STARTING/STARTED run is in flight while it
+    holds the partition's lease live (RUNNING and unexpired: a stale heartbeat alone is not proof of
+    death), or while it is young enough to still be waiting for a holder (``age_ms <= may_wait_ms``, the
+    held wait plus a margin). Otherwise its worker is gone as far as the partition is concerned.
+    """
+    if status not in _RUNNING_STATUSES:
+        return False
+    return not holds_live_lease and age_ms > may_wait_ms
+
+
+def _backoff_ms(relaunches: int, base_ms: int, max_ms: int) -> int:
+    return 0 if relaunches == 0 else min(max_ms, base_ms * 2 ** (relaunches - 1))
+
+
+def _lease_verdict(
+    row: _LeaseRow, *, legacy_stale_ms: int, holder_stale_ms: int | None, holder_finished: bool | None
+) -> str | None:
+    """Why a FAIL/RUNNING row needs a run (None: a live holder has it)."""
+    if row.status == "FAIL":
+        return "lease FAIL"
+    if row.overdue_ms > 0:
+        return "lease expired"
+    threshold = staleness.stale_after_ms(
+        row.heartbeat_ms, legacy_ms=legacy_stale_ms, at_least_ms=holder_stale_ms
+    )
+    if staleness.is_stale(row.heartbeat_age_ms, threshold) and holder_finished is True:
+        return f"dead holder {row.holder}"
+    return None
+
+
+# ---- reads ---------------------------------------------------------------------------------------------
+
+
+def _activity() -> Any:
+    t = lease_table
+    return sa.func.coalesce(t.c.finished_at, t.c.heartbeat_at)
+
+
+def _row_filter(code: str, lookback_ms: int, statuses: Sequence[str]) -> list[Any]:
+    t = lease_table
+    return [
+        t.c.code == code,
+        t.c.job_type == identity.JobType.SCHEDULE.value,
+        t.c.status.in_(statuses),
+        -ms_until(_activity()) <= lookback_ms,
+    ]
+
+
+def _row_columns() -> list[Any]:
+    t = lease_table
+    return [
+        t.c.id,
+        t.c.run_key,
+        t.c.status,
+        t.c.attempt,
+        t.c.holder,
+        -ms_until(t.c.expires_at),
+        -ms_until(t.c.heartbeat_at),
+        -ms_until(_activity()),
+        t.c.heartbeat_ms,
+    ]
+
+
+def _to_rows(raw: Iterable[Any]) -> list[_LeaseRow]:
+    return [
+        _LeaseRow(
+            id=int(r[0]),
+            key=r[1],
+            status=r[2],
+            attempt=int(r[3]),
+            holder=r[4],
+            overdue_ms=int(r[5]),
+            heartbeat_age_ms=int(r[6]),
+            idle_ms=int(r[7]),
+            heartbeat_ms=None if r[8] is None else int(r[8]),
+        )
+        for r in raw
+    ]
+
+
+def _read_pages(
+    engine: sa.Engine, code: str, lookback_ms: int, statuses: Sequence[str], sweep_after: int
+) -> tuple[list[_LeaseRow], list[_LeaseRow], int]:
+    """The most recently active rows, the next sweep page after ``sweep_after``, and the rows after it."""
+    t = lease_table
+    where = _row_filter(code, lookback_ms, statuses)
+    recent = sa.select(*_row_columns()).where(*where).order_by(_activity().desc()).limit(RECENT_ROWS_PER_TICK)
+    sweep = (
+        sa.select(*_row_columns())
+        .where(*where, t.c.id > sweep_after)
+        .order_by(t.c.id)
+        .limit(SWEEP_ROWS_PER_TICK)
+    )
+    with translate_errors("read leases to reconcile"), engine.connect() as conn:
+        recent_rows = _to_rows(conn.execute(recent))
+        sweep_rows = _to_rows(conn.execute(sweep))
+        last = sweep_rows[-1].id if sweep_rows else sweep_after
+        after = int(
+            conn.execute(sa.select(sa.func.count()).select_from(t).where(*where, t.c.id > last)).scalar_one()
+        )
+    return recent_rows, sweep_rows, after
+
+
+def _existing_keys(engine: sa.Engine, code: str, keys: Sequence[str]) -> set[str]:
+    t = lease_table
+    found: set[str] = set()
+    with translate_errors("read leases to reconcile"), engine.connect() as conn:
+        for offset in range(0, len(keys), CATCH_UP_CHUNK):
+            chunk = keys[offset : offset + CATCH_UP_CHUNK]
+            found.update(
+                conn.execute(
+                    sa.select(t.c.run_key).where(
+                        t.c.code == code,
+                        t.c.job_type == identity.JobType.SCHEDULE.value,
+                        t.c.run_key.in_(chunk),
+                    )
+                ).scalars()
+            )
+    return found
+
+
+def _catch_up_chunks(
+    engine: sa.Engine,
+    partitions_def: dg.PartitionsDefinition,
+    code: str,
+    start: str,
+    now: dt.datetime,
+    skip: set[str],
+) -> Iterator[list[str]]:
+    """Partition keys from ``start`` on that have no lease row (never attempted), oldest first, in chunks."""
+    with dg.partition_loading_context(effective_dt=now):
+        last = partitions_def.get_last_partition_key()
+        if last is None or not partitions_def.has_partition_key(start):
+            return
+        # From ``start`` on only: a time-window definition lists just that window, not its whole history.
+        keys = list(partitions_def.get_partition_keys_in_range(dg.PartitionKeyRange(start, last)))
+    for offset in range(0, len(keys), CATCH_UP_CHUNK):
+        chunk = keys[offset : offset + CATCH_UP_CHUNK]
+        attempted = _existing_keys(engine, code, chunk)
+        fresh = [k for k in chunk if k not in attempted and k not in skip]
+        if fresh:
+            yield fresh
+
+
+class _Runs:
+    """The Dagster runs of the target, looked up per partition key (single and range runs)."""
+
+    def __init__(
+        self,
+        instance: dg.DagsterInstance,
+        job_name: str | None,
+        targets: Callable[[dg.DagsterRun], bool],
+        sensor_name: str,
+        ranges: Sequence[_RangeRun],
+        index: Callable[[str], int | None],
+    ) -> None:
+        self.instance = instance
+        self.job_name = job_name
+        self.targets = targets
+        self.sensor_name = sensor_name
+        self.ranges = ranges
+        self.index = index
+        self._created: dict[str, float] = {}
+
+    def created(self, run: dg.DagsterRun) -> float:
+        """A run's creation time (seconds since the epoch), from its record, read once per tick."""
+        known = self._created.get(run.run_id)
+        if known is None:
+            record = self.instance.get_run_record_by_id(run.run_id)
+            known = record.create_timestamp.timestamp() if record is not None else 0.0
+            self._created[run.run_id] = known
+        return known
+
+    def _get(self, tags: Mapping[str, str | Sequence[str]], limit: int, **kw: Any) -> list[dg.DagsterRun]:
+        runs = self.instance.get_runs(
+            dg.RunsFilter(job_name=self.job_name, tags=dict(tags), **kw), limit=limit
+        )
+        return [r for r in runs if self.targets(r)]
+
+    def _by_key(
+        self, keys: Sequence[str], tags: Mapping[str, str], limit_per_key: int
+    ) -> dict[str, list[dg.DagsterRun]]:
+        """Runs with ``tags`` per key (newest first); a page cut off by its limit is re-read key by key."""
+        by_key: dict[str, list[dg.DagsterRun]] = {k: [] for k in keys}
+        limit = len(keys) * limit_per_key
+        raw = self.instance.get_runs(
+            dg.RunsFilter(job_name=self.job_name, tags={PARTITION_TAG: list(keys), **tags}), limit=limit
+        )
+        if len(raw) >= limit:
+            for key in keys:
+                by_key[key] = self._get({PARTITION_TAG: key, **tags}, limit_per_key)
+            return by_key
+        for run in raw:
+            tagged = run.tags.get(PARTITION_TAG)
+            if tagged is not None and tagged in by_key and self.targets(run):
+                by_key[tagged].append(run)
+        return by_key
+
+    def for_keys(
+        self, keys: Sequence[str], cap: int
+    ) -> tuple[dict[str, list[dg.DagsterRun]], dict[str, list[dg.DagsterRun]]]:
+        """Per key: its runs newest first (single and range), and this sensor's own launches (root runs)."""
+        runs = self._by_key(keys, {}, RUNS_PER_KEY)
+        unfinished = self.instance.get_runs(
+            dg.RunsFilter(
+                job_name=self.job_name, tags={PARTITION_TAG: list(keys)}, statuses=list(NOT_FINISHED_STATUSES)
+            ),
+            limit=len(keys) * RUNS_PER_KEY,
+        )
+        seen = {r.run_id for rs in runs.values() for r in rs}
+        for run in unfinished:  # an old STARTED run that newer runs pushed out of the page still counts
+            key = run.tags.get(PARTITION_TAG)
+            if key in runs and run.run_id not in seen and self.targets(run):
+                runs[key].append(run)
+        if self.ranges:
+            for key in keys:
+                position = self.index(key)
+                if position is None:
+                    continue
+                covering = [rr.run for rr in self.ranges if rr.first <= position <= rr.last]
+                if covering:
+                    runs[key] = sorted([*runs[key], *covering], key=self.created, reverse=True)
+        ours = self._by_key(keys, {metadata.TAG_SENSOR_NAME: self.sensor_name}, cap + RUNS_PER_KEY)
+        launched = {k: [r for r in rs if r.parent_run_id is None] for k, rs in ours.items()}
+        return runs, launched
+
+
+def _run_end_age_ms(instance: dg.DagsterInstance, run: dg.DagsterRun, now: dt.datetime) -> int | None:
+    record = instance.get_run_record_by_id(run.run_id)
+    if record is None:
+        return None
+    ended = record.end_time or record.update_timestamp.timestamp()
+    return int((now.timestamp() - ended) * 1000)
+
+
+# ---- the sensor ----------------------------------------------------------------------------------------
 
 
 def _positive(name: str, value: object, minimum: int = 1) -> int:
@@ -111,123 +454,46 @@ def _target(
     return partitions_def, job_name, asset_key
 
 
-def _lease_candidates(
-    engine: sa.Engine,
-    instance: dg.DagsterInstance,
-    code: str,
-    lookback_ms: int,
-    legacy_stale_ms: int,
-    holder_stale_ms: int | None,
-) -> tuple[list[_Candidate], set[str]]:
-    """Lease rows needing a run, and the keys held by a live lease (database clock throughout)."""
-    t = lease_table
-    idle = -ms_until(sa.func.coalesce(t.c.finished_at, t.c.heartbeat_at))
-    stmt = (
-        sa.select(
-            t.c.run_key,
-            t.c.status,
-            t.c.attempt,
-            t.c.holder,
-            -ms_until(t.c.expires_at),
-            -ms_until(t.c.heartbeat_at),
-            idle,
-            t.c.heartbeat_ms,
-        )
-        .where(
-            t.c.code == code,
-            t.c.job_type == identity.JobType.SCHEDULE.value,
-            t.c.status.in_(["FAIL", "RUNNING"]),
-            idle <= lookback_ms,
-        )
-        .order_by(t.c.run_key)
-        .limit(MAX_ROWS_PER_TICK)
-    )
-    with translate_errors("read leases to reconcile"), engine.connect() as conn:
-        rows = conn.execute(stmt).all()
-    candidates: list[_Candidate] = []
-    live: set[str] = set()
-    for run_key, status, attempt, holder, overdue_ms, heartbeat_age_ms, idle_ms, heartbeat_ms in rows:
-        if status == "FAIL":
-            candidates.append(_Candidate(run_key, "lease FAIL", attempt, int(idle_ms)))
-        elif overdue_ms > 0:
-            candidates.append(_Candidate(run_key, "lease expired", attempt, int(idle_ms)))
-        else:
-            # Stale by the holder's own recorded interval; holder_stale_ms may only lengthen that.
-            threshold = staleness.stale_after_ms(
-                heartbeat_ms, legacy_ms=legacy_stale_ms, at_least_ms=holder_stale_ms
-            )
-            if (
-                staleness.is_stale(heartbeat_age_ms, threshold)
-                and holders.holder_run_finished(instance, holder) is True
-            ):
-                candidates.append(_Candidate(run_key, f"dead holder {holder}", attempt, int(idle_ms)))
-            else:
-                live.add(run_key)
-    return candidates, live
-
-
-def _catch_up_chunks(
-    engine: sa.Engine,
-    partitions_def: dg.PartitionsDefinition,
-    code: str,
-    start: str,
-    now: dt.datetime,
-    skip: set[str],
-) -> Iterator[list[str]]:
-    """Partition keys from ``start`` on that have no lease row (never attempted), oldest first, in chunks."""
-    with dg.partition_loading_context(effective_dt=now):
-        last = partitions_def.get_last_partition_key()
-        if last is None or not partitions_def.has_partition_key(start):
-            return
-        # From ``start`` on only: a time-window definition lists just that window, not its whole history.
-        keys = list(partitions_def.get_partition_keys_in_range(dg.PartitionKeyRange(start, last)))
-    t = lease_table
-    for offset in range(0, len(keys), CATCH_UP_CHUNK):
-        chunk = keys[offset : offset + CATCH_UP_CHUNK]
-        with translate_errors("read leases to catch up"), engine.connect() as conn:
-            attempted = set(
-                conn.execute(
-                    sa.select(t.c.run_key).where(
-                        t.c.code == code,
-                        t.c.job_type == identity.JobType.SCHEDULE.value,
-                        t.c.run_key.in_(chunk),
-                    )
-                ).scalars()
-            )
-        fresh = [k for k in chunk if k not in attempted and k not in skip]
-        if fresh:
-            yield fresh
-
-
-def _runs_by_partition(
-    instance: dg.DagsterInstance, job_name: str, asset_key: dg.AssetKey | None, keys: Sequence[str]
-) -> dict[str, list[dg.DagsterRun]]:
-    """Runs of the target per partition key, newest first."""
-    by_key: dict[str, list[dg.DagsterRun]] = {k: [] for k in keys}
-    if not keys:
-        return by_key
-    runs = instance.get_runs(
-        dg.RunsFilter(job_name=job_name, tags={PARTITION_TAG: list(keys)}), limit=MAX_ROWS_PER_TICK
-    )
-    for run in runs:
-        if asset_key is not None and run.asset_selection is not None and asset_key not in run.asset_selection:
+def _asset_jobs(context: dg.SensorEvaluationContext, asset_key: dg.AssetKey) -> set[str]:
+    """Names of the jobs in this code location that materialize ``asset_key`` (and ``__ASSET_JOB``)."""
+    names = {ASSET_JOB_NAME}
+    repository = context.repository_def
+    if repository is None:
+        return names
+    for job in repository.get_all_jobs():
+        try:
+            if asset_key in job.asset_layer.selected_asset_keys:
+                names.add(job.name)
+        except Exception:  # a job without an asset layer
             continue
-        key = run.tags.get(PARTITION_TAG)
-        if key in by_key:
-            by_key[key].append(run)
-    return by_key
+    return names
 
 
-def _run_end_age_ms(instance: dg.DagsterInstance, run: dg.DagsterRun, now: dt.datetime) -> int | None:
-    record = instance.get_run_record_by_id(run.run_id)
-    if record is None:
-        return None
-    ended = record.end_time or record.update_timestamp.timestamp()
-    return int((now.timestamp() - ended) * 1000)
-
-
-def _backoff_ms(relaunches: int, base_ms: int, max_ms: int) -> int:
-    return 0 if relaunches == 0 else min(max_ms, base_ms * 2 ** (relaunches - 1))
+def _range_runs(
+    instance: dg.DagsterInstance,
+    job_name: str | None,
+    targets: Callable[[dg.DagsterRun], bool],
+    since: dt.datetime,
+    index: Callable[[str], int | None],
+) -> tuple[list[_RangeRun], bool]:
+    """Range runs of the target created since ``since`` (newest first, bounded) and whether it was cut."""
+    starts: set[str] = set()
+    for _key, values in instance.get_run_tags(tag_keys=[RANGE_START_TAG]):
+        starts |= values
+    if not starts:
+        return [], False
+    runs = instance.get_runs(
+        dg.RunsFilter(job_name=job_name, tags={RANGE_START_TAG: sorted(starts)}, created_after=since),
+        limit=RANGE_RUNS_PER_TICK,
+    )
+    found = []
+    for run in runs:
+        if not targets(run):
+            continue
+        first, last = index(run.tags.get(RANGE_START_TAG, "")), index(run.tags.get(RANGE_END_TAG, ""))
+        if first is not None and last is not None:
+            found.append(_RangeRun(run, first, last))
+    return found, len(runs) >= RANGE_RUNS_PER_TICK
 
 
 def build_reconciliation_sensor(
@@ -243,6 +509,7 @@ def build_reconciliation_sensor(
     max_backoff: dt.timedelta = dt.timedelta(hours=1),
     relaunch_canceled: bool = False,
     holder_stale_ms: int | None = None,
+    zombie_margin: dt.timedelta = dt.timedelta(minutes=5),
     health: OutboxHealth | None = None,
     checks_interval_seconds: int = 300,
     minimum_interval_seconds: int = 60,
@@ -254,8 +521,8 @@ def build_reconciliation_sensor(
 
     Args:
         target: a partitioned job (its leased op uses ``code``) or a partitioned leased asset.
-        lookback: only lease rows active (heartbeat or finish) within this window, and ``held`` runs created
-            within it, are considered.
+        lookback: only lease rows active (heartbeat or finish) within this window, and ``held`` and range
+            runs created within it, are considered.
         catch_up_from: a partition key; partitions from it up to the last complete one that were never
             attempted (no lease row) are requested too, oldest first. ``None`` (default): no catch-up.
         max_requests_per_tick: at most this many run requests per evaluation (relaunches first).
@@ -269,14 +536,18 @@ def build_reconciliation_sensor(
             no heartbeat is judged by expiry only). Rows from before migration 0002 keep the old rule:
             this value, default twice the resource's heartbeat. The relaunched run takes the dead
             holder's lease over.
+        zombie_margin: a STARTED run that holds no live lease of the partition is still counted in flight
+            for the resource's held wait plus this margin after it was created (it may be waiting for a
+            holder); after that it is a zombie and the partition is relaunched.
         health: also report these outbox checks (at most every ``checks_interval_seconds``), so they run
             without a dispatcher run.
         default_status: RUNNING by default: it is the safety net, it only acts on partitions someone
             already launched (unless ``catch_up_from`` is set), and each relaunch is capped.
 
     Each request is ``RunRequest(partition_key=key)`` with run key
-    ``reconcile:<code>:<key>:attempt-<lease attempt>:relaunch-<n>`` and tags ``joblease/reconciled_by``
-    (this sensor), ``joblease/relaunch`` (``n/max``) and ``joblease/reconcile_reason``.
+    ``reconcile:<code>:<key>:attempt-<lease attempt>:relaunch-<n>`` and the launch tags
+    ``joblease/relaunch`` (``n/max``) and ``joblease/reconcile_reason`` (plus ``joblease/outcome=pending``);
+    Dagster adds ``dagster/sensor_name``, by which the cap counts.
     """
     code = identity.JobIdentity.initial(code).code
     partitions_def, job_name, asset_key = _target(target, code)
@@ -284,7 +555,12 @@ def build_reconciliation_sensor(
     max_requests = _positive("max_requests_per_tick", max_requests_per_tick)
     cap = _positive("max_relaunches", max_relaunches)
     checks_every = _positive("checks_interval_seconds", checks_interval_seconds)
-    for label, value in (("lookback", lookback), ("backoff", backoff), ("max_backoff", max_backoff)):
+    for label, value in (
+        ("lookback", lookback),
+        ("backoff", backoff),
+        ("max_backoff", max_backoff),
+        ("zombie_margin", zombie_margin),
+    ):
         if not isinstance(value, dt.timedelta) or value < dt.timedelta(0):
             raise errors.ConfigurationError(
                 f"build_reconciliation_sensor {label}={value!r} must be a non-negative datetime.timedelta"
@@ -301,44 +577,155 @@ def build_reconciliation_sensor(
     lookback_ms = int(lookback.total_seconds() * 1000)
     base_ms = int(backoff.total_seconds() * 1000)
     max_ms = int(max_backoff.total_seconds() * 1000)
+    margin_ms = int(zombie_margin.total_seconds() * 1000)
+    statuses = ["FAIL", "RUNNING"] if asset_key is None else ["FAIL", "RUNNING", "SUCCESS"]
 
     def _evaluate(context: dg.SensorEvaluationContext) -> dg.SensorResult:
+        started = time.monotonic()
         resource: JobLeaseResource = getattr(context.resources, resource_key)
         engine = resource.engine
         instance = context.instance
         now = db_clock(engine)
         cursor: dict[str, Any] = json.loads(context.cursor) if context.cursor else {}
-
         timing = resource.timing()
         legacy_ms = holder_stale_ms or 2 * (timing.heartbeat_ms or timing.lease_ms)
-        candidates, live = _lease_candidates(engine, instance, code, lookback_ms, legacy_ms, holder_stale_ms)
-        by_key = {c.key: c for c in candidates}
+        may_wait_ms = resource.resolved_held_wait_ms() + margin_ms
+
+        if asset_key is None:
+            query_job: str | None = job_name
+
+            def targets(run: dg.DagsterRun) -> bool:
+                return run.job_name == job_name
+
+        else:
+            query_job = None
+            asset_jobs = _asset_jobs(context, asset_key)
+
+            def targets(run: dg.DagsterRun) -> bool:
+                if run.asset_selection is not None:
+                    return asset_key in run.asset_selection
+                return run.job_name in asset_jobs
+
+        all_keys: list[str] = []
+        key_index: dict[str, int] = {}
+
+        def index(key: str) -> int | None:
+            """The key's position in the partitions definition (read once per tick, only for range runs)."""
+            if not all_keys:
+                with dg.partition_loading_context(effective_dt=now):
+                    all_keys.extend(partitions_def.get_partition_keys())
+                key_index.update((k, i) for i, k in enumerate(all_keys))
+            return key_index.get(key)
+
+        with dg.partition_loading_context(effective_dt=now):
+
+            def valid(key: str) -> bool:
+                return partitions_def.has_partition_key(key)
+
+            ranges, ranges_cut = _range_runs(instance, query_job, targets, now - lookback, index)
+
+        # -- candidates: recent activity first, then the sweep ------------------------------------------
+        sweep_after = int(cursor.get("sweep_after", 0))
+        recent_rows, sweep_rows, after_sweep = _read_pages(engine, code, lookback_ms, statuses, sweep_after)
+        rows: dict[str, _LeaseRow] = {}
+        order: list[str] = []
+        sweep_keys: list[tuple[str, int]] = []
+        for row in recent_rows:
+            if row.key not in rows:
+                rows[row.key] = row
+                order.append(row.key)
+        for row in sweep_rows:
+            sweep_keys.append((row.key, row.id))
+            if row.key not in rows:
+                rows[row.key] = row
+                order.append(row.key)
+        holder_ids = sorted({r.holder_run_id for r in rows.values() if r.holder_run_id})
+        holder_runs: dict[str, dg.DagsterRun] = {}
+        for offset in range(0, len(holder_ids), KEYS_PER_RUN_QUERY):
+            for run in instance.get_runs(
+                dg.RunsFilter(run_ids=holder_ids[offset : offset + KEYS_PER_RUN_QUERY])
+            ):
+                holder_runs[run.run_id] = run
+
+        def holder_finished(row: _LeaseRow) -> bool | None:
+            run = holder_runs.get(row.holder_run_id or "")
+            return None if run is None else run.status in holders.FINISHED_RUN_STATUSES
+
+        verdicts = _Verdicts()
+        candidates: dict[str, _Candidate] = {}
+        unrecorded: list[_LeaseRow] = []
+        for key in order:
+            row = rows[key]
+            if row.status == "SUCCESS":
+                unrecorded.append(row)
+                continue
+            reason = _lease_verdict(
+                row,
+                legacy_stale_ms=legacy_ms,
+                holder_stale_ms=holder_stale_ms,
+                holder_finished=holder_finished(row),
+            )
+            if reason is None:
+                verdicts.live += 1
+            else:
+                candidates[key] = _Candidate(key, reason, row.attempt, row.idle_ms, row)
+
         held_runs = instance.get_runs(
             dg.RunsFilter(
-                job_name=job_name,
+                job_name=query_job,
                 statuses=[dg.DagsterRunStatus.FAILURE],
                 tags={metadata.TAG_OUTCOME: HELD_OUTCOME},
                 created_after=now - lookback,
             ),
-            limit=MAX_ROWS_PER_TICK,
+            limit=RANGE_RUNS_PER_TICK,
         )
-        held_keys = {r.tags[PARTITION_TAG] for r in held_runs if PARTITION_TAG in r.tags}
-        for key in sorted(held_keys - live - set(by_key)):
-            by_key[key] = _Candidate(key, "last run failed: held", 0, None)
-        with dg.partition_loading_context(effective_dt=now):
-            valid = {k for k in by_key if partitions_def.has_partition_key(k)}
-        ordered = sorted(valid)
-        runs = _runs_by_partition(instance, job_name, asset_key, ordered)
+        live_keys = {k for k, r in rows.items() if r.live}
+        for run in held_runs:
+            held_key = run.tags.get(PARTITION_TAG)
+            if held_key and targets(run) and held_key not in candidates and held_key not in live_keys:
+                candidates[held_key] = _Candidate(
+                    held_key, "last run failed: held", 0, None, rows.get(held_key)
+                )
+        # Keys a failed range run never claimed (no lease row): not-attempted, relaunched one by one.
+        range_keys: list[tuple[str, str]] = []
+        if ranges:
+            for rr in ranges:
+                if rr.run.status != dg.DagsterRunStatus.FAILURE:
+                    continue
+                for key in all_keys[rr.first : rr.last + 1]:
+                    if len(range_keys) >= RANGE_KEYS_PER_TICK:
+                        break
+                    if key not in candidates and key not in rows:
+                        range_keys.append((key, rr.run.run_id))
+            claimed = _existing_keys(engine, code, [k for k, _ in range_keys])
+            for key, run_id in range_keys:
+                if key not in claimed and key not in candidates:
+                    candidates[key] = _Candidate(key, f"not attempted by range run {run_id}", 0, None)
 
-        verdicts = _Verdicts()
+        runs = _Runs(instance, query_job, targets, sensor_name, ranges, index)
 
-        def judge(candidate: _Candidate, key_runs: list[dg.DagsterRun]) -> None:
+        def judge(candidate: _Candidate, key_runs: list[dg.DagsterRun], ours: list[dg.DagsterRun]) -> None:
             key = candidate.key
             if len(verdicts.requests) >= max_requests:
                 verdicts.deferred.append(key)
                 return
-            unfinished = [r for r in key_runs if r.status in NOT_FINISHED_STATUSES]
-            if unfinished:
+            row = candidate.row
+            flying = False
+            for run in key_runs:
+                if run.status not in NOT_FINISHED_STATUSES:
+                    continue
+                holds = row is not None and row.live and row.holder_run_id == run.run_id
+                age_ms = int((now.timestamp() - runs.created(run)) * 1000)
+                if is_zombie(run.status, holds_live_lease=holds, age_ms=age_ms, may_wait_ms=may_wait_ms):
+                    why = (
+                        f"its lease of {key} expired (attempt {row.attempt})"
+                        if row is not None and row.holder_run_id == run.run_id
+                        else f"it holds no lease of {key} {age_ms // 1000} s after it was created"
+                    )
+                    verdicts.zombies.setdefault(run.run_id, (run, why))
+                else:
+                    flying = True
+            if flying:
                 verdicts.in_flight.append(key)
                 return
             latest = key_runs[0] if key_runs else None
@@ -351,10 +738,6 @@ def build_reconciliation_sensor(
             if latest is not None and latest.status == dg.DagsterRunStatus.CANCELED and not relaunch_canceled:
                 verdicts.canceled.append(key)
                 return
-            # Only the sensor's own launches count: a re-execution or run retry inherits their tags.
-            ours = [
-                r for r in key_runs if r.tags.get(TAG_RECONCILE) == sensor_name and r.parent_run_id is None
-            ]
             relaunches = len(ours)
             if relaunches >= cap:
                 verdicts.capped[key] = (
@@ -370,38 +753,84 @@ def build_reconciliation_sensor(
                 return
             verdicts.requests.append(
                 dg.RunRequest(
-                    run_key=(f"reconcile:{code}:{key}:attempt-{candidate.attempt}:relaunch-{relaunches + 1}"),
+                    run_key=f"reconcile:{code}:{key}:attempt-{candidate.attempt}:relaunch-{relaunches + 1}",
                     partition_key=key,
                     asset_selection=[asset_key] if asset_key is not None else None,
                     tags={
-                        **metadata.schedule_tags(code, key),
-                        TAG_RECONCILE: sensor_name,
+                        metadata.TAG_OUTCOME: metadata.PENDING,
                         TAG_RELAUNCH: f"{relaunches + 1}/{cap}",
-                        TAG_RECONCILE_REASON: candidate.reason[:200],
+                        TAG_RECONCILE_REASON: metadata.bound_tag_text(candidate.reason),
                     },
                 )
             )
 
-        for key in ordered:
-            judge(by_key[key], runs[key])
+        judged: set[str] = set()
+        out_of_time = False
+        with dg.partition_loading_context(effective_dt=now):
+            ordered = [k for k in candidates if valid(k)]
+        for offset in range(0, len(ordered), KEYS_PER_RUN_QUERY):
+            if time.monotonic() - started > TICK_BUDGET_S:
+                out_of_time = True
+                break
+            page = ordered[offset : offset + KEYS_PER_RUN_QUERY]
+            if len(verdicts.requests) >= max_requests:
+                verdicts.deferred.extend(page)
+                continue
+            page_runs, launched = runs.for_keys(page, cap)
+            for key in page:
+                judge(candidates[key], page_runs[key], launched[key])
+                judged.add(key)
+        judged -= set(verdicts.deferred)
 
-        if catch_up_from is not None:
-            for chunk in _catch_up_chunks(engine, partitions_def, code, catch_up_from, now, set(by_key)):
-                if len(verdicts.requests) >= max_requests:
+        if catch_up_from is not None and not out_of_time:
+            for chunk in _catch_up_chunks(engine, partitions_def, code, catch_up_from, now, set(candidates)):
+                if len(verdicts.requests) >= max_requests or time.monotonic() - started > TICK_BUDGET_S:
                     break
-                chunk_runs = _runs_by_partition(instance, job_name, asset_key, chunk)
-                for key in chunk:
+                for offset in range(0, len(chunk), KEYS_PER_RUN_QUERY):
+                    page = chunk[offset : offset + KEYS_PER_RUN_QUERY]
                     if len(verdicts.requests) >= max_requests:
                         break
-                    judge(_Candidate(key, "never attempted (catch-up)", 0, None), chunk_runs[key])
+                    page_runs, launched = runs.for_keys(page, cap)
+                    for key in page:
+                        if len(verdicts.requests) >= max_requests:
+                            break
+                        judge(
+                            _Candidate(key, "never attempted (catch-up)", 0, None),
+                            page_runs[key],
+                            launched[key],
+                        )
 
-        asset_events: list[dg.AssetCheckEvaluation] = []
+        # -- done but not recorded: a SUCCESS lease with no materialization on this instance ---------------
+        asset_events: list[Any] = []
+        if asset_key is not None and unrecorded and not out_of_time:
+            asset_events.extend(_unrecorded_events(instance, asset_key, unrecorded, holder_runs, sensor_name))
+            verdicts.recorded = [str(e.partition) for e in asset_events]
+
+        # -- zombies say so ------------------------------------------------------------------------------
+        for run_id, (run, why) in verdicts.zombies.items():
+            if run.tags.get(metadata.TAG_OUTCOME) != metadata.LOST:
+                instance.add_run_tags(run_id, metadata.run_tags({metadata.LOST: 1}, None))
+                context.log.warning(
+                    f"run {run_id} is a zombie: Dagster still calls it {run.status.value} but {why}; "
+                    "tagged lost (enable run monitoring to have Dagster fail such runs)"
+                )
+
+        # -- the cursor: the sweep resumes before the first row not judged --------------------------------
+        unjudged = [rid for key, rid in sweep_keys if key in candidates and key not in judged]
+        if unjudged:
+            next_after = min(unjudged) - 1
+            remaining = after_sweep + sum(1 for _, rid in sweep_keys if rid > next_after)
+        elif sweep_rows and after_sweep:
+            next_after, remaining = sweep_rows[-1].id, after_sweep
+        else:  # the sweep reached the end: the next tick starts over from the oldest row
+            next_after, remaining = 0, 0
         checks_at = float(cursor.get("checks_at", 0))
         if health is not None and now.timestamp() - checks_at >= checks_every:
-            asset_events = health.evaluate(engine)
+            asset_events.extend(health.evaluate(engine))
             checks_at = now.timestamp()
         new_cursor = {
             "checks_at": checks_at,
+            "sweep_after": next_after,
             "capped": dict(sorted(verdicts.capped.items())[:SHOWN_IN_CURSOR]),
             "capped_count": len(verdicts.capped),
         }
@@ -415,28 +844,7 @@ def build_reconciliation_sensor(
                 f"partition {key} of code {code!r} is still undone after {why}; relaunch cap {cap} reached: "
                 "fix the cause, then launch it by hand (or `joblease leases fail` and raise the cap)"
             )
-        parts = [f"{len(verdicts.requests)} relaunched"]
-        if verdicts.capped:
-            parts.append(
-                f"CAPPED after {cap} relaunches: "
-                + ", ".join(f"{k} ({v})" for k, v in sorted(verdicts.capped.items())[:10])
-            )
-        if verdicts.waiting:
-            parts.append(
-                "backing off: " + ", ".join(f"{k} ({v})" for k, v in sorted(verdicts.waiting.items())[:10])
-            )
-        if verdicts.canceled:
-            parts.append(
-                "latest run canceled, not relaunched (relaunch_canceled=False): "
-                + ", ".join(verdicts.canceled[:10])
-            )
-        if verdicts.in_flight:
-            parts.append(f"a run is already queued or running: {', '.join(verdicts.in_flight[:10])}")
-        if verdicts.deferred:
-            parts.append(f"{len(verdicts.deferred)} more next tick (max_requests_per_tick={max_requests})")
-        if live:
-            parts.append(f"{len(live)} held by a live lease")
-        message = "; ".join(parts)
+        message = _message(verdicts, cap, max_requests, remaining, out_of_time, ranges_cut)
         return dg.SensorResult(
             run_requests=verdicts.requests,
             skip_reason=None if verdicts.requests else dg.SkipReason(message),
@@ -455,9 +863,87 @@ def build_reconciliation_sensor(
         default_status=default_status,
         required_resource_keys={resource_key},
         description=description
-        or f"Relaunches partitions of lease code {code!r} left undone (failed, expired, dead holder, held"
+        or f"Relaunches partitions of lease code {code!r} left undone (failed, expired, dead holder, held, "
+        "zombie runs, range keys not attempted"
         + (f", never attempted since {catch_up_from}" if catch_up_from else "")
         + f"); at most {cap} relaunches per partition.",
         **decorator_kwargs,
     )(_evaluate)
     return sensor
+
+
+def _unrecorded_events(
+    instance: dg.DagsterInstance,
+    asset_key: dg.AssetKey,
+    rows: Sequence[_LeaseRow],
+    holder_runs: Mapping[str, dg.DagsterRun],
+    sensor_name: str,
+) -> list[dg.AssetMaterialization]:
+    """Materializations for SUCCESS leases whose run finished (or died) without recording one here."""
+    eligible = []
+    for row in rows:
+        run = holder_runs.get(row.holder_run_id or "")
+        if run is None:
+            continue  # another deployment's or a non-Dagster holder: not this instance's to record
+        if run.status not in holders.FINISHED_RUN_STATUSES and row.idle_ms < MATERIALIZATION_GRACE_MS:
+            continue  # it may still be about to log its event
+        eligible.append((row, run))
+    if not eligible:
+        return []
+    present = instance.event_log_storage.get_latest_storage_id_by_partition(
+        asset_key, DagsterEventType.ASSET_MATERIALIZATION, partitions={row.key for row, _ in eligible}
+    )
+    return [
+        dg.AssetMaterialization(
+            asset_key=asset_key,
+            partition=row.key,
+            description=(
+                f"recorded by {sensor_name}: the lease of {row.key} is SUCCESS (attempt {row.attempt}) but "
+                f"run {run.run_id} ({run.status.value}) recorded no materialization"
+            ),
+            metadata={
+                metadata.META_WINNER: dg.MetadataValue.dagster_run(run.run_id),
+                metadata.META_ATTEMPT: dg.MetadataValue.int(row.attempt),
+                metadata.META_OUTCOME: dg.MetadataValue.text("recorded-by-reconciliation"),
+            },
+        )
+        for row, run in eligible
+        if row.key not in present
+    ]
+
+
+def _message(
+    verdicts: _Verdicts, cap: int, max_requests: int, remaining: int, out_of_time: bool, ranges_cut: bool
+) -> str:
+    n = SHOWN_IN_MESSAGE
+    parts = [f"{len(verdicts.requests)} relaunched"]
+    if verdicts.capped:
+        parts.append(
+            f"CAPPED after {cap} relaunches: "
+            + ", ".join(f"{k} ({v})" for k, v in sorted(verdicts.capped.items())[:n])
+        )
+    if verdicts.waiting:
+        parts.append(
+            "backing off: " + ", ".join(f"{k} ({v})" for k, v in sorted(verdicts.waiting.items())[:n])
+        )
+    if verdicts.canceled:
+        parts.append(
+            "latest run canceled, not relaunched (relaunch_canceled=False): "
+            + ", ".join(verdicts.canceled[:n])
+        )
+    if verdicts.in_flight:
+        parts.append(f"a run is already queued or running: {', '.join(verdicts.in_flight[:n])}")
+    if verdicts.zombies:
+        parts.append(f"{len(verdicts.zombies)} zombie run(s) (STARTED without a live lease) tagged lost")
+    if verdicts.recorded:
+        parts.append(f"recorded {len(verdicts.recorded)} done partition(s) that had no materialization")
+    if verdicts.deferred:
+        parts.append(f"{len(verdicts.deferred)} more next tick (max_requests_per_tick={max_requests})")
+    if verdicts.live:
+        parts.append(f"{verdicts.live} held by a live lease")
+    if out_of_time:
+        parts.append(f"stopped after {TICK_BUDGET_S:.0f} s; continuing next tick")
+    if ranges_cut:
+        parts.append(f"only the newest {RANGE_RUNS_PER_TICK} range runs looked at")
+    parts.append(f"{remaining} lease rows still to look at in this sweep")
+    return "; ".join(parts)

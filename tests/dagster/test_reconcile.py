@@ -22,7 +22,6 @@ from dagster_joblease.dagster import (
     BACKLOG_CHECK,
     DEAD_ROWS_CHECK,
     TAG_OUTCOME,
-    TAG_RECONCILE,
     TAG_RELAUNCH,
     UNROUTED_CHECK,
     JobLeaseResource,
@@ -101,6 +100,11 @@ def _run(
     )
 
 
+def launched(sensor: dg.SensorDefinition, request: dg.RunRequest) -> dict[str, str]:
+    """The tags of the run the daemon launches for ``request``: Dagster adds the sensor's name."""
+    return {**request.tags, "dagster/sensor_name": sensor.name}
+
+
 def _fail(engine: sa.Engine, code: str, key: str) -> int:
     service = LeaseService(engine)
     held = service.acquire(JobIdentity.schedule(code, key))
@@ -152,14 +156,20 @@ def test_failed_and_expired_leases_are_relaunched_live_and_done_ones_are_not(
     assert set(by_key) == {DAYS[0], DAYS[1]}
     first = by_key[DAYS[0]]
     assert first.run_key == f"reconcile:{code}:{DAYS[0]}:attempt-{attempt}:relaunch-1"
-    assert first.tags[TAG_RECONCILE] == sensor.name and first.tags[TAG_RELAUNCH] == "1/5"
+    assert first.tags[TAG_RELAUNCH] == "1/5" and first.tags[TAG_OUTCOME] == "pending"
+    # Two launch tags on top of the pending outcome; Dagster names the sensor (the cap counts by it).
+    assert {t for t in first.tags if t.startswith("joblease/")} == {
+        TAG_OUTCOME,
+        TAG_RELAUNCH,
+        "joblease/reconcile_reason",
+    }
+    assert first.tags["dagster/sensor_name"] == sensor.name
     assert first.tags["joblease/reconcile_reason"] == "lease FAIL"
-    assert first.tags["joblease/idempotency_key"] == JobIdentity.schedule(code, DAYS[0]).idempotency_key
     assert by_key[DAYS[1]].tags["joblease/reconcile_reason"] == "lease expired"
 
     # The daemon launched them; while they are queued, nothing new is requested.
     for key in (DAYS[0], DAYS[1]):
-        _run(dagster_pg, job, key, dg.DagsterRunStatus.QUEUED, dict(by_key[key].tags))
+        _run(dagster_pg, job, key, dg.DagsterRunStatus.QUEUED, launched(sensor, by_key[key]))
     requests, message, _, _ = _tick(dagster_pg, sensor)
     assert requests == []
     assert "already queued or running" in message and "1 held by a live lease" in message
@@ -185,7 +195,7 @@ def test_relaunches_back_off_are_capped_and_the_cap_is_visible(
         (request,) = requests
         assert request.tags[TAG_RELAUNCH] == f"{relaunch}/3"
         run_keys.append(request.run_key)
-        _run(dagster_pg, job, key, dg.DagsterRunStatus.FAILURE, dict(request.tags))
+        _run(dagster_pg, job, key, dg.DagsterRunStatus.FAILURE, launched(sensor, request))
         _fail(engine, code, key)  # the relaunched run took the lease and failed again
     assert len(set(run_keys)) == 3  # never collides with an earlier attempt's key
 
@@ -229,7 +239,7 @@ def test_a_run_that_failed_as_held_is_relaunched_once_the_holder_is_done(
     assert request.tags["joblease/reconcile_reason"] == "last run failed: held"
     assert request.run_key == f"reconcile:{code}:{DAYS[0]}:attempt-0:relaunch-1"
 
-    _run(dagster_pg, job, DAYS[0], dg.DagsterRunStatus.SUCCESS, dict(request.tags))
+    _run(dagster_pg, job, DAYS[0], dg.DagsterRunStatus.SUCCESS, launched(sensor, request))
     assert _tick(dagster_pg, sensor)[0] == []  # a later run settled it
 
 
@@ -246,7 +256,7 @@ def test_catch_up_requests_never_attempted_partitions_oldest_first_bounded_per_t
     assert [r.partition_key for r in requests] == [DAYS[0], DAYS[2], DAYS[3]]
     assert all(r.tags["joblease/reconcile_reason"] == "never attempted (catch-up)" for r in requests)
     for request in requests:
-        _run(dagster_pg, job, request.partition_key or "", dg.DagsterRunStatus.STARTED, dict(request.tags))
+        _run(dagster_pg, job, request.partition_key or "", dg.DagsterRunStatus.STARTED, launched(sensor, request))
     requests, _, _, _ = _tick(dagster_pg, sensor)
     assert [r.partition_key for r in requests] == [DAYS[4], DAYS[5], DAYS[6]]
 
@@ -367,12 +377,12 @@ def test_re_executions_and_retries_of_a_relaunch_do_not_count_as_relaunches(
     _fail(engine, code, key)
     sensor = build_reconciliation_sensor(job, code=code, max_relaunches=2, backoff=dt.timedelta(seconds=1))
     (request,) = _tick(dagster_pg, sensor)[0]
-    relaunch = _run(dagster_pg, job, key, dg.DagsterRunStatus.FAILURE, dict(request.tags))
+    relaunch = _run(dagster_pg, job, key, dg.DagsterRunStatus.FAILURE, launched(sensor, request))
     for _ in range(2):  # a person's re-execution and a run retry, both inheriting the relaunch's tags
         dagster_pg.instance.create_run_for_job(
             job,
             status=dg.DagsterRunStatus.FAILURE,
-            tags={"dagster/partition": key, **request.tags},
+            tags={"dagster/partition": key, **launched(sensor, request)},
             remote_job_origin=_origin(job.name),
             parent_run_id=relaunch.run_id,
             root_run_id=relaunch.run_id,
