@@ -166,8 +166,11 @@ class _Verdicts:
 @dataclasses.dataclass(frozen=True)
 class _RangeRun:
     run: dg.DagsterRun
-    first: int  #: index of the range's first key in the partitions definition
-    last: int
+    keys: tuple[str, ...]  #: the range's keys, in order (from the partitions definition)
+    members: frozenset[str]
+
+    def __contains__(self, key: str) -> bool:
+        return key in self.members
 
 
 # ---- pure decisions ------------------------------------------------------------------------------------
@@ -336,14 +339,12 @@ class _Runs:
         targets: Callable[[dg.DagsterRun], bool],
         sensor_name: str,
         ranges: Sequence[_RangeRun],
-        index: Callable[[str], int | None],
     ) -> None:
         self.instance = instance
         self.job_name = job_name
         self.targets = targets
         self.sensor_name = sensor_name
         self.ranges = ranges
-        self.index = index
         self._created: dict[str, float] = {}
 
     def created(self, run: dg.DagsterRun) -> float:
@@ -398,10 +399,7 @@ class _Runs:
                 runs[key].append(run)
         if self.ranges:
             for key in keys:
-                position = self.index(key)
-                if position is None:
-                    continue
-                covering = [rr.run for rr in self.ranges if rr.first <= position <= rr.last]
+                covering = [rr.run for rr in self.ranges if key in rr]
                 if covering:
                     runs[key] = sorted([*runs[key], *covering], key=self.created, reverse=True)
         ours = self._by_key(keys, {metadata.TAG_SENSOR_NAME: self.sensor_name}, cap + RUNS_PER_KEY)
@@ -474,9 +472,13 @@ def _range_runs(
     job_name: str | None,
     targets: Callable[[dg.DagsterRun], bool],
     since: dt.datetime,
-    index: Callable[[str], int | None],
+    partitions_def: dg.PartitionsDefinition,
 ) -> tuple[list[_RangeRun], bool]:
-    """Range runs of the target created since ``since`` (newest first, bounded) and whether it was cut."""
+    """Range runs of the target created since ``since`` (newest first, bounded) and whether it was cut.
+
+    Call inside ``partition_loading_context``. Each range's keys come from the partitions definition
+    (``get_partition_keys_in_range``: just that range, never the definition's whole history).
+    """
     starts: set[str] = set()
     for _key, values in instance.get_run_tags(tag_keys=[RANGE_START_TAG]):
         starts |= values
@@ -486,13 +488,22 @@ def _range_runs(
         dg.RunsFilter(job_name=job_name, tags={RANGE_START_TAG: sorted(starts)}, created_after=since),
         limit=RANGE_RUNS_PER_TICK,
     )
-    found = []
+    found: list[_RangeRun] = []
+    budget = RANGE_KEYS_PER_TICK * 5
     for run in runs:
         if not targets(run):
             continue
-        first, last = index(run.tags.get(RANGE_START_TAG, "")), index(run.tags.get(RANGE_END_TAG, ""))
-        if first is not None and last is not None:
-            found.append(_RangeRun(run, first, last))
+        start, end = run.tags.get(RANGE_START_TAG), run.tags.get(RANGE_END_TAG)
+        if start is None or end is None:
+            continue
+        try:
+            keys = tuple(partitions_def.get_partition_keys_in_range(dg.PartitionKeyRange(start, end)))
+        except Exception:  # a range of keys this definition does not have: not this target's
+            continue
+        budget -= len(keys)
+        if budget < 0:
+            return found, True
+        found.append(_RangeRun(run, keys, frozenset(keys)))
     return found, len(runs) >= RANGE_RUNS_PER_TICK
 
 
@@ -606,23 +617,12 @@ def build_reconciliation_sensor(
                     return asset_key in run.asset_selection
                 return run.job_name in asset_jobs
 
-        all_keys: list[str] = []
-        key_index: dict[str, int] = {}
-
-        def index(key: str) -> int | None:
-            """The key's position in the partitions definition (read once per tick, only for range runs)."""
-            if not all_keys:
-                with dg.partition_loading_context(effective_dt=now):
-                    all_keys.extend(partitions_def.get_partition_keys())
-                key_index.update((k, i) for i, k in enumerate(all_keys))
-            return key_index.get(key)
-
         with dg.partition_loading_context(effective_dt=now):
 
             def valid(key: str) -> bool:
                 return partitions_def.has_partition_key(key)
 
-            ranges, ranges_cut = _range_runs(instance, query_job, targets, now - lookback, index)
+            ranges, ranges_cut = _range_runs(instance, query_job, targets, now - lookback, partitions_def)
 
         # -- candidates: recent activity first, then the sweep ------------------------------------------
         sweep_after = int(cursor.get("sweep_after", 0))
@@ -692,7 +692,7 @@ def build_reconciliation_sensor(
             for rr in ranges:
                 if rr.run.status != dg.DagsterRunStatus.FAILURE:
                     continue
-                for key in all_keys[rr.first : rr.last + 1]:
+                for key in rr.keys:
                     if len(range_keys) >= RANGE_KEYS_PER_TICK:
                         break
                     if key not in candidates and key not in rows:
@@ -702,7 +702,7 @@ def build_reconciliation_sensor(
                 if key not in claimed and key not in candidates:
                     candidates[key] = _Candidate(key, f"not attempted by range run {run_id}", 0, None)
 
-        runs = _Runs(instance, query_job, targets, sensor_name, ranges, index)
+        runs = _Runs(instance, query_job, targets, sensor_name, ranges)
 
         def judge(candidate: _Candidate, key_runs: list[dg.DagsterRun], ours: list[dg.DagsterRun]) -> None:
             key = candidate.key
@@ -834,17 +834,27 @@ def build_reconciliation_sensor(
             "capped": dict(sorted(verdicts.capped.items())[:SHOWN_IN_CURSOR]),
             "capped_count": len(verdicts.capped),
         }
-        for request in verdicts.requests:
+        # Log lines are bounded like the rest of the tick: the first few, then how many more.
+        for request in verdicts.requests[:SHOWN_IN_MESSAGE]:
             context.log.info(
                 f"relaunching {request.partition_key} ({request.tags[TAG_RECONCILE_REASON]}), "
                 f"relaunch {request.tags[TAG_RELAUNCH]}"
             )
-        for key, why in verdicts.capped.items():
+        if len(verdicts.requests) > SHOWN_IN_MESSAGE:
+            context.log.info(f"... and {len(verdicts.requests) - SHOWN_IN_MESSAGE} more relaunches")
+        for key, why in sorted(verdicts.capped.items())[:SHOWN_IN_MESSAGE]:
             context.log.warning(
                 f"partition {key} of code {code!r} is still undone after {why}; relaunch cap {cap} reached: "
                 "fix the cause, then launch it by hand (or `joblease leases fail` and raise the cap)"
             )
+        if len(verdicts.capped) > SHOWN_IN_MESSAGE:
+            context.log.warning(
+                f"... and {len(verdicts.capped) - SHOWN_IN_MESSAGE} more partitions at the relaunch cap "
+                "(the first are in the sensor cursor)"
+            )
         message = _message(verdicts, cap, max_requests, remaining, out_of_time, ranges_cut)
+        if verdicts.requests:  # a tick with requests has no skip message: the summary goes to the log
+            context.log.info(message)
         return dg.SensorResult(
             run_requests=verdicts.requests,
             skip_reason=None if verdicts.requests else dg.SkipReason(message),

@@ -256,7 +256,13 @@ def test_catch_up_requests_never_attempted_partitions_oldest_first_bounded_per_t
     assert [r.partition_key for r in requests] == [DAYS[0], DAYS[2], DAYS[3]]
     assert all(r.tags["joblease/reconcile_reason"] == "never attempted (catch-up)" for r in requests)
     for request in requests:
-        _run(dagster_pg, job, request.partition_key or "", dg.DagsterRunStatus.STARTED, launched(sensor, request))
+        _run(
+            dagster_pg,
+            job,
+            request.partition_key or "",
+            dg.DagsterRunStatus.STARTED,
+            launched(sensor, request),
+        )
     requests, _, _, _ = _tick(dagster_pg, sensor)
     assert [r.partition_key for r in requests] == [DAYS[4], DAYS[5], DAYS[6]]
 
