@@ -30,7 +30,7 @@ runs" can hide a partition's runs.
 
 **Zombie runs.** A run still ``STARTING``/``STARTED`` counts as in flight only while it holds the
 partition's lease live, or while it could still be waiting for a holder (created within the held wait
-plus ``zombie_margin``). One whose lease expired (by the holder's own lease length), or that holds
+plus ``zombie_margin``). One whose own lease expired (by the holder's own lease length), or that holds
 nothing long after it could have been waiting, is a zombie: typically its worker was SIGKILLed and, with
 Dagster's run monitoring off (the default), Dagster still calls it STARTED. The partition is relaunched
 and the zombie run is tagged ``joblease/outcome=lost``. A stale heartbeat on an unexpired lease is not
@@ -180,6 +180,7 @@ def is_zombie(
     status: dg.DagsterRunStatus,
     *,
     holds_live_lease: bool,
+    lease_expired_on_it: bool,
     age_ms: int,
     may_wait_ms: int,
 ) -> bool:
@@ -187,12 +188,14 @@ def is_zombie(
 
     Queued, not-started and canceling runs are in flight. A STARTING/STARTED run is in flight while it
     holds the partition's lease live (RUNNING and unexpired: a stale heartbeat alone is not proof of
-    death), or while it is young enough to still be waiting for a holder (``age_ms <= may_wait_ms``, the
-    held wait plus a margin). Otherwise its worker is gone as far as the partition is concerned.
+    death). A run whose own lease expired (``lease_expired_on_it``: it is the recorded holder of a RUNNING
+    row past its expiry, by its own lease length) is a zombie at once: it stopped renewing. Any other
+    run is in flight while it is young enough to still be waiting for a holder (``age_ms <=
+    may_wait_ms``, the held wait plus a margin), a zombie after that.
     """
-    if status not in _RUNNING_STATUSES:
+    if status not in _RUNNING_STATUSES or holds_live_lease:
         return False
-    return not holds_live_lease and age_ms > may_wait_ms
+    return lease_expired_on_it or age_ms > may_wait_ms
 
 
 def _backoff_ms(relaunches: int, base_ms: int, max_ms: int) -> int:
@@ -714,12 +717,20 @@ def build_reconciliation_sensor(
             for run in key_runs:
                 if run.status not in NOT_FINISHED_STATUSES:
                     continue
-                holds = row is not None and row.live and row.holder_run_id == run.run_id
+                own = row is not None and row.holder_run_id == run.run_id
+                holds = own and row is not None and row.live
+                expired_on_it = own and row is not None and row.status == "RUNNING" and row.overdue_ms > 0
                 age_ms = int((now.timestamp() - runs.created(run)) * 1000)
-                if is_zombie(run.status, holds_live_lease=holds, age_ms=age_ms, may_wait_ms=may_wait_ms):
+                if is_zombie(
+                    run.status,
+                    holds_live_lease=holds,
+                    lease_expired_on_it=expired_on_it,
+                    age_ms=age_ms,
+                    may_wait_ms=may_wait_ms,
+                ):
                     why = (
-                        f"its lease of {key} expired (attempt {row.attempt})"
-                        if row is not None and row.holder_run_id == run.run_id
+                        f"its lease of {key} expired {row.overdue_ms // 1000} s ago (attempt {row.attempt})"
+                        if expired_on_it and row is not None
                         else f"it holds no lease of {key} {age_ms // 1000} s after it was created"
                     )
                     verdicts.zombies.setdefault(run.run_id, (run, why))
