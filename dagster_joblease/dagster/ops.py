@@ -219,18 +219,22 @@ def _check_partition_keys(context: AnyContext, code: str, keys: Sequence[str | N
 def _invalid_keys(
     code: str, missing: Sequence[str], partitions_def: dg.PartitionsDefinition, cause: Exception | None
 ) -> dg.Failure:
-    shown = ", ".join(repr(k) for k in missing[:5]) + (
-        f" and {len(missing) - 5} more" if len(missing) > 5 else ""
-    )
-    kind = type(partitions_def).__name__
-    name = getattr(partitions_def, "name", None)
-    described = f"{kind} {name!r}" if name else f"{kind} ({partitions_def})"
+    shown = ", ".join(repr(k) for k in missing[:5])
+    if len(missing) > 5:
+        shown += f" and {len(missing) - 5} more"
+    dynamic = isinstance(partitions_def, dg.DynamicPartitionsDefinition)
+    described = f"{type(partitions_def).__name__} ({str(partitions_def).rstrip('.')})"
     why = f" ({type(cause).__name__}: {cause})" if cause is not None else ""
+    hint = (
+        "; add it to this instance first (instance.add_dynamic_partitions or a sensor's "
+        "dynamic_partitions_requests)"
+        if dynamic
+        else ""
+    )
     return dg.Failure(
         description=(
-            f"partition key {shown} of lease code {code!r} is not a partition of {described}{why}; "
-            "nothing was leased or enqueued. Launch the run with a key the partitions definition has"
-            + (" (add dynamic partitions with instance.add_dynamic_partitions first)" if name else "")
+            f"partition key {shown} of lease code {code!r} is not a partition of {described}{why}: "
+            f"nothing was leased or enqueued. Launch the run with a key of that partitions definition{hint}"
         ),
         metadata={"joblease/invalid_keys": dg.MetadataValue.json(list(missing[:100]))},
         allow_retries=False,
@@ -879,7 +883,8 @@ def _downstream_in_run(context: AssetExecutionContext) -> bool:
         graph = context.job_def.asset_layer.asset_graph
         children = graph.get(context.asset_key).child_keys
         selection = context.op_execution_context.run.asset_selection
-        in_run = set(selection) if selection is not None else set(graph.get_all_asset_keys())
+        # An empty or absent selection (dg.materialize, a whole asset job) means every asset of the job.
+        in_run = set(selection) if selection else set(graph.get_all_asset_keys())
     except Exception:
         return True
     return bool(set(children) & in_run)
