@@ -15,11 +15,10 @@ import hashlib
 import json
 import re
 from collections.abc import Collection, Iterable, Sequence
-from typing import Any, NamedTuple
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 import psycopg
 import sqlalchemy as sa
-from psycopg.pq import TransactionStatus
 from sqlalchemy.dialects import postgresql, sqlite
 from sqlalchemy.dialects.postgresql import psycopg as psycopg_dialect
 
@@ -28,6 +27,10 @@ from dagster_joblease.storage import rowset
 from dagster_joblease.storage.clock import db_now, ms_until
 from dagster_joblease.storage.engine import translate_errors
 from dagster_joblease.storage.schema import outbox_table
+from dagster_joblease.storage.transaction import CallersTransaction, callers_transaction
+
+if TYPE_CHECKING:
+    from sqlalchemy import orm
 
 __all__ = [
     "DEFAULT_MAX_PAYLOAD_BYTES",
@@ -239,35 +242,8 @@ def _run_generic(connection: sa.Connection, params: _Params) -> tuple[bool, _Exi
         return False, None if row is None else (row[0], row[1])
 
 
-def _psycopg_driver(connection: object) -> psycopg.Connection[Any] | None:
-    """The psycopg connection to run the enqueue on, or None for SQLAlchemy's generic path."""
-    if isinstance(connection, psycopg.Connection):
-        if connection.closed:
-            raise errors.InvalidPayloadError(
-                "connection", "is closed; pass the open connection of your transaction"
-            )
-        if connection.autocommit and connection.info.transaction_status == TransactionStatus.IDLE:
-            raise errors.InvalidPayloadError(
-                "connection",
-                "is a psycopg connection in autocommit outside a transaction, so the row would commit on "
-                "its own, apart from your domain change; enqueue inside `with conn.transaction():`",
-            )
-        return connection
-    if not isinstance(connection, sa.Connection):
-        raise errors.InvalidPayloadError(
-            "connection",
-            f"must be a SQLAlchemy Connection or a psycopg Connection, got {type(connection).__name__}",
-        )
-    dialect = connection.dialect
-    if dialect.name == "postgresql" and dialect.driver == "psycopg":
-        driver = connection.connection.driver_connection
-        assert driver is not None, "the connection is closed"
-        return driver  # type: ignore[no-any-return]
-    return None
-
-
 def enqueue_once(
-    connection: sa.Connection | psycopg.Connection[Any],
+    connection: sa.Connection | psycopg.Connection[Any] | orm.Session,
     *,
     idempotency_key: str,
     topic: str,
@@ -277,8 +253,11 @@ def enqueue_once(
     """Add a pending outbox row inside the caller's transaction; True if inserted, False if already there.
 
     Call it on the connection that holds the domain change, so both commit (or roll back) together: a
-    SQLAlchemy ``Connection`` (PostgreSQL or SQLite) or, on PostgreSQL, a plain psycopg 3 ``Connection``
-    (which skips SQLAlchemy's per-transaction work altogether). A
+    SQLAlchemy ``Connection`` (PostgreSQL or SQLite; in ``engine.begin()``, or from ``engine.connect()``
+    followed by ``conn.commit()``), an ORM ``Session`` (``session.commit()`` commits the row) or, on
+    PostgreSQL, a plain psycopg 3 ``Connection`` (which skips SQLAlchemy's per-transaction work
+    altogether). A connection on which the row would commit on its own (autocommit outside a transaction
+    block) is refused; :func:`dagster_joblease.storage.transaction.callers_transaction` is the rule. A
     repeat with the same key, topic and payload is a no-op (returns False); the same key with a different
     payload *or another topic* raises :class:`OutboxConflictError`. The key alone is the effect's
     identity downstream (the receiver deduplicates on ``Idempotency-Key``), so a second row under one key
@@ -296,28 +275,18 @@ def enqueue_once(
             pg.execute("INSERT INTO invoices …")
             enqueue_once(pg, idempotency_key=…, topic="mail", payload={"v": 1, "invoice": 42})
     """
-    driver = _psycopg_driver(connection)
-    _check_text("idempotency_key", idempotency_key, MAX_KEY_LENGTH, ascii_only=True)
-    _check_text("topic", topic, MAX_TOPIC_LENGTH, ascii_only=False)
-    limit = _check_max_bytes(max_payload_bytes)
-    text = canonical_json(payload)
-    data = _encode(text)
-    if len(data) > limit:
-        raise errors.InvalidPayloadError(
-            "payload",
-            f"is {len(data)} bytes of canonical JSON; at most {limit} are allowed. Keep payloads minimal "
-            "(send ids, let the consumer fetch the rest) or raise max_payload_bytes",
-        )
-    fingerprint = hashlib.sha256(data).hexdigest()
-    params = (idempotency_key, topic, text, fingerprint)
+    target = callers_transaction(connection, clause=outbox_table)
+    driver = target.driver
+    params = _prepare_row(idempotency_key, topic, payload, _check_max_bytes(max_payload_bytes))
+    fingerprint = params[3]
     # Two rounds: a conflicting row can vanish between the INSERT and the read (a concurrent purge or a
     # rolled-back writer); the second INSERT then simply succeeds.
     for _ in range(2):
         if driver is not None:
             inserted, existing = _run_psycopg(driver, params)
         else:
-            assert isinstance(connection, sa.Connection)
-            inserted, existing = _run_generic(connection, params)
+            assert target.connection is not None
+            inserted, existing = _run_generic(target.connection, params)
         if inserted:
             return True
         if existing is None:
@@ -349,7 +318,8 @@ class OutboxItem(NamedTuple):
 
 
 def _prepare_row(idempotency_key: object, topic: object, payload: Any, limit: int) -> _Params:
-    """Validate one row as :func:`enqueue_once` does; its parameters (key, topic, canonical text, sha256)."""
+    """Validate one outbox row (key, topic, payload of at most ``limit`` bytes); its parameters (key,
+    topic, canonical text, sha256). :func:`enqueue_once` and :func:`enqueue_many` share it."""
     _check_text("idempotency_key", idempotency_key, MAX_KEY_LENGTH, ascii_only=True)
     _check_text("topic", topic, MAX_TOPIC_LENGTH, ascii_only=False)
     assert isinstance(idempotency_key, str) and isinstance(topic, str)
@@ -428,24 +398,23 @@ def _many_psycopg_sql() -> tuple[tuple[str, tuple[str, ...]], ...]:
 
 
 class _ManyRunner:
-    """Runs :func:`_many_statements` on the caller's connection: its psycopg driver connection (as
-    :func:`enqueue_once` does) or SQLAlchemy's generic path."""
+    """Runs :func:`_many_statements` where :func:`callers_transaction` says: on the psycopg driver
+    connection (as :func:`enqueue_once` does), or through the SQLAlchemy connection."""
 
-    def __init__(self, connection: object, driver: psycopg.Connection[Any] | None) -> None:
-        self.connection = connection
-        self.driver = driver
-        self.dialect = "postgresql" if driver is not None else connection.dialect.name  # type: ignore[attr-defined]
+    def __init__(self, target: CallersTransaction) -> None:
+        self.target = target
+        self.dialect = target.dialect_name
 
     def run(self, which: int, names: Sequence[str], rows: Sequence[Sequence[Any]]) -> list[Any]:
         params = rowset.bind_rows(self.dialect, names, rows)
         with translate_errors("enqueue outbox rows"):
-            if self.driver is not None:
+            if self.target.driver is not None:
                 sql, order = _many_psycopg_sql()[which]
-                with self.driver.cursor() as cursor:
+                with self.target.driver.cursor() as cursor:
                     cursor.execute(sql, tuple(params[name] for name in order))
                     return cursor.fetchall() if cursor.description is not None else []
-            assert isinstance(self.connection, sa.Connection)
-            result = self.connection.execute(_many_statements(self.dialect)[which], params)
+            assert self.target.connection is not None
+            result = self.target.connection.execute(_many_statements(self.dialect)[which], params)
             return list(result.all()) if result.returns_rows else []
 
 
@@ -486,7 +455,7 @@ def _check_items(items: object, limit: int) -> list[_Params]:
 
 
 def enqueue_many(
-    connection: sa.Connection | psycopg.Connection[Any],
+    connection: sa.Connection | psycopg.Connection[Any] | orm.Session,
     rows: Iterable[OutboxItem | tuple[str, str, Any]],
     *,
     max_payload_bytes: int = DEFAULT_MAX_PAYLOAD_BYTES,
@@ -495,7 +464,8 @@ def enqueue_many(
 
     Per row, the result (in the given order) is True if inserted, False if the same key was already
     there with the same topic and payload: :func:`enqueue_once`'s rules, for a set. The connection
-    styles and the refusal of a connection that would commit on its own are :func:`enqueue_once`'s.
+    styles and the refusal of a connection that would commit on its own are :func:`enqueue_once`'s
+    (one rule: :func:`dagster_joblease.storage.transaction.callers_transaction`).
     Every row is validated as :func:`enqueue_once` validates one (errors name the row's index and key)
     before any SQL is sent; a key repeated within the call is refused too. If any key already holds
     another payload or topic, :class:`OutboxConflictError` names it (the first in key order) and the
@@ -512,10 +482,10 @@ def enqueue_many(
             enqueue_many(conn, [OutboxItem(x.idempotency_key, "billing", {"day": x.identity.run_key})
                                 for x in claim.leases])
     """
-    driver = _psycopg_driver(connection)
+    target = callers_transaction(connection, clause=outbox_table)
     limit = _check_max_bytes(max_payload_bytes)
     prepared = _check_items(rows, limit)
-    runner = _ManyRunner(connection, driver)
+    runner = _ManyRunner(target)
     ordered = sorted(prepared, key=lambda row: row[0])
     inserted: set[str] = set()
     try:

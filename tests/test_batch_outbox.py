@@ -8,12 +8,13 @@ from typing import Any
 import psycopg
 import pytest
 import sqlalchemy as sa
-from sqlalchemy import event
+from sqlalchemy import event, orm
 
 from dagster_joblease import errors, outbox
 from dagster_joblease.outbox import OutboxItem, enqueue_many, enqueue_once
 from dagster_joblease.storage import rowset
 from dagster_joblease.storage.schema import outbox_table
+from tests import test_connection_styles as styles
 
 t = outbox_table
 
@@ -223,3 +224,50 @@ def test_a_conflict_on_psycopg_takes_back_the_calls_rows(pg_engine: sa.Engine, p
             with pytest.raises(errors.OutboxConflictError):
                 enqueue_many(pg, _items(3, topic="other"))
     assert [r.idempotency_key for r in _rows(pg_engine)] == ["v2:day-00001"]
+
+
+# Every style test_connection_styles checks for enqueue_once, with enqueue_many in its place.
+
+
+@pytest.fixture
+def domain(engine: sa.Engine) -> sa.Engine:
+    styles._DOMAIN.create(engine)
+    return engine
+
+
+def _many_after_domain(conn: Any, key: str) -> bool:
+    conn.execute(styles._DOMAIN.insert().values(k=key))
+    return all(
+        enqueue_many(conn, [OutboxItem(f"v2:{key}", "mail", {"v": 1}), OutboxItem(f"v2:{key}-b", "mail", 2)])
+    )
+
+
+def _many_only(conn: Any, key: str) -> bool:
+    return all(
+        enqueue_many(conn, [OutboxItem(f"v2:{key}", "mail", {"v": 1}), OutboxItem(f"v2:{key}-b", "mail", 2)])
+    )
+
+
+@pytest.mark.parametrize("style", sorted(styles.COMMITTING))
+def test_each_connection_style_commits_the_rows_with_the_domain_change(domain: sa.Engine, style: str) -> None:
+    assert styles.COMMITTING[style](domain, _many_after_domain, "k1") is True
+    assert styles._counts(domain) == (1, 2)
+    assert styles.COMMITTING[style](domain, _many_only, "k2") is True
+    assert styles._counts(domain) == (1, 4)
+
+
+def test_a_connection_closed_without_commit_rolls_the_rows_back(domain: sa.Engine) -> None:
+    with domain.connect() as conn:
+        assert _many_after_domain(conn, "gone")
+    with orm.Session(domain) as session:
+        assert _many_only(session, "gone")
+        session.rollback()
+    assert styles._counts(domain) == (0, 0)
+
+
+def test_autocommit_sqlalchemy_connections_are_refused(engine: sa.Engine) -> None:
+    with engine.connect() as plain:
+        auto = plain.execution_options(isolation_level="AUTOCOMMIT")
+        with pytest.raises(errors.InvalidPayloadError, match="autocommit outside a transaction"):
+            enqueue_many(auto, _items(2))
+    assert _rows(engine) == []
