@@ -48,7 +48,14 @@ from dagster_joblease.dagster.metadata import (
     LeasedResult,
     schedule_tags,
 )
-from dagster_joblease.dagster.ops import LeasedRun, leased_asset, leased_op, run_leased, settle_run_tags
+from dagster_joblease.dagster.ops import (
+    LeasedBatch,
+    LeasedRun,
+    leased_asset,
+    leased_op,
+    run_leased,
+    settle_run_tags,
+)
 from dagster_joblease.dagster.reconcile import (
     TAG_RECONCILE,
     TAG_RECONCILE_REASON,
@@ -86,6 +93,7 @@ __all__ = [
     "DagsterHolder",
     "DispatchConfig",
     "JobLeaseResource",
+    "LeasedBatch",
     "LeasedResult",
     "LeasedRun",
     "OutboxHealth",

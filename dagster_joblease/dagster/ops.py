@@ -26,7 +26,12 @@ logical run (own lease, own idempotency key). Every key ends with an outcome fro
   ``max_failures_in_a_row`` keys (default :data:`DEFAULT_MAX_FAILURES_IN_A_ROW`) fail one after the other
   (a broken body or an unreachable database would fail them all); the keys after that are
   ``not-attempted``.
-- *Batch mode* (``batch=True``): see :class:`LeasedBatch`.
+- *Batch mode* (``batch=True``): the body is called with a :class:`LeasedBatch`, the keys this run won
+  (claimed in one statement, ``run.partition_keys``), and writes them in one fenced transaction
+  (``run.transaction()``, ``run.enqueue_many``); heartbeats and completion are one statement per set.
+  Keys already succeeded are skipped; keys held by a live holder are claimed again until the bounded
+  wait ends, and the keys won then are given to the body in a further call (each call its own set). A
+  failing call fails its whole set (retryable) and ends the range.
 
 Either way the step then succeeds only if every key is done (by this run, or provably by another); it
 fails otherwise, naming the keys not done, so the run never says green for undone work and the
@@ -49,6 +54,7 @@ import sqlalchemy as sa
 from dagster import AssetExecutionContext, OpExecutionContext
 from dagster._core.events import EngineEventData  # the per-op truth: a step engine event with metadata
 
+from dagster_joblease import batch as batch_leases
 from dagster_joblease import errors, identity, lease, options, outbox, staleness
 from dagster_joblease.dagster import holders, metadata
 from dagster_joblease.dagster.resource import JobLeaseResource, check_held_wait_ms
@@ -58,6 +64,7 @@ from dagster_joblease.storage.schema import lease_table
 
 __all__ = [
     "DEFAULT_MAX_FAILURES_IN_A_ROW",
+    "LeasedBatch",
     "LeasedRun",
     "leased_asset",
     "leased_op",
@@ -439,6 +446,43 @@ def _plain_result(
     )
 
 
+def _take_over_if_dead(step: _Step, job: identity.JobIdentity, row: _Row) -> bool:
+    """A ``RUNNING`` row whose holder's Dagster run is finished and whose heartbeat is stale (by the
+    holder's own interval): fail it now so it can be reclaimed. True if the caller should claim again."""
+    stale_ms = step.stale_ms(row)
+    if not (
+        stale_ms is not None
+        and staleness.is_stale(row.heartbeat_age_ms, stale_ms)
+        and holders.holder_run_finished(step.context.instance, row.holder)
+    ):
+        return False
+    status = holders.holder_run_status(step.context.instance, row.holder)
+    reason = (
+        f"attempt {row.attempt}: holder {row.holder} is dead (its Dagster run is "
+        f"{status.value if status else 'finished'} and its last heartbeat was "
+        f"{row.heartbeat_age_ms} ms ago); taken over by run {step.run_id or step.holder}"
+    )
+    if step.service.fail_dead_holder(
+        job, attempt=row.attempt, owner_token=row.owner_token, stale_ms=stale_ms, reason=reason
+    ):
+        step.context.log.warning(f"joblease {job}: {reason}")
+        _tag_dead_holder_run(step.context.instance, row, reason)
+    return True  # reclaim it now (or see who did)
+
+
+def _held_error(step: _Step, job: identity.JobIdentity, row: _Row | None) -> str:
+    if row is None or row.status != lease.LeaseStatus.RUNNING.value:
+        return (
+            f"partition {job.run_key or '(initial)'} of code {job.code!r} could not be claimed "
+            f"within {step.held_wait_ms} ms; retry later"
+        )
+    return (
+        f"partition {job.run_key or '(initial)'} of code {job.code!r} is still held by "
+        f"{row.holder} (attempt {row.attempt}, {max(row.remaining_ms, 0)} ms left on its lease) "
+        f"after waiting {step.held_wait_ms} ms; retry later"
+    )
+
+
 def _run_key(step: _Step, job: identity.JobIdentity, deadline: float) -> metadata.LeasedResult:
     """Settle one key: its result, or the body's exception (re-raised after :class:`_KeyError` records it)."""
     runs: list[LeasedRun] = []
@@ -527,35 +571,12 @@ def _run_key(step: _Step, job: identity.JobIdentity, deadline: float) -> metadat
                 winner_run_id=_winner_run_id(row.holder),
             )
         if row is not None and row.status == lease.LeaseStatus.RUNNING.value:
-            stale_ms = step.stale_ms(row)
-            if (
-                stale_ms is not None
-                and staleness.is_stale(row.heartbeat_age_ms, stale_ms)
-                and holders.holder_run_finished(step.context.instance, row.holder)
-            ):
-                status = holders.holder_run_status(step.context.instance, row.holder)
-                reason = (
-                    f"attempt {row.attempt}: holder {row.holder} is dead (its Dagster run is "
-                    f"{status.value if status else 'finished'} and its last heartbeat was "
-                    f"{row.heartbeat_age_ms} ms ago); taken over by run {step.run_id or step.holder}"
-                )
-                if step.service.fail_dead_holder(
-                    job,
-                    attempt=row.attempt,
-                    owner_token=row.owner_token,
-                    stale_ms=stale_ms,
-                    reason=reason,
-                ):
-                    log.warning(f"joblease {job}: {reason}")
-                    _tag_dead_holder_run(step.context.instance, row, reason)
+            if _take_over_if_dead(step, job, row):
                 continue  # reclaim it now (or see who did)
             if time.monotonic() >= deadline:
-                error = (
-                    f"partition {job.run_key or '(initial)'} of code {job.code!r} is still held by "
-                    f"{row.holder} (attempt {row.attempt}, {max(row.remaining_ms, 0)} ms left on its lease) "
-                    f"after waiting {step.held_wait_ms} ms; retry later"
+                return result(
+                    metadata.HELD, row.attempt, holder=row.holder, error=_held_error(step, job, row)
                 )
-                return result(metadata.HELD, row.attempt, holder=row.holder, error=error)
             if not announced:
                 announced = True
                 log.info(
@@ -563,11 +584,7 @@ def _run_key(step: _Step, job: identity.JobIdentity, deadline: float) -> metadat
                     f"{step.held_wait_ms} ms for it to finish"
                 )
         elif time.monotonic() >= deadline:  # FAIL or gone, yet other claims kept winning the race
-            error = (
-                f"partition {job.run_key or '(initial)'} of code {job.code!r} could not be claimed "
-                f"within {step.held_wait_ms} ms; retry later"
-            )
-            return result(metadata.HELD, row.attempt if row else None, error=error)
+            return result(metadata.HELD, row.attempt if row else None, error=_held_error(step, job, row))
         time.sleep(max(0.0, min(delay, deadline - time.monotonic())))
         delay = min(delay * 2, _MAX_POLL_S)
 
@@ -652,6 +669,225 @@ def _settle_per_key(step: _Step, jobs: Sequence[identity.JobIdentity]) -> _Settl
     return settled
 
 
+class LeasedBatch:
+    """What a batch-mode body gets: the keys this call won, their leases, and one fenced transaction.
+
+    ``partition_keys`` are the keys of this call (in the range's order), each won by this run (a first
+    claim or a reclaim); the body does them all at once, e.g. one SQL statement over the range, then one
+    outbox row per key with :meth:`enqueue_many`, inside :meth:`transaction`. The same step may call the
+    body again with keys it won later (keys another holder had when the range started, freed during the
+    bounded wait); each call has its own set and its own transaction.
+    """
+
+    def __init__(
+        self,
+        context: dg.OpExecutionContext,
+        resource: JobLeaseResource,
+        service: lease.LeaseService,
+        leases: Sequence[lease.Lease],
+    ) -> None:
+        self.context = context
+        self.resource = resource
+        self.service = service
+        self.leases = tuple(leases)
+        self.partition_keys: list[str | None] = [x.identity.run_key for x in self.leases]
+        self.enqueued: dict[str, bool] = {}
+
+    @property
+    def idempotency_keys(self) -> dict[str | None, str]:
+        """Each partition key's idempotency key (the outbox row's key by default)."""
+        return {x.identity.run_key: x.idempotency_key for x in self.leases}
+
+    @property
+    def log(self) -> Any:
+        return self.context.log
+
+    @contextlib.contextmanager
+    def transaction(self) -> Iterator[sa.Connection]:
+        """One transaction for the whole set, committed only while every lease of the set is this run's.
+
+        If any lease of the set was lost, nothing of the block runs or commits, every lease of the set is
+        failed for a retry and :class:`~dagster_joblease.errors.LostBatchLeaseError` names the key.
+        """
+        with batch_leases.fenced_transaction_many(self.service, self.leases) as connection:
+            yield connection
+
+    def enqueue_many(
+        self, connection: sa.Connection, *, topic: str, payloads: Mapping[str | None, Any]
+    ) -> tuple[bool, ...]:
+        """One outbox row per partition key of ``payloads`` (keyed by that key's idempotency key), in one
+        multi-row statement; True per row if inserted, False if it was already there."""
+        keys = self.idempotency_keys
+        unknown = [k for k in payloads if k not in keys]
+        if unknown:
+            raise errors.ConfigurationError(
+                f"enqueue_many got partition keys {unknown[:5]!r} that are not this call's keys "
+                f"({len(keys)} keys: {self.partition_keys[:5]!r}…); give a payload per key of "
+                "run.partition_keys"
+            )
+        items = [outbox.OutboxItem(keys[k], topic, payload) for k, payload in payloads.items()]
+        inserted = outbox.enqueue_many(connection, items)
+        for item, was_inserted in zip(items, inserted, strict=True):
+            self.enqueued[item.idempotency_key] = was_inserted
+        return inserted
+
+
+def _batch_result(
+    step: _Step, held: lease.Lease, outcome: str, *, enqueued: Mapping[str, bool], **extra: Any
+) -> metadata.LeasedResult:
+    job = held.identity
+    flags = [enqueued[held.idempotency_key]] if held.idempotency_key in enqueued else []
+    return metadata.LeasedResult(
+        code=job.code,
+        partition_key=job.run_key,
+        idempotency_key=job.idempotency_key,
+        outcome=outcome,
+        attempt=held.attempt,
+        outbox=metadata.outbox_label(flags),
+        holder=step.holder,
+        **extra,
+    )
+
+
+def _call_batch(
+    step: _Step, won: Sequence[lease.Lease], results: dict[str, metadata.LeasedResult], settled: _Settled
+) -> bool:
+    """Call the body with the set ``won``; record every key of it. False when the range must stop."""
+    run = LeasedBatch(step.context, step.resource, step.service, won)
+    try:
+        with batch_leases.BatchHeartbeat(step.service, won, heartbeat_ms=step.timing.heartbeat_ms):
+            value = step.fn(run)  # type: ignore[arg-type]
+    except errors.LostLeaseError as exc:  # the set's fenced transaction refused (and failed the set)
+        for x in won:
+            results[x.idempotency_key] = _batch_result(
+                step, x, metadata.LOST, enqueued={}, error=_error_text(exc)
+            )
+        settled.error = settled.error or exc
+        return False
+    except Exception as exc:
+        try:
+            write = batch_leases.fail_many(step.service, won, exc)
+            lost = {x.idempotency_key for x in write.lost}
+        except errors.JobLeaseError as failure:  # the leases then expire; the body's error is the news
+            step.context.log.warning(
+                f"joblease: could not record the failure of {len(won)} leases: {failure}"
+            )
+            lost = set()
+        for x in won:
+            outcome = metadata.LOST if x.idempotency_key in lost else metadata.FAILED
+            results[x.idempotency_key] = _batch_result(
+                step, x, outcome, enqueued=run.enqueued, error=_error_text(exc)
+            )
+        settled.error = settled.error or exc
+        return False
+    except BaseException as exc:  # Dagster's run termination: give the set back for a retry at once
+        with contextlib.suppress(errors.JobLeaseError):
+            batch_leases.release_many(step.service, won, f"released: interrupted by {type(exc).__name__}")
+        for x in won:
+            results[x.idempotency_key] = _batch_result(
+                step,
+                x,
+                metadata.FAILED,
+                enqueued=run.enqueued,
+                error=f"interrupted by {type(exc).__name__}; the lease was released",
+            )
+        settled.interrupt = exc
+        return False
+    write = batch_leases.complete_many(step.service, won)
+    lost = {x.idempotency_key for x in write.lost}
+    for x in won:
+        if x.idempotency_key in lost:
+            results[x.idempotency_key] = _batch_result(
+                step,
+                x,
+                metadata.LOST,
+                enqueued=run.enqueued,
+                error="LostLeaseError: the lease was taken over before the set completed",
+            )
+        else:
+            results[x.idempotency_key] = _batch_result(
+                step,
+                x,
+                metadata.RECLAIMED if x.reclaimed else metadata.WON,
+                enqueued=run.enqueued,
+                result=value,
+                winner_run_id=step.run_id,
+            )
+    return True
+
+
+def _settle_batch(step: _Step, jobs: Sequence[identity.JobIdentity]) -> _Settled:
+    """Batch mode: claim every key in one statement, call the body once with the keys won; keys held by a
+    live holder are claimed again until the bounded wait ends, and the keys won then go to a further
+    call. Keys already succeeded are skipped. Ranges above the batch size are claimed in chunks."""
+    results: dict[str, metadata.LeasedResult] = {}
+    settled = _Settled([])
+    deadline = time.monotonic() + step.held_wait_ms / 1000
+    delay = _FIRST_POLL_S
+    pending = list(jobs)
+    announced = False
+    go_on = True
+    while pending and go_on:
+        waiting: list[identity.JobIdentity] = []
+        for start in range(0, len(pending), batch_leases.MAX_BATCH_KEYS):
+            chunk = pending[start : start + batch_leases.MAX_BATCH_KEYS]
+            claim = batch_leases.claim_many(
+                step.service, chunk, lease_ms=step.timing.lease_ms, heartbeat_ms=step.timing.heartbeat_ms
+            )
+            for refused in claim.refused:
+                job = refused.identity
+                if refused.reason is lease.NotAcquiredReason.SUCCEEDED:
+                    results[job.idempotency_key] = metadata.LeasedResult(
+                        code=job.code,
+                        partition_key=job.run_key,
+                        idempotency_key=job.idempotency_key,
+                        outcome=metadata.SKIPPED_SUCCEEDED,
+                        attempt=refused.attempt,
+                        outbox=metadata.OUTBOX_NOT_ENQUEUED,
+                        holder=refused.holder,
+                        winner_run_id=_winner_run_id(refused.holder),
+                    )
+                else:
+                    waiting.append(job)
+            if claim.leases and not _call_batch(step, claim.leases, results, settled):
+                go_on = False
+                break
+        if not go_on or not waiting:
+            pending = waiting
+            break
+        retry_now = False
+        for job in waiting:
+            row = _read_row(step.resource.engine, job.idempotency_key)
+            if row is not None and row.status == lease.LeaseStatus.RUNNING.value:
+                retry_now = _take_over_if_dead(step, job, row) or retry_now
+        pending = waiting
+        if time.monotonic() >= deadline and not retry_now:
+            break
+        if not announced:
+            announced = True
+            step.context.log.info(
+                f"joblease: {len(waiting)} keys are held by another holder; waiting up to "
+                f"{step.held_wait_ms} ms for them (the keys won then go to a further call)"
+            )
+        if not retry_now:
+            time.sleep(max(0.0, min(delay, deadline - time.monotonic())))
+            delay = min(delay * 2, _MAX_POLL_S)
+    for job in pending:
+        if job.idempotency_key in results:
+            continue
+        row = None
+        with contextlib.suppress(errors.StorageError):
+            row = _read_row(step.resource.engine, job.idempotency_key)
+        if go_on:
+            results[job.idempotency_key] = _plain_result(
+                job, metadata.HELD, holder=row.holder if row else None, error=_held_error(step, job, row)
+            )
+    settled.results = [
+        results.get(job.idempotency_key) or _plain_result(job, metadata.NOT_ATTEMPTED) for job in jobs
+    ]
+    return settled
+
+
 def _step_for(
     context: AnyContext,
     resource: JobLeaseResource,
@@ -701,6 +937,7 @@ def _settle(
     heartbeat_ms: int | None,
     held_wait_ms: int | None,
     max_failures_in_a_row: int,
+    batch: bool = False,
 ) -> _Settled:
     """Settle every key of this step and record it (the step's engine event, the run's tags)."""
     op_context = _op_context(context)
@@ -715,7 +952,7 @@ def _settle(
     if _report_step(op_context, settled.results) is not None:
         settle_run_tags(op_context.instance, op_context.run_id)
     try:
-        settled = _settle_per_key(step, jobs)
+        settled = _settle_batch(step, jobs) if batch else _settle_per_key(step, jobs)
     finally:
         # Whatever happened (even an error of our own), the step says what each key came to.
         _log_results(step, settled.results)
@@ -777,6 +1014,7 @@ def run_leased(
     heartbeat_ms: int | None = None,
     held_wait_ms: int | None = None,
     max_failures_in_a_row: int = DEFAULT_MAX_FAILURES_IN_A_ROW,
+    batch: bool = False,
 ) -> list[metadata.LeasedResult]:
     """Run ``fn`` once per partition key of this run (one lease per key), or once for an INITIAL job.
 
@@ -787,10 +1025,22 @@ def run_leased(
     idempotency key); a range goes on with its other keys unless ``max_failures_in_a_row`` keys fail one
     after the other. If any key is not done, :class:`dagster.Failure` (retryable) names them, with the
     body's first exception as its cause; the step's metadata has every key's outcome.
+
+    ``batch=True``: ``fn`` gets a :class:`LeasedBatch` (the keys this run won, at once) instead; see
+    the module docstring.
     """
     _check_max_failures(max_failures_in_a_row)
     settled = _settle(
-        context, resource, code, fn, initial, lease_ms, heartbeat_ms, held_wait_ms, max_failures_in_a_row
+        context,
+        resource,
+        code,
+        fn,
+        initial,
+        lease_ms,
+        heartbeat_ms,
+        held_wait_ms,
+        max_failures_in_a_row,
+        batch,
     )
     _raise_not_done(settled, metadata.step_metadata(settled.results))
     return settled.results
@@ -815,8 +1065,9 @@ def leased_op(
     heartbeat_ms: int | None = None,
     held_wait_ms: int | None = None,
     max_failures_in_a_row: int = DEFAULT_MAX_FAILURES_IN_A_ROW,
+    batch: bool = False,
     **op_kwargs: Any,
-) -> Callable[[Callable[[LeasedRun], Any]], dg.OpDefinition]:
+) -> Callable[[Callable[[Any], Any]], dg.OpDefinition]:
     """Decorate ``fn(run: LeasedRun)`` into an op that runs it under the lease for each partition key.
 
     The op's output is the list of :class:`LeasedResult` (with output metadata: outcome, winner run,
@@ -839,7 +1090,7 @@ def leased_op(
     _check_max_failures(max_failures_in_a_row)
     tags = {metadata.TAG_CODE: code, **op_kwargs.pop("tags", {})}
 
-    def decorate(fn: Callable[[LeasedRun], Any]) -> dg.OpDefinition:
+    def decorate(fn: Callable[[Any], Any]) -> dg.OpDefinition:
         def _leased(context: OpExecutionContext) -> dg.Output[list[metadata.LeasedResult]]:
             results = run_leased(
                 context,
@@ -851,6 +1102,7 @@ def leased_op(
                 heartbeat_ms=heartbeat_ms,
                 held_wait_ms=held_wait_ms,
                 max_failures_in_a_row=max_failures_in_a_row,
+                batch=batch,
             )
             return dg.Output(results, metadata=metadata.step_metadata(results))
 
@@ -939,8 +1191,9 @@ def leased_asset(
     heartbeat_ms: int | None = None,
     held_wait_ms: int | None = None,
     max_failures_in_a_row: int = DEFAULT_MAX_FAILURES_IN_A_ROW,
+    batch: bool = False,
     **asset_kwargs: Any,
-) -> Callable[[Callable[[LeasedRun], Any]], dg.AssetsDefinition]:
+) -> Callable[[Callable[[Any], Any]], dg.AssetsDefinition]:
     """Decorate ``fn(run: LeasedRun)`` into an asset that takes one lease per partition key.
 
     When every key of the run is done (by this run, or already by another), the asset's output is produced:
@@ -961,7 +1214,7 @@ def leased_asset(
     _check_max_failures(max_failures_in_a_row)
     op_tags = {metadata.TAG_CODE: code, **asset_kwargs.pop("op_tags", {})}
 
-    def decorate(fn: Callable[[LeasedRun], Any]) -> dg.AssetsDefinition:
+    def decorate(fn: Callable[[Any], Any]) -> dg.AssetsDefinition:
         def _leased(
             context: AssetExecutionContext,
         ) -> Iterator[dg.MaterializeResult[Any] | dg.AssetMaterialization]:
@@ -975,6 +1228,7 @@ def leased_asset(
                 heartbeat_ms,
                 held_wait_ms,
                 max_failures_in_a_row,
+                batch,
             )
             # Yielded, not logged: events logged with log_event are flushed only when the step yields or
             # ends, and a raise right after would drop them.

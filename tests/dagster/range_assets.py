@@ -14,7 +14,7 @@ from pathlib import Path
 
 import dagster as dg
 
-from dagster_joblease.dagster import JobLeaseResource, LeasedRun, leased_asset, leased_op
+from dagster_joblease.dagster import JobLeaseResource, LeasedBatch, LeasedRun, leased_asset, leased_op
 
 FAIL_ENV = "JOBLEASE_RANGE_FAIL"
 BLOCK_ENV = "JOBLEASE_RANGE_BLOCK"
@@ -52,6 +52,23 @@ def enqueue_day(run: LeasedRun) -> str:
 range_asset = leased_asset(
     code="t-range", name="range_asset", partitions_def=days, backfill_policy=SINGLE_RUN
 )(enqueue_day)
+
+
+def enqueue_days(run: LeasedBatch) -> int:
+    """Batch mode: every key this call won, in one fenced transaction with one multi-row outbox INSERT."""
+    keys = [k or "initial" for k in run.partition_keys]
+    _steer(keys)
+    with run.transaction() as conn:
+        run.enqueue_many(
+            conn, topic=TOPIC, payloads={k: {"day": k, "code": "t-batch"} for k in run.partition_keys}
+        )
+    return len(keys)
+
+
+batch_asset = leased_asset(
+    code="t-batch", name="batch_asset", partitions_def=days, backfill_policy=SINGLE_RUN, batch=True
+)(enqueue_days)
+
 
 # Seen case 1 of the range issue: a leased asset and a leased, eager downstream, both single-run. Static
 # keys (named like days): AutomationCondition.eager() looks only at a time partitioning's latest window, and
@@ -104,7 +121,7 @@ def two_parallel_ops_job() -> None:
 
 
 defs = dg.Definitions(
-    assets=[range_asset, up, down],
+    assets=[range_asset, batch_asset, up, down],
     jobs=[daily_job, static_job, dynamic_job, two_parallel_ops_job],
     resources={"joblease": JobLeaseResource()},
 )
