@@ -429,7 +429,7 @@ def main(argv: list[str] | None = None) -> int:
     )
     add_arguments(parser)
     parser.add_argument(
-        "--deliver-rows", type=int, default=None, help="rows per delivery round (default 1,000)"
+        "--deliver-rows", type=int, default=None, help="rows per delivery round (default 500)"
     )
     parser.add_argument("--sent-rows", type=int, default=None, help="sent rows for the claim latency")
     args = parser.parse_args(argv)
@@ -441,7 +441,7 @@ def main(argv: list[str] | None = None) -> int:
         rounds=args.rounds,
         seconds=args.seconds,
         processes=[int(x) for x in args.processes.split(",")],
-        deliver_rows=args.deliver_rows or (5_000 if args.long else 1_000),
+        deliver_rows=args.deliver_rows or (5_000 if args.long else 500),
         sent_rows=args.sent_rows or (1_000_000 if args.long else 200_000),
     )
     print_figures("outbox enqueue and delivery", figures, args.rounds, started)

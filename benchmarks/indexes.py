@@ -53,26 +53,29 @@ TABLES = ("joblease_lease", "joblease_outbox")
 
 def fill(url: str, rows: int) -> None:
     """``rows`` finished leases over 20 codes and ``rows`` sent outbox rows over 5 topics, with a few live
-    ones: 200 RUNNING (20 expired), 50 FAIL, 1,000 PENDING, 100 DEAD."""
+    ones: 200 RUNNING (20 expired), 50 FAIL, 1,000 PENDING, 100 DEAD. Finished and sent rows are from the
+    last day, 1% from 30 days ago: what a regular purge with a 7-day window finds."""
     with psycopg.connect(dsn(url), autocommit=True) as conn:
         conn.execute(
             "INSERT INTO joblease_lease (lock_key, job_type, code, run_key, status, owner_token, attempt, "
             "lease_ms, holder, created_at, acquired_at, heartbeat_at, expires_at, finished_at) "
-            "SELECT 'v2:' || encode(sha256(('k' || g)::bytea), 'hex'), 'SCHEDULE', 'code-' || (g % 20), "
+            "SELECT 'v2:' || encode(sha256(('k' || g)::bytea), 'hex'), 'SCHEDULE', 'code-' || (g %% 20), "
             "'run-' || g, CASE WHEN g <= 200 THEN 'RUNNING' WHEN g <= 250 THEN 'FAIL' ELSE 'SUCCESS' END, "
             "md5(g::text), 1, 60000, 'h', now() - (g || ' s')::interval, now() - (g || ' s')::interval, "
             "now(), CASE WHEN g <= 20 THEN now() - interval '1 min' ELSE now() + interval '1 h' END, "
-            "CASE WHEN g <= 200 THEN NULL ELSE now() - (g || ' s')::interval END "
+            "CASE WHEN g <= 200 THEN NULL WHEN g %% 100 = 0 THEN now() - interval '30 days' "
+            "ELSE now() - ((g %% 86400) || ' s')::interval END "
             "FROM generate_series(1, %s) AS g",
             (rows,),
         )
         conn.execute(
             "INSERT INTO joblease_outbox (idempotency_key, topic, payload, payload_sha256, status, attempts, "
-            "next_attempt_at, created_at, updated_at, sent_at) SELECT 'v2:o' || g, 'topic-' || (g % 5), "
+            "next_attempt_at, created_at, updated_at, sent_at) SELECT 'v2:o' || g, 'topic-' || (g %% 5), "
             "jsonb_build_object('v', 1, 'order', g), md5(g::text) || md5(g::text), "
             "CASE WHEN g <= 1000 THEN 'PENDING' WHEN g <= 1100 THEN 'DEAD' ELSE 'SENT' END, 1, "
             "now() - interval '1 s', now() - (g || ' s')::interval, now(), "
-            "CASE WHEN g > 1100 THEN now() - (g || ' s')::interval END FROM generate_series(1, %s) AS g",
+            "CASE WHEN g <= 1100 THEN NULL WHEN g %% 100 = 0 THEN now() - interval '30 days' "
+            "ELSE now() - ((g %% 86400) || ' s')::interval END FROM generate_series(1, %s) AS g",
             (rows,),
         )
         conn.execute("VACUUM ANALYZE joblease_lease")
@@ -84,6 +87,7 @@ def fill(url: str, rows: int) -> None:
 
 def _queries() -> list[tuple[str, Callable[[sa.Engine], object]]]:
     day = 86_400_000
+    week = 7 * day
     out: list[tuple[str, Callable[[sa.Engine], object]]] = [
         ("leases list (newest 100)", lambda e: admin.list_leases(e)),
         ("leases list --status running", lambda e: admin.list_leases(e, status="running")),
@@ -92,18 +96,19 @@ def _queries() -> list[tuple[str, Callable[[sa.Engine], object]]]:
         ("leases list --code", lambda e: admin.list_leases(e, code="code-3")),
         ("leases show CODE (count of its SCHEDULE rows)", lambda e: _show(e)),
         (
-            "leases purge (count, then DELETE batch)",
-            lambda e: admin.purge_leases(e, finished_before_ms=day, min_replay_window_ms=day, dry_run=True),
+            "leases purge --finished-before 7d (count)",
+            lambda e: admin.purge_leases(e, finished_before_ms=week, min_replay_window_ms=day, dry_run=True),
         ),
         ("outbox stats", lambda e: admin.outbox_stats(e)),
         ("outbox list --status dead", lambda e: admin.list_outbox(e, status="dead")),
         ("outbox list --status pending", lambda e: admin.list_outbox(e, status="pending")),
         ("outbox list --topic", lambda e: admin.list_outbox(e, topic="topic-2")),
         (
-            "outbox purge (sent, count)",
-            lambda e: admin.purge_sent(e, older_than_ms=day, min_retention_ms=day, dry_run=True),
+            "outbox purge --sent-before 7d (count)",
+            lambda e: admin.purge_sent(e, older_than_ms=week, min_retention_ms=day, dry_run=True),
         ),
         ("due_summary", lambda e: outbox.due_summary(e)),
+        ("dispatcher claim (100 due of a topic, rolled back)", _claim),
         ("delivery_health (topics)", lambda e: outbox.delivery_health(e, topics=["topic-1", "topic-2"])),
     ]
     try:  # the Dagster layer's queries; skipped if the module's private helpers moved
@@ -118,6 +123,14 @@ def _queries() -> list[tuple[str, Callable[[sa.Engine], object]]]:
     except (ImportError, AttributeError):
         pass
     return out
+
+
+def _claim(engine: sa.Engine) -> None:
+    stmt = claim_statement("postgresql", token="t" * 32, limit=100, claim_ms=60_000, topics={"topic-1"})
+    with engine.connect() as conn:
+        tx = conn.begin()
+        conn.execute(stmt).all()
+        tx.rollback()
 
 
 def _show(engine: sa.Engine) -> None:
@@ -166,8 +179,6 @@ def plans(old_url: str, new_url: str) -> list[tuple[str, str, str]]:
     rows = []
     try:
         queries = _queries()
-        # The dispatcher's claim, and purge's DELETE batch, as the library builds them.
-        claim = claim_statement("postgresql", token="t", limit=100, claim_ms=60_000, topics={"topic-1"})
         for name, call in queries:
             described = []
             for engine in (old, new):
@@ -182,14 +193,6 @@ def plans(old_url: str, new_url: str) -> list[tuple[str, str, str]]:
                 except Exception as exc:  # an API another change moved: say so, keep going
                     described.append(f"skipped: {type(exc).__name__}: {str(exc)[:80]}")
             rows.append((name, described[0], described[1]))
-        described = []
-        for engine in (old, new):
-            compiled = claim.compile(dialect=engine.dialect)
-            used, seq, ms = explain(engine, str(compiled), compiled.params)
-            described.append(
-                f"{'+'.join(used) or '-'}{' seq scan ' + ', '.join(seq) if seq else ''} {ms:.1f} ms"
-            )
-        rows.append(("dispatcher claim (100 due of a topic)", described[0], described[1]))
     finally:
         old.dispose()
         new.dispose()
@@ -223,10 +226,11 @@ _ENQUEUE = (
 )
 
 
-def insert_us(url: str, table: str, reps: int) -> float:
-    """Median server execution µs of ``reps`` new claims (lease) or enqueues (outbox), rolled back."""
+def insert_cost(url: str, table: str, reps: int) -> dict[str, float]:
+    """Medians per new claim (lease) or enqueue (outbox), rolled back: server execution µs, WAL records,
+    WAL bytes and shared buffers touched. The last three do not depend on the machine's load."""
     insert, _ = psycopg_claim_sql()
-    samples = []
+    samples: dict[str, list[float]] = {"us": [], "wal records": [], "wal bytes": [], "buffers": []}
     with psycopg.connect(dsn(url)) as conn:
         conn.execute(f"TRUNCATE {table}")
         conn.commit()
@@ -237,11 +241,18 @@ def insert_us(url: str, table: str, reps: int) -> float:
                 text = json.dumps({"v": 1, "order": i, "note": "x" * 100})
                 args = (f"v2:{secrets.token_hex(8)}-{i}", text, "0" * 64)
                 sql = _ENQUEUE
-            row = conn.execute("EXPLAIN (ANALYZE, FORMAT JSON) " + sql, args).fetchone()
+            row = conn.execute("EXPLAIN (ANALYZE, BUFFERS, WAL, FORMAT JSON) " + sql, args).fetchone()
             assert row is not None
-            samples.append(float(row[0][0]["Execution Time"]) * 1000)
+            doc = row[0][0]
+            plan = doc["Plan"]
+            samples["us"].append(float(doc["Execution Time"]) * 1000)
+            samples["wal records"].append(float(plan.get("WAL Records", 0)))
+            samples["wal bytes"].append(float(plan.get("WAL Bytes", 0)))
+            samples["buffers"].append(
+                float(plan.get("Shared Hit Blocks", 0) + plan.get("Shared Read Blocks", 0))
+            )
         conn.rollback()
-    return statistics.median(samples[10:])
+    return {k: statistics.median(v[10:]) for k, v in samples.items()}
 
 
 def index_defs(url: str) -> list[tuple[str, str, str, str | None]]:
@@ -275,31 +286,32 @@ def _restore(url: str, definition: str, constraint: str | None, table: str, kind
             conn.execute(definition)
 
 
-def costs(url: str, rounds: int, reps: int) -> list[tuple[str, str, str, float, float, float]]:
-    """Per index: (table, name, definition, median µs with, median µs without, share of the insert)."""
+def costs(url: str, rounds: int, reps: int) -> list[tuple[str, str, str, dict[str, float], dict[str, float]]]:
+    """Per index: (table, name, definition, medians with it, medians without it; NaN where ON CONFLICT
+    needs it)."""
     out = []
     for table, name, definition, constraint in index_defs(url):
         kind = "PRIMARY KEY" if name.startswith("pk_") else "UNIQUE"
         needed = constraint is not None and kind == "UNIQUE"
-        with_us: list[float] = []
-        without_us: list[float] = []
+        runs: dict[bool, list[dict[str, float]]] = {True: [], False: []}
         for r in range(rounds):
             for present in (True, False) if r % 2 == 0 else (False, True):
                 if present:
-                    with_us.append(insert_us(url, table, reps))
+                    runs[True].append(insert_cost(url, table, reps))
+                    continue
+                if needed:  # ON CONFLICT (key) cannot run without its unique index
                     continue
                 _drop(url, name, constraint, table)
                 try:
-                    if needed:  # ON CONFLICT (key) cannot run without its unique index: time a plain INSERT
-                        without_us.append(float("nan"))
-                    else:
-                        without_us.append(insert_us(url, table, reps))
+                    runs[False].append(insert_cost(url, table, reps))
                 finally:
                     _restore(url, definition, constraint, table, kind)
-        w = statistics.median(with_us)
-        wo = statistics.median(without_us) if not needed else float("nan")
-        out.append((table, name, definition.split(" USING ", 1)[1], w, wo, (w - wo) / w))
-        print(f"  {name}: with {w:.0f} us, without {wo:.0f} us", flush=True)
+        keys = runs[True][0].keys()
+        with_ = {k: statistics.median(x[k] for x in runs[True]) for k in keys}
+        without = {
+            k: statistics.median(x[k] for x in runs[False]) if runs[False] else float("nan") for k in keys
+        }
+        out.append((table, name, definition.split(" USING ", 1)[1], with_, without))
     return out
 
 
@@ -314,6 +326,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--reps", type=int, default=150, help="statements timed per round (default 150)")
     parser.add_argument("--long", action="store_true", help="1,000,000 rows, 7 rounds, 400 statements")
     parser.add_argument("--skip-plans", action="store_true", help="only the per-index insert cost")
+    parser.add_argument("--plans-only", action="store_true", help="only the plans")
     args = parser.parse_args(argv)
     if args.long:
         args.rows, args.rounds, args.reps = 1_000_000, max(args.rounds, 7), max(args.reps, 400)
@@ -339,15 +352,28 @@ def main(argv: list[str] | None = None) -> int:
             width = max(len(r[0]) for r in rows)
             for name, before, after in rows:
                 print(f"{name.ljust(width)} | 0001: {before}\n{' ' * width} | head: {after}")
-        for label, url in (("head", scratch_new), ("0001", scratch_old)):
+        for label, url in () if args.plans_only else (("head", scratch_new), ("0001", scratch_old)):
             print(
-                f"\ncost of each index on the hot insert at {label} ({args.rounds} alternating rounds, "
-                f"median server execution time of {args.reps} statements; {load()})",
+                f"\ncost of each index on the hot insert at {label} ({args.rounds} alternating rounds with "
+                f"and without it, medians of {args.reps} statements; time is under load, WAL and buffers "
+                f"are not; {load()})",
                 flush=True,
             )
-            for table, name, definition, w, wo, share in costs(url, args.rounds, args.reps):
-                verdict = "needed by ON CONFLICT" if wo != wo else f"{w - wo:+.0f} us ({share:.0%})"
-                print(f"  {table:16} {name:40} {definition:55} with {w:5.0f} us  {verdict}")
+            for _table, name, definition, w, wo in costs(url, args.rounds, args.reps):
+                if wo["us"] != wo["us"]:
+                    verdict = "needed by ON CONFLICT"
+                else:
+                    verdict = (
+                        f"costs {w['us'] - wo['us']:+4.0f} us ({(w['us'] - wo['us']) / w['us']:+.0%}), "
+                        f"{w['wal records'] - wo['wal records']:+.0f} WAL records, "
+                        f"{w['wal bytes'] - wo['wal bytes']:+.0f} WAL bytes, "
+                        f"{w['buffers'] - wo['buffers']:+.0f} buffers"
+                    )
+                print(
+                    f"  {name:38} {definition[:60]:60} insert: {w['us']:4.0f} us, {w['wal records']:.0f} WAL "
+                    f"records, {w['wal bytes']:.0f} B, {w['buffers']:.0f} buffers; this index {verdict}",
+                    flush=True,
+                )
     finally:
         drop()
     print(f"\n{load()}; total runtime {time.perf_counter() - started:.0f} s")

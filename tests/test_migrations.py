@@ -175,7 +175,8 @@ def test_index_audit_upgrades_a_0001_database_with_rows_in_place(empty_engine: s
             conn.execute(
                 sa.text(
                     "INSERT INTO joblease_lease (lock_key, job_type, code, run_key, status, owner_token, "
-                    "attempt, lease_ms, holder, created_at, acquired_at, heartbeat_at, expires_at, finished_at) "
+                    "attempt, lease_ms, holder, created_at, acquired_at, heartbeat_at, expires_at, "
+                    "finished_at) "
                     f"VALUES (:key, 'SCHEDULE', 'audit', :run_key, :status, 'tok', 1, 60000, 'h', {now}, "
                     f"{now}, {now}, {expires}, {finished})"
                 ),
@@ -201,7 +202,7 @@ def test_index_audit_upgrades_a_0001_database_with_rows_in_place(empty_engine: s
     assert check_schema(empty_engine).ok
     lease_ix = _index_names(empty_engine, "joblease_lease")
     outbox_ix = _index_names(empty_engine, "joblease_outbox")
-    assert "ix_joblease_lease_finished_at" in lease_ix
+    assert {"ix_joblease_lease_finished_at", "ix_joblease_lease_live"} <= lease_ix
     assert "ix_joblease_lease_status_finished_at" not in lease_ix
     assert "ix_joblease_outbox_dead" in outbox_ix
     assert "ix_joblease_outbox_status_topic" not in outbox_ix
@@ -216,6 +217,8 @@ def test_index_audit_upgrades_a_0001_database_with_rows_in_place(empty_engine: s
     assert outbox.delivery_health(empty_engine, topics=["billing"]).dead == 1
     assert [r.idempotency_key for r in admin.list_outbox(empty_engine, status="dead")] == ["v2:d"]
     assert [r.idempotency_key for r in admin.list_outbox(empty_engine, status="pending")] == ["v2:p"]
+    running = admin.list_leases(empty_engine, status="running")
+    assert sorted(r.run_key for r in running) == ["fresh", "held"]
 
 
 def test_index_audit_downgrades_to_0001_indexes(empty_engine: sa.Engine) -> None:
@@ -229,5 +232,6 @@ def test_index_audit_downgrades_to_0001_indexes(empty_engine: sa.Engine) -> None
     assert "ix_joblease_lease_status_finished_at" in _index_names(empty_engine, "joblease_lease")
     assert "ix_joblease_outbox_status_topic" in _index_names(empty_engine, "joblease_outbox")
     assert "ix_joblease_outbox_dead" not in _index_names(empty_engine, "joblease_outbox")
+    assert "ix_joblease_lease_live" not in _index_names(empty_engine, "joblease_lease")
     migrate(empty_engine)
     assert check_schema(empty_engine).ok

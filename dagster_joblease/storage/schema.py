@@ -71,9 +71,17 @@ lease_table = sa.Table(
     # benchmarks/indexes.py measures each one's cost on the claim and shows the plan of each query below.
     # The primary key: heartbeat, release, finish, takeover and `leases show ID` address a lease by id.
     # uq(lock_key): the claim's ON CONFLICT (lock_key) and every lookup by key.
-    # (code, run_key): reconciliation (a code's FAIL/RUNNING rows; catch-up's "which run keys of this code
-    # have a row", any status), `leases list --code`, `leases show CODE`.
+    # (code, run_key): reconciliation's catch-up ("which run keys of this code have a row", any status),
+    # `leases list --code`, `leases show CODE`.
     sa.Index("ix_joblease_lease_code_run_key", "code", "run_key"),
+    # Live rows only (RUNNING or FAIL: a few, however many finished): reconciliation (a code's FAIL/RUNNING
+    # rows), `leases list --status running|fail`, `leases list --expired`. Claims write it; it stays small.
+    sa.Index(
+        "ix_joblease_lease_live",
+        "code",
+        postgresql_where=sa.text("status IN ('RUNNING', 'FAIL')"),
+        sqlite_where=sa.text("status IN ('RUNNING', 'FAIL')"),
+    ),
     # Finished rows only: `leases purge` (finished_at < cutoff). A claim leaves finished_at NULL, so the
     # claim never writes this index; a finish does.
     sa.Index(

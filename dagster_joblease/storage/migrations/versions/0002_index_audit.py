@@ -1,26 +1,28 @@
-"""Index audit: the two secondary indexes that every claim and every enqueue paid for become partial.
+"""Index audit: the two full secondary indexes that every claim and every enqueue wrote are split by state.
 
-``ix_joblease_lease_status_finished_at`` (status, finished_at) held every lease row, so each claim's
-INSERT (a RUNNING row, ``finished_at`` NULL) wrote an entry no query needs: the only reader by
-``finished_at`` is ``leases purge``, which looks for finished rows. It becomes
-``ix_joblease_lease_finished_at`` on ``finished_at`` WHERE ``finished_at IS NOT NULL`` (a RUNNING row never
-has one: a claim leaves it NULL and a reclaim resets it), written when a lease finishes, not when it is
-claimed. Any ``finished_at < x`` comparison implies the predicate, so the planner uses it even in a
-generic prepared plan.
+``ix_joblease_lease_status_finished_at`` (status, finished_at) held every lease row, however long finished,
+for two kinds of reader: ``leases purge`` (finished rows, by ``finished_at``) and the readers of live rows
+(reconciliation's FAIL/RUNNING rows of a code, ``leases list --status running|fail`` and ``--expired``).
+It becomes two partial indexes:
+
+* ``ix_joblease_lease_live`` on ``code`` WHERE ``status IN ('RUNNING', 'FAIL')``: what claims write, and
+  it holds the live rows only, so it stays a few pages however many leases have finished;
+* ``ix_joblease_lease_finished_at`` on ``finished_at`` WHERE ``finished_at IS NOT NULL``: written when a
+  lease finishes, never by a claim (a claim leaves ``finished_at`` NULL, a reclaim resets it). Any
+  ``finished_at < x`` implies the predicate, so a generic prepared plan can use it too.
 
 ``ix_joblease_outbox_status_topic`` (status, topic) held every outbox row, so each enqueue (a PENDING row)
 wrote an entry; pending rows are read through ``ix_joblease_outbox_due``, and what needed (status, topic)
 is the dead-row readers (``delivery_health``, the ``no_dead_rows`` check, ``outbox requeue --topic``,
 ``outbox list --status dead``). It becomes ``ix_joblease_outbox_dead`` on ``topic`` WHERE
-``status = 'DEAD'``, written when a row is dead-lettered.
+``status = 'DEAD'``, written when a row is dead-lettered: an enqueue writes one index fewer.
 
-Listing RUNNING leases (``leases list --status running`` / ``--expired``) and ``outbox stats`` read the
-table instead of an index afterwards: admin commands, measured at 1,000,000 rows in
-``benchmarks/indexes.py``; no claim or enqueue pays for them any more.
+``outbox stats`` (counts by topic and status) reads the table instead of that index afterwards: an admin
+command, timed at scale by ``benchmarks/indexes.py``.
 
 Existing rows keep working: the new indexes are built from the rows already there. On a large table,
-build them by hand first with ``CREATE INDEX CONCURRENTLY`` under the same names and predicates; the
-migration then only drops the old ones (``IF NOT EXISTS``).
+build them by hand first with ``CREATE INDEX CONCURRENTLY`` under the same names and predicates
+(docs/operations.md, "Indexes"); the migration then skips them (``IF NOT EXISTS``) and drops the old ones.
 
 Revision ID: 0002
 Revises: 0001
@@ -39,6 +41,14 @@ depends_on = None
 
 
 def upgrade() -> None:
+    op.create_index(
+        "ix_joblease_lease_live",
+        "joblease_lease",
+        ["code"],
+        postgresql_where=sa.text("status IN ('RUNNING', 'FAIL')"),
+        sqlite_where=sa.text("status IN ('RUNNING', 'FAIL')"),
+        if_not_exists=True,
+    )
     op.create_index(
         "ix_joblease_lease_finished_at",
         "joblease_lease",
@@ -64,3 +74,4 @@ def downgrade() -> None:
     op.drop_index("ix_joblease_outbox_dead", table_name="joblease_outbox")
     op.create_index("ix_joblease_lease_status_finished_at", "joblease_lease", ["status", "finished_at"])
     op.drop_index("ix_joblease_lease_finished_at", table_name="joblease_lease")
+    op.drop_index("ix_joblease_lease_live", table_name="joblease_lease")
