@@ -5,18 +5,19 @@
 Two parts, on scratch databases dropped at the end:
 
 1. **Plans.** Two databases hold the same rows (finished leases and sent outbox rows, plus a few running,
-   failed, pending and dead ones): one at migration 0001, one at head. Each query the library runs on
-   these tables (listing, show, purge, reconciliation, outbox stats and listing, delivery health, the
-   dispatcher's claim) is captured from the library's own call (a SQLAlchemy cursor event) and run again
-   under ``EXPLAIN ANALYZE`` in a rolled-back transaction on both; the table prints the indexes each plan
-   used, any sequential scan, and the execution time.
+   failed, pending and dead ones): one at the revision before the index audit (0002), one at head. Each
+   query the library runs on these tables (listing, show, purge, reconciliation, outbox stats and listing,
+   delivery health, the dispatcher's claim) is captured from the library's own call (a SQLAlchemy
+   cursor event) and run again under ``EXPLAIN ANALYZE`` in a rolled-back transaction on both; the table
+   prints the indexes each plan used, any sequential scan, and the execution time.
 2. **Cost on the hot insert.** For each secondary index of ``joblease_lease`` and ``joblease_outbox`` at
-   head and at 0001, rounds alternate *with* and *without* that index on an emptied scratch table (dropped
-   and re-created between rounds, so load drifts over both alike): the server execution time of the
-   library's claim statement / enqueue INSERT (``EXPLAIN ANALYZE`` of ``--reps`` new keys in one
-   transaction, rolled back; no commit flush and no round trip, which dominate a busy machine and hide an
-   index's share). The unique indexes that ``ON CONFLICT`` needs and the primary keys are measured too,
-   for scale, though no claim or enqueue could run without them.
+   head and before the audit, rounds alternate *with* and *without* that index on an emptied scratch
+   table (dropped and re-created between rounds, so load drifts over both alike): per claim statement /
+   enqueue INSERT (``EXPLAIN (ANALYZE, BUFFERS, WAL)`` of ``--reps`` new keys in one transaction, rolled
+   back) the server execution time, and the WAL records, WAL bytes and buffers it touched, which do not
+   depend on the machine's load (the time does; the commit flush and the round trip, which dominate a
+   busy machine and hide an index's share, are left out). The primary keys are measured too, for scale;
+   the unique indexes that ``ON CONFLICT`` needs cannot be left out.
 """
 
 from __future__ import annotations
@@ -46,6 +47,8 @@ from dagster_joblease.lease import psycopg_claim_sql
 from dagster_joblease.storage import create_engine, migrate
 
 TABLES = ("joblease_lease", "joblease_outbox")
+#: The revision just before the index audit (0003): the "before" side of every comparison.
+BEFORE_AUDIT = "0002"
 
 
 # -- data ---------------------------------------------------------------------------------------------
@@ -117,7 +120,7 @@ def _queries() -> list[tuple[str, Callable[[sa.Engine], object]]]:
         out.append(
             (
                 "reconciliation: FAIL/RUNNING rows of a code",
-                lambda e: reconcile._lease_candidates(e, None, "code-3", 7 * day, 10**12),  # type: ignore[arg-type]
+                lambda e: reconcile._lease_candidates(e, None, "code-3", 7 * day, 10**12, None),  # type: ignore[arg-type]
             )
         )
     except (ImportError, AttributeError):
@@ -335,9 +338,9 @@ def main(argv: list[str] | None = None) -> int:
     print(load(), flush=True)
     try:
         for url, revision in (
-            (old_url, "0001"),
+            (old_url, BEFORE_AUDIT),
             (new_url, "head"),
-            (scratch_old, "0001"),
+            (scratch_old, BEFORE_AUDIT),
             (scratch_new, "head"),
         ):
             engine = create_engine(url, poolclass=sa.pool.NullPool)
@@ -351,8 +354,8 @@ def main(argv: list[str] | None = None) -> int:
             print(f"\nplans with {args.rows:,} finished leases and sent rows: indexes used, seq scans, time")
             width = max(len(r[0]) for r in rows)
             for name, before, after in rows:
-                print(f"{name.ljust(width)} | 0001: {before}\n{' ' * width} | head: {after}")
-        for label, url in () if args.plans_only else (("head", scratch_new), ("0001", scratch_old)):
+                print(f"{name.ljust(width)} | {BEFORE_AUDIT}: {before}\n{' ' * width} | head: {after}")
+        for label, url in () if args.plans_only else (("head", scratch_new), (BEFORE_AUDIT, scratch_old)):
             print(
                 f"\ncost of each index on the hot insert at {label} ({args.rounds} alternating rounds with "
                 f"and without it, medians of {args.reps} statements; time is under load, WAL and buffers "

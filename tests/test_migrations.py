@@ -221,14 +221,14 @@ def test_index_audit_upgrades_a_0001_database_with_rows_in_place(empty_engine: s
     assert sorted(r.run_key for r in running) == ["fresh", "held"]
 
 
-def test_index_audit_downgrades_to_0001_indexes(empty_engine: sa.Engine) -> None:
+def test_index_audit_downgrades_to_the_previous_indexes(empty_engine: sa.Engine) -> None:
     migrate(empty_engine)
     from alembic import command
 
     from dagster_joblease.storage.migrate import _config
 
     with empty_engine.begin() as conn:
-        command.downgrade(_config(conn), "0001")
+        command.downgrade(_config(conn), "0002")  # the revision before the index audit
     assert "ix_joblease_lease_status_finished_at" in _index_names(empty_engine, "joblease_lease")
     assert "ix_joblease_outbox_status_topic" in _index_names(empty_engine, "joblease_outbox")
     assert "ix_joblease_outbox_dead" not in _index_names(empty_engine, "joblease_outbox")

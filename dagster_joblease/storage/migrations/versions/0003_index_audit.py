@@ -24,8 +24,8 @@ Existing rows keep working: the new indexes are built from the rows already ther
 build them by hand first with ``CREATE INDEX CONCURRENTLY`` under the same names and predicates
 (docs/operations.md, "Indexes"); the migration then skips them (``IF NOT EXISTS``) and drops the old ones.
 
-Revision ID: 0002
-Revises: 0001
+Revision ID: 0003
+Revises: 0002
 Deploy: before or after the code (no query's result changes; only which index serves it).
 """
 
@@ -34,8 +34,8 @@ from __future__ import annotations
 import sqlalchemy as sa
 from alembic import op
 
-revision = "0002"
-down_revision = "0001"
+revision = "0003"
+down_revision = "0002"
 branch_labels = None
 depends_on = None
 
