@@ -19,10 +19,11 @@ the time to claim all N leases, heartbeat them once, enqueue one outbox row per 
   one for the completion. No conflict handling, no validation, no fencing: the least work that writes
   the same rows.
 
-Every size alternates the sides round by round (the order rotates), prints the median of each, the
-batch/floor ratio (goal: <= 1.5 at 1,000 and 10,000) and the speedup of batch over the per-key loop; the
-tables are emptied between measurements (outside the timing). ``--loop-max`` skips the per-key loop above
-that size (it makes 4 N round trips and N commits).
+Every size runs the sides in rotated rounds (``benchmarks.harness.rotate``) and prints each side's wall
+time beside the floor's, median (min-max), the per-round ratio (goal: batch <= 1.5x the floor at 1,000 and
+10,000 days), client CPU, and the speedup over the per-key loop; then the median time of each phase. The
+tables are emptied (and analyzed) before every measurement, outside the timing. ``--loop-max`` skips
+the per-key loop above that size (it makes 4 N round trips and N commits).
 """
 
 from __future__ import annotations
@@ -36,12 +37,27 @@ import statistics
 import sys
 import time
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import psycopg
-from report import dsn, print_table
-from sqlalchemy.engine import URL, make_url
+from sqlalchemy.engine import URL
 
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from benchmarks import lease as lease_bench
+from benchmarks.harness import (
+    Figure,
+    Sample,
+    cells,
+    figure,
+    load,
+    machine,
+    pg_settings,
+    print_figures,
+    rotate,
+)
+from benchmarks.report import dsn, print_table
 from dagster_joblease.batch import (
     claim_many,
     complete_many,
@@ -51,14 +67,14 @@ from dagster_joblease.batch import (
 from dagster_joblease.identity import JobIdentity
 from dagster_joblease.lease import LeaseService
 from dagster_joblease.outbox import OutboxItem, enqueue_many, enqueue_once
-from dagster_joblease.storage import create_engine, migrate, redact_url
+from dagster_joblease.storage import create_engine, migrate
 
-DEFAULT_URL = "postgresql+psycopg://postgres@127.0.0.1:5432/postgres"
 LEASE_MS = 3_600_000
 HEARTBEAT_MS = 60_000
 TOPIC = "billing.daily"
 
 Phases = dict[str, float]
+PHASES = ("claim", "heartbeat", "enqueue", "complete")
 
 _FLOOR_TABLES = (
     "CREATE TABLE floor_lease (LIKE joblease_lease INCLUDING ALL)",
@@ -85,11 +101,6 @@ _FLOOR_COMPLETE = (
     "UPDATE floor_lease SET status = 'SUCCESS', finished_at = clock_timestamp(), last_error = NULL "
     "WHERE id = ANY(%s)"
 )
-
-
-def _admin(server: URL, sql: str) -> None:
-    with psycopg.connect(dsn(server.set(database="postgres")), autocommit=True) as conn:
-        conn.execute(sql)
 
 
 def _days(count: int, code: str) -> list[JobIdentity]:
@@ -184,10 +195,98 @@ def _floor(conn: psycopg.Connection[Any], jobs: list[JobIdentity]) -> Phases:
 
 def _empty(conn: psycopg.Connection[Any]) -> None:
     conn.execute("TRUNCATE joblease_lease, joblease_outbox, floor_lease, floor_outbox")
-    conn.execute("VACUUM ANALYZE joblease_lease")
-    conn.execute("VACUUM ANALYZE joblease_outbox")
-    conn.execute("VACUUM ANALYZE floor_lease")
-    conn.execute("VACUUM ANALYZE floor_outbox")
+    for table in ("joblease_lease", "joblease_outbox", "floor_lease", "floor_outbox"):
+        conn.execute(f"VACUUM ANALYZE {table}")
+
+
+def _timed(
+    run: Callable[[list[JobIdentity]], Phases], jobs: list[JobIdentity], phases: list[Phases]
+) -> Sample:
+    """One measurement as a Sample: ``rate`` holds the wall time in ms (a cost: lower is better),
+    ``cpu_us`` the client CPU of the whole range in µs."""
+    cpu0, t0 = time.process_time(), time.perf_counter()
+    phases.append(run(jobs))
+    return Sample((time.perf_counter() - t0) * 1000, (time.process_time() - cpu0) * 1e6)
+
+
+def _size(
+    service: LeaseService, floor_conn: psycopg.Connection[Any], size: int, rounds: int, loop: bool
+) -> tuple[list[Figure], list[tuple[str, ...]]]:
+    """The figures (each side beside the floor) and the per-phase rows of one range size."""
+    runs: dict[str, Callable[[list[JobIdentity]], Phases]] = {
+        "floor": lambda jobs: _floor(floor_conn, jobs),
+        "batch": lambda jobs: _batch(service, jobs, fence=False),
+        "batch+fence": lambda jobs: _batch(service, jobs, fence=True),
+    }
+    if loop:
+        runs["per-key"] = lambda jobs: _per_key(service, jobs)
+    phases: dict[str, list[Phases]] = {name: [] for name in runs}
+    counter = iter(range(10**9))
+
+    def side(name: str) -> Callable[[], Sample]:
+        def measure() -> Sample:
+            _empty(floor_conn)
+            jobs = _days(size, f"bench-{name}-{next(counter)}")
+            return _timed(runs[name], jobs, phases[name])
+
+        return measure
+
+    got = rotate(rounds, {name: side(name) for name in runs})
+    per_key = statistics.median(s.rate for s in got["per-key"]) if "per-key" in got else None
+    figures = []
+    for name in runs:
+        if name == "floor":
+            continue
+        median = statistics.median(s.rate for s in got[name])
+        note = f"{median / size * 1000:,.0f} us per day"
+        if per_key is not None and name != "per-key":
+            note += f"; {per_key / median:.1f}x faster than the per-key loop"
+        fig = figure(
+            f"{size:,} days: {name}",
+            1,
+            "floor",
+            got["floor"],
+            got[name],
+            unit="ms",
+            lower_is_better=True,
+            goal=1.5 if name == "batch" and size >= 1_000 else None,
+            note=note,
+        )
+        figures.append(fig)
+        print("  " + " | ".join(cells(fig)), flush=True)
+    rows = []
+    for name in runs:
+        split = [statistics.median(m.get(p, 0.0) for m in phases[name]) for p in PHASES]
+        rows.append((f"{size:,}", name, *(f"{v * 1000:,.1f}" for v in split)))
+    return figures, rows
+
+
+def suite(server: URL, *, rounds: int, sizes: list[int], loop_max: int) -> list[Figure]:
+    """Every figure of this benchmark (printed as it goes), and the per-phase table at the end."""
+    urls, drop = lease_bench.databases(server, 1)
+    figures: list[Figure] = []
+    phase_rows: list[tuple[str, ...]] = []
+    started = time.perf_counter()
+    engine = create_engine(urls[0])
+    try:
+        migrate(engine)
+        service = LeaseService(engine, lease_ms=LEASE_MS, heartbeat_ms=HEARTBEAT_MS, holder="bench")
+        with psycopg.connect(dsn(urls[0]), autocommit=True) as floor_conn:
+            for sql in _FLOOR_TABLES:
+                floor_conn.execute(sql)
+            # Warm up every path once (connections, compiled statements, prepared plans).
+            _batch(service, _days(20, "warmup"), fence=True)
+            _per_key(service, _days(5, "warmup-loop"))
+            _floor(floor_conn, _days(20, "warmup-floor"))
+            for size in sizes:
+                got_figures, got_phases = _size(service, floor_conn, size, rounds, size <= loop_max)
+                figures += got_figures
+                phase_rows += got_phases
+    finally:
+        engine.dispose()
+        drop()
+    print_table(("days", "side", *(f"{p} ms" for p in PHASES)), phase_rows, started)
+    return figures
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -197,96 +296,20 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--sizes", default="100,1000,10000", help="range sizes in days (default 100,1000,10000)"
     )
-    parser.add_argument("--rounds", type=int, default=3, help="alternating rounds per size (default 3)")
+    parser.add_argument("--rounds", type=int, default=3, help="rotated rounds per size (default 3)")
     parser.add_argument("--loop-max", type=int, default=10_000, help="largest size the per-key loop runs at")
     args = parser.parse_args(argv)
-    sizes = [int(x) for x in args.sizes.split(",")]
-
-    server = make_url(os.environ.get("JOBLEASE_BENCH_PG_URL", DEFAULT_URL)).set(
-        drivername="postgresql+psycopg"
-    )
-    name = f"joblease_bench_range_{os.getpid()}"
-    url = server.set(database=name)
-    _admin(server, f'CREATE DATABASE "{name}"')
+    server = lease_bench.server_url()
+    with psycopg.connect(dsn(server)) as conn:
+        described = machine(pg_settings(conn))
     started = time.perf_counter()
-    table: list[tuple[str, ...]] = []
-    phase_rows: list[tuple[str, ...]] = []
-    engine = create_engine(url.render_as_string(hide_password=False))
-    try:
-        migrate(engine)
-        service = LeaseService(engine, lease_ms=LEASE_MS, heartbeat_ms=HEARTBEAT_MS, holder="bench")
-        with psycopg.connect(dsn(url), autocommit=True) as floor_conn:
-            for sql in _FLOOR_TABLES:
-                floor_conn.execute(sql)
-            settings = {
-                k: floor_conn.execute(f"SHOW {k}").fetchone()[0]  # type: ignore[index]
-                for k in ("server_version", "synchronous_commit", "fsync")
-            }
-            print(
-                f"PostgreSQL {redact_url(server)} {settings}; {os.cpu_count()} CPUs; {args.rounds} "
-                "alternating rounds per size, medians. The machine may be shared and loaded: figures are "
-                "noisy.",
-                flush=True,
-            )
-            # Warm up every path once (connections, compiled statements, prepared plans).
-            _batch(service, _days(20, "warmup"), fence=True)
-            _per_key(service, _days(5, "warmup-loop"))
-            _floor(floor_conn, _days(20, "warmup-floor"))
-            for size in sizes:
-                sides: list[tuple[str, Callable[[list[JobIdentity]], Phases]]] = [
-                    ("floor", lambda jobs: _floor(floor_conn, jobs)),
-                    ("batch", lambda jobs: _batch(service, jobs, fence=False)),
-                    ("batch+fence", lambda jobs: _batch(service, jobs, fence=True)),
-                ]
-                if size <= args.loop_max:
-                    sides.append(("per-key", lambda jobs: _per_key(service, jobs)))
-                wall: dict[str, list[float]] = {side: [] for side, _ in sides}
-                cpu: dict[str, list[float]] = {side: [] for side, _ in sides}
-                phases: dict[str, list[Phases]] = {side: [] for side, _ in sides}
-                for round_ in range(args.rounds):
-                    shift = round_ % len(sides)
-                    for side, run in sides[shift:] + sides[:shift]:
-                        _empty(floor_conn)
-                        jobs = _days(size, f"bench-{side}-{round_}")
-                        cpu0, t0 = time.process_time(), time.perf_counter()
-                        measured = run(jobs)
-                        wall[side].append(time.perf_counter() - t0)
-                        cpu[side].append(time.process_time() - cpu0)
-                        phases[side].append(measured)
-                    print(f"  {size} days, round {round_ + 1}/{args.rounds} done", flush=True)
-                med = {side: statistics.median(v) for side, v in wall.items()}
-                floor = med["floor"]
-                for side, _ in sides:
-                    ratio = med[side] / floor
-                    goal = "-"
-                    if side == "batch" and size >= 1_000:
-                        goal = f"<= 1.5x {'OK' if ratio <= 1.5 else 'MISSED'}"
-                    speedup = "-"
-                    if "per-key" in med and side.startswith("batch"):
-                        speedup = f"{med['per-key'] / med[side]:.1f}x"
-                    row = (
-                        str(size),
-                        side,
-                        f"{med[side] * 1000:,.1f} ms",
-                        f"{med[side] / size * 1e6:,.0f} us",
-                        f"{ratio:.2f}x",
-                        f"{statistics.median(cpu[side]) * 1000:,.0f} ms",
-                        speedup,
-                        goal,
-                    )
-                    table.append(row)
-                    print("  " + " | ".join(row), flush=True)
-                    split = {
-                        p: statistics.median(m.get(p, 0.0) for m in phases[side])
-                        for p in ("claim", "heartbeat", "enqueue", "complete")
-                    }
-                    phase_rows.append((str(size), side, *(f"{v * 1000:,.1f}" for v in split.values())))
-    finally:
-        engine.dispose()
-        _admin(server, f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
-    print_table(("phase ms", "side", "claim", "heartbeat", "enqueue", "complete"), phase_rows, started)
-    headers = ("days", "side", "wall", "per day", "vs floor", "client cpu", "speedup vs per-key", "goal")
-    print_table(headers, table, started)
+    print(f"{described}\n{load()}", flush=True)
+    figures = suite(
+        server, rounds=args.rounds, sizes=[int(x) for x in args.sizes.split(",")], loop_max=args.loop_max
+    )
+    print_figures(
+        "range of daily partitions: claim, heartbeat, enqueue, complete", figures, args.rounds, started
+    )
     return 0
 
 
