@@ -169,7 +169,7 @@ def test_schema_behind_exits_2_and_changes_nothing_until_db_upgrade(empty_pg_url
 
     current = run(empty_pg_url, "db", "current", "--json")
     assert current.exit_code == 0
-    assert json.loads(current.output) == {"current_revision": None, "head_revision": "0001", "at_head": False}
+    assert json.loads(current.output) == {"current_revision": None, "head_revision": "0002", "at_head": False}
     check = run(empty_pg_url, "db", "check")
     assert check.exit_code == 2
     assert "schema is behind" in check.output and "add_table: joblease_lease" in check.output
@@ -192,7 +192,7 @@ def test_db_check_reports_drift_with_exit_1(pg_url: str) -> None:
     assert result.exit_code == 1
     assert "ix_joblease_outbox_status_topic" in result.output
     doc = json.loads(run(pg_url, "db", "check", "--json").output)
-    assert doc["ok"] is False and doc["current_revision"] == "0001" and doc["differences"]
+    assert doc["ok"] is False and doc["current_revision"] == "0002" and doc["differences"]
 
 
 def test_bad_urls_exit_2_without_leaking_the_password(tmp_path: Path) -> None:
