@@ -15,11 +15,10 @@ import hashlib
 import json
 import re
 from collections.abc import Collection
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import psycopg
 import sqlalchemy as sa
-from psycopg.pq import TransactionStatus
 from sqlalchemy.dialects import postgresql, sqlite
 from sqlalchemy.dialects.postgresql import psycopg as psycopg_dialect
 
@@ -27,6 +26,10 @@ from dagster_joblease import errors
 from dagster_joblease.storage.clock import db_now, ms_until
 from dagster_joblease.storage.engine import translate_errors
 from dagster_joblease.storage.schema import outbox_table
+from dagster_joblease.storage.transaction import callers_transaction
+
+if TYPE_CHECKING:
+    from sqlalchemy import orm
 
 __all__ = [
     "DEFAULT_MAX_PAYLOAD_BYTES",
@@ -236,35 +239,8 @@ def _run_generic(connection: sa.Connection, params: _Params) -> tuple[bool, _Exi
         return False, None if row is None else (row[0], row[1])
 
 
-def _psycopg_driver(connection: object) -> psycopg.Connection[Any] | None:
-    """The psycopg connection to run the enqueue on, or None for SQLAlchemy's generic path."""
-    if isinstance(connection, psycopg.Connection):
-        if connection.closed:
-            raise errors.InvalidPayloadError(
-                "connection", "is closed; pass the open connection of your transaction"
-            )
-        if connection.autocommit and connection.info.transaction_status == TransactionStatus.IDLE:
-            raise errors.InvalidPayloadError(
-                "connection",
-                "is a psycopg connection in autocommit outside a transaction, so the row would commit on "
-                "its own, apart from your domain change; enqueue inside `with conn.transaction():`",
-            )
-        return connection
-    if not isinstance(connection, sa.Connection):
-        raise errors.InvalidPayloadError(
-            "connection",
-            f"must be a SQLAlchemy Connection or a psycopg Connection, got {type(connection).__name__}",
-        )
-    dialect = connection.dialect
-    if dialect.name == "postgresql" and dialect.driver == "psycopg":
-        driver = connection.connection.driver_connection
-        assert driver is not None, "the connection is closed"
-        return driver  # type: ignore[no-any-return]
-    return None
-
-
 def enqueue_once(
-    connection: sa.Connection | psycopg.Connection[Any],
+    connection: sa.Connection | psycopg.Connection[Any] | orm.Session,
     *,
     idempotency_key: str,
     topic: str,
@@ -274,8 +250,11 @@ def enqueue_once(
     """Add a pending outbox row inside the caller's transaction; True if inserted, False if already there.
 
     Call it on the connection that holds the domain change, so both commit (or roll back) together: a
-    SQLAlchemy ``Connection`` (PostgreSQL or SQLite) or, on PostgreSQL, a plain psycopg 3 ``Connection``
-    (which skips SQLAlchemy's per-transaction work altogether). A
+    SQLAlchemy ``Connection`` (PostgreSQL or SQLite; in ``engine.begin()``, or from ``engine.connect()``
+    followed by ``conn.commit()``), an ORM ``Session`` (``session.commit()`` commits the row) or, on
+    PostgreSQL, a plain psycopg 3 ``Connection`` (which skips SQLAlchemy's per-transaction work
+    altogether). A connection on which the row would commit on its own (autocommit outside a transaction
+    block) is refused; :func:`dagster_joblease.storage.transaction.callers_transaction` is the rule. A
     repeat with the same key, topic and payload is a no-op (returns False); the same key with a different
     payload *or another topic* raises :class:`OutboxConflictError`. The key alone is the effect's
     identity downstream (the receiver deduplicates on ``Idempotency-Key``), so a second row under one key
@@ -293,7 +272,8 @@ def enqueue_once(
             pg.execute("INSERT INTO invoices …")
             enqueue_once(pg, idempotency_key=…, topic="mail", payload={"v": 1, "invoice": 42})
     """
-    driver = _psycopg_driver(connection)
+    target = callers_transaction(connection, clause=outbox_table)
+    driver = target.driver
     _check_text("idempotency_key", idempotency_key, MAX_KEY_LENGTH, ascii_only=True)
     _check_text("topic", topic, MAX_TOPIC_LENGTH, ascii_only=False)
     limit = _check_max_bytes(max_payload_bytes)
@@ -313,8 +293,8 @@ def enqueue_once(
         if driver is not None:
             inserted, existing = _run_psycopg(driver, params)
         else:
-            assert isinstance(connection, sa.Connection)
-            inserted, existing = _run_generic(connection, params)
+            assert target.connection is not None
+            inserted, existing = _run_generic(target.connection, params)
         if inserted:
             return True
         if existing is None:

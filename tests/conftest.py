@@ -4,10 +4,16 @@ SQLite files. No mocked database anywhere.
 Point the tests at another PostgreSQL with ``JOBLEASE_TEST_PG_URL`` (a URL of a role that may create
 databases; the path names the maintenance database), e.g.
 ``JOBLEASE_TEST_PG_URL=postgresql+psycopg://me:secret@db.local:5432/postgres pytest``.
+
+The tests marked ``pgbouncer`` run through a PgBouncer in transaction pooling mode in front of that server,
+named by ``JOBLEASE_TEST_PGBOUNCER_URL`` (``.ci/run`` starts one and sets it; ``.ci/pgbouncer start DIR``
+starts one for a developer and writes its URL to ``DIR/url``). Without it they skip, saying so; with
+``CI=true`` they fail instead, so CI can never skip them silently.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import time
 import uuid
@@ -23,6 +29,10 @@ from dagster_joblease.storage import create_engine, migrate
 
 PG_URL_ENV = "JOBLEASE_TEST_PG_URL"
 DEFAULT_PG_URL = "postgresql+psycopg://postgres@127.0.0.1:5432/postgres"
+#: A PgBouncer (transaction pooling) in front of the PostgreSQL of PG_URL_ENV; its path is ignored.
+PGBOUNCER_URL_ENV = "JOBLEASE_TEST_PGBOUNCER_URL"
+#: What docs/operations.md section 2 tells a PgBouncer user to add to the URL.
+PGBOUNCER_QUERY = {"prepare_threshold": "none"}
 BACKENDS = ["sqlite", "postgresql"]
 
 
@@ -70,6 +80,49 @@ def pg_url(pg_template: str) -> Iterator[str]:
     """The URL of a fresh, migrated PostgreSQL database for this test (dropped afterwards)."""
     name = f"joblease_t_{uuid.uuid4().hex[:10]}"
     yield clone_template(pg_template, name)
+    _admin_execute(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
+
+
+def pgbouncer_base_url() -> URL:
+    """The PgBouncer URL from ``$JOBLEASE_TEST_PGBOUNCER_URL``; skip without it (fail when ``CI=true``)."""
+    raw = os.environ.get(PGBOUNCER_URL_ENV, "").strip()
+    if not raw:
+        reason = (
+            f"${PGBOUNCER_URL_ENV} is not set: no PgBouncer to test through (start one with "
+            f"`.ci/pgbouncer start DIR` and export {PGBOUNCER_URL_ENV}=$(cat DIR/url))"
+        )
+        if os.environ.get("CI", "").strip().lower() == "true":
+            pytest.fail(f"{reason}; CI=true requires the PgBouncer tests", pytrace=False)
+        pytest.skip(reason)
+    return make_url(raw).set(drivername="postgresql+psycopg")
+
+
+@dataclasses.dataclass(frozen=True)
+class BouncedDatabase:
+    """A fresh migrated database, reachable directly and through PgBouncer (transaction pooling)."""
+
+    name: str
+    #: Straight to PostgreSQL (for set-up and for checking what was committed).
+    direct_url: str
+    #: Through PgBouncer, with the URL setting the docs prescribe (``?prepare_threshold=none``).
+    url: str
+    #: Through PgBouncer without it: what a user who skipped the docs writes.
+    bare_url: str
+
+
+@pytest.fixture
+def bounced(pg_template: str) -> Iterator[BouncedDatabase]:
+    """A database created on PostgreSQL, then used through PgBouncer (dropped afterwards)."""
+    bouncer = pgbouncer_base_url()
+    name = f"joblease_b_{uuid.uuid4().hex[:10]}"
+    direct = clone_template(pg_template, name)
+    via = bouncer.set(database=name)
+    yield BouncedDatabase(
+        name=name,
+        direct_url=direct,
+        url=via.update_query_dict(PGBOUNCER_QUERY).render_as_string(hide_password=False),
+        bare_url=via.render_as_string(hide_password=False),
+    )
     _admin_execute(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
 
 

@@ -1,30 +1,67 @@
-"""Run tags and metadata that make the lease outcome visible, and truthful, in the Dagster UI.
+"""The outcome vocabulary, run tags and step metadata of leased steps: the contract others build on.
 
-Dagster's Partitions view shows the *latest* run per partition, and a recorded skip is a successful run
-there too; what tells the winner from the duplicates are these ``joblease/...`` tags (filterable in the
-Runs list) and the op/asset output metadata. Dagster copies a parent's tags onto a re-execution and
-cannot delete tags, so a leased step overwrites every tag below when it starts (``pending``), and again
-when it ends, whether it succeeded, skipped, failed or lost its lease.
+Dagster's Partitions view shows the *latest* run per partition, and a recorded skip is a green run there
+too; what tells a win from a skip are the ``joblease/*`` run tags (filterable in the Runs list) and the
+step's metadata. This module owns their names and values; other modules import them, never redefine them.
 
-Tags (values are space-free, so ``joblease/outcome=skipped-succeeded`` filters cleanly):
+**Outcomes.** Per key (partition) of a leased step, exactly one of:
 
-- ``joblease/outcome``: ``won``, ``reclaimed``, ``skipped-succeeded``, ``held``, ``failed``, ``lost`` or
-  ``pending`` (see the constants below).
-- ``joblease/code``, ``joblease/run_key``, ``joblease/idempotency_key``, ``joblease/attempt``.
-- ``joblease/holder``: the holder this outcome is about (this run's own ``dagster:<deployment>/<run_id>``
-  when it won; the winner's on a skip; the live holder on ``held``).
-- ``joblease/winner_run_id``: the Dagster run that did the partition (this run when it won; the winner on
-  a skip; ``none`` otherwise or when the winner was not a Dagster run).
-- ``joblease/error``: bounded error text of ``held``, ``failed`` or ``lost`` (``none`` otherwise).
-- ``joblease/outbox``: ``inserted``, ``already-present``, ``not-enqueued`` (``unknown`` on a ``lost`` run).
-- ``joblease/partitions`` and ``joblease/outcomes``: how many keys the run covered and its outcome counts
-  (``won:4,skipped-succeeded:1``).
+- ``won``: claimed first and did it; ``reclaimed``: took over a FAIL, expired or dead holder and did it;
+- ``skipped-succeeded``: another run already did it (the winner is named);
+- ``held``: a live holder still had it when the bounded wait ended (retryable failure);
+- ``failed``: the body raised (the lease is FAIL, retryable);
+- ``lost``: the lease was taken over from under this run, or the run was killed;
+- ``not-attempted``: a range run stopped before trying this key;
+- ``not-run``: the run's leased step never ran (a re-execution from failure in which only a later step
+  ran; an earlier step failed). Written by the reconciliation side (a run-status sensor), not by the step;
+- ``pending``: the step has not finished, or the run died before it could say.
 
-A run over several keys (a single-run backfill of a partition range) gets the most severe outcome of its
-keys (``lost`` > ``failed`` > ``held`` > ``pending`` > ``reclaimed`` > ``won`` > ``skipped-succeeded``),
-``joblease/run_key=<first>..<last>``, and ``multiple`` for the per-key tags (idempotency key, attempt,
-winner, outbox); the per-key facts are in the output metadata table. A job with several leased ops also
-gets ``joblease/outcome.<op name>`` per op; ``joblease/outcome`` is then the most severe over the ops.
+``won``, ``reclaimed`` and ``skipped-succeeded`` are *done* (:data:`DONE_OUTCOMES`): the key's effect is
+recorded, by this run or provably by another. Everything else is undone and retryable. :data:`OUTCOMES`
+lists them most severe first; a run over several keys or leased ops shows the most severe.
+
+**Run tags a leased step writes: three** (:data:`STEP_TAGS`; the budget is four), all of them when the step
+starts (``pending``, so tags Dagster copied from a parent run never stand) and again when it ends.
+Dagster cannot delete a tag, so every step writes every one of them, ``none`` where it does not apply:
+
+- ``joblease/outcome``: the outcome (the most severe over the run's keys and leased ops), e.g.
+  ``joblease/outcome=skipped-succeeded``; values are space-free, so they filter cleanly.
+- ``joblease/winner``: the Dagster run id that did the key (this run's own id when it won or reclaimed, the
+  other run's on a skip; for a winner that was not a Dagster run, its holder text, at most 63 characters);
+  ``multiple`` when the keys of a range were done by different runs; ``none`` when nothing is done.
+  Filtering by it shows the winner and every run that skipped because of it.
+- ``joblease/work``: the outcome counts over the run's keys, most severe first, e.g.
+  ``won:364,skipped-succeeded:1`` (``won:1`` for a single partition). Dagster's own tags name the range
+  (``dagster/asset_partition_range_start``/``_end``) or the partition (``dagster/partition``).
+
+Why these names: the Runs list shows Dagster's ``dagster/backfill`` and ``dagster/partition`` first and then
+every other tag a person has not hidden, in key order (run storage serialises tags sorted by key; the UI's
+``RunTags`` moves only ``mode``, ``dagster/backfill`` and ``dagster/partition`` ahead; other ``dagster/*``
+tags are hidden from the table by default). ``outcome`` < ``winner`` < ``work``, so among joblease's tags
+the outcome is what a person sees first and the winner second.
+
+Everything else a step knows goes into its metadata (output metadata of an op, the materialization
+metadata of an asset partition, and a ``joblease`` engine event of the step, see below): the keys below
+(:data:`META_*`), with the winner as :meth:`dagster.MetadataValue.dagster_run`, so it is one click away.
+
+**Launch tags** (:data:`LAUNCH_TAGS`, at most two, on top of the step's): the reconciliation sensor puts
+``joblease/relaunch`` (``n/max``) and ``joblease/reconcile_reason`` on the runs it requests. Which sensor
+launched a run is Dagster's own ``dagster/sensor_name`` (:data:`TAG_SENSOR_NAME`); the relaunch cap counts a
+sensor's runs by that tag and ``parent_run_id is None`` (a re-execution or run retry copies its parent's
+tags, the launch tags included: they then describe how its root run was launched), so it depends on no
+``joblease/*`` tag. A schedule puts only ``joblease/outcome=pending`` on its requests.
+
+**Several leased ops in one run.** Each step's own truth is its metadata and a ``joblease`` engine event
+(:data:`STEP_EVENT_MESSAGE`, metadata :data:`META_OP` and :data:`META_OUTCOMES`) in the run's event log;
+the run's tags are computed from those events in one place (``settle_run_tags`` in
+:mod:`dagster_joblease.dagster.ops`), never read-modified from the tags themselves (``add_run_tags`` is a
+read-modify-write of the whole set).
+
+**Range runs** record every key's outcome in the step metadata: a per-key table up to
+:data:`TABLE_MAX_KEYS` keys; past that, counts plus the first :data:`FIRST_KEYS_SHOWN` keys of each outcome.
+
+The names in the *legacy* section at the end are the tag set before the diet; they are kept only while
+``ops.py`` moves to the set above (the range helper's work) and are removed then.
 """
 
 from __future__ import annotations
@@ -39,23 +76,43 @@ import dagster as dg
 from dagster_joblease import identity
 
 __all__ = [
-    "INHERITED_RECONCILE_TAGS",
-    "TAG_RECONCILE",
-    "TAG_RECONCILE_REASON",
-    "TAG_RELAUNCH",
+    "DONE_OUTCOMES",
     "FAILED",
+    "FIRST_KEYS_SHOWN",
     "HELD",
+    "INHERITED_RECONCILE_TAGS",
+    "LAUNCH_TAGS",
     "LOST",
+    "META_ATTEMPT",
+    "META_CODE",
+    "META_ERROR",
+    "META_FIRST_KEYS",
+    "META_HOLDER",
+    "META_IDEMPOTENCY_KEY",
+    "META_KEYS",
+    "META_OP",
+    "META_OUTBOX",
+    "META_OUTCOME",
+    "META_OUTCOMES",
+    "META_RESULTS",
+    "META_RUN_KEY",
+    "META_WINNER",
     "MULTIPLE",
     "NONE",
+    "NOT_ATTEMPTED",
+    "NOT_RUN",
     "OUTBOX_ALREADY_PRESENT",
     "OUTBOX_INSERTED",
     "OUTBOX_NOT_ENQUEUED",
+    "OUTBOX_UNKNOWN",
     "OUTCOMES",
     "PENDING",
     "RECLAIMED",
     "RESULT_TAGS",
     "SKIPPED_SUCCEEDED",
+    "STEP_EVENT_MESSAGE",
+    "STEP_TAGS",
+    "TABLE_MAX_KEYS",
     "TAG_ATTEMPT",
     "TAG_CODE",
     "TAG_ERROR",
@@ -65,23 +122,101 @@ __all__ = [
     "TAG_OUTCOME",
     "TAG_OUTCOMES",
     "TAG_PARTITIONS",
+    "TAG_RECONCILE",
+    "TAG_RECONCILE_REASON",
+    "TAG_RELAUNCH",
     "TAG_RUN_KEY",
+    "TAG_SENSOR_NAME",
+    "TAG_WINNER",
     "TAG_WINNER_RUN_ID",
+    "TAG_WORK",
     "WON",
     "LeasedResult",
+    "format_counts",
+    "not_run_tags",
     "op_error_tag",
     "op_outcome_tag",
     "output_metadata",
+    "parse_counts",
+    "pending_run_tags",
     "pending_tags",
     "result_tags",
+    "run_tags",
     "schedule_tags",
     "worst_outcome",
 ]
 
-TAG_CODE = "joblease/code"
+# ---- Outcomes --------------------------------------------------------------------------------------------
+
+WON = "won"  #: this run claimed the key first and did it
+RECLAIMED = "reclaimed"  #: this run took over after a failed, expired or dead holder, and did it
+SKIPPED_SUCCEEDED = "skipped-succeeded"  #: another run already did it (see joblease/winner)
+HELD = "held"  #: a live holder still had it when the wait ended: this run failed, retryably
+FAILED = "failed"  #: this run's body raised (or it was interrupted): the lease is FAIL, retryable
+LOST = "lost"  #: this run lost its lease (reclaimed from under it, or it was killed)
+NOT_ATTEMPTED = "not-attempted"  #: a range run stopped before trying this key
+NOT_RUN = "not-run"  #: the run's leased step never ran (written by the reconciliation side)
+PENDING = "pending"  #: the leased step has not finished yet (or the run died before it could say)
+
+#: Most severe first: a run over several keys or ops shows the first that applies.
+OUTCOMES = (LOST, FAILED, HELD, NOT_ATTEMPTED, NOT_RUN, PENDING, RECLAIMED, WON, SKIPPED_SUCCEEDED)
+#: The key's effect is recorded, by this run or (a skip) provably by another.
+DONE_OUTCOMES = frozenset({WON, RECLAIMED, SKIPPED_SUCCEEDED})
+
+# ---- Run tags --------------------------------------------------------------------------------------------
+
+TAG_OUTCOME = "joblease/outcome"
+TAG_WINNER = "joblease/winner"
+TAG_WORK = "joblease/work"
+#: Every run tag a leased step writes (all of them, at its start and its end): at most four by contract.
+STEP_TAGS = (TAG_OUTCOME, TAG_WINNER, TAG_WORK)
+
+#: Put on at launch by the reconciliation sensor (:mod:`dagster_joblease.dagster.reconcile`).
+TAG_RELAUNCH = "joblease/relaunch"
+TAG_RECONCILE_REASON = "joblease/reconcile_reason"
+#: At most two, on top of :data:`STEP_TAGS`.
+LAUNCH_TAGS = (TAG_RELAUNCH, TAG_RECONCILE_REASON)
+#: Dagster's own tag naming the sensor that launched a run (not a joblease tag); the relaunch cap counts
+#: by it.
+TAG_SENSOR_NAME = "dagster/sensor_name"
+
+# ---- Step metadata keys (op output, asset materialization, the step's joblease engine event) ------------
+
+META_OUTCOME = "joblease/outcome"
+META_WINNER = "joblease/winner"  #: MetadataValue.dagster_run(winner) (text for a non-Dagster winner)
+META_CODE = "joblease/code"
+META_RUN_KEY = "joblease/run_key"
+META_IDEMPOTENCY_KEY = "joblease/idempotency_key"
+META_ATTEMPT = "joblease/attempt"
+META_HOLDER = "joblease/holder"
+META_ERROR = "joblease/error"
+META_OUTBOX = "joblease/outbox"
+META_KEYS = "joblease/keys"  #: how many keys the step covered
+META_OUTCOMES = "joblease/outcomes"  #: JSON object outcome -> count
+META_FIRST_KEYS = "joblease/first_keys"  #: JSON object outcome -> its first keys (past TABLE_MAX_KEYS)
+META_RESULTS = "joblease/results"  #: markdown table, one row per key (up to TABLE_MAX_KEYS)
+META_OP = "joblease/op"  #: the leased op's name (in the step's engine event)
+#: The message of the engine event each leased step logs with its outcome counts (the per-op truth).
+STEP_EVENT_MESSAGE = "joblease step outcome"
+TABLE_MAX_KEYS = 300
+FIRST_KEYS_SHOWN = 20
+
+OUTBOX_INSERTED = "inserted"
+OUTBOX_ALREADY_PRESENT = "already-present"
+OUTBOX_NOT_ENQUEUED = "not-enqueued"
+#: On a ``lost`` run: it was killed mid-step, so whether it enqueued is not known from the run.
+OUTBOX_UNKNOWN = "unknown"
+
+MULTIPLE = "multiple"  #: a value over several keys or leased ops that differ
+NONE = "none"  #: a tag that does not apply to this outcome
+MAX_ERROR_TAG_CHARS = 200
+MAX_TAG_VALUE_CHARS = 63
+
+# ---- Legacy tag set (before the tag diet); removed once ops.py writes STEP_TAGS only -------------------
+
+TAG_CODE = "joblease/code"  #: also the op tag that marks an op as leased (kept after the diet)
 TAG_RUN_KEY = "joblease/run_key"
 TAG_IDEMPOTENCY_KEY = "joblease/idempotency_key"
-TAG_OUTCOME = "joblease/outcome"
 TAG_ATTEMPT = "joblease/attempt"
 TAG_OUTBOX = "joblease/outbox"
 TAG_HOLDER = "joblease/holder"
@@ -89,12 +224,10 @@ TAG_WINNER_RUN_ID = "joblease/winner_run_id"
 TAG_ERROR = "joblease/error"
 TAG_PARTITIONS = "joblease/partitions"
 TAG_OUTCOMES = "joblease/outcomes"
-#: Set by the reconciliation sensor on the runs it launches (see :mod:`dagster_joblease.dagster.reconcile`).
+#: Legacy: after the diet, which sensor launched a run is Dagster's ``dagster/sensor_name``.
 TAG_RECONCILE = "joblease/reconciled_by"
-TAG_RELAUNCH = "joblease/relaunch"
-TAG_RECONCILE_REASON = "joblease/reconcile_reason"
 
-#: Every tag a leased step (over)writes; a re-execution's copies of the parent's are all replaced.
+#: Legacy: every tag a leased step (over)writes; a re-execution's copies of the parent's are all replaced.
 RESULT_TAGS = (
     TAG_OUTCOME,
     TAG_CODE,
@@ -108,29 +241,52 @@ RESULT_TAGS = (
     TAG_PARTITIONS,
     TAG_OUTCOMES,
 )
-
-WON = "won"  #: this run claimed the partition first and did it
-RECLAIMED = "reclaimed"  #: this run took over after a failed, expired or dead holder, and did it
-SKIPPED_SUCCEEDED = "skipped-succeeded"  #: another run already did it (see joblease/winner_run_id)
-HELD = "held"  #: a live holder still had it when the wait ended: this run failed, retryably
-FAILED = "failed"  #: this run's body raised (or it was interrupted): the lease is FAIL, retryable
-LOST = "lost"  #: this run lost its lease (reclaimed from under it, or it was killed)
-PENDING = "pending"  #: the leased step has not finished yet (or the run died before it could say)
-
-#: Most severe first: a run over several keys or ops shows the first that applies.
-OUTCOMES = (LOST, FAILED, HELD, PENDING, RECLAIMED, WON, SKIPPED_SUCCEEDED)
-
-OUTBOX_INSERTED = "inserted"
-OUTBOX_ALREADY_PRESENT = "already-present"
-OUTBOX_NOT_ENQUEUED = "not-enqueued"
-#: On a ``lost`` run: it was killed mid-step, so whether it enqueued is not known from the run.
-OUTBOX_UNKNOWN = "unknown"
-
-MULTIPLE = "multiple"  #: a per-key tag on a run over several keys or leased ops
-NONE = "none"  #: a tag that does not apply to this outcome
-#: Dagster copies every parent tag into a re-execution or a run retry; these say the copy is not a relaunch.
+#: Legacy: Dagster copies every parent tag into a re-execution or a run retry; these say the copy is not a
+#: relaunch.
 INHERITED_RECONCILE_TAGS = {TAG_RECONCILE: NONE, TAG_RELAUNCH: NONE, TAG_RECONCILE_REASON: NONE}
-MAX_ERROR_TAG_CHARS = 200
+
+
+def format_counts(counts: Mapping[str, int]) -> str:
+    """``won:364,skipped-succeeded:1``: counts, most severe first, zeros left out (``none`` if empty)."""
+    order = {o: i for i, o in enumerate(OUTCOMES)}
+    items = sorted(((k, n) for k, n in counts.items() if n), key=lambda kv: (order.get(kv[0], 99), kv[0]))
+    return ",".join(f"{k}:{n}" for k, n in items) or NONE
+
+
+def parse_counts(text: str) -> dict[str, int]:
+    """The inverse of :func:`format_counts` (``none`` or an empty string: no counts)."""
+    counts: dict[str, int] = {}
+    if text in ("", NONE):
+        return counts
+    for part in text.split(","):
+        outcome, sep, number = part.rpartition(":")
+        if not sep or not number.isdigit():
+            raise ValueError(f"{text!r} is not outcome counts like 'won:3,skipped-succeeded:1'")
+        counts[outcome] = counts.get(outcome, 0) + int(number)
+    return counts
+
+
+def run_tags(counts: Mapping[str, int], winner: str | None) -> dict[str, str]:
+    """The :data:`STEP_TAGS` for a run whose keys came to ``counts`` and whose winner is ``winner``.
+
+    ``winner`` is a Dagster run id, a holder text, :data:`MULTIPLE`, or ``None`` (``none``).
+    """
+    label = winner or NONE
+    return {
+        TAG_OUTCOME: worst_outcome(k for k, n in counts.items() if n),
+        TAG_WINNER: label if len(label) <= MAX_TAG_VALUE_CHARS else label[: MAX_TAG_VALUE_CHARS - 1] + "…",
+        TAG_WORK: format_counts(counts),
+    }
+
+
+def pending_run_tags(keys: int) -> dict[str, str]:
+    """The :data:`STEP_TAGS` a leased step writes when it starts over ``keys`` keys."""
+    return run_tags({PENDING: keys}, None)
+
+
+def not_run_tags(keys: int = 1) -> dict[str, str]:
+    """The :data:`STEP_TAGS` for a run whose leased step never ran (``keys``: how many it covered)."""
+    return run_tags({NOT_RUN: keys}, None)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -165,7 +321,7 @@ class LeasedResult:
     @property
     def done(self) -> bool:
         """The partition's effect is recorded (by this run or, for a skip, by the winner)."""
-        return self.acquired or self.skipped
+        return self.outcome in DONE_OUTCOMES
 
 
 def worst_outcome(outcomes: Iterable[str]) -> str:
