@@ -22,7 +22,7 @@ from dagster_joblease import admin, cli, errors
 from dagster_joblease.identity import JobIdentity
 from dagster_joblease.lease import LeaseService
 from dagster_joblease.receiver import effect_count
-from dagster_joblease.storage import create_engine
+from dagster_joblease.storage import create_engine, head_revision
 from dagster_joblease.storage import engine as storage_engine
 from dagster_joblease.storage.schema import lease_table, outbox_table
 from tests.admin_helpers import DAY_MS, add_outbox_row, backdate_finished, count, lease_statuses
@@ -169,15 +169,19 @@ def test_schema_behind_exits_2_and_changes_nothing_until_db_upgrade(empty_pg_url
 
     current = run(empty_pg_url, "db", "current", "--json")
     assert current.exit_code == 0
-    assert json.loads(current.output) == {"current_revision": None, "head_revision": "0002", "at_head": False}
+    assert json.loads(current.output) == {
+        "current_revision": None,
+        "head_revision": head_revision(),
+        "at_head": False,
+    }
     check = run(empty_pg_url, "db", "check")
     assert check.exit_code == 2
     assert "schema is behind" in check.output and "add_table: joblease_lease" in check.output
     assert _tables(empty_pg_url) == []
 
     upgrade = run(empty_pg_url, "db", "upgrade")
-    assert upgrade.exit_code == 0 and "upgraded from none to 0001" in upgrade.output
-    assert "already at head revision 0001" in run(empty_pg_url, "db", "upgrade").output
+    assert upgrade.exit_code == 0 and f"upgraded from none to {head_revision()}" in upgrade.output
+    assert f"already at head revision {head_revision()}" in run(empty_pg_url, "db", "upgrade").output
     assert run(empty_pg_url, "db", "check").output.startswith("schema matches the models")
     assert "status:   at head" in run(empty_pg_url, "db", "current").output
     assert run(empty_pg_url, "leases", "list").output.strip() == "no leases match"
@@ -192,7 +196,7 @@ def test_db_check_reports_drift_with_exit_1(pg_url: str) -> None:
     assert result.exit_code == 1
     assert "ix_joblease_outbox_status_topic" in result.output
     doc = json.loads(run(pg_url, "db", "check", "--json").output)
-    assert doc["ok"] is False and doc["current_revision"] == "0002" and doc["differences"]
+    assert doc["ok"] is False and doc["current_revision"] == head_revision() and doc["differences"]
 
 
 def test_bad_urls_exit_2_without_leaking_the_password(tmp_path: Path) -> None:
@@ -240,6 +244,7 @@ def test_own_schema_via_search_path_and_no_prepared_statements(empty_pg_url: str
         ("joblease", "joblease_inbox"),
         ("joblease", "joblease_lease"),
         ("joblease", "joblease_outbox"),
+        ("joblease", "joblease_route_group"),
     ]
     engine.dispose()
 
