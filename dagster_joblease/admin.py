@@ -27,9 +27,9 @@ from typing import Any
 
 import sqlalchemy as sa
 
-from dagster_joblease import errors, identity
+from dagster_joblease import errors, identity, staleness
 from dagster_joblease.lease import LeaseStatus, bound_error
-from dagster_joblease.options import MAX_DURATION_MS
+from dagster_joblease.options import MAX_DURATION_MS, default_heartbeat_ms
 from dagster_joblease.storage.clock import db_now, db_now_plus_ms, ms_until, readable_ts
 from dagster_joblease.storage.engine import translate_errors
 from dagster_joblease.storage.schema import lease_table, outbox_table
@@ -171,7 +171,15 @@ def _json_value(value: Any) -> Any:
 @dataclasses.dataclass(frozen=True)
 class LeaseRow:
     """One lease row as an operator sees it. ``remaining_ms`` is on the database clock (RUNNING only;
-    negative when the holder is overdue); ``expired`` says a claim could reclaim it right now."""
+    negative when the holder is overdue); ``expired`` says a claim could reclaim it right now.
+
+    ``heartbeat_ms`` is the interval the holder recorded when it claimed (0: it never heartbeats and is
+    judged by expiry only; ``None``: a row from before migration 0002). ``heartbeat_age_ms`` (RUNNING
+    only, database clock) is how long ago it last heartbeated; ``stale`` says that is past the holder's own
+    threshold (:func:`dagster_joblease.staleness.stale_after_ms`): a stale holder whose lease has not
+    expired may still be working, so nothing takes it over on staleness alone unless its run is known
+    to be finished.
+    """
 
     id: int
     idempotency_key: str
@@ -182,7 +190,10 @@ class LeaseRow:
     attempt: int
     holder: str | None
     lease_ms: int
+    heartbeat_ms: int | None
     remaining_ms: int | None
+    heartbeat_age_ms: int | None
+    stale: bool
     expired: bool
     created_at: datetime
     acquired_at: datetime
@@ -305,12 +316,19 @@ def _lease_select() -> sa.Select[Any]:
     return sa.select(
         *_readable_columns(t),
         sa.case((running, ms_until(readable_ts(t.c.expires_at))), else_=sa.null()).label("remaining_ms"),
+        sa.case((running, -ms_until(readable_ts(t.c.heartbeat_at))), else_=sa.null()).label(
+            "heartbeat_age_ms"
+        ),
         sa.case((sa.and_(running, t.c.expires_at < db_now()), sa.true()), else_=sa.false()).label("expired"),
     )
 
 
 def _lease_row(row: sa.Row[Any]) -> LeaseRow:
     m = row._mapping
+    heartbeat_ms = m["heartbeat_ms"]
+    age = None if m["heartbeat_age_ms"] is None else int(m["heartbeat_age_ms"])
+    # A row from before 0002 is judged as the library's default interval for its lease length.
+    threshold = staleness.stale_after_ms(heartbeat_ms, legacy_ms=2 * default_heartbeat_ms(m["lease_ms"]))
     return LeaseRow(
         id=m["id"],
         idempotency_key=m["lock_key"],
@@ -321,7 +339,10 @@ def _lease_row(row: sa.Row[Any]) -> LeaseRow:
         attempt=m["attempt"],
         holder=m["holder"],
         lease_ms=m["lease_ms"],
+        heartbeat_ms=None if heartbeat_ms is None else int(heartbeat_ms),
         remaining_ms=None if m["remaining_ms"] is None else int(m["remaining_ms"]),
+        heartbeat_age_ms=age,
+        stale=age is not None and staleness.is_stale(age, threshold),
         expired=bool(m["expired"]),
         created_at=_utc(m["created_at"]),  # type: ignore[arg-type]
         acquired_at=_utc(m["acquired_at"]),  # type: ignore[arg-type]

@@ -312,9 +312,9 @@ def _per_key(expression: Any, source: Any) -> Any:
     return visitors.replacement_traverse(expression, {}, replace)  # type: ignore[call-overload]
 
 
-def _call_params(length: int, label: str) -> dict[str, Any]:
+def _call_params(length: int, heartbeat_ms: int, label: str) -> dict[str, Any]:
     """The single claim's parameters that are the same for every key of a batch."""
-    return {"p_lease_ms": length, "p_holder": label}
+    return {"p_lease_ms": length, "p_heartbeat_ms": heartbeat_ms, "p_holder": label}
 
 
 @functools.cache
@@ -322,7 +322,7 @@ def _insert_statement(dialect_name: str) -> Any:
     """``INSERT … SELECT <the single claim's values> FROM <keys> ORDER BY lock_key ON CONFLICT (lock_key)
     DO NOTHING RETURNING lock_key, id, attempt, expires_at, last_error``: the keys never claimed."""
     source = _rows_source(dialect_name, _CLAIM_COLUMNS, joined=False)
-    values = _lease._claim_values(sa.bindparam("p_lease_ms", type_=sa.BigInteger()))
+    values = _lease._claim_values(sa.bindparam("p_lease_ms", type_=sa.BigInteger()), _lease._HEARTBEAT_MS)
     rows = (
         sa.select(*(_per_key(expr, source).label(name) for name, expr in values.items()))
         .select_from(source)
@@ -364,7 +364,7 @@ def _reclaim_statement(dialect_name: str) -> Any:
     return (
         sa.update(_t)
         .where(*where, _lease._reclaimable())
-        .values(**_lease._reclaim_values(token, holder, lease_ms))
+        .values(**_lease._reclaim_values(token, holder, lease_ms, _lease._HEARTBEAT_MS))
         .returning(_t.c.lock_key, *_lease._RETURNED)
     )
 
@@ -495,6 +495,7 @@ def claim_many(
     identities: Iterable[identity.JobIdentity],
     *,
     lease_ms: int | None = None,
+    heartbeat_ms: int | None = None,
     holder: str | None = None,
 ) -> BatchClaim:
     """Claim or reclaim every identity of the set; for each key, a lease or the reason there is none.
@@ -514,13 +515,20 @@ def claim_many(
         identities: 1 to :data:`MAX_BATCH_KEYS` distinct :class:`JobIdentity` (any mix of types and
             codes); an empty set, a duplicate or a non-identity raises :class:`InvalidJobIdentityError`.
         lease_ms: the lease length for this claim (default: the service's).
+        heartbeat_ms: the heartbeat interval recorded on the won rows, by which others judge the
+            holder stale (default: the service's; with only ``lease_ms`` given, that length's default;
+            0: judged by expiry only). Renew at least that often (:class:`BatchHeartbeat`).
         holder: the holder label recorded on the won rows (default: the service's, else ``host:pid``).
 
     Returns:
         a :class:`BatchClaim` with one :class:`KeyClaim` per identity, in the given order.
     """
     jobs = _check_identities(identities)
-    length = service.timing.lease_ms if lease_ms is None else options.resolve_timing(lease_ms).lease_ms
+    if lease_ms is None and heartbeat_ms is None:
+        timing = service.timing
+    else:
+        timing = options.resolve_timing(lease_ms, heartbeat_ms, defaults=service.timing)
+    length = timing.lease_ms
     label = (
         _lease.validate_holder(holder) if holder is not None else service.holder or _lease.default_holder()
     )
@@ -528,7 +536,7 @@ def claim_many(
     ordered = sorted(jobs, key=lambda job: job.idempotency_key)
     found: dict[str, KeyClaim] = {}
     dialect = service.engine.dialect.name
-    call = _call_params(length, label)
+    call = _call_params(length, timing.heartbeat_ms, label)
     with _statements(service.engine, "claim a batch of leases") as conn:
         for chunk in _chunks(ordered):
             pending = list(chunk)

@@ -394,6 +394,19 @@ def _remaining(row: admin.LeaseRow) -> str:
     return human_ms(row.remaining_ms)
 
 
+def _heartbeat(row: admin.LeaseRow) -> str:
+    """The holder's own interval (what "stale" is judged by), its last heartbeat's age, STALE past it."""
+    if row.heartbeat_ms is None:
+        every = "every ? (pre-0002 row)"
+    elif row.heartbeat_ms == 0:
+        every = "none (expiry only)"
+    else:
+        every = f"every {human_ms(row.heartbeat_ms)}"
+    if row.heartbeat_age_ms is None:
+        return every
+    return f"{every}, last {human_ms(max(row.heartbeat_age_ms, 0))} ago" + (" STALE" if row.stale else "")
+
+
 @leases.command("list", short_help="List leases with remaining time on the database clock.")
 @click.option("--code", help="Only this job code.")
 @click.option(
@@ -416,7 +429,9 @@ def _remaining(row: admin.LeaseRow) -> str:
 def leases_list(
     code: str | None, status: str | None, older_than: int | None, expired: bool, limit: int, as_json: bool
 ) -> None:
-    """List leases, newest attempt first. REMAINING is the holder's lease left on the database clock."""
+    """List leases, newest attempt first. REMAINING is the holder's lease left on the database clock;
+    HEARTBEAT is the interval the holder recorded (stale is judged by it, not by yours) and, while it
+    runs, its last heartbeat's age (STALE past two intervals: it may still be working until it expires)."""
     rows = admin.list_leases(
         _state().engine(),
         code=code,
@@ -433,9 +448,19 @@ def leases_list(
         return
     click.echo(
         render_table(
-            ["ID", "CODE", "RUN KEY", "STATUS", "ATTEMPT", "REMAINING", "HOLDER", "LAST ERROR"],
+            ["ID", "CODE", "RUN KEY", "STATUS", "ATTEMPT", "REMAINING", "HEARTBEAT", "HOLDER", "LAST ERROR"],
             [
-                [r.id, r.code, r.run_key, r.status, r.attempt, _remaining(r), r.holder, r.last_error]
+                [
+                    r.id,
+                    r.code,
+                    r.run_key,
+                    r.status,
+                    r.attempt,
+                    _remaining(r),
+                    _heartbeat(r),
+                    r.holder,
+                    r.last_error,
+                ]
                 for r in rows
             ],
             {"LAST ERROR": ERROR_CELL_CHARS, "RUN KEY": 40, "HOLDER": 40},
@@ -531,6 +556,7 @@ def leases_show(
         ("holder", row.holder),
         ("lease length", human_ms(row.lease_ms)),
         ("remaining", _remaining(row)),
+        ("heartbeats", _heartbeat(row)),
         ("created", row.created_at.isoformat()),
         ("acquired", row.acquired_at.isoformat()),
         ("heartbeat", row.heartbeat_at.isoformat()),

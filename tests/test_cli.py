@@ -24,7 +24,7 @@ from dagster_joblease.lease import LeaseService
 from dagster_joblease.receiver import effect_count
 from dagster_joblease.storage import create_engine, head_revision
 from dagster_joblease.storage import engine as storage_engine
-from dagster_joblease.storage.schema import lease_table, outbox_table
+from dagster_joblease.storage.schema import HEAD_REVISION, lease_table, outbox_table
 from tests.admin_helpers import DAY_MS, add_outbox_row, backdate_finished, count, lease_statuses
 from tests.conftest import _admin_execute, admin_url
 from tests.receiver_proc import start_receiver
@@ -171,7 +171,11 @@ def test_schema_behind_exits_2_and_changes_nothing_until_db_upgrade(empty_pg_url
     assert current.exit_code == 0
     assert json.loads(current.output) == {
         "current_revision": None,
+<<<<<<< HEAD
         "head_revision": head_revision(),
+=======
+        "head_revision": HEAD_REVISION,
+>>>>>>> main
         "at_head": False,
     }
     check = run(empty_pg_url, "db", "check")
@@ -180,8 +184,13 @@ def test_schema_behind_exits_2_and_changes_nothing_until_db_upgrade(empty_pg_url
     assert _tables(empty_pg_url) == []
 
     upgrade = run(empty_pg_url, "db", "upgrade")
+<<<<<<< HEAD
     assert upgrade.exit_code == 0 and f"upgraded from none to {head_revision()}" in upgrade.output
     assert f"already at head revision {head_revision()}" in run(empty_pg_url, "db", "upgrade").output
+=======
+    assert upgrade.exit_code == 0 and f"upgraded from none to {HEAD_REVISION}" in upgrade.output
+    assert f"already at head revision {HEAD_REVISION}" in run(empty_pg_url, "db", "upgrade").output
+>>>>>>> main
     assert run(empty_pg_url, "db", "check").output.startswith("schema matches the models")
     assert "status:   at head" in run(empty_pg_url, "db", "current").output
     assert run(empty_pg_url, "leases", "list").output.strip() == "no leases match"
@@ -196,7 +205,11 @@ def test_db_check_reports_drift_with_exit_1(pg_url: str) -> None:
     assert result.exit_code == 1
     assert "ix_joblease_outbox_status_topic" in result.output
     doc = json.loads(run(pg_url, "db", "check", "--json").output)
+<<<<<<< HEAD
     assert doc["ok"] is False and doc["current_revision"] == head_revision() and doc["differences"]
+=======
+    assert doc["ok"] is False and doc["current_revision"] == HEAD_REVISION and doc["differences"]
+>>>>>>> main
 
 
 def test_bad_urls_exit_2_without_leaking_the_password(tmp_path: Path) -> None:
@@ -280,6 +293,7 @@ def test_leases_list_show_and_json(populated: tuple[str, sa.Engine, dict[str, st
         "STATUS",
         "ATTEMPT",
         "REMAINING",
+        "HEARTBEAT",
         "HOLDER",
         "LAST",
         "ERROR",
@@ -288,6 +302,7 @@ def test_leases_list_show_and_json(populated: tuple[str, sa.Engine, dict[str, st
     assert "RuntimeError: upstream 503 with a second line" in table.output
     (live_line,) = [line for line in lines if "RUNNING" in line]
     assert "2026-01-02" in live_line and ("9m" in live_line or "10m" in live_line)
+    assert "every 1m, last " in live_line and "STALE" not in live_line  # the holder's own interval
     assert lines[0].index("STATUS") == live_line.index("RUNNING")
 
     rows = json.loads(run(url, "leases", "list", "--json").output)
@@ -302,6 +317,7 @@ def test_leases_list_show_and_json(populated: tuple[str, sa.Engine, dict[str, st
         "last_error",
     }
     assert rows[1]["expires_at"].endswith("+00:00") and 0 < rows[1]["remaining_ms"] <= 600_000
+    assert (rows[1]["heartbeat_ms"], rows[1]["stale"]) == (60_000, False)
     assert [
         r["code"] for r in json.loads(run(url, "leases", "list", "--code", "export", "--json").output)
     ] == ["export"]
@@ -311,6 +327,7 @@ def test_leases_list_show_and_json(populated: tuple[str, sa.Engine, dict[str, st
 
     by_key = run(url, "leases", "show", keys["live"])
     assert by_key.exit_code == 0 and "status        RUNNING" in by_key.output
+    assert "heartbeats    every 1m, last " in by_key.output
     shown = json.loads(run(url, "leases", "show", "daily-billing", "2026-01-01", "--json").output)
     assert shown["status"] == "SUCCESS" and shown["result"] == {"rows": 3}
     assert (
