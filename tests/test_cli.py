@@ -22,7 +22,7 @@ from dagster_joblease import admin, cli, errors
 from dagster_joblease.identity import JobIdentity
 from dagster_joblease.lease import LeaseService
 from dagster_joblease.receiver import effect_count
-from dagster_joblease.storage import create_engine, head_revision
+from dagster_joblease.storage import create_engine
 from dagster_joblease.storage import engine as storage_engine
 from dagster_joblease.storage.schema import HEAD_REVISION, lease_table, outbox_table
 from tests.admin_helpers import DAY_MS, add_outbox_row, backdate_finished, count, lease_statuses
@@ -171,11 +171,7 @@ def test_schema_behind_exits_2_and_changes_nothing_until_db_upgrade(empty_pg_url
     assert current.exit_code == 0
     assert json.loads(current.output) == {
         "current_revision": None,
-<<<<<<< HEAD
-        "head_revision": head_revision(),
-=======
         "head_revision": HEAD_REVISION,
->>>>>>> main
         "at_head": False,
     }
     check = run(empty_pg_url, "db", "check")
@@ -184,13 +180,8 @@ def test_schema_behind_exits_2_and_changes_nothing_until_db_upgrade(empty_pg_url
     assert _tables(empty_pg_url) == []
 
     upgrade = run(empty_pg_url, "db", "upgrade")
-<<<<<<< HEAD
-    assert upgrade.exit_code == 0 and f"upgraded from none to {head_revision()}" in upgrade.output
-    assert f"already at head revision {head_revision()}" in run(empty_pg_url, "db", "upgrade").output
-=======
     assert upgrade.exit_code == 0 and f"upgraded from none to {HEAD_REVISION}" in upgrade.output
     assert f"already at head revision {HEAD_REVISION}" in run(empty_pg_url, "db", "upgrade").output
->>>>>>> main
     assert run(empty_pg_url, "db", "check").output.startswith("schema matches the models")
     assert "status:   at head" in run(empty_pg_url, "db", "current").output
     assert run(empty_pg_url, "leases", "list").output.strip() == "no leases match"
@@ -205,11 +196,7 @@ def test_db_check_reports_drift_with_exit_1(pg_url: str) -> None:
     assert result.exit_code == 1
     assert "ix_joblease_outbox_status_topic" in result.output
     doc = json.loads(run(pg_url, "db", "check", "--json").output)
-<<<<<<< HEAD
-    assert doc["ok"] is False and doc["current_revision"] == head_revision() and doc["differences"]
-=======
     assert doc["ok"] is False and doc["current_revision"] == HEAD_REVISION and doc["differences"]
->>>>>>> main
 
 
 def test_bad_urls_exit_2_without_leaking_the_password(tmp_path: Path) -> None:
