@@ -263,12 +263,14 @@ def test_bad_options_and_lease_sets_are_refused(service: LeaseService, statement
     assert statements == []
     leases = claim_many(service, days(2)).leases
     for write in (heartbeat_many, complete_many, release_many):
-        with pytest.raises(errors.InvalidLeaseOptionsError, match="is empty"):
-            write(service, [])
+        assert write(service, []) == batch.BatchWrite(action=write.__name__[:-5], held=(), lost=())
         with pytest.raises(errors.InvalidLeaseOptionsError, match="appears twice"):
             write(service, [leases[0], leases[0]])
         with pytest.raises(errors.InvalidLeaseOptionsError, match="must be a Lease"):
             write(service, [leases[0], "lease"])  # type: ignore[list-item]
+    with pytest.raises(errors.InvalidLeaseOptionsError, match="fenced by no lease"):
+        with fenced_transaction_many(service, []):
+            pass
     with pytest.raises(errors.InvalidPayloadError, match="JSON-serializable"):
         complete_many(service, leases, {"when": dt.date(2024, 1, 1)})
     assert all(not x.lost for x in leases)
