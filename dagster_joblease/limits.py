@@ -10,9 +10,11 @@ The state these functions judge lives in ``joblease_route_group`` (one row per g
   the smaller registration lapsed (its dispatchers stopped). A dispatcher with no limit of its own obeys a
   limit another registered.
 * **Rate: no burst.** Admissions are spaced ``(1 + RATE_SLACK) / rate`` seconds apart on the database
-  clock, so any 1-second window holds at most ``rate`` of them even when a request starts up to
-  ``RATE_SLACK`` seconds after its admission (a later one is given back, not sent). Admissions are handed
-  out at most :data:`RATE_HORIZON_MS` ahead, so a dispatcher never reserves much of the future.
+  clock, so any 1-second window holds at most ``rate`` of them. A request may start at most
+  :data:`RATE_LATE_S` after its admission (a later one is given back, not sent), which leaves
+  ``RATE_SLACK - RATE_LATE_S`` seconds (30 ms) for the network's own jitter before a downstream could count
+  more than ``rate`` in one second. Admissions are handed out at most :data:`RATE_HORIZON_MS` ahead, so a
+  dispatcher never reserves much of the future.
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ import datetime as dt
 
 __all__ = [
     "RATE_HORIZON_MS",
+    "RATE_LATE_S",
     "RATE_SLACK",
     "REGISTRATION_MS",
     "Applied",
@@ -34,8 +37,10 @@ __all__ = [
 
 #: How long a dispatcher's registered limit stays in force without a claim refreshing it (5 minutes).
 REGISTRATION_MS = 5 * 60_000
-#: Fraction of a second a rate-admitted request may start late (50 ms); admissions are spaced to absorb it.
+#: Admissions are spaced (1 + RATE_SLACK) / rate seconds apart: 5% below the rate, room for late starts.
 RATE_SLACK = 0.05
+#: Longest a rate-admitted request may start after its admission (seconds); a later one is given back.
+RATE_LATE_S = 0.02
 #: How far ahead of the database's now rate admissions are handed out.
 RATE_HORIZON_MS = 200
 

@@ -156,6 +156,10 @@ class _Claimed:
     not_before: float | None = None
 
 
+class _TooLate(Exception):
+    """A rate-admitted request could not start within RATE_LATE_S of its admission."""
+
+
 def _claimed(r: Any, **extra: Any) -> _Claimed:
     """A row returned by :func:`claim_statement`."""
     return _Claimed(r[0], r[1], r[2], r[3], r[4], deferrals=int(r[5] or 0), **extra)
@@ -735,8 +739,6 @@ class Dispatcher:
             delay = row.not_before - time.monotonic()
             if delay > 0 and self._stop.wait(delay):
                 return None
-            if time.monotonic() > row.not_before + limits.RATE_SLACK:
-                return None  # started too late for its rate admission: sending now could burst
         now = time.monotonic()
         ends = row.claimed_at + (self.claim_ms - _safety_ms(self.claim_ms)) / 1000
         if now + route.timeout_s > ends or self._local_pause.get(group, 0.0) > now:
@@ -744,6 +746,8 @@ class Dispatcher:
         _deadline.at = now + route.timeout_s
         try:
             classification = self._post(row, route, _deadline.at)
+        except _TooLate:
+            return None  # started too late for its rate admission: sending now could burst
         except Exception as exc:  # any failure to get a response is judged, never allowed to stop the batch
             classification = policy.classify_exception(exc)
         finally:
@@ -774,6 +778,8 @@ class Dispatcher:
             headers=headers,
             timeout=self._timeouts[row.topic],
         )
+        if row.not_before is not None and time.monotonic() > row.not_before + limits.RATE_LATE_S:
+            raise _TooLate
         response = self._client.send(request, stream=True, follow_redirects=False)
         try:
             body = bytearray()
