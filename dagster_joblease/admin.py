@@ -18,6 +18,7 @@ Safety rules these functions enforce:
 from __future__ import annotations
 
 import dataclasses
+import difflib
 import os
 import re
 import secrets
@@ -52,6 +53,7 @@ __all__ = [
     "admin_fail",
     "env_floor_ms",
     "list_leases",
+    "near_matches",
     "list_outbox",
     "outbox_stats",
     "parse_duration_ms",
@@ -425,23 +427,64 @@ def show_lease(engine: sa.Engine, key_or_code: str | int, run_key: str | None = 
     with translate_errors("read a lease"), engine.connect() as conn:
         found = _get_lease(conn, t.c.lock_key == key)
         schedules = 0
+        close: list[str] = []
         if found is None and job is not None and run_key is None:
             schedules = conn.execute(
                 sa.select(sa.func.count())
                 .select_from(t)
                 .where(t.c.code == job.code, t.c.job_type == "SCHEDULE")
             ).scalar_one()
+        if found is None and job is not None and not schedules:
+            close = near_matches(conn, job.code, job.run_key)
     if found is not None:
         return found
     if job is None:
         raise errors.NotFoundError(f"no lease with key {key}; list them with `joblease leases list`")
     what = f"INITIAL run {job.code!r}" if run_key is None else f"SCHEDULE run {job.code!r} / {job.run_key!r}"
-    hint = (
-        f"; {schedules} SCHEDULE run(s) of that code exist: give the run key too"
-        if schedules
-        else "; list them with `joblease leases list --code CODE`"
-    )
+    if schedules:
+        hint = f"; {schedules} SCHEDULE run(s) of that code exist: give the run key too"
+    elif close:
+        hint = "; close matches: " + ", ".join(close)
+    else:
+        hint = "; list them with `joblease leases list --code CODE`"
     raise errors.NotFoundError(f"no lease for {what} (key {key}){hint}")
+
+
+#: How many recent rows a near-match hint looks at (a bounded query, whatever the table's size).
+NEAR_MATCH_SCAN = 1_000
+
+
+def near_matches(conn: sa.Connection, code: str, run_key: str | None, *, limit: int = 3) -> list[str]:
+    """Leases whose name is close to (``code``, ``run_key``), for a "no lease" message: close run keys
+    of the same code, else close codes (``difflib.get_close_matches`` over at most
+    :data:`NEAR_MATCH_SCAN` of the newest rows). Each is shown as the option form that names it."""
+    t = lease_table
+    if run_key is not None:
+        keys = [
+            str(k)
+            for (k,) in conn.execute(
+                sa.select(t.c.run_key)
+                .where(t.c.code == code, t.c.job_type == "SCHEDULE")
+                .order_by(t.c.id.desc())
+                .limit(NEAR_MATCH_SCAN)
+            )
+            if k is not None
+        ]
+        close = difflib.get_close_matches(run_key, keys, n=limit, cutoff=0.6)
+        if close:
+            return [f"--code {code} --run-key {k}" for k in close]
+    recent = conn.execute(
+        sa.select(t.c.code, t.c.run_key).order_by(t.c.id.desc()).limit(NEAR_MATCH_SCAN)
+    ).all()
+    codes = list(dict.fromkeys(str(c) for c, _ in recent))
+    close_codes = [c for c in difflib.get_close_matches(code, codes, n=limit, cutoff=0.6) if c != code]
+    shown = []
+    for other in close_codes:
+        if run_key is not None and any(c == other and k == run_key for c, k in recent):
+            shown.append(f"--code {other} --run-key {run_key}")
+        else:
+            shown.append(f"--code {other}" if run_key is None else f"code {other!r}")
+    return shown
 
 
 @dataclasses.dataclass(frozen=True)
