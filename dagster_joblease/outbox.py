@@ -558,7 +558,7 @@ def due_summary(
     engine_or_connection: sa.Engine | sa.Connection, *, topics: Collection[str] | None = None
 ) -> DueSummary:
     """Count due rows, the age of the oldest and the retrying rows, in one query over pending rows only
-    (the partial index of pending rows, or the status/topic index when ``topics`` narrows it).
+    (the partial index of pending rows, ``topics`` filtering them).
 
     ``topics`` limits the summary to those topics (a dispatcher's routed topics); ``None`` means all.
     """
@@ -623,8 +623,8 @@ def delivery_health(
 ) -> DeliveryHealth:
     """Summarize delivery for ``topics`` (``None``: every topic) in a few indexed queries.
 
-    Pending rows are read through the partial index of pending rows; dead rows through the
-    ``(status, topic)`` index. All ages come from the database clock.
+    Pending rows are read through the partial index of pending rows; dead rows through the partial
+    index of dead rows. All ages come from the database clock.
     """
     import contextlib
 

@@ -23,7 +23,7 @@ __all__ = [
 #: Alembic's version table for this package, distinct from Dagster's and the host's ``alembic_version``.
 VERSION_TABLE = "joblease_alembic_version"
 #: The newest migration; ``db check`` compares the database against it.
-HEAD_REVISION = "0003"
+HEAD_REVISION = "0004"
 
 metadata = sa.MetaData(
     naming_convention={
@@ -70,8 +70,29 @@ lease_table = sa.Table(
         name="run_key_by_type",
     ),
     sa.CheckConstraint("attempt >= 1", name="attempt_positive"),
+    # Every index here is written by every claim's INSERT unless it is partial and excludes RUNNING rows;
+    # benchmarks/indexes.py measures each one's cost on the claim and shows the plan of each query below.
+    # The primary key: heartbeat, release, finish, takeover and `leases show ID` address a lease by id.
+    # uq(lock_key): the claim's ON CONFLICT (lock_key) and every lookup by key.
+    # (code, run_key): reconciliation's catch-up ("which run keys of this code have a row", any status),
+    # `leases list --code`, `leases show CODE`.
     sa.Index("ix_joblease_lease_code_run_key", "code", "run_key"),
-    sa.Index("ix_joblease_lease_status_finished_at", "status", "finished_at"),
+    # Live rows only (RUNNING or FAIL: a few, however many finished): reconciliation (a code's FAIL/RUNNING
+    # rows), `leases list --status running|fail`, `leases list --expired`. Claims write it; it stays small.
+    sa.Index(
+        "ix_joblease_lease_live",
+        "code",
+        postgresql_where=sa.text("status IN ('RUNNING', 'FAIL')"),
+        sqlite_where=sa.text("status IN ('RUNNING', 'FAIL')"),
+    ),
+    # Finished rows only: `leases purge` (finished_at < cutoff). A claim leaves finished_at NULL, so the
+    # claim never writes this index; a finish does.
+    sa.Index(
+        "ix_joblease_lease_finished_at",
+        "finished_at",
+        postgresql_where=sa.text("finished_at IS NOT NULL"),
+        sqlite_where=sa.text("finished_at IS NOT NULL"),
+    ),
 )
 
 outbox_table = sa.Table(
@@ -101,7 +122,10 @@ outbox_table = sa.Table(
     sa.UniqueConstraint("idempotency_key"),
     sa.CheckConstraint("status IN ('PENDING', 'SENT', 'DEAD')", name="status"),
     sa.CheckConstraint("attempts >= 0", name="attempts_nonnegative"),
-    # Due rows only: the dispatcher's claim and the sensor's probe stay cheap however many rows were sent.
+    # The primary key: the dispatcher's claim (its CTE joins on id), recording outcomes, `outbox requeue ID`.
+    # uq(idempotency_key): enqueue's ON CONFLICT (idempotency_key).
+    # Pending rows only: the dispatcher's claim of due rows, due_summary, the sensor's probe, `outbox list
+    # --status pending`; cheap however many rows were sent. The one secondary index an enqueue writes.
     sa.Index(
         "ix_joblease_outbox_due",
         "next_attempt_at",
@@ -109,8 +133,8 @@ outbox_table = sa.Table(
         postgresql_where=sa.text("status = 'PENDING'"),
         sqlite_where=sa.text("status = 'PENDING'"),
     ),
-    sa.Index("ix_joblease_outbox_status_topic", "status", "topic"),
-    # Claims holding a limit group's capacity: counting a group's requests in flight reads only these.
+    # Claims holding a limit group's capacity: counting a group's requests in flight reads only these
+    # (NULL on the unlimited path, so its claims and outcomes write no entry here).
     sa.Index(
         "ix_joblease_outbox_claim_group",
         "claim_group",
@@ -118,6 +142,15 @@ outbox_table = sa.Table(
         postgresql_where=sa.text("claim_group IS NOT NULL"),
         sqlite_where=sa.text("claim_group IS NOT NULL"),
     ),
+    # Dead rows only: delivery_health, the no_dead_rows check, `outbox requeue --all-dead / --topic`,
+    # `outbox list --status dead`. Written when a row is dead-lettered, never by an enqueue.
+    sa.Index(
+        "ix_joblease_outbox_dead",
+        "topic",
+        postgresql_where=sa.text("status = 'DEAD'"),
+        sqlite_where=sa.text("status = 'DEAD'"),
+    ),
+    # Sent rows only: `outbox purge` (sent_at < cutoff). Written when a row is sent.
     sa.Index(
         "ix_joblease_outbox_sent_at",
         "sent_at",

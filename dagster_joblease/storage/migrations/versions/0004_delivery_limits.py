@@ -9,8 +9,8 @@ Rows written before this migration keep working: a row already attempted gets ``
 created_at``, the earliest its first attempt can have been, so a retention window never measures from later
 than the truth (a row can only be dead-lettered early, never re-sent after the downstream forgot its key).
 
-Revision ID: 0003
-Revises: 0002
+Revision ID: 0004
+Revises: 0003
 Deploy: before the code that uses it (it adds a table and nullable or defaulted columns; older code ignores
 them).
 """
@@ -20,8 +20,8 @@ from __future__ import annotations
 import sqlalchemy as sa
 from alembic import op
 
-revision = "0003"
-down_revision = "0002"
+revision = "0004"
+down_revision = "0003"
 branch_labels = None
 depends_on = None
 
