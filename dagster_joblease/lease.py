@@ -29,7 +29,7 @@ from sqlalchemy.dialects.postgresql import psycopg as psycopg_dialect
 from dagster_joblease import errors, exclusive, identity, options
 from dagster_joblease.storage.autocommit import autocommit_connections
 from dagster_joblease.storage.clock import db_now, db_now_plus_ms, ms_until
-from dagster_joblease.storage.engine import translate_errors
+from dagster_joblease.storage.engine import fork_safe, translate_errors
 from dagster_joblease.storage.schema import lease_table
 
 __all__ = ["AcquireResult", "Lease", "LeaseService", "LeaseStatus", "NotAcquiredReason"]
@@ -371,7 +371,7 @@ class LeaseService:
         heartbeat_ms: int | None = None,
         holder: str | None = None,
     ) -> None:
-        self.engine = engine
+        self.engine = fork_safe(engine)  # a forked child never uses a connection of its parent
         self.timing = options.resolve_timing(lease_ms, heartbeat_ms)
         self.holder = None if holder is None else validate_holder(holder)
 
