@@ -29,7 +29,7 @@ from sqlalchemy.dialects.postgresql import psycopg as psycopg_dialect
 from dagster_joblease import errors, exclusive, identity, options
 from dagster_joblease.storage.autocommit import autocommit_connections
 from dagster_joblease.storage.clock import db_now, db_now_plus_ms, ms_until
-from dagster_joblease.storage.engine import translate_errors
+from dagster_joblease.storage.engine import fork_safe, translate_errors
 from dagster_joblease.storage.schema import lease_table
 
 __all__ = ["AcquireResult", "Lease", "LeaseService", "LeaseStatus", "NotAcquiredReason"]
@@ -282,8 +282,12 @@ def reclaim_or_status_statement() -> Any:
     ``UPDATE … WHERE lock_key = … AND <reclaimable>`` re-checks the row under its lock (READ COMMITTED
     re-evaluates the condition on the newest version), so two reclaimers still get exactly one winner.
     A refusal is a plain read: no row lock, no transaction id, no commit flush. Rows: a win returns
-    ``(id, attempt, expires_at, last_error, NULL)``; a refusal returns ``(NULL, …, status)`` as of the
-    statement's snapshot; no row means the row was deleted (purged) after the insert saw it.
+    ``(id, attempt, expires_at, last_error, NULL)``; a refusal returns ``(NULL, …, status)``, only for a
+    row that is not reclaimable (a live holder, a success). No row means the row changed between the
+    statements: it was deleted (purged) after the insert saw it, or the reclaim found it gone or taken
+    while the statement's snapshot still shows it reclaimable (a purge's DELETE held its lock, then
+    committed): the caller claims again (see :data:`CLAIM_ROUNDS`) rather than report a refusal that
+    names nobody.
     """
     t = lease_table
     lease_ms = sa.bindparam("p_lease_ms", type_=sa.BigInteger())
@@ -310,11 +314,19 @@ def reclaim_or_status_statement() -> Any:
         sa.cast(sa.null(), sa.DateTime(timezone=True)),
         sa.cast(sa.null(), sa.Text()),
         t.c.status,
-    ).where(t.c.lock_key == key, ~sa.exists(sa.select(reclaimed.c.id)))
+    ).where(t.c.lock_key == key, ~_reclaimable(), ~sa.exists(sa.select(reclaimed.c.id)))
     return sa.union_all(won, refused)
 
 
-_STATUS_OF = sa.select(lease_table.c.status).where(lease_table.c.lock_key == sa.bindparam("p_lock_key"))
+#: The status of a row that refuses a claim (a live holder or a success); nothing for a reclaimable row.
+_STATUS_OF = sa.select(lease_table.c.status).where(
+    lease_table.c.lock_key == sa.bindparam("p_lock_key"), ~_reclaimable()
+)
+
+#: How many times a claim starts again when the row changed between its statements (a purge deleted
+#: it; the reclaim waited on a purge's lock and then found it gone). Each round is a new statement with a
+#: new snapshot; only churn on one key that outlasts every round ends in ``CONTENDED``.
+CLAIM_ROUNDS = 5
 
 
 @dataclasses.dataclass(frozen=True)
@@ -371,7 +383,7 @@ class LeaseService:
         heartbeat_ms: int | None = None,
         holder: str | None = None,
     ) -> None:
-        self.engine = engine
+        self.engine = fork_safe(engine)  # a forked child never uses a connection of its parent
         self.timing = options.resolve_timing(lease_ms, heartbeat_ms)
         self.holder = None if holder is None else validate_holder(holder)
 
@@ -428,15 +440,20 @@ class LeaseService:
         }
         dialect = self.engine.dialect
         current: str | None = None
+        row: Any = None
         if dialect.name == "postgresql" and dialect.driver == "psycopg":
             row, current = self._claim_psycopg(params)
         else:
             with self._one_statement("acquire a lease") as conn:
-                row = conn.execute(acquire_statement(conn.dialect.name), params).first()
-                if row is None:
+                for _ in range(CLAIM_ROUNDS):
+                    row = conn.execute(acquire_statement(conn.dialect.name), params).first()
+                    if row is not None:
+                        break
                     current = conn.execute(
                         _STATUS_OF, {"p_lock_key": job.idempotency_key}
                     ).scalar_one_or_none()
+                    if current is not None:
+                        break  # a live holder or a success: the refusal names it
         if row is None:
             reason = _REASONS.get(current or "", NotAcquiredReason.CONTENDED)
             logger.info("lease not acquired for %s: %s", job, reason.value, extra={"action": "lease_skipped"})
@@ -467,13 +484,14 @@ class LeaseService:
         per-execution and pool work (see :mod:`dagster_joblease.storage.autocommit`); the SQL is what
         SQLAlchemy compiles from :func:`insert_claim_statement` and :func:`reclaim_or_status_statement`.
         A first claim is one round trip; a claim that meets an existing row is two. Returns the claimed
-        row (or None) and, when refused, the row's status (None: lost a race).
+        row (or None) and, when refused, the row's status (None: the row kept changing for
+        :data:`CLAIM_ROUNDS` rounds).
         """
         insert, reclaim = psycopg_claim_sql()
         connections = autocommit_connections(self.engine)
         with translate_errors("acquire a lease"), connections.connection(self.engine) as handle:
             cursor = handle.cursor
-            for _ in range(2):  # twice only if the row was purged between the two statements
+            for _ in range(CLAIM_ROUNDS):  # again only if the row changed between the two statements
                 cursor.execute(insert.sql, insert.args(params), prepare=True)
                 found = cursor.fetchone()
                 if found is not None:

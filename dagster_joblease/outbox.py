@@ -381,9 +381,13 @@ def _many_statements(dialect_name: str) -> tuple[Any, Any, Any]:
         .returning(t.c.idempotency_key)
     )
     keys = rowset.rows_source(dialect_name, (("key", sa.String()),))
-    existing = sa.select(t.c.idempotency_key, t.c.payload_sha256, t.c.topic).select_from(
-        t.join(keys, t.c.idempotency_key == keys.c.key)
-    )
+    read = (t.c.idempotency_key, t.c.payload_sha256, t.c.topic)
+    if dialect_name == "postgresql":
+        # One index lookup per key (LATERAL): linear whatever the planner's row estimates say.
+        found = sa.select(*read).where(t.c.idempotency_key == keys.c.key).lateral("l")
+        existing = sa.select(*(found.c[c.name] for c in read)).select_from(keys.join(found, sa.true()))
+    else:
+        existing = sa.select(*read).select_from(t.join(keys, t.c.idempotency_key == keys.c.key))
     keys_again = rowset.rows_source(dialect_name, (("key", sa.String()),), joined=False)
     delete = sa.delete(t).where(t.c.idempotency_key.in_(sa.select(keys_again.c.key)))
     return insert_stmt, existing, delete
