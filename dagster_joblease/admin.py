@@ -18,6 +18,7 @@ Safety rules these functions enforce:
 from __future__ import annotations
 
 import dataclasses
+import difflib
 import os
 import re
 import secrets
@@ -27,9 +28,9 @@ from typing import Any
 
 import sqlalchemy as sa
 
-from dagster_joblease import errors, identity
+from dagster_joblease import errors, identity, staleness
 from dagster_joblease.lease import LeaseStatus, bound_error
-from dagster_joblease.options import MAX_DURATION_MS
+from dagster_joblease.options import MAX_DURATION_MS, default_heartbeat_ms
 from dagster_joblease.storage.clock import db_now, db_now_plus_ms, ms_until, readable_ts
 from dagster_joblease.storage.engine import translate_errors
 from dagster_joblease.storage.schema import lease_table, outbox_table
@@ -52,6 +53,7 @@ __all__ = [
     "admin_fail",
     "env_floor_ms",
     "list_leases",
+    "near_matches",
     "list_outbox",
     "outbox_stats",
     "parse_duration_ms",
@@ -171,7 +173,15 @@ def _json_value(value: Any) -> Any:
 @dataclasses.dataclass(frozen=True)
 class LeaseRow:
     """One lease row as an operator sees it. ``remaining_ms`` is on the database clock (RUNNING only;
-    negative when the holder is overdue); ``expired`` says a claim could reclaim it right now."""
+    negative when the holder is overdue); ``expired`` says a claim could reclaim it right now.
+
+    ``heartbeat_ms`` is the interval the holder recorded when it claimed (0: it never heartbeats and is
+    judged by expiry only; ``None``: a row from before migration 0002). ``heartbeat_age_ms`` (RUNNING
+    only, database clock) is how long ago it last heartbeated; ``stale`` says that is past the holder's own
+    threshold (:func:`dagster_joblease.staleness.stale_after_ms`): a stale holder whose lease has not
+    expired may still be working, so nothing takes it over on staleness alone unless its run is known
+    to be finished.
+    """
 
     id: int
     idempotency_key: str
@@ -182,7 +192,10 @@ class LeaseRow:
     attempt: int
     holder: str | None
     lease_ms: int
+    heartbeat_ms: int | None
     remaining_ms: int | None
+    heartbeat_age_ms: int | None
+    stale: bool
     expired: bool
     created_at: datetime
     acquired_at: datetime
@@ -305,12 +318,19 @@ def _lease_select() -> sa.Select[Any]:
     return sa.select(
         *_readable_columns(t),
         sa.case((running, ms_until(readable_ts(t.c.expires_at))), else_=sa.null()).label("remaining_ms"),
+        sa.case((running, -ms_until(readable_ts(t.c.heartbeat_at))), else_=sa.null()).label(
+            "heartbeat_age_ms"
+        ),
         sa.case((sa.and_(running, t.c.expires_at < db_now()), sa.true()), else_=sa.false()).label("expired"),
     )
 
 
 def _lease_row(row: sa.Row[Any]) -> LeaseRow:
     m = row._mapping
+    heartbeat_ms = m["heartbeat_ms"]
+    age = None if m["heartbeat_age_ms"] is None else int(m["heartbeat_age_ms"])
+    # A row from before 0002 is judged as the library's default interval for its lease length.
+    threshold = staleness.stale_after_ms(heartbeat_ms, legacy_ms=2 * default_heartbeat_ms(m["lease_ms"]))
     return LeaseRow(
         id=m["id"],
         idempotency_key=m["lock_key"],
@@ -321,7 +341,10 @@ def _lease_row(row: sa.Row[Any]) -> LeaseRow:
         attempt=m["attempt"],
         holder=m["holder"],
         lease_ms=m["lease_ms"],
+        heartbeat_ms=None if heartbeat_ms is None else int(heartbeat_ms),
         remaining_ms=None if m["remaining_ms"] is None else int(m["remaining_ms"]),
+        heartbeat_age_ms=age,
+        stale=age is not None and staleness.is_stale(age, threshold),
         expired=bool(m["expired"]),
         created_at=_utc(m["created_at"]),  # type: ignore[arg-type]
         acquired_at=_utc(m["acquired_at"]),  # type: ignore[arg-type]
@@ -404,23 +427,64 @@ def show_lease(engine: sa.Engine, key_or_code: str | int, run_key: str | None = 
     with translate_errors("read a lease"), engine.connect() as conn:
         found = _get_lease(conn, t.c.lock_key == key)
         schedules = 0
+        close: list[str] = []
         if found is None and job is not None and run_key is None:
             schedules = conn.execute(
                 sa.select(sa.func.count())
                 .select_from(t)
                 .where(t.c.code == job.code, t.c.job_type == "SCHEDULE")
             ).scalar_one()
+        if found is None and job is not None and not schedules:
+            close = near_matches(conn, job.code, job.run_key)
     if found is not None:
         return found
     if job is None:
         raise errors.NotFoundError(f"no lease with key {key}; list them with `joblease leases list`")
     what = f"INITIAL run {job.code!r}" if run_key is None else f"SCHEDULE run {job.code!r} / {job.run_key!r}"
-    hint = (
-        f"; {schedules} SCHEDULE run(s) of that code exist: give the run key too"
-        if schedules
-        else "; list them with `joblease leases list --code CODE`"
-    )
+    if schedules:
+        hint = f"; {schedules} SCHEDULE run(s) of that code exist: give the run key too"
+    elif close:
+        hint = "; close matches: " + ", ".join(close)
+    else:
+        hint = "; list them with `joblease leases list --code CODE`"
     raise errors.NotFoundError(f"no lease for {what} (key {key}){hint}")
+
+
+#: How many recent rows a near-match hint looks at (a bounded query, whatever the table's size).
+NEAR_MATCH_SCAN = 1_000
+
+
+def near_matches(conn: sa.Connection, code: str, run_key: str | None, *, limit: int = 3) -> list[str]:
+    """Leases whose name is close to (``code``, ``run_key``), for a "no lease" message: close run keys
+    of the same code, else close codes (``difflib.get_close_matches`` over at most
+    :data:`NEAR_MATCH_SCAN` of the newest rows). Each is shown as the option form that names it."""
+    t = lease_table
+    if run_key is not None:
+        keys = [
+            str(k)
+            for (k,) in conn.execute(
+                sa.select(t.c.run_key)
+                .where(t.c.code == code, t.c.job_type == "SCHEDULE")
+                .order_by(t.c.id.desc())
+                .limit(NEAR_MATCH_SCAN)
+            )
+            if k is not None
+        ]
+        close = difflib.get_close_matches(run_key, keys, n=limit, cutoff=0.6)
+        if close:
+            return [f"--code {code} --run-key {k}" for k in close]
+    recent = conn.execute(
+        sa.select(t.c.code, t.c.run_key).order_by(t.c.id.desc()).limit(NEAR_MATCH_SCAN)
+    ).all()
+    codes = list(dict.fromkeys(str(c) for c, _ in recent))
+    close_codes = [c for c in difflib.get_close_matches(code, codes, n=limit, cutoff=0.6) if c != code]
+    shown = []
+    for other in close_codes:
+        if run_key is not None and any(c == other and k == run_key for c, k in recent):
+            shown.append(f"--code {other} --run-key {run_key}")
+        else:
+            shown.append(f"--code {other}" if run_key is None else f"code {other!r}")
+    return shown
 
 
 @dataclasses.dataclass(frozen=True)

@@ -394,6 +394,19 @@ def _remaining(row: admin.LeaseRow) -> str:
     return human_ms(row.remaining_ms)
 
 
+def _heartbeat(row: admin.LeaseRow) -> str:
+    """The holder's own interval (what "stale" is judged by), its last heartbeat's age, STALE past it."""
+    if row.heartbeat_ms is None:
+        every = "every ? (pre-0002 row)"
+    elif row.heartbeat_ms == 0:
+        every = "none (expiry only)"
+    else:
+        every = f"every {human_ms(row.heartbeat_ms)}"
+    if row.heartbeat_age_ms is None:
+        return every
+    return f"{every}, last {human_ms(max(row.heartbeat_age_ms, 0))} ago" + (" STALE" if row.stale else "")
+
+
 @leases.command("list", short_help="List leases with remaining time on the database clock.")
 @click.option("--code", help="Only this job code.")
 @click.option(
@@ -416,7 +429,9 @@ def _remaining(row: admin.LeaseRow) -> str:
 def leases_list(
     code: str | None, status: str | None, older_than: int | None, expired: bool, limit: int, as_json: bool
 ) -> None:
-    """List leases, newest attempt first. REMAINING is the holder's lease left on the database clock."""
+    """List leases, newest attempt first. REMAINING is the holder's lease left on the database clock;
+    HEARTBEAT is the interval the holder recorded (stale is judged by it, not by yours) and, while it
+    runs, its last heartbeat's age (STALE past two intervals: it may still be working until it expires)."""
     rows = admin.list_leases(
         _state().engine(),
         code=code,
@@ -433,9 +448,19 @@ def leases_list(
         return
     click.echo(
         render_table(
-            ["ID", "CODE", "RUN KEY", "STATUS", "ATTEMPT", "REMAINING", "HOLDER", "LAST ERROR"],
+            ["ID", "CODE", "RUN KEY", "STATUS", "ATTEMPT", "REMAINING", "HEARTBEAT", "HOLDER", "LAST ERROR"],
             [
-                [r.id, r.code, r.run_key, r.status, r.attempt, _remaining(r), r.holder, r.last_error]
+                [
+                    r.id,
+                    r.code,
+                    r.run_key,
+                    r.status,
+                    r.attempt,
+                    _remaining(r),
+                    _heartbeat(r),
+                    r.holder,
+                    r.last_error,
+                ]
                 for r in rows
             ],
             {"LAST ERROR": ERROR_CELL_CHARS, "RUN KEY": 40, "HOLDER": 40},
@@ -448,13 +473,50 @@ _KEY_RE = re.compile(r"v2:[0-9a-f]{64}")
 _RUN_KEY_LIKE = re.compile(r"\d[\d\-:T/._+Z ]*")
 
 
+def lease_options(fn: Callable[..., Any]) -> Callable[..., Any]:
+    """The one option form that names a lease, the same on every per-lease command."""
+    for option in reversed(
+        [
+            click.option("--key", "key_opt", metavar="KEY", help="The lease's v2: idempotency key."),
+            click.option("--code", "code_opt", metavar="CODE", help="The job code (alone: an INITIAL run)."),
+            click.option(
+                "--run-key", "run_key_opt", metavar="RUN_KEY", help="With --code: that SCHEDULE run."
+            ),
+            click.option("--id", "lease_id", type=int, help="The lease's numeric row id."),
+        ]
+    ):
+        fn = option(fn)
+    return fn
+
+
+def _optioned_lease(
+    key_opt: str | None, code_opt: str | None, run_key_opt: str | None, lease_id: int | None
+) -> tuple[str | int, str | None] | None:
+    """The lease the options name, as (v2 key | code | id, run key); None when no option was given."""
+    if lease_id is not None:
+        return lease_id, None
+    if key_opt is not None:
+        if not _KEY_RE.fullmatch(key_opt.strip()):
+            raise click.BadParameter(f"{key_opt!r} is not a v2: idempotency key", param_hint="--key")
+        return key_opt.strip(), None
+    if code_opt is not None:
+        return code_opt, run_key_opt
+    return None
+
+
+def _one_way(given: list[str], forms: str, run_key_opt: str | None, code_opt: str | None) -> None:
+    if run_key_opt is not None and code_opt is None:
+        raise click.UsageError("--run-key needs --code CODE: a run key alone does not name a run")
+    if len(given) != 1:
+        raise click.UsageError(
+            f"name the lease in exactly one way: {forms} (got {', '.join(given) if given else 'none'})"
+        )
+
+
 @leases.command("show", short_help="Show one lease by key, code [run key] or id.")
 @click.argument("key_or_code", required=False, metavar="[KEY | CODE [RUN_KEY]]")
 @click.argument("run_key", required=False, metavar="")
-@click.option("--key", "key_opt", metavar="KEY", help="The lease's v2: idempotency key.")
-@click.option("--code", "code_opt", metavar="CODE", help="The job code (alone: an INITIAL run).")
-@click.option("--run-key", "run_key_opt", metavar="RUN_KEY", help="With --code: that SCHEDULE run.")
-@click.option("--id", "lease_id", type=int, help="Look the lease up by its numeric row id instead.")
+@lease_options
 @json_option
 def leases_show(
     key_or_code: str | None,
@@ -465,17 +527,17 @@ def leases_show(
     lease_id: int | None,
     as_json: bool,
 ) -> None:
-    """Show one lease, named in exactly one way:
+    """Show one lease, named in exactly one way (the options are the same on `leases fail`):
 
     \b
-      joblease leases show v2:…                     (or --key v2:…)
-      joblease leases show CODE RUN_KEY             (or --code CODE --run-key RUN_KEY): a SCHEDULE run
-      joblease leases show --code CODE              an INITIAL run (CODE alone works unless it looks
-                                                    like a run key: a date, a time or a number)
+      joblease leases show --code CODE --run-key RUN_KEY   a SCHEDULE run (or: show CODE RUN_KEY)
+      joblease leases show --code CODE                     an INITIAL run (CODE alone works unless it
+                                                           looks like a run key: a date, a time, a number)
+      joblease leases show --key v2:…                      (or: show v2:…)
       joblease leases show --id N
 
     A lone positional value that looks like a run key (2024-02-03) is refused rather than read as an
-    INITIAL job's code; give its code too.
+    INITIAL job's code; give its code too. No such lease: close run keys (or codes) are suggested.
     """
     given = [
         name
@@ -487,22 +549,16 @@ def leases_show(
         )
         if value is not None
     ]
-    if len(given) != 1:
-        raise click.UsageError(
-            "name the lease in exactly one way: KEY, CODE [RUN_KEY], --key KEY, --code CODE [--run-key "
-            f"RUN_KEY] or --id N (got {', '.join(given) if given else 'none'})"
-        )
-    if run_key_opt is not None and code_opt is None:
-        raise click.UsageError("--run-key needs --code CODE: a run key alone does not name a run")
+    _one_way(
+        given,
+        "KEY, CODE [RUN_KEY], --key KEY, --code CODE [--run-key RUN_KEY] or --id N",
+        run_key_opt,
+        code_opt,
+    )
     target: str | int
-    if lease_id is not None:
-        target = lease_id
-    elif key_opt is not None:
-        if not _KEY_RE.fullmatch(key_opt.strip()):
-            raise click.BadParameter(f"{key_opt!r} is not a v2: idempotency key", param_hint="--key")
-        target = key_opt.strip()
-    elif code_opt is not None:
-        target, run_key = code_opt, run_key_opt
+    optioned = _optioned_lease(key_opt, code_opt, run_key_opt, lease_id)
+    if optioned is not None:
+        target, run_key = optioned
     else:
         assert key_or_code is not None
         text = key_or_code.strip()
@@ -512,8 +568,8 @@ def leases_show(
         elif run_key is None and _RUN_KEY_LIKE.fullmatch(text):
             raise click.UsageError(
                 f"{text!r} looks like a run key (a date, a time or a number), not a job code. Give its "
-                f"code too: `joblease leases show CODE {text}` (or --code CODE --run-key {text}); for an "
-                f"INITIAL job whose code really is {text!r}, `--code {text}`; for a lease id, `--id {text}`."
+                f"code too: `joblease leases show --code CODE --run-key {text}`; for an INITIAL job whose "
+                f"code really is {text!r}, `--code {text}`; for a lease id, `--id {text}`."
             )
         target = key_or_code
     row = admin.show_lease(_state().engine(), target, run_key)
@@ -531,6 +587,7 @@ def leases_show(
         ("holder", row.holder),
         ("lease length", human_ms(row.lease_ms)),
         ("remaining", _remaining(row)),
+        ("heartbeats", _heartbeat(row)),
         ("created", row.created_at.isoformat()),
         ("acquired", row.acquired_at.isoformat()),
         ("heartbeat", row.heartbeat_at.isoformat()),
@@ -549,7 +606,8 @@ def _lease_ref(text: str) -> str | int:
 
 
 @leases.command("fail", short_help="Reset stuck or failed runs so the next claim retries them.")
-@click.argument("keys", nargs=-1, required=True, metavar="KEY_OR_ID...")
+@click.argument("keys", nargs=-1, required=False, metavar="[KEY_OR_ID...]")
+@lease_options
 @click.option(
     "--force",
     is_flag=True,
@@ -560,17 +618,68 @@ def _lease_ref(text: str) -> str | int:
 @click.option(
     "--reason", default="marked failed by an operator", show_default=True, help="Recorded in last_error."
 )
-def leases_fail(keys: tuple[str, ...], force: bool, reason: str) -> None:
+def leases_fail(
+    keys: tuple[str, ...],
+    key_opt: str | None,
+    code_opt: str | None,
+    run_key_opt: str | None,
+    lease_id: int | None,
+    force: bool,
+    reason: str,
+) -> None:
     """Reset stuck or failed runs to FAIL so the next claim retries them with the same idempotency key.
 
-    Each KEY_OR_ID is a v2: key or a numeric lease id. The old holder is fenced out (new owner token).
-    A live lease is refused unless --force; a SUCCESS row is always refused (purge it instead).
+    \b
+      joblease leases fail --code CODE --run-key RUN_KEY   a SCHEDULE run (as `leases show` names it)
+      joblease leases fail --code CODE                     an INITIAL run
+      joblease leases fail --key v2:… | --id N
+      joblease leases fail KEY_OR_ID...                    several v2: keys or numeric ids at once
+
+    The old holder is fenced out (new owner token). A live lease is refused unless --force; a SUCCESS
+    row is always refused (purge it instead).
     """
+    given = [
+        name
+        for name, value in (
+            ("KEY_OR_ID...", keys or None),
+            ("--key", key_opt),
+            ("--code", code_opt),
+            ("--id", lease_id),
+        )
+        if value is not None
+    ]
+    _one_way(
+        given, "--code CODE [--run-key RUN_KEY], --key KEY, --id N, or KEY_OR_ID...", run_key_opt, code_opt
+    )
+    refs: list[str | int]
+    optioned = _optioned_lease(key_opt, code_opt, run_key_opt, lease_id)
+    if optioned is not None:
+        target, run_key = optioned
+        if isinstance(target, str) and not _KEY_RE.fullmatch(target):
+            # A code (and run key): find the row first, so a near miss gets the same hints as `show`.
+            refs = [admin.show_lease(_state().engine(), target, run_key).id]
+        else:
+            refs = [target]
+    else:
+        bad = [ref for ref in keys if not (ref.isdigit() or _KEY_RE.fullmatch(ref.strip()))]
+        if bad:
+            code, *rest = keys
+            suggestion = (
+                f"joblease leases fail --code {code} --run-key {rest[0]}"
+                if len(keys) == 2 and not code.isdigit() and not _KEY_RE.fullmatch(code)
+                else "joblease leases fail --code CODE --run-key RUN_KEY"
+            )
+            raise click.UsageError(
+                f"{bad[0]!r} is neither a v2: key nor a numeric lease id. Positional arguments of "
+                f"`leases fail` are keys or ids (several at once); name a run by its code with the options "
+                f"`leases show` takes too: `{suggestion}` (an INITIAL run: `--code CODE`)."
+            )
+        refs = [_lease_ref(ref) for ref in keys]
     engine = _state().engine()
     worst = 0
-    for ref in keys:
+    for ref in refs:
         try:
-            outcome = admin.reset_lease(engine, _lease_ref(ref), force=force, reason=reason)
+            outcome = admin.reset_lease(engine, ref, force=force, reason=reason)
         except (errors.NotFoundError, admin.AdminRefusedError, admin.AdminArgumentError) as exc:
             click.echo(f"Error: {ref}: {exc}", err=True)
             worst = max(worst, exit_code_for(exc))

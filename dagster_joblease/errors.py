@@ -16,6 +16,7 @@ contain a database URL or a credential.
     ├── ConfigurationError                      bad route, missing environment variable, bad URL
     │   └── InvalidFaultError (ValueError)      a receiver fault injection broke a rule
     ├── LostLeaseError                          a fenced write found another owner (or none)
+    │   └── LostBatchLeaseError                 the same, for a lease of a set (names all lost keys)
     ├── OutboxConflictError                     same idempotency key, different payload
     ├── InboxConflictError                      consumer saw the same key with a different payload
     ├── InboxInProgressError                    consumer is still processing that key
@@ -41,6 +42,7 @@ __all__ = [
     "InvalidLeaseOptionsError",
     "InvalidPayloadError",
     "JobLeaseError",
+    "LostBatchLeaseError",
     "LostLeaseError",
     "NotFoundError",
     "OutboxConflictError",
@@ -135,6 +137,32 @@ class LostLeaseError(JobLeaseError):
             "longer owns it (it expired and was reclaimed by another worker, or was already completed, "
             f"failed or released). Stop work now. {_GUARANTEE}"
         )
+
+
+class LostBatchLeaseError(LostLeaseError):
+    """A lease of a set was lost: ``idempotency_key`` (and ``lease_id``, ``attempt``) name the first lost
+    key in key order, ``lost_keys`` all of them, ``keys`` every key of the set.
+
+    Raised by a fenced transaction over a set (nothing of it committed; every lease of the set is then
+    failed for a retry and marked lost) and by ``BatchWrite.raise_if_lost``.
+    """
+
+    def __init__(
+        self,
+        *,
+        lease_id: int,
+        attempt: int,
+        idempotency_key: str,
+        action: str,
+        lost_keys: tuple[str, ...],
+        keys: tuple[str, ...],
+    ) -> None:
+        self.lost_keys = lost_keys
+        self.keys = keys
+        super().__init__(lease_id=lease_id, attempt=attempt, idempotency_key=idempotency_key, action=action)
+        others = len(lost_keys) - 1
+        if others > 0:
+            self.args = (f"{self.args[0]} ({others} more of the set's {len(keys)} leases lost too)",)
 
 
 class OutboxConflictError(JobLeaseError):

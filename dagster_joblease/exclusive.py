@@ -88,7 +88,7 @@ def run_exclusive(
     again under the next owner, which the idempotency key lets the downstream deduplicate.
     """
     timing = options.resolve_timing(lease_ms, heartbeat_ms, defaults=service.timing)
-    acquired = service.try_acquire(job, lease_ms=timing.lease_ms)
+    acquired = service.try_acquire(job, lease_ms=timing.lease_ms, heartbeat_ms=timing.heartbeat_ms)
     lease = acquired.lease
     if lease is None:
         return ExclusiveOutcome(acquired=False, reason=acquired.reason)

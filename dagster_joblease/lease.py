@@ -175,8 +175,12 @@ _RUNNING, _FAIL, _SUCCESS = (
 _ONE = sa.literal_column("1", sa.Integer())
 
 
-def _claim_values(lease_ms: Any) -> dict[str, Any]:
-    """Column → value of a fresh claim (attempt 1), all times from the database clock."""
+def _claim_values(lease_ms: Any, heartbeat_ms: Any) -> dict[str, Any]:
+    """Column → value of a fresh claim (attempt 1), all times from the database clock.
+
+    The holder's own timing goes on the row (``lease_ms``, ``heartbeat_ms``): whoever judges the holder
+    later measures it against these, not its own settings (see :mod:`dagster_joblease.staleness`).
+    """
     return {
         "lock_key": sa.bindparam("p_lock_key", type_=sa.String()),
         "job_type": sa.bindparam("p_job_type", type_=sa.String()),
@@ -186,6 +190,7 @@ def _claim_values(lease_ms: Any) -> dict[str, Any]:
         "owner_token": sa.bindparam("p_owner_token", type_=sa.String()),
         "attempt": _ONE,
         "lease_ms": lease_ms,
+        "heartbeat_ms": heartbeat_ms,
         "holder": sa.bindparam("p_holder", type_=sa.String()),
         "created_at": db_now(),
         "acquired_at": db_now(),
@@ -194,7 +199,7 @@ def _claim_values(lease_ms: Any) -> dict[str, Any]:
     }
 
 
-def _reclaim_values(owner_token: Any, holder: Any, lease_ms: Any) -> dict[str, Any]:
+def _reclaim_values(owner_token: Any, holder: Any, lease_ms: Any, heartbeat_ms: Any) -> dict[str, Any]:
     """Column → value of a reclaim: a new token, the next attempt, fresh times from the database clock."""
     t = lease_table
     return {
@@ -202,6 +207,7 @@ def _reclaim_values(owner_token: Any, holder: Any, lease_ms: Any) -> dict[str, A
         "owner_token": owner_token,
         "attempt": t.c.attempt + _ONE,
         "lease_ms": lease_ms,
+        "heartbeat_ms": heartbeat_ms,
         "holder": holder,
         "acquired_at": db_now(),
         "heartbeat_at": db_now(),
@@ -225,6 +231,7 @@ def _reclaimable() -> Any:
     return sa.or_(t.c.status == _FAIL, sa.and_(t.c.status == _RUNNING, t.c.expires_at < db_now()))
 
 
+_HEARTBEAT_MS = sa.bindparam("p_heartbeat_ms", type_=sa.BigInteger())
 _RETURNED = (lease_table.c.id, lease_table.c.attempt, lease_table.c.expires_at, lease_table.c.last_error)
 
 
@@ -234,16 +241,17 @@ def acquire_statement(dialect_name: str) -> Any:
 
     ``INSERT … ON CONFLICT (lock_key) DO UPDATE … WHERE status = 'FAIL' OR (status = 'RUNNING' AND
     expires_at < db now) RETURNING …``, with bound parameters ``p_lock_key``, ``p_job_type``, ``p_code``,
-    ``p_run_key``, ``p_owner_token``, ``p_lease_ms`` and ``p_holder``. SQLite (and PostgreSQL without
-    psycopg) claims with it; PostgreSQL with psycopg uses :func:`insert_claim_statement` first.
+    ``p_run_key``, ``p_owner_token``, ``p_lease_ms``, ``p_heartbeat_ms`` and ``p_holder``. SQLite (and
+    PostgreSQL without psycopg) claims with it; PostgreSQL with psycopg uses :func:`insert_claim_statement`
+    first.
     """
     t = lease_table
     insert = (postgresql.insert if dialect_name == "postgresql" else sqlite.insert)(t)
     lease_ms = sa.bindparam("p_lease_ms", type_=sa.BigInteger())
-    stmt = insert.values(**_claim_values(lease_ms))
+    stmt = insert.values(**_claim_values(lease_ms, _HEARTBEAT_MS))
     update = stmt.on_conflict_do_update(
         index_elements=[t.c.lock_key],
-        set_=_reclaim_values(stmt.excluded.owner_token, stmt.excluded.holder, lease_ms),
+        set_=_reclaim_values(stmt.excluded.owner_token, stmt.excluded.holder, lease_ms, _HEARTBEAT_MS),
         where=_reclaimable(),
     )
     return update.returning(*_RETURNED)
@@ -262,7 +270,7 @@ def insert_claim_statement() -> Any:
     """
     t = lease_table
     lease_ms = sa.bindparam("p_lease_ms", type_=sa.BigInteger())
-    insert = postgresql.insert(t).values(**_claim_values(lease_ms))
+    insert = postgresql.insert(t).values(**_claim_values(lease_ms, _HEARTBEAT_MS))
     return insert.on_conflict_do_nothing(index_elements=[t.c.lock_key]).returning(*_RETURNED)
 
 
@@ -284,6 +292,7 @@ def reclaim_or_status_statement() -> Any:
         sa.bindparam("p_owner_token", type_=sa.String()),
         sa.bindparam("p_holder", type_=sa.String()),
         lease_ms,
+        _HEARTBEAT_MS,
     )
     reclaimed = (
         sa.update(t).where(t.c.lock_key == key, _reclaimable()).values(**values).returning(*_RETURNED)
@@ -384,15 +393,27 @@ class LeaseService:
     # -- acquire -----------------------------------------------------------------------------------
 
     def try_acquire(
-        self, job: identity.JobIdentity, *, lease_ms: int | None = None, holder: str | None = None
+        self,
+        job: identity.JobIdentity,
+        *,
+        lease_ms: int | None = None,
+        heartbeat_ms: int | None = None,
+        holder: str | None = None,
     ) -> AcquireResult:
         """Claim or reclaim ``job``; on a loss, say why.
 
-        ``holder`` overrides the service's holder label for this claim.
+        ``holder`` overrides the service's holder label for this claim. The claim records the holder's
+        lease length and heartbeat interval on the row (default: the service's; with only ``lease_ms``
+        given, that length's default interval): others judge this holder stale by them. A caller that
+        will not heartbeat records ``heartbeat_ms=0`` (judged by expiry only).
         """
         if not isinstance(job, identity.JobIdentity):
             raise errors.InvalidJobIdentityError("identity", job, "must be a JobIdentity")
-        length = self.timing.lease_ms if lease_ms is None else options.resolve_timing(lease_ms).lease_ms
+        if lease_ms is None and heartbeat_ms is None:
+            timing = self.timing
+        else:
+            timing = options.resolve_timing(lease_ms, heartbeat_ms, defaults=self.timing)
+        length = timing.lease_ms
         label = validate_holder(holder) if holder is not None else self.holder or _holder()
         token = secrets.token_hex(16)
         params = {
@@ -402,6 +423,7 @@ class LeaseService:
             "p_run_key": job.run_key,
             "p_owner_token": token,
             "p_lease_ms": length,
+            "p_heartbeat_ms": timing.heartbeat_ms,
             "p_holder": label,
         }
         dialect = self.engine.dialect
@@ -465,10 +487,19 @@ class LeaseService:
             return None, None
 
     def acquire(
-        self, job: identity.JobIdentity, *, lease_ms: int | None = None, holder: str | None = None
+        self,
+        job: identity.JobIdentity,
+        *,
+        lease_ms: int | None = None,
+        heartbeat_ms: int | None = None,
+        holder: str | None = None,
     ) -> Lease | None:
-        """Claim or reclaim ``job``; ``None`` when another worker holds it or it already succeeded."""
-        return self.try_acquire(job, lease_ms=lease_ms, holder=holder).lease
+        """Claim or reclaim ``job``; ``None`` when another worker holds it or it already succeeded.
+
+        The row records the service's heartbeat setting (or ``heartbeat_ms``): heartbeat at least that
+        often, or pass ``heartbeat_ms=0`` to be judged by the lease's expiry only.
+        """
+        return self.try_acquire(job, lease_ms=lease_ms, heartbeat_ms=heartbeat_ms, holder=holder).lease
 
     def fail_dead_holder(
         self,

@@ -14,29 +14,35 @@ import functools
 import hashlib
 import json
 import re
-from collections.abc import Collection
-from typing import Any
+from collections.abc import Collection, Iterable, Sequence
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 import psycopg
 import sqlalchemy as sa
-from psycopg.pq import TransactionStatus
 from sqlalchemy.dialects import postgresql, sqlite
 from sqlalchemy.dialects.postgresql import psycopg as psycopg_dialect
 
 from dagster_joblease import errors
+from dagster_joblease.storage import rowset
 from dagster_joblease.storage.clock import db_now, ms_until
 from dagster_joblease.storage.engine import translate_errors
 from dagster_joblease.storage.schema import outbox_table
+from dagster_joblease.storage.transaction import CallersTransaction, callers_transaction
+
+if TYPE_CHECKING:
+    from sqlalchemy import orm
 
 __all__ = [
     "DEFAULT_MAX_PAYLOAD_BYTES",
     "MAX_KEY_LENGTH",
     "MAX_TOPIC_LENGTH",
     "DueSummary",
+    "OutboxItem",
     "OutboxStatus",
     "canonical_json",
     "due_clause",
     "due_summary",
+    "enqueue_many",
     "enqueue_once",
     "payload_fingerprint",
 ]
@@ -236,35 +242,8 @@ def _run_generic(connection: sa.Connection, params: _Params) -> tuple[bool, _Exi
         return False, None if row is None else (row[0], row[1])
 
 
-def _psycopg_driver(connection: object) -> psycopg.Connection[Any] | None:
-    """The psycopg connection to run the enqueue on, or None for SQLAlchemy's generic path."""
-    if isinstance(connection, psycopg.Connection):
-        if connection.closed:
-            raise errors.InvalidPayloadError(
-                "connection", "is closed; pass the open connection of your transaction"
-            )
-        if connection.autocommit and connection.info.transaction_status == TransactionStatus.IDLE:
-            raise errors.InvalidPayloadError(
-                "connection",
-                "is a psycopg connection in autocommit outside a transaction, so the row would commit on "
-                "its own, apart from your domain change; enqueue inside `with conn.transaction():`",
-            )
-        return connection
-    if not isinstance(connection, sa.Connection):
-        raise errors.InvalidPayloadError(
-            "connection",
-            f"must be a SQLAlchemy Connection or a psycopg Connection, got {type(connection).__name__}",
-        )
-    dialect = connection.dialect
-    if dialect.name == "postgresql" and dialect.driver == "psycopg":
-        driver = connection.connection.driver_connection
-        assert driver is not None, "the connection is closed"
-        return driver  # type: ignore[no-any-return]
-    return None
-
-
 def enqueue_once(
-    connection: sa.Connection | psycopg.Connection[Any],
+    connection: sa.Connection | psycopg.Connection[Any] | orm.Session,
     *,
     idempotency_key: str,
     topic: str,
@@ -274,8 +253,11 @@ def enqueue_once(
     """Add a pending outbox row inside the caller's transaction; True if inserted, False if already there.
 
     Call it on the connection that holds the domain change, so both commit (or roll back) together: a
-    SQLAlchemy ``Connection`` (PostgreSQL or SQLite) or, on PostgreSQL, a plain psycopg 3 ``Connection``
-    (which skips SQLAlchemy's per-transaction work altogether). A
+    SQLAlchemy ``Connection`` (PostgreSQL or SQLite; in ``engine.begin()``, or from ``engine.connect()``
+    followed by ``conn.commit()``), an ORM ``Session`` (``session.commit()`` commits the row) or, on
+    PostgreSQL, a plain psycopg 3 ``Connection`` (which skips SQLAlchemy's per-transaction work
+    altogether). A connection on which the row would commit on its own (autocommit outside a transaction
+    block) is refused; :func:`dagster_joblease.storage.transaction.callers_transaction` is the rule. A
     repeat with the same key, topic and payload is a no-op (returns False); the same key with a different
     payload *or another topic* raises :class:`OutboxConflictError`. The key alone is the effect's
     identity downstream (the receiver deduplicates on ``Idempotency-Key``), so a second row under one key
@@ -293,28 +275,18 @@ def enqueue_once(
             pg.execute("INSERT INTO invoices …")
             enqueue_once(pg, idempotency_key=…, topic="mail", payload={"v": 1, "invoice": 42})
     """
-    driver = _psycopg_driver(connection)
-    _check_text("idempotency_key", idempotency_key, MAX_KEY_LENGTH, ascii_only=True)
-    _check_text("topic", topic, MAX_TOPIC_LENGTH, ascii_only=False)
-    limit = _check_max_bytes(max_payload_bytes)
-    text = canonical_json(payload)
-    data = _encode(text)
-    if len(data) > limit:
-        raise errors.InvalidPayloadError(
-            "payload",
-            f"is {len(data)} bytes of canonical JSON; at most {limit} are allowed. Keep payloads minimal "
-            "(send ids, let the consumer fetch the rest) or raise max_payload_bytes",
-        )
-    fingerprint = hashlib.sha256(data).hexdigest()
-    params = (idempotency_key, topic, text, fingerprint)
+    target = callers_transaction(connection, clause=outbox_table)
+    driver = target.driver
+    params = _prepare_row(idempotency_key, topic, payload, _check_max_bytes(max_payload_bytes))
+    fingerprint = params[3]
     # Two rounds: a conflicting row can vanish between the INSERT and the read (a concurrent purge or a
     # rolled-back writer); the second INSERT then simply succeeds.
     for _ in range(2):
         if driver is not None:
             inserted, existing = _run_psycopg(driver, params)
         else:
-            assert isinstance(connection, sa.Connection)
-            inserted, existing = _run_generic(connection, params)
+            assert target.connection is not None
+            inserted, existing = _run_generic(target.connection, params)
         if inserted:
             return True
         if existing is None:
@@ -331,6 +303,230 @@ def enqueue_once(
         )
     raise errors.StorageError(
         f"outbox key {idempotency_key!r} conflicted but could not be read back twice; retry the transaction"
+    )
+
+
+# -- enqueue_many: one multi-row statement for a set of rows ----------------------------------------------
+
+
+class OutboxItem(NamedTuple):
+    """One row for :func:`enqueue_many` (a plain ``(idempotency_key, topic, payload)`` tuple works too)."""
+
+    idempotency_key: str
+    topic: str
+    payload: Any
+
+
+def _prepare_row(idempotency_key: object, topic: object, payload: Any, limit: int) -> _Params:
+    """Validate one outbox row (key, topic, payload of at most ``limit`` bytes); its parameters (key,
+    topic, canonical text, sha256). :func:`enqueue_once` and :func:`enqueue_many` share it."""
+    _check_text("idempotency_key", idempotency_key, MAX_KEY_LENGTH, ascii_only=True)
+    _check_text("topic", topic, MAX_TOPIC_LENGTH, ascii_only=False)
+    assert isinstance(idempotency_key, str) and isinstance(topic, str)
+    text = canonical_json(payload)
+    data = _encode(text)
+    if len(data) > limit:
+        raise errors.InvalidPayloadError(
+            "payload",
+            f"is {len(data)} bytes of canonical JSON; at most {limit} are allowed. Keep payloads minimal "
+            "(send ids, let the consumer fetch the rest) or raise max_payload_bytes",
+        )
+    return (idempotency_key, topic, text, hashlib.sha256(data).hexdigest())
+
+
+_MANY_COLUMNS = (
+    ("key", sa.String()),
+    ("topic", sa.String()),
+    ("payload_text", sa.Text()),
+    ("sha256", sa.String()),
+)
+_MANY_NAMES = tuple(name for name, _ in _MANY_COLUMNS)
+
+
+@functools.cache
+def _many_statements(dialect_name: str) -> tuple[Any, Any, Any]:
+    """``INSERT … SELECT … FROM <rows> ORDER BY key ON CONFLICT DO NOTHING RETURNING idempotency_key``,
+    the read of the rows that were already there, and the delete that takes back a refused call's rows."""
+    t = outbox_table
+    source = rowset.rows_source(dialect_name, _MANY_COLUMNS, joined=False)
+    payload: sa.ColumnElement[Any] = source.c.payload_text
+    if dialect_name == "postgresql":
+        payload = sa.cast(payload, postgresql.JSONB())
+    rows = (
+        sa.select(
+            source.c.key,
+            source.c.topic,
+            payload,
+            source.c.sha256,
+            _PENDING_TEXT,
+            sa.literal_column("0", sa.Integer()),
+            db_now(),
+            db_now(),
+            db_now(),
+        )
+        .select_from(source)
+        .where(sa.true())  # SQLite: INSERT … SELECT … ON CONFLICT needs a WHERE to parse
+        .order_by(source.c.key)  # key order: overlapping sets wait for each other, never deadlock
+    )
+    columns = ["idempotency_key", "topic", "payload", "payload_sha256", "status", "attempts"]
+    columns += ["next_attempt_at", "created_at", "updated_at"]
+    insert = (postgresql.insert if dialect_name == "postgresql" else sqlite.insert)(t)
+    insert_stmt = (
+        insert.from_select(columns, rows)
+        .on_conflict_do_nothing(index_elements=[t.c.idempotency_key])
+        .returning(t.c.idempotency_key)
+    )
+    keys = rowset.rows_source(dialect_name, (("key", sa.String()),))
+    existing = sa.select(t.c.idempotency_key, t.c.payload_sha256, t.c.topic).select_from(
+        t.join(keys, t.c.idempotency_key == keys.c.key)
+    )
+    keys_again = rowset.rows_source(dialect_name, (("key", sa.String()),), joined=False)
+    delete = sa.delete(t).where(t.c.idempotency_key.in_(sa.select(keys_again.c.key)))
+    return insert_stmt, existing, delete
+
+
+@functools.cache
+def _many_psycopg_sql() -> tuple[tuple[str, tuple[str, ...]], ...]:
+    """:func:`_many_statements` compiled once for psycopg (positional ``%s``), with their parameter names."""
+    dialect = psycopg_dialect.dialect(paramstyle="format")  # type: ignore[no-untyped-call]
+    compiled = []
+    for statement in _many_statements("postgresql"):
+        form = statement.compile(dialect=dialect)
+        assert form.positiontup is not None
+        compiled.append((str(form), tuple(form.positiontup)))
+    return tuple(compiled)
+
+
+class _ManyRunner:
+    """Runs :func:`_many_statements` where :func:`callers_transaction` says: on the psycopg driver
+    connection (as :func:`enqueue_once` does), or through the SQLAlchemy connection."""
+
+    def __init__(self, target: CallersTransaction) -> None:
+        self.target = target
+        self.dialect = target.dialect_name
+
+    def run(self, which: int, names: Sequence[str], rows: Sequence[Sequence[Any]]) -> list[Any]:
+        params = rowset.bind_rows(self.dialect, names, rows)
+        with translate_errors("enqueue outbox rows"):
+            if self.target.driver is not None:
+                sql, order = _many_psycopg_sql()[which]
+                with self.target.driver.cursor() as cursor:
+                    cursor.execute(sql, tuple(params[name] for name in order))
+                    return cursor.fetchall() if cursor.description is not None else []
+            assert self.target.connection is not None
+            result = self.target.connection.execute(_many_statements(self.dialect)[which], params)
+            return list(result.all()) if result.returns_rows else []
+
+
+def _check_items(items: object, limit: int) -> list[_Params]:
+    if isinstance(items, str | bytes | dict) or not isinstance(items, Iterable):
+        raise errors.InvalidPayloadError(
+            "rows", "must be a list (or another iterable) of OutboxItem(idempotency_key, topic, payload)"
+        )
+    prepared: list[_Params] = []
+    seen: set[str] = set()
+    for index, item in enumerate(items):
+        if len(prepared) >= rowset.MAX_ROWS:
+            raise errors.InvalidPayloadError(
+                "rows", f"hold more than {rowset.MAX_ROWS} rows; at most that many per call, split the set"
+            )
+        if not isinstance(item, tuple) or len(item) != 3:
+            raise errors.InvalidPayloadError(
+                f"row {index}",
+                "must be an OutboxItem(idempotency_key, topic, payload) or a 3-tuple, got "
+                f"{type(item).__name__}",
+            )
+        key, topic, payload = item
+        try:
+            row = _prepare_row(key, topic, payload, limit)
+        except errors.InvalidPayloadError as exc:
+            raise errors.InvalidPayloadError(
+                f"{exc.field} of row {index} (key {key!r:.60})", exc.rule
+            ) from None
+        if row[0] in seen:
+            raise errors.InvalidPayloadError(
+                f"row {index}", f"repeats the idempotency key {row[0]!r}; one key is one effect, pass it once"
+            )
+        seen.add(row[0])
+        prepared.append(row)
+    if not prepared:
+        raise errors.InvalidPayloadError("rows", "is empty; pass at least one row")
+    return prepared
+
+
+def enqueue_many(
+    connection: sa.Connection | psycopg.Connection[Any] | orm.Session,
+    rows: Iterable[OutboxItem | tuple[str, str, Any]],
+    *,
+    max_payload_bytes: int = DEFAULT_MAX_PAYLOAD_BYTES,
+) -> tuple[bool, ...]:
+    """Add one pending outbox row per item inside the caller's transaction, with one multi-row statement.
+
+    Per row, the result (in the given order) is True if inserted, False if the same key was already
+    there with the same topic and payload: :func:`enqueue_once`'s rules, for a set. The connection
+    styles and the refusal of a connection that would commit on its own are :func:`enqueue_once`'s
+    (one rule: :func:`dagster_joblease.storage.transaction.callers_transaction`).
+    Every row is validated as :func:`enqueue_once` validates one (errors name the row's index and key)
+    before any SQL is sent; a key repeated within the call is refused too. If any key already holds
+    another payload or topic, :class:`OutboxConflictError` names it (the first in key order) and the
+    call writes nothing (rows it had inserted are taken back in the same transaction). At most
+    :data:`~dagster_joblease.storage.rowset.MAX_ROWS` rows per call; rows are written in key order.
+
+    Statements: one ``INSERT … SELECT … ON CONFLICT DO NOTHING RETURNING`` per 10,000 rows; a read of
+    the rows that were already there only when some were.
+
+    Example, one outbox row per day of a range, in the transaction that bills the range::
+
+        with fenced_transaction_many(service, claim.leases) as conn:
+            conn.execute(...)
+            enqueue_many(conn, [OutboxItem(x.idempotency_key, "billing", {"day": x.identity.run_key})
+                                for x in claim.leases])
+    """
+    target = callers_transaction(connection, clause=outbox_table)
+    limit = _check_max_bytes(max_payload_bytes)
+    prepared = _check_items(rows, limit)
+    runner = _ManyRunner(target)
+    ordered = sorted(prepared, key=lambda row: row[0])
+    inserted: set[str] = set()
+    try:
+        for start in range(0, len(ordered), rowset.ROWS_PER_STATEMENT):
+            _enqueue_chunk(runner, ordered[start : start + rowset.ROWS_PER_STATEMENT], inserted)
+    except errors.OutboxConflictError:
+        if inserted:  # take back what this call inserted: it writes all of its rows or none
+            runner.run(2, ("key",), [(key,) for key in sorted(inserted)])
+        raise
+    return tuple(row[0] in inserted for row in prepared)
+
+
+def _enqueue_chunk(runner: _ManyRunner, chunk: list[_Params], inserted: set[str]) -> None:
+    pending = chunk
+    # Two rounds, as enqueue_once: a conflicting row can vanish between the INSERT and the read.
+    for _ in range(2):
+        inserted.update(row[0] for row in runner.run(0, _MANY_NAMES, pending))
+        met = [row for row in pending if row[0] not in inserted]
+        if not met:
+            return
+        found = {
+            key: (sha256, topic) for key, sha256, topic in runner.run(1, ("key",), [(r[0],) for r in met])
+        }
+        pending = []
+        for key, topic, _text, fingerprint in met:
+            if key not in found:
+                pending.append((key, topic, _text, fingerprint))
+                continue
+            existing_sha256, existing_topic = found[key]
+            if existing_sha256 != fingerprint or existing_topic != topic:
+                raise errors.OutboxConflictError(
+                    idempotency_key=key,
+                    existing_sha256=existing_sha256,
+                    new_sha256=fingerprint,
+                    existing_topic=existing_topic,
+                    new_topic=topic,
+                )
+        if not pending:
+            return
+    raise errors.StorageError(
+        f"outbox key {pending[0][0]!r} conflicted but could not be read back twice; retry the transaction"
     )
 
 

@@ -1,4 +1,9 @@
-"""Example code location for dagster-joblease (``dagster dev`` in the repository root loads it).
+"""Example code location for dagster-joblease (``dg dev`` in the repository root loads it).
+
+It shows both styles side by side. The Pythonic half is this module; the Component half is ``defs/``
+(loaded with ``dg.load_from_defs_folder``, this repository's ``[tool.dg]`` settings): the ``joblease``
+resource declared once in ``defs/joblease/defs.yaml``, and a leased daily asset (``defs/reports.py``)
+with its leased schedule and reconciliation sensor as components. See docs/components.md.
 
 Scenarios: a daily billing job whose effect (a POST to the billing API) must happen once per day however
 many runs a partition gets (schedule ticks, backfills, re-executions, retries); a 5-minute order sync; a
@@ -18,12 +23,12 @@ from __future__ import annotations
 import datetime as dt
 import os
 from collections.abc import Mapping
+from pathlib import Path
 
 import dagster as dg
 import sqlalchemy as sa
 
 from dagster_joblease.dagster import (
-    JobLeaseResource,
     LeasedRun,
     OutboxHealth,
     build_dispatcher_job,
@@ -34,6 +39,7 @@ from dagster_joblease.dagster import (
     outbox_asset_spec,
 )
 from dagster_joblease.dispatch import Route
+from definitions.defs.reports import REPORTS_TOPIC
 
 __all__ = [
     "BILLING_CODE",
@@ -181,6 +187,7 @@ def routes() -> dict[str, Route]:
     return {
         BILLING_TOPIC: Route(os.environ.get("BILLING_API_URL") or f"{DEFAULT_RECEIVER}/{BILLING_TOPIC}"),
         ORDERS_TOPIC: Route(os.environ.get("ORDERS_API_URL") or f"{DEFAULT_RECEIVER}/{ORDERS_TOPIC}"),
+        REPORTS_TOPIC: Route(os.environ.get("REPORTS_API_URL") or f"{DEFAULT_RECEIVER}/{REPORTS_TOPIC}"),
     }
 
 
@@ -191,11 +198,16 @@ outbox_dispatch_sensor = build_outbox_sensor(
     outbox_dispatch_job, name="outbox_dispatch_sensor", routes=routes, health=outbox_health
 )
 
-defs = dg.Definitions(
-    assets=[outbox_asset_spec],
-    asset_checks=outbox_health.asset_checks(),
-    jobs=[daily_billing_job, sync_orders_job, seed_default_settings_job, outbox_dispatch_job],
-    schedules=[daily_billing_schedule, sync_orders_schedule],
-    sensors=[outbox_dispatch_sensor, daily_billing_reconcile, sync_orders_reconcile],
-    resources={"joblease": JobLeaseResource()},
+# One Definitions object at module scope (Dagster refuses several): the Pythonic half merged with the
+# Component half. The resource comes from defs/joblease/defs.yaml, declared once (Definitions.merge
+# refuses two resources under one key); the Pythonic jobs and sensors name it by its key, `joblease`.
+defs = dg.Definitions.merge(
+    dg.Definitions(
+        assets=[outbox_asset_spec],
+        asset_checks=outbox_health.asset_checks(),
+        jobs=[daily_billing_job, sync_orders_job, seed_default_settings_job, outbox_dispatch_job],
+        schedules=[daily_billing_schedule, sync_orders_schedule],
+        sensors=[outbox_dispatch_sensor, daily_billing_reconcile, sync_orders_reconcile],
+    ),
+    dg.load_from_defs_folder(path_within_project=Path(__file__).parent),
 )

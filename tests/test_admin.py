@@ -274,6 +274,7 @@ def test_purge_never_deletes_a_lease_reclaimed_while_it_runs(pg_url: str) -> Non
         "p_run_key": job.run_key,
         "p_owner_token": secrets.token_hex(16),
         "p_lease_ms": 600_000,
+        "p_heartbeat_ms": 60_000,
         "p_holder": "worker-a",
     }
     deleted = _purge_while_a_row_changes(pg_url, engine, "leases", acquire_statement("postgresql"), reclaim)

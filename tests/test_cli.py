@@ -24,7 +24,7 @@ from dagster_joblease.lease import LeaseService
 from dagster_joblease.receiver import effect_count
 from dagster_joblease.storage import create_engine
 from dagster_joblease.storage import engine as storage_engine
-from dagster_joblease.storage.schema import lease_table, outbox_table
+from dagster_joblease.storage.schema import HEAD_REVISION, lease_table, outbox_table
 from tests.admin_helpers import DAY_MS, add_outbox_row, backdate_finished, count, lease_statuses
 from tests.conftest import _admin_execute, admin_url
 from tests.receiver_proc import start_receiver
@@ -169,15 +169,19 @@ def test_schema_behind_exits_2_and_changes_nothing_until_db_upgrade(empty_pg_url
 
     current = run(empty_pg_url, "db", "current", "--json")
     assert current.exit_code == 0
-    assert json.loads(current.output) == {"current_revision": None, "head_revision": "0001", "at_head": False}
+    assert json.loads(current.output) == {
+        "current_revision": None,
+        "head_revision": HEAD_REVISION,
+        "at_head": False,
+    }
     check = run(empty_pg_url, "db", "check")
     assert check.exit_code == 2
     assert "schema is behind" in check.output and "add_table: joblease_lease" in check.output
     assert _tables(empty_pg_url) == []
 
     upgrade = run(empty_pg_url, "db", "upgrade")
-    assert upgrade.exit_code == 0 and "upgraded from none to 0001" in upgrade.output
-    assert "already at head revision 0001" in run(empty_pg_url, "db", "upgrade").output
+    assert upgrade.exit_code == 0 and f"upgraded from none to {HEAD_REVISION}" in upgrade.output
+    assert f"already at head revision {HEAD_REVISION}" in run(empty_pg_url, "db", "upgrade").output
     assert run(empty_pg_url, "db", "check").output.startswith("schema matches the models")
     assert "status:   at head" in run(empty_pg_url, "db", "current").output
     assert run(empty_pg_url, "leases", "list").output.strip() == "no leases match"
@@ -192,7 +196,7 @@ def test_db_check_reports_drift_with_exit_1(pg_url: str) -> None:
     assert result.exit_code == 1
     assert "ix_joblease_outbox_status_topic" in result.output
     doc = json.loads(run(pg_url, "db", "check", "--json").output)
-    assert doc["ok"] is False and doc["current_revision"] == "0001" and doc["differences"]
+    assert doc["ok"] is False and doc["current_revision"] == HEAD_REVISION and doc["differences"]
 
 
 def test_bad_urls_exit_2_without_leaking_the_password(tmp_path: Path) -> None:
@@ -275,6 +279,7 @@ def test_leases_list_show_and_json(populated: tuple[str, sa.Engine, dict[str, st
         "STATUS",
         "ATTEMPT",
         "REMAINING",
+        "HEARTBEAT",
         "HOLDER",
         "LAST",
         "ERROR",
@@ -283,6 +288,7 @@ def test_leases_list_show_and_json(populated: tuple[str, sa.Engine, dict[str, st
     assert "RuntimeError: upstream 503 with a second line" in table.output
     (live_line,) = [line for line in lines if "RUNNING" in line]
     assert "2026-01-02" in live_line and ("9m" in live_line or "10m" in live_line)
+    assert "every 1m, last " in live_line and "STALE" not in live_line  # the holder's own interval
     assert lines[0].index("STATUS") == live_line.index("RUNNING")
 
     rows = json.loads(run(url, "leases", "list", "--json").output)
@@ -297,6 +303,7 @@ def test_leases_list_show_and_json(populated: tuple[str, sa.Engine, dict[str, st
         "last_error",
     }
     assert rows[1]["expires_at"].endswith("+00:00") and 0 < rows[1]["remaining_ms"] <= 600_000
+    assert (rows[1]["heartbeat_ms"], rows[1]["stale"]) == (60_000, False)
     assert [
         r["code"] for r in json.loads(run(url, "leases", "list", "--code", "export", "--json").output)
     ] == ["export"]
@@ -306,6 +313,7 @@ def test_leases_list_show_and_json(populated: tuple[str, sa.Engine, dict[str, st
 
     by_key = run(url, "leases", "show", keys["live"])
     assert by_key.exit_code == 0 and "status        RUNNING" in by_key.output
+    assert "heartbeats    every 1m, last " in by_key.output
     shown = json.loads(run(url, "leases", "show", "daily-billing", "2026-01-01", "--json").output)
     assert shown["status"] == "SUCCESS" and shown["result"] == {"rows": 3}
     assert (

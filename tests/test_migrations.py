@@ -22,7 +22,7 @@ from dagster_joblease.storage import (
     require_schema,
 )
 from dagster_joblease.storage.migrate import SchemaDiff
-from dagster_joblease.storage.schema import VERSION_TABLE
+from dagster_joblease.storage.schema import HEAD_REVISION, VERSION_TABLE
 from tests import lease_workers
 from tests.conftest import _admin_execute, admin_url
 
@@ -64,14 +64,14 @@ def test_migrate_from_empty_and_again(empty_engine: sa.Engine) -> None:
     assert not check_schema(empty_engine).ok
 
     assert migrate(empty_engine) is None
-    assert current_revision(empty_engine) == head_revision() == "0001"
+    assert current_revision(empty_engine) == head_revision() == HEAD_REVISION
     assert migrate(empty_engine) == head_revision()  # idempotent: nothing to do the second time
     assert migrate(empty_engine) == head_revision()
     require_schema(empty_engine)
     assert OUR_TABLES <= table_names(empty_engine)
     with empty_engine.connect() as conn:
         versions = conn.execute(sa.text(f"SELECT version_num FROM {VERSION_TABLE}")).scalars().all()
-    assert versions == ["0001"]
+    assert versions == [HEAD_REVISION]
 
 
 def test_check_schema_is_ok_after_migrate(engine: sa.Engine) -> None:

@@ -175,21 +175,11 @@ class _Rollback(Exception):
     pass
 
 
-_STORAGE_FIX = (
-    "enqueue_once on connect()+commit() commits nothing on PostgreSQL (issue 17 item 1, "
-    "the storage helper's fix)"
-)
-
-
 @pytest.mark.parametrize(
     "style",
     [
         pytest.param(_begin, id="engine.begin"),
-        pytest.param(
-            _connect_commit,
-            id="connect+commit",
-            marks=pytest.mark.xfail(strict=True, reason=_STORAGE_FIX),
-        ),
+        pytest.param(_connect_commit, id="connect+commit"),
         pytest.param(_session, id="session"),
         pytest.param(_raw_psycopg, id="raw-psycopg"),
     ],

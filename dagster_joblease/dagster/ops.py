@@ -8,7 +8,8 @@ truth instead of claiming success:
 - a live lease holds it: wait for the holder (bounded, ``held_wait_ms``), re-checking on the database
   clock. If the holder succeeds, skip; if it fails, or its lease expires, take over (``reclaimed``); if the
   holder's Dagster run is finished on this instance and its heartbeat is stale (older than twice the
-  heartbeat interval), take the lease from the dead holder at once; if it is still held when the wait
+  interval the *holder* recorded on its row, see :mod:`dagster_joblease.staleness`), take the lease from
+  the dead holder at once; if it is still held when the wait
   ends, fail retryably (``held``).
 
 The body writes its domain rows and its outbox row in one *fenced* transaction, which only commits while
@@ -27,7 +28,7 @@ import dagster as dg
 import sqlalchemy as sa
 from dagster import AssetExecutionContext, OpExecutionContext
 
-from dagster_joblease import errors, identity, lease, options, outbox
+from dagster_joblease import errors, identity, lease, options, outbox, staleness
 from dagster_joblease.dagster import holders, metadata
 from dagster_joblease.dagster.resource import JobLeaseResource, check_held_wait_ms
 from dagster_joblease.storage.clock import ms_until
@@ -121,6 +122,7 @@ class _Row:
     holder: str | None
     heartbeat_age_ms: int
     remaining_ms: int
+    heartbeat_ms: int | None  #: the holder's recorded interval (None: a row from before migration 0002)
 
 
 def _read_row(engine: sa.Engine, key: str) -> _Row | None:
@@ -132,6 +134,7 @@ def _read_row(engine: sa.Engine, key: str) -> _Row | None:
         t.c.holder,
         (-ms_until(t.c.heartbeat_at)).label("heartbeat_age_ms"),
         ms_until(t.c.expires_at).label("remaining_ms"),
+        t.c.heartbeat_ms,
     ).where(t.c.lock_key == key)
     with translate_errors("read a lease"), engine.connect() as connection:
         row = connection.execute(stmt).first()
@@ -204,10 +207,11 @@ class _Step:
     holder: str | None
     run_id: str | None
 
-    @property
-    def stale_ms(self) -> int:
-        """A finished run's holder is dead once its heartbeat is older than two intervals (0: never)."""
-        return 2 * self.timing.heartbeat_ms
+    def stale_ms(self, row: _Row) -> int | None:
+        """A finished run's holder is dead once its heartbeat is older than two of *its* intervals
+        (recorded on its row; None: it never heartbeats, only expiry frees it). A row from before
+        migration 0002 keeps the old rule: two of this step's intervals."""
+        return staleness.stale_after_ms(row.heartbeat_ms, legacy_ms=2 * self.timing.heartbeat_ms)
 
 
 def _winner_run_id(holder: str | None) -> str | None:
@@ -320,9 +324,10 @@ def _run_key(step: _Step, job: identity.JobIdentity, results: list[metadata.Leas
             )
             return
         if row is not None and row.status == lease.LeaseStatus.RUNNING.value:
+            stale_ms = step.stale_ms(row)
             if (
-                step.stale_ms
-                and row.heartbeat_age_ms > step.stale_ms
+                stale_ms is not None
+                and staleness.is_stale(row.heartbeat_age_ms, stale_ms)
                 and holders.holder_run_finished(step.context.instance, row.holder)
             ):
                 status = holders.holder_run_status(step.context.instance, row.holder)
@@ -335,7 +340,7 @@ def _run_key(step: _Step, job: identity.JobIdentity, results: list[metadata.Leas
                     job,
                     attempt=row.attempt,
                     owner_token=row.owner_token,
-                    stale_ms=step.stale_ms,
+                    stale_ms=stale_ms,
                     reason=reason,
                 ):
                     log.warning(f"joblease {job}: {reason}")

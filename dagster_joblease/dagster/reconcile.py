@@ -31,7 +31,7 @@ from typing import Any
 import dagster as dg
 import sqlalchemy as sa
 
-from dagster_joblease import errors, identity
+from dagster_joblease import errors, identity, staleness
 from dagster_joblease.dagster import holders, metadata
 from dagster_joblease.dagster.jobs import OutboxHealth
 from dagster_joblease.dagster.resource import JobLeaseResource
@@ -116,7 +116,8 @@ def _lease_candidates(
     instance: dg.DagsterInstance,
     code: str,
     lookback_ms: int,
-    holder_stale_ms: int,
+    legacy_stale_ms: int,
+    holder_stale_ms: int | None,
 ) -> tuple[list[_Candidate], set[str]]:
     """Lease rows needing a run, and the keys held by a live lease (database clock throughout)."""
     t = lease_table
@@ -130,6 +131,7 @@ def _lease_candidates(
             -ms_until(t.c.expires_at),
             -ms_until(t.c.heartbeat_at),
             idle,
+            t.c.heartbeat_ms,
         )
         .where(
             t.c.code == code,
@@ -144,13 +146,20 @@ def _lease_candidates(
         rows = conn.execute(stmt).all()
     candidates: list[_Candidate] = []
     live: set[str] = set()
-    for run_key, status, attempt, holder, overdue_ms, heartbeat_age_ms, idle_ms in rows:
+    for run_key, status, attempt, holder, overdue_ms, heartbeat_age_ms, idle_ms, heartbeat_ms in rows:
         if status == "FAIL":
             candidates.append(_Candidate(run_key, "lease FAIL", attempt, int(idle_ms)))
         elif overdue_ms > 0:
             candidates.append(_Candidate(run_key, "lease expired", attempt, int(idle_ms)))
         else:
-            if heartbeat_age_ms > holder_stale_ms and holders.holder_run_finished(instance, holder) is True:
+            # Stale by the holder's own recorded interval; holder_stale_ms may only lengthen that.
+            threshold = staleness.stale_after_ms(
+                heartbeat_ms, legacy_ms=legacy_stale_ms, at_least_ms=holder_stale_ms
+            )
+            if (
+                staleness.is_stale(heartbeat_age_ms, threshold)
+                and holders.holder_run_finished(instance, holder) is True
+            ):
                 candidates.append(_Candidate(run_key, f"dead holder {holder}", attempt, int(idle_ms)))
             else:
                 live.add(run_key)
@@ -255,8 +264,11 @@ def build_reconciliation_sensor(
             last activity; the first relaunch is immediate.
         relaunch_canceled: relaunch a partition whose latest run was canceled (default: leave it alone).
         holder_stale_ms: a RUNNING lease whose holder's Dagster run is finished (on this instance) is
-            relaunched once its heartbeat is older than this; default twice the resource's heartbeat
-            (20 s with the Dagster-side defaults). The relaunched run takes the dead holder's lease over.
+            relaunched once its heartbeat is older than twice the interval the *holder* recorded on its
+            row; this setting may only lengthen that threshold, never shorten it (a holder recorded with
+            no heartbeat is judged by expiry only). Rows from before migration 0002 keep the old rule:
+            this value, default twice the resource's heartbeat. The relaunched run takes the dead
+            holder's lease over.
         health: also report these outbox checks (at most every ``checks_interval_seconds``), so they run
             without a dispatcher run.
         default_status: RUNNING by default: it is the safety net, it only acts on partitions someone
@@ -298,8 +310,8 @@ def build_reconciliation_sensor(
         cursor: dict[str, Any] = json.loads(context.cursor) if context.cursor else {}
 
         timing = resource.timing()
-        stale_ms = holder_stale_ms or 2 * (timing.heartbeat_ms or timing.lease_ms)
-        candidates, live = _lease_candidates(engine, instance, code, lookback_ms, stale_ms)
+        legacy_ms = holder_stale_ms or 2 * (timing.heartbeat_ms or timing.lease_ms)
+        candidates, live = _lease_candidates(engine, instance, code, lookback_ms, legacy_ms, holder_stale_ms)
         by_key = {c.key: c for c in candidates}
         held_runs = instance.get_runs(
             dg.RunsFilter(

@@ -8,6 +8,7 @@ partition key onto the lease's run key is what makes all of those paths one logi
 from __future__ import annotations
 
 import datetime as dt
+from typing import Any
 
 import dagster as dg
 
@@ -45,6 +46,7 @@ def build_leased_schedule(
     name: str | None = None,
     description: str | None = None,
     default_status: dg.DefaultScheduleStatus = dg.DefaultScheduleStatus.STOPPED,
+    job_by_name: bool = False,
 ) -> dg.ScheduleDefinition:
     """A schedule that requests, on each tick, the last complete partition of ``job``.
 
@@ -53,21 +55,27 @@ def build_leased_schedule(
     (what a queued run shows until its leased step writes the real outcome). The cron defaults to the
     partitions' own cadence and the time zone to the partitions' time zone; e.g.
     ``cron_schedule="0 2 * * *"`` on daily UTC partitions bills yesterday at 02:00 UTC.
+
+    ``job_by_name=True`` makes the schedule name its job instead of holding it, so the job must be in the
+    same ``Definitions``' ``jobs``; the Components use it (a defs folder rebuilds the job objects it loads,
+    and a schedule holding the original would be a second job of the same name).
     """
     identity.JobIdentity.initial(code)  # validate the code at definition time
     partitions_def = _time_partitions(job, code)
     cron = cron_schedule or partitions_def.cron_schedule
     timezone = execution_timezone or partitions_def.timezone
 
+    target: dict[str, Any] = {"job_name": job.name} if job_by_name else {"job": job}
+
     @dg.schedule(
         cron_schedule=cron,
-        job=job,
         name=name or f"{job.name}_schedule",
         description=description
         or f"Requests the last complete partition of {job.name} under lease code {code!r}.",
         execution_timezone=timezone,
         default_status=default_status,
         tags={metadata.TAG_CODE: identity.JobIdentity.initial(code).code},
+        **target,
     )
     def _schedule(context: dg.ScheduleEvaluationContext) -> dg.RunRequest | dg.SkipReason:
         key = partition_for_tick(partitions_def, context.scheduled_execution_time)

@@ -142,7 +142,10 @@ def redact_url(url: str | URL) -> str:
 
 
 def _secret_pieces(url: str) -> set[str]:
-    """Every text that is or may be (part of) a credential in ``url``, for :func:`scrub_secrets`."""
+    """What in ``url`` is or may be a credential, for :func:`scrub_secrets`: the password as parsed and,
+    conservatively, everything from the user name's ':' to the LAST '@'; for an ambiguous URL (an unencoded
+    '@'), also what a mis-parse made of it (the host, the database, the user name). Empty when the URL holds
+    no password (a bare file name or a password-less URL is no secret)."""
     pieces: set[str] = set()
     try:
         parsed: URL | None = make_url(url)
@@ -152,15 +155,10 @@ def _secret_pieces(url: str) -> set[str]:
         pieces.add(str(parsed.password))
     _, sep, rest = url.partition("://")
     if sep and "@" in rest:
-        # Conservatively, everything from the user name's ':' to the LAST '@' may be password.
         userinfo = rest[: rest.rfind("@")]
         _user, colon, password = userinfo.partition(":")
         if colon:
             pieces.add(password)
-            for part in re.split(r"[@#/?:]", password):
-                if len(part) >= 2:
-                    pieces.add(part)
-            # And whatever a mis-parse made of it (the host, the database, a dropped query part).
             if parsed is not None and _ambiguous(url, parsed):
                 for value in (parsed.host, parsed.database, parsed.username):
                     if value:
@@ -169,18 +167,29 @@ def _secret_pieces(url: str) -> set[str]:
     return {p for p in pieces if p}
 
 
+def _as_token(piece: str) -> re.Pattern[str]:
+    # A piece is replaced only where it stands as a token of its own (not inside a longer word), so a
+    # one-letter password fragment such as "p" never turns "split" or "urllib.parse" into "s***lit".
+    return re.compile(rf"(?<![A-Za-z0-9]){re.escape(piece)}(?![A-Za-z0-9])")
+
+
 def scrub_secrets(text: str, url: str | URL | None) -> str:
-    """``text`` without the URL, its password, or any piece of the password an ambiguous URL (an
-    unencoded '@', '/', '#') could have scattered into a host name, a database name or a driver error.
+    """``text`` with the URL's password redacted: the whole URL (if it holds a password) shown as
+    :func:`redact_url` shows it, and its password, or any piece an ambiguous URL (an unencoded '@', '/',
+    '#') could have put in a host name, a database name or a driver error, replaced by ``***`` wherever
+    it stands as a token. A URL without a password changes nothing (``joblease.sqlite`` stays readable).
 
     Use it on every message that might quote a driver error or the configured URL (CLI, receiver).
     """
     if url is None:
         return text
     raw = url if isinstance(url, str) else url.render_as_string(hide_password=False)
-    text = text.replace(raw, "<database URL>")
-    for piece in sorted(_secret_pieces(raw), key=len, reverse=True):
-        text = text.replace(piece, "***")
+    pieces = _secret_pieces(raw)
+    if not pieces:
+        return text
+    text = text.replace(raw, redact_url(raw))
+    for piece in sorted(pieces, key=len, reverse=True):
+        text = _as_token(piece).sub("***", text)
     return text
 
 

@@ -22,7 +22,7 @@ __all__ = [
 #: Alembic's version table for this package, distinct from Dagster's and the host's ``alembic_version``.
 VERSION_TABLE = "joblease_alembic_version"
 #: The newest migration; ``db check`` compares the database against it.
-HEAD_REVISION = "0001"
+HEAD_REVISION = "0002"
 
 metadata = sa.MetaData(
     naming_convention={
@@ -51,6 +51,8 @@ lease_table = sa.Table(
     sa.Column("owner_token", sa.String(64), nullable=False),
     sa.Column("attempt", sa.Integer(), nullable=False),
     sa.Column("lease_ms", sa.BigInteger(), nullable=False),
+    # The holder's heartbeat interval (0: none, judged by expiry only; NULL: written before 0002).
+    sa.Column("heartbeat_ms", sa.BigInteger(), nullable=True),
     sa.Column("holder", sa.String(255), nullable=True),
     sa.Column("created_at", _Time, nullable=False),
     sa.Column("acquired_at", _Time, nullable=False),

@@ -77,7 +77,7 @@ def _job(code: str, name: str, held_wait_ms: int | None = None) -> dg.JobDefinit
 
 
 #: Leases far longer than any test: a lease freed during a test was freed by its holder or a takeover.
-#: A 1 s heartbeat: a finished run's holder is dead once its heartbeat is 2 s old.
+#: A 1 s heartbeat (recorded on the rows it claims).
 WAIT_RESOURCE = JobLeaseResource(heartbeat_ms=1_000, lease_ms=600_000, deployment="tests")
 
 
@@ -105,8 +105,7 @@ def impatient_job() -> dg.JobDefinition:
         name="impatient_job",
         partitions_def=days,
         executor_def=dg.in_process_executor,
-        # Judges a finished run's holder dead only after 10 s without a heartbeat: a live but briefly
-        # starved holder on a loaded machine must not be taken over.
+        # Its own 5 s heartbeat does not matter when it judges a holder: the holder's recorded one does.
         resource_defs={
             "joblease": JobLeaseResource(heartbeat_ms=5_000, lease_ms=600_000, deployment="tests")
         },
@@ -129,6 +128,11 @@ def blocking_op(run: LeasedRun) -> None:
         time.sleep(0.05)
 
 
+#: The blocking holder heartbeats every 5 s: judged by its own interval, a finished run's holder is dead
+#: once its heartbeat is 10 s old, so a live but briefly starved holder on a loaded machine is not.
+HOLDER_RESOURCE = JobLeaseResource(heartbeat_ms=5_000, lease_ms=600_000, deployment="tests")
+
+
 def blocking_job() -> dg.JobDefinition:
     """The op runs in its own step process (multiprocess executor), as in a deployed run worker."""
 
@@ -136,7 +140,7 @@ def blocking_job() -> dg.JobDefinition:
         name="blocking_job",
         partitions_def=days,
         executor_def=dg.multiprocess_executor,
-        resource_defs={"joblease": WAIT_RESOURCE},
+        resource_defs={"joblease": HOLDER_RESOURCE},
     )
     def _the_job() -> None:
         blocking_op()

@@ -126,6 +126,32 @@ def test_the_code_location_has_exactly_the_documented_names() -> None:
         assert reconcile.job_name == job and reconcile.default_status == dg.DefaultSensorStatus.RUNNING
     checks = {key.name for key in defs.resolve_asset_graph().asset_check_keys}
     assert checks == {"no_dead_rows", "delivery_backlog", "no_unrouted_rows"}
+    # The Component half (definitions/defs/): the resource, a leased asset, its schedule and sensor.
+    assert set(defs.resources or {}) == {"joblease"}
+    assert defs.resolve_schedule_def("daily_revenue_report_schedule").job_name == "daily_revenue_report_job"
+    reconcile = defs.resolve_sensor_def("daily_revenue_report_reconcile")
+    assert reconcile.default_status == dg.DefaultSensorStatus.RUNNING
+    assert reconcile.asset_selection is not None
+
+
+def test_the_component_style_asset_runs_once_per_partition(
+    sqlite_url: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import definitions
+
+    monkeypatch.setenv("JOBLEASE_DATABASE_URL", sqlite_url)
+    job = definitions.defs.resolve_job_def("daily_revenue_report_job")
+    quiet = {"loggers": {"console": {"config": {"log_level": "ERROR"}}}}
+    with dg.instance_for_test() as instance:
+        outcomes = []
+        for _ in range(2):
+            result = job.execute_in_process(instance=instance, run_config=quiet, partition_key="2024-01-02")
+            run = instance.get_run_by_id(result.run_id)
+            assert run is not None
+            outcomes.append(run.tags["joblease/outcome"])
+        materialized = instance.get_materialized_partitions(dg.AssetKey("daily_revenue_report"))
+    assert outcomes == ["won", "skipped-succeeded"]
+    assert materialized == {"2024-01-02"}
 
 
 def test_seed_default_settings_job_runs_once(sqlite_url: str, monkeypatch: pytest.MonkeyPatch) -> None:

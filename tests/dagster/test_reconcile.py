@@ -305,7 +305,7 @@ def test_a_dead_dagster_holder_is_relaunched_a_live_one_is_not(
     dagster_pg: DagsterPg, engine: sa.Engine, case: tuple[str, dg.JobDefinition]
 ) -> None:
     code, job = case
-    service = LeaseService(engine, lease_ms=600_000)
+    service = LeaseService(engine, lease_ms=600_000, heartbeat_ms=10_000)  # stale after 2 x 10 s
     runs = {}
     for key, status in ((DAYS[0], dg.DagsterRunStatus.FAILURE), (DAYS[1], dg.DagsterRunStatus.STARTED)):
         runs[key] = _run(dagster_pg, job, key, status)
@@ -314,7 +314,7 @@ def test_a_dead_dagster_holder_is_relaunched_a_live_one_is_not(
         )
         assert held.acquired
         _set_idle(engine, code, key, seconds=60)  # no heartbeat for a minute; the lease runs 10 minutes
-    sensor = build_reconciliation_sensor(job, code=code)  # stale after 2 x 10 s (the Dagster default)
+    sensor = build_reconciliation_sensor(job, code=code)
     requests, message, _, _ = _tick(dagster_pg, sensor)
     (request,) = requests
     assert request.partition_key == DAYS[0]

@@ -186,7 +186,7 @@ def test_a_killed_holder_is_taken_over_in_seconds_and_a_live_one_never(
     row = _row(dagster_pg.joblease_url, job)
     assert (row.status, row.attempt, row.holder) == ("SUCCESS", 2, f"dagster:tests/{result.run_id}")
     # The lease was 10 minutes long: only the dead-holder takeover can have freed it.
-    print(f"\ndead holder taken over {took:.1f} s after SIGKILL (lease 600 s, heartbeat 1 s)")
+    print(f"\ndead holder taken over {took:.1f} s after SIGKILL (lease 600 s, holder's heartbeat 5 s)")
     messages = [entry.user_message or "" for entry in instance.all_logs(result.run_id)]
     # The killed run could not tag itself; the run that took its lease over did.
     dead = _tags(instance, holder_run_id)

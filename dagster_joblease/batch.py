@@ -1,0 +1,846 @@
+"""Batch leases: claim, renew, finish and fence a *set* of logical runs with a fixed number of statements.
+
+A range run (a year of daily partitions in one Dagster run) needs one lease per key, and one statement
+per key makes 365 keys cost 365 round trips, each with its own commit. The functions here give every key
+exactly what :class:`~dagster_joblease.LeaseService` gives one key, with statements over the whole
+set:
+
+* :func:`claim_many` claims a set of identities: one multi-row ``INSERT … ON CONFLICT DO NOTHING
+  RETURNING`` for the keys never claimed; for the keys that met a row, one ``UPDATE`` that reclaims the
+  ``FAIL`` and expired ``RUNNING`` ones under row locks taken in key order, then one read that reports
+  the rest (held by a live lease, or already succeeded, with the holder). Every won key gets its own new
+  owner token and the next attempt number, so each :class:`~dagster_joblease.Lease` in the result
+  is exactly what one ``try_acquire`` returns and works with every ``LeaseService`` method.
+* :func:`heartbeat_many`, :func:`complete_many`, :func:`fail_many` and :func:`release_many` write the
+  whole set with one statement each, fenced per key by its owner token, and report which keys were lost.
+* :func:`fenced_transaction_many` opens one transaction that commits only while every lease of the set
+  is still held (the set's rows locked in key order when it opens); a lost lease aborts it, and then
+  every lease of the set is failed for a retry and reported lost (:class:`LostBatchLeaseError`).
+* :class:`BatchHeartbeat` renews a set from a background thread.
+
+The rules are the single lease's: times from the database clock, the same validation and error types.
+Keys are always handled in the order of their lock key (the idempotency key), so two workers claiming
+overlapping sets at once queue behind each other instead of deadlocking. PostgreSQL runs each claim or
+write statement in autocommit (a claim of N new keys is one round trip, whatever N); SQLite runs the
+whole call in one ``BEGIN IMMEDIATE`` transaction, which serializes writers (SQLite has no row locks).
+
+The guarantee is the single lease's: one live holder per key at a time, fenced writes, and
+at-least-once delivery with end-to-end deduplication by the idempotency key, never exactly-once.
+
+Example: a year of daily partitions, claimed with one statement::
+
+    year = [JobIdentity.schedule("daily-billing", f"2026-{d:%m-%d}") for d in days_of_2026]
+    claim = claim_many(service, year)
+    if claim.leases:
+        with BatchHeartbeat(service, claim.leases):
+            with fenced_transaction_many(service, claim.leases) as conn:
+                conn.execute(...)  # one SQL statement over the won days
+                enqueue_many(conn, [OutboxItem(x.idempotency_key, "billing", {"day": x.identity.run_key})
+                                    for x in claim.leases])
+        complete_many(service, claim.leases).raise_if_lost()
+    for refused in claim.refused:
+        print(refused.identity, refused.reason, refused.holder)
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import functools
+import json
+import logging
+import secrets
+import threading
+from collections.abc import Iterable, Iterator, Sequence
+from datetime import datetime
+from typing import Any
+
+import sqlalchemy as sa
+from sqlalchemy.dialects import postgresql, sqlite
+from sqlalchemy.sql import visitors
+
+from dagster_joblease import errors, identity, options
+from dagster_joblease import lease as _lease
+from dagster_joblease.lease import Lease, LeaseService, LeaseStatus, NotAcquiredReason
+from dagster_joblease.storage import rowset
+from dagster_joblease.storage.clock import db_now, db_now_plus_ms, ms_until
+from dagster_joblease.storage.engine import translate_errors
+from dagster_joblease.storage.rowset import bind_rows, rows_source
+from dagster_joblease.storage.schema import lease_table
+
+__all__ = [
+    "MAX_BATCH_KEYS",
+    "STATEMENT_KEYS",
+    "BatchClaim",
+    "BatchHeartbeat",
+    "BatchWrite",
+    "KeyClaim",
+    "assert_held_many",
+    "claim_many",
+    "complete_many",
+    "fail_many",
+    "fenced_transaction_many",
+    "heartbeat_many",
+    "release_many",
+]
+
+logger = logging.getLogger(__name__)
+
+#: The most identities (or leases) one call takes; split larger sets into several calls.
+MAX_BATCH_KEYS = rowset.MAX_ROWS
+#: Keys per statement: a larger call runs several statements, in key order (so still deadlock-free).
+STATEMENT_KEYS = rowset.ROWS_PER_STATEMENT
+#: Claim rounds per key: a row purged (or a lease lost in a race) between two statements is tried again.
+_CLAIM_ROUNDS = 3
+
+_t = lease_table
+
+
+# -- results -------------------------------------------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class KeyClaim:
+    """The claim of one key of a batch: a lease, or why there is none and who has it.
+
+    ``lease`` is set when this call won the key (``lease.reclaimed``: it took over a ``FAIL`` or expired
+    attempt). Otherwise ``reason`` says why not (``HELD``: a live lease; ``SUCCEEDED``: done for good;
+    ``CONTENDED``: lost a race to a concurrent claimer), and ``status``, ``holder``, ``attempt``,
+    ``expires_at`` and ``heartbeat_age_ms`` describe the row as read (for ``SUCCEEDED``, ``holder`` is
+    the winner). For a won key they describe the new lease (``holder`` is this claim's label).
+    """
+
+    identity: identity.JobIdentity
+    lease: Lease | None
+    reason: NotAcquiredReason | None = None
+    status: LeaseStatus | None = None
+    holder: str | None = None
+    attempt: int | None = None
+    expires_at: datetime | None = None
+    heartbeat_age_ms: int | None = None
+
+    @property
+    def acquired(self) -> bool:
+        return self.lease is not None
+
+    @property
+    def idempotency_key(self) -> str:
+        return self.identity.idempotency_key
+
+
+@dataclasses.dataclass(frozen=True)
+class BatchClaim:
+    """What :func:`claim_many` did, per key, in the order the identities were given."""
+
+    claims: tuple[KeyClaim, ...]
+
+    @property
+    def leases(self) -> tuple[Lease, ...]:
+        """The leases this call won (first claims and reclaims), in the given order."""
+        return tuple(c.lease for c in self.claims if c.lease is not None)
+
+    @property
+    def refused(self) -> tuple[KeyClaim, ...]:
+        """The keys not won (held, succeeded or contended), in the given order."""
+        return tuple(c for c in self.claims if c.lease is None)
+
+    def with_reason(self, reason: NotAcquiredReason) -> tuple[KeyClaim, ...]:
+        return tuple(c for c in self.claims if c.reason is reason)
+
+    def __getitem__(self, job: identity.JobIdentity | str) -> KeyClaim:
+        """The claim of ``job`` (an identity or its idempotency key)."""
+        key = job.idempotency_key if isinstance(job, identity.JobIdentity) else job
+        for claim in self.claims:
+            if claim.identity.idempotency_key == key:
+                return claim
+        raise KeyError(key)
+
+    def __iter__(self) -> Iterator[KeyClaim]:
+        return iter(self.claims)
+
+    def __len__(self) -> int:
+        return len(self.claims)
+
+
+@dataclasses.dataclass(frozen=True)
+class BatchWrite:
+    """What a fenced set write did: the leases it wrote (``held``) and those no longer this worker's
+    (``lost``: reclaimed by another worker, or already finished). Lost leases are marked lost
+    (``lease.lost``, ``lease.ensure_held()`` raises). ``expires_at``: a heartbeat's new expiry per
+    idempotency key of the renewed leases. A write over an empty set sends no statement."""
+
+    action: str
+    held: tuple[Lease, ...]
+    lost: tuple[Lease, ...]
+    expires_at: dict[str, datetime] = dataclasses.field(default_factory=dict)
+
+    def raise_if_lost(self) -> None:
+        """Raise :class:`LostBatchLeaseError` naming the first lost key, if any lease was lost."""
+        if self.lost:
+            first = self.lost[0]
+            raise errors.LostBatchLeaseError(
+                lease_id=first.id,
+                attempt=first.attempt,
+                idempotency_key=first.idempotency_key,
+                action=self.action,
+                lost_keys=tuple(x.idempotency_key for x in self.lost),
+                keys=tuple(x.idempotency_key for x in (*self.held, *self.lost)),
+            )
+
+
+# -- validation ----------------------------------------------------------------------------------------
+
+
+def _check_count(
+    field: str, count: int, error: type[errors.JobLeaseError], value: object, *, empty: str | None
+) -> None:
+    if count == 0 and empty is not None:
+        raise _invalid(error, field, value, empty)
+    if count > MAX_BATCH_KEYS:
+        raise _invalid(
+            error,
+            field,
+            f"<{count} items>",
+            f"holds {count} items; at most {MAX_BATCH_KEYS} are allowed per call, split the set",
+        )
+
+
+def _invalid(error: type[errors.JobLeaseError], field: str, value: object, rule: str) -> errors.JobLeaseError:
+    if error is errors.InvalidJobIdentityError:
+        return errors.InvalidJobIdentityError(field, value, rule)
+    return errors.InvalidLeaseOptionsError(field, value, rule)
+
+
+def _as_list(field: str, value: object, error: type[errors.JobLeaseError]) -> list[Any]:
+    if isinstance(value, str | bytes | dict) or not isinstance(value, Iterable):
+        raise _invalid(error, field, value, "must be a list (or another iterable) of items, not one item")
+    return list(value)
+
+
+def _check_identities(identities: object) -> list[identity.JobIdentity]:
+    jobs = _as_list("identities", identities, errors.InvalidJobIdentityError)
+    _check_count(
+        "identities",
+        len(jobs),
+        errors.InvalidJobIdentityError,
+        identities,
+        empty="is empty; pass at least one identity",
+    )
+    seen: set[str] = set()
+    for job in jobs:
+        if not isinstance(job, identity.JobIdentity):
+            raise errors.InvalidJobIdentityError(
+                "identities", job, f"every item must be a JobIdentity, got {type(job).__name__}"
+            )
+        if job.idempotency_key in seen:
+            raise errors.InvalidJobIdentityError(
+                "identities", str(job), "appears twice in the set; pass each identity once"
+            )
+        seen.add(job.idempotency_key)
+    return jobs
+
+
+def _check_leases(leases: object, *, empty: str | None = None) -> list[Lease]:
+    """The leases as a list: distinct :class:`Lease` objects, at most MAX_BATCH_KEYS; an empty set is
+    refused with ``empty`` as the rule when given (else allowed: a write over nothing does nothing)."""
+    items = _as_list("leases", leases, errors.InvalidLeaseOptionsError)
+    _check_count("leases", len(items), errors.InvalidLeaseOptionsError, leases, empty=empty)
+    seen: set[str] = set()
+    for item in items:
+        if not isinstance(item, Lease):
+            raise errors.InvalidLeaseOptionsError(
+                "leases",
+                item,
+                f"every item must be a Lease (from claim_many or acquire), got {type(item).__name__}",
+            )
+        if item.idempotency_key in seen:
+            raise errors.InvalidLeaseOptionsError(
+                "leases", str(item.identity), "appears twice in the set; pass each lease once"
+            )
+        seen.add(item.idempotency_key)
+    return items
+
+
+def _chunks(items: Sequence[Any]) -> Iterator[Sequence[Any]]:
+    for start in range(0, len(items), STATEMENT_KEYS):
+        yield items[start : start + STATEMENT_KEYS]
+
+
+# -- statements ---------------------------------------------------------------------------------------
+
+
+_CLAIM_COLUMNS = (
+    ("lock_key", sa.String()),
+    ("job_type", sa.String()),
+    ("code", sa.String()),
+    ("run_key", sa.String()),
+    ("owner_token", sa.String()),
+)
+_CLAIM_NAMES = tuple(name for name, _ in _CLAIM_COLUMNS)
+
+
+def _per_key(expression: Any, source: Any) -> Any:
+    """``expression`` with the single claim's per-key parameters (``p_lock_key`` …) replaced by the
+    columns of ``source``: the batch claim writes exactly the values :func:`_lease._claim_values` writes."""
+
+    def replace(element: Any) -> Any:
+        if isinstance(element, sa.BindParameter) and element.key.startswith("p_"):
+            name = element.key[2:]
+            if name in _CLAIM_NAMES:
+                return source.c[name]
+        return None
+
+    return visitors.replacement_traverse(expression, {}, replace)  # type: ignore[call-overload]
+
+
+def _call_params(length: int, heartbeat_ms: int, label: str) -> dict[str, Any]:
+    """The single claim's parameters that are the same for every key of a batch."""
+    return {"p_lease_ms": length, "p_heartbeat_ms": heartbeat_ms, "p_holder": label}
+
+
+@functools.cache
+def _insert_statement(dialect_name: str) -> Any:
+    """``INSERT … SELECT <the single claim's values> FROM <keys> ORDER BY lock_key ON CONFLICT (lock_key)
+    DO NOTHING RETURNING lock_key, id, attempt, expires_at, last_error``: the keys never claimed."""
+    source = rows_source(dialect_name, _CLAIM_COLUMNS, joined=False)
+    values = _lease._claim_values(sa.bindparam("p_lease_ms", type_=sa.BigInteger()), _lease._HEARTBEAT_MS)
+    rows = (
+        sa.select(*(_per_key(expr, source).label(name) for name, expr in values.items()))
+        .select_from(source)
+        .where(sa.true())  # SQLite: INSERT … SELECT … ON CONFLICT needs a WHERE to parse
+        .order_by(source.c.lock_key)
+    )
+    insert = (postgresql.insert if dialect_name == "postgresql" else sqlite.insert)(_t)
+    return (
+        insert.from_select(list(values), rows)
+        .on_conflict_do_nothing(index_elements=[_t.c.lock_key])
+        .returning(_t.c.lock_key, *_lease._RETURNED)
+    )
+
+
+@functools.cache
+def _reclaim_statement(dialect_name: str) -> Any:
+    """Reclaim the ``FAIL`` and expired ``RUNNING`` rows of the keys, ``RETURNING lock_key, id, attempt,
+    expires_at, last_error``. On PostgreSQL the rows are locked first in lock-key order (``SELECT …
+    ORDER BY lock_key FOR UPDATE``), and READ COMMITTED re-checks the reclaim condition on the newest
+    version of each locked row, so two reclaimers get one winner per key and never deadlock."""
+    source = rows_source(dialect_name, (("lock_key", sa.String()), ("owner_token", sa.String())))
+    holder = sa.bindparam("p_holder", type_=sa.String())
+    lease_ms = sa.bindparam("p_lease_ms", type_=sa.BigInteger())
+    if dialect_name == "postgresql":
+        locked = (
+            sa.select(_t.c.id, source.c.owner_token)
+            .select_from(_t.join(source, _t.c.lock_key == source.c.lock_key))
+            .where(_lease._reclaimable())
+            .order_by(_t.c.lock_key)
+            .with_for_update(of=_t)
+            .cte("locked")
+            .prefix_with("MATERIALIZED")
+        )
+        where = [_t.c.id == locked.c.id]
+        token: Any = locked.c.owner_token
+    else:
+        where = [_t.c.lock_key == source.c.lock_key]
+        token = source.c.owner_token
+    return (
+        sa.update(_t)
+        .where(*where, _lease._reclaimable())
+        .values(**_lease._reclaim_values(token, holder, lease_ms, _lease._HEARTBEAT_MS))
+        .returning(_t.c.lock_key, *_lease._RETURNED)
+    )
+
+
+@functools.cache
+def _report_statement(dialect_name: str) -> Any:
+    """The rows of keys neither inserted nor reclaimed: status, holder, attempt, expiry, heartbeat age,
+    and whether the row is reclaimable now (then the claim lost a race and tries it again)."""
+    source = rows_source(dialect_name, (("lock_key", sa.String()),))
+    return sa.select(
+        _t.c.lock_key,
+        _t.c.status,
+        _t.c.holder,
+        _t.c.attempt,
+        _t.c.expires_at,
+        (-ms_until(_t.c.heartbeat_at)).label("heartbeat_age_ms"),
+        sa.case((_lease._reclaimable(), sa.true()), else_=sa.false()).label("reclaimable"),
+    ).select_from(_t.join(source, _t.c.lock_key == source.c.lock_key))
+
+
+_LEASE_COLUMNS = (("id", sa.BigInteger()), ("owner_token", sa.String()))
+
+
+@functools.cache
+def _fenced_update_statement(dialect_name: str, action: str) -> Any:
+    """One fenced write over a set: the rows whose id and owner token match and that are still
+    ``RUNNING`` get ``action``'s values, ``RETURNING lock_key, expires_at``. On PostgreSQL they are
+    locked in lock-key order first, as a claim locks them, so a set write and a claim cannot deadlock."""
+    source = rows_source(dialect_name, _LEASE_COLUMNS)
+    match = [
+        _t.c.id == source.c.id,
+        _t.c.owner_token == source.c.owner_token,
+        _t.c.status == _lease._RUNNING,
+    ]
+    if dialect_name == "postgresql":
+        locked = (
+            sa.select(_t.c.id)
+            .select_from(_t.join(source, sa.and_(*match[:2])))
+            .where(match[2])
+            .order_by(_t.c.lock_key)
+            .with_for_update(of=_t)
+            .cte("locked")
+            .prefix_with("MATERIALIZED")
+        )
+        where: list[Any] = [_t.c.id == locked.c.id, match[2]]
+    else:
+        where = match
+    return (
+        sa.update(_t)
+        .where(*where)
+        .values(**_WRITE_VALUES[action]())
+        .returning(_t.c.lock_key, _t.c.expires_at)
+    )
+
+
+def _heartbeat_values() -> dict[str, Any]:
+    return {"heartbeat_at": db_now(), "expires_at": db_now_plus_ms(_t.c.lease_ms)}
+
+
+#: The result column's type, binding None as SQL NULL (not the JSON literal null).
+_RESULT = sa.JSON(none_as_null=True).with_variant(postgresql.JSONB(none_as_null=True), "postgresql")
+
+
+def _complete_values() -> dict[str, Any]:
+    return {
+        "status": _lease._SUCCESS,
+        "finished_at": db_now(),
+        "result": sa.bindparam("w_result", type_=_RESULT),
+        "last_error": sa.null(),
+    }
+
+
+def _finish_values() -> dict[str, Any]:
+    return {
+        "status": _lease._FAIL,
+        "finished_at": db_now(),
+        "last_error": sa.bindparam("w_error", type_=sa.Text()),
+    }
+
+
+_WRITE_VALUES = {
+    "heartbeat": _heartbeat_values,
+    "complete": _complete_values,
+    "fail": _finish_values,
+    "release": _finish_values,
+}
+
+
+@functools.cache
+def _held_statement(dialect_name: str) -> Any:
+    """The set's rows still held (id, owner token, ``RUNNING``, not expired on the database clock), in
+    lock-key order, locked ``FOR UPDATE`` on PostgreSQL until the transaction ends."""
+    source = rows_source(dialect_name, _LEASE_COLUMNS)
+    stmt = (
+        sa.select(_t.c.lock_key)
+        .select_from(
+            _t.join(source, sa.and_(_t.c.id == source.c.id, _t.c.owner_token == source.c.owner_token))
+        )
+        .where(_t.c.status == _lease._RUNNING, _t.c.expires_at > db_now())
+        .order_by(_t.c.lock_key)
+    )
+    if dialect_name == "postgresql":
+        stmt = stmt.with_for_update(of=_t)
+    return stmt
+
+
+# -- connections ---------------------------------------------------------------------------------------
+
+
+@contextlib.contextmanager
+def _statements(engine: sa.Engine, action: str) -> Iterator[sa.Connection]:
+    """PostgreSQL: an autocommit connection (each statement atomic on its own, one round trip each).
+    SQLite: one ``BEGIN IMMEDIATE`` transaction for the whole call (it holds the write lock)."""
+    with translate_errors(action):
+        if engine.dialect.name == "postgresql":
+            with engine.connect() as conn:
+                yield conn.execution_options(isolation_level="AUTOCOMMIT")
+        else:
+            with engine.begin() as conn:
+                yield conn
+
+
+# -- claim ---------------------------------------------------------------------------------------------
+
+
+def claim_many(
+    service: LeaseService,
+    identities: Iterable[identity.JobIdentity],
+    *,
+    lease_ms: int | None = None,
+    heartbeat_ms: int | None = None,
+    holder: str | None = None,
+) -> BatchClaim:
+    """Claim or reclaim every identity of the set; for each key, a lease or the reason there is none.
+
+    Each key is claimed exactly as :meth:`LeaseService.try_acquire` claims it (new rows ``RUNNING`` at
+    attempt 1; ``FAIL`` and expired ``RUNNING`` rows reclaimed at the next attempt with the previous
+    error kept; ``SUCCESS`` never), with its own new owner token, all times from the database clock.
+    Statements: one multi-row ``INSERT … ON CONFLICT DO NOTHING RETURNING`` for the set; when some keys
+    met a row, one ``UPDATE`` reclaiming those that are reclaimable (row locks in key order), and one
+    read reporting the rest. A row purged in between (or a key lost in a race to a concurrent claimer)
+    is tried again, at most three rounds; a key still undecided is reported ``CONTENDED``. At most
+    :data:`STATEMENT_KEYS` keys go in one statement; keys are processed in lock-key order, so
+    overlapping sets claimed at once cannot deadlock.
+
+    Args:
+        service: the lease service (its engine, default ``lease_ms`` and holder label).
+        identities: 1 to :data:`MAX_BATCH_KEYS` distinct :class:`JobIdentity` (any mix of types and
+            codes); an empty set, a duplicate or a non-identity raises :class:`InvalidJobIdentityError`.
+        lease_ms: the lease length for this claim (default: the service's).
+        heartbeat_ms: the heartbeat interval recorded on the won rows, by which others judge the
+            holder stale (default: the service's; with only ``lease_ms`` given, that length's default;
+            0: judged by expiry only). Renew at least that often (:class:`BatchHeartbeat`).
+        holder: the holder label recorded on the won rows (default: the service's, else ``host:pid``).
+
+    Returns:
+        a :class:`BatchClaim` with one :class:`KeyClaim` per identity, in the given order.
+    """
+    jobs = _check_identities(identities)
+    if lease_ms is None and heartbeat_ms is None:
+        timing = service.timing
+    else:
+        timing = options.resolve_timing(lease_ms, heartbeat_ms, defaults=service.timing)
+    length = timing.lease_ms
+    label = (
+        _lease.validate_holder(holder) if holder is not None else service.holder or _lease.default_holder()
+    )
+    tokens = {job.idempotency_key: secrets.token_hex(16) for job in jobs}
+    ordered = sorted(jobs, key=lambda job: job.idempotency_key)
+    found: dict[str, KeyClaim] = {}
+    dialect = service.engine.dialect.name
+    call = _call_params(length, timing.heartbeat_ms, label)
+    with _statements(service.engine, "claim a batch of leases") as conn:
+        for chunk in _chunks(ordered):
+            pending = list(chunk)
+            for _ in range(_CLAIM_ROUNDS):
+                pending = _claim_round(conn, dialect, pending, tokens, call, length, label, found)
+                if not pending:
+                    break
+            for job in pending:
+                found[job.idempotency_key] = KeyClaim(
+                    identity=job, lease=None, reason=NotAcquiredReason.CONTENDED
+                )
+    claims = tuple(found[job.idempotency_key] for job in jobs)
+    won = sum(1 for c in claims if c.lease is not None)
+    logger.info(
+        "batch claim of %d keys: %d won (%d reclaimed), %d held, %d succeeded, %d contended",
+        len(claims),
+        won,
+        sum(1 for c in claims if c.lease is not None and c.lease.reclaimed),
+        sum(1 for c in claims if c.reason is NotAcquiredReason.HELD),
+        sum(1 for c in claims if c.reason is NotAcquiredReason.SUCCEEDED),
+        sum(1 for c in claims if c.reason is NotAcquiredReason.CONTENDED),
+        extra={"action": "lease_batch_claimed"},
+    )
+    return BatchClaim(claims=claims)
+
+
+def _claim_round(
+    conn: sa.Connection,
+    dialect: str,
+    jobs: list[identity.JobIdentity],
+    tokens: dict[str, str],
+    call: dict[str, Any],
+    length: int,
+    label: str,
+    found: dict[str, KeyClaim],
+) -> list[identity.JobIdentity]:
+    """One round over ``jobs`` (in key order): insert, reclaim, report. Fills ``found``; returns the
+    keys to try again (their row vanished between two statements, or was taken in a race)."""
+    by_key = {job.idempotency_key: job for job in jobs}
+
+    def won(row: Any) -> None:
+        key, lease_id, attempt, expires_at, last_error = row
+        job = by_key[key]
+        found[key] = KeyClaim(
+            identity=job,
+            lease=Lease(
+                id=lease_id,
+                identity=job,
+                owner_token=tokens[key],
+                attempt=attempt,
+                lease_ms=length,
+                expires_at=expires_at,
+                previous_error=last_error if attempt > 1 else None,
+            ),
+            status=LeaseStatus.RUNNING,
+            holder=label,
+            attempt=attempt,
+            expires_at=expires_at,
+            heartbeat_age_ms=0,
+        )
+
+    rows = [(j.idempotency_key, j.type.value, j.code, j.run_key, tokens[j.idempotency_key]) for j in jobs]
+    inserted = conn.execute(_insert_statement(dialect), {**call, **bind_rows(dialect, _CLAIM_NAMES, rows)})
+    for row in inserted:
+        won(row)
+    met = [r for r in rows if r[0] not in found]
+    if not met:
+        return []
+    pairs = [(r[0], r[4]) for r in met]
+    for row in conn.execute(
+        _reclaim_statement(dialect), {**call, **bind_rows(dialect, ("lock_key", "owner_token"), pairs)}
+    ):
+        won(row)
+    rest = [r[0] for r in met if r[0] not in found]
+    if not rest:
+        return []
+    again: set[str] = set(rest)
+    report = conn.execute(_report_statement(dialect), bind_rows(dialect, ("lock_key",), [(k,) for k in rest]))
+    for key, status, row_holder, attempt, expires_at, age, reclaimable in report:
+        if reclaimable:
+            continue  # reclaimable again already (its winner failed it): another round claims it
+        again.discard(key)
+        reason = _lease._REASONS.get(status, NotAcquiredReason.CONTENDED)
+        found[key] = KeyClaim(
+            identity=by_key[key],
+            lease=None,
+            reason=reason,
+            status=LeaseStatus(status),
+            holder=row_holder,
+            attempt=attempt,
+            expires_at=expires_at,
+            heartbeat_age_ms=None if age is None else int(age),
+        )
+    return [by_key[k] for k in rest if k in again]
+
+
+# -- fenced set writes ---------------------------------------------------------------------------------
+
+
+def _write(service: LeaseService, leases: Iterable[Lease], action: str, params: dict[str, Any]) -> BatchWrite:
+    items = _check_leases(leases)
+    if not items:
+        return BatchWrite(action=action, held=(), lost=())
+    dialect = service.engine.dialect.name
+    ordered = sorted(items, key=lambda x: x.idempotency_key)
+    written: dict[str, datetime] = {}
+    with _statements(service.engine, f"{action} a batch of leases") as conn:
+        for chunk in _chunks(ordered):
+            rows = [(x.id, x.owner_token) for x in chunk]
+            result = conn.execute(
+                _fenced_update_statement(dialect, action),
+                {**params, **bind_rows(dialect, ("id", "owner_token"), rows)},
+            )
+            written.update({key: expires_at for key, expires_at in result})
+    held = tuple(x for x in items if x.idempotency_key in written)
+    lost = tuple(x for x in items if x.idempotency_key not in written)
+    for x in lost:
+        x._lost.append(True)
+    if lost:
+        logger.warning(
+            "%d of %d leases lost on %s (first: lease %d, key %s)",
+            len(lost),
+            len(items),
+            action,
+            lost[0].id,
+            lost[0].idempotency_key,
+            extra={"action": "lease_lost"},
+        )
+    return BatchWrite(
+        action=action,
+        held=held,
+        lost=lost,
+        expires_at=written if action == "heartbeat" else {},
+    )
+
+
+def heartbeat_many(service: LeaseService, leases: Iterable[Lease]) -> BatchWrite:
+    """Extend every lease of the set by its own length from the database's now, in one statement.
+
+    Fenced per key (id, owner token, ``RUNNING``), like :meth:`LeaseService.heartbeat`; a lease no
+    longer this worker's is reported in ``lost`` and marked lost instead of raising, so the rest of the
+    set is still renewed. ``expires_at`` gives each renewed lease's new expiry.
+    """
+    return _write(service, leases, "heartbeat", {})
+
+
+def complete_many(service: LeaseService, leases: Iterable[Lease], data: Any = None) -> BatchWrite:
+    """Mark every lease of the set ``SUCCESS`` in one statement; ``data`` (JSON) is stored on each row.
+
+    Fenced per key like :meth:`LeaseService.complete`. Leases that were lost are *not* completed: they
+    are reported in ``lost`` (call :meth:`BatchWrite.raise_if_lost` to turn that into an error).
+    """
+    if data is not None:
+        try:
+            json.dumps(data, allow_nan=False)
+        except (TypeError, ValueError) as exc:
+            raise errors.InvalidPayloadError("result data", f"must be JSON-serializable ({exc})") from None
+    return _write(service, leases, "complete", {"w_result": data})
+
+
+def _error_text(error: str | BaseException) -> str:
+    return _lease.bound_error(error if isinstance(error, str) else f"{type(error).__name__}: {error}")
+
+
+def fail_many(service: LeaseService, leases: Iterable[Lease], error: str | BaseException) -> BatchWrite:
+    """Mark every lease of the set ``FAIL`` with the bounded error text, in one statement; the next
+    claim retries each with the same key. Fenced per key like :meth:`LeaseService.fail`."""
+    return _write(service, leases, "fail", {"w_error": _error_text(error)})
+
+
+def release_many(
+    service: LeaseService, leases: Iterable[Lease], reason: str = _lease.RELEASED_ERROR
+) -> BatchWrite:
+    """Give every lease of the set back unfinished (``FAIL``, reason: released), in one statement."""
+    return _write(service, leases, "release", {"w_error": _lease.bound_error(reason)})
+
+
+# -- fenced transaction over a set ---------------------------------------------------------------------
+
+
+_NOTHING_TO_FENCE = (
+    "is empty: a transaction fenced by no lease is not fenced at all; skip the work when the claim won "
+    "nothing"
+)
+
+
+def assert_held_many(connection: sa.Connection, leases: Sequence[Lease]) -> None:
+    """Inside ``connection``'s transaction, make sure every lease of the set is still this worker's.
+
+    The set's rows are locked in lock-key order (``FOR UPDATE`` on PostgreSQL, held until the
+    transaction ends; SQLite's ``BEGIN IMMEDIATE`` already holds the write lock), so no reclaim can slip
+    in before the commit. A lease reclaimed, finished or expired raises :class:`LostBatchLeaseError`
+    naming the first such key (in key order) and listing all of them; nothing is marked or failed here.
+    """
+    items = _check_leases(leases, empty=_NOTHING_TO_FENCE)
+    dialect = connection.dialect.name
+    ordered = sorted(items, key=lambda x: x.idempotency_key)
+    held: set[str] = set()
+    with translate_errors("check a batch of leases"):
+        for chunk in _chunks(ordered):
+            rows = [(x.id, x.owner_token) for x in chunk]
+            held.update(
+                connection.execute(
+                    _held_statement(dialect), bind_rows(dialect, ("id", "owner_token"), rows)
+                ).scalars()
+            )
+    lost = [x for x in ordered if x.idempotency_key not in held]
+    if lost:
+        raise errors.LostBatchLeaseError(
+            lease_id=lost[0].id,
+            attempt=lost[0].attempt,
+            idempotency_key=lost[0].idempotency_key,
+            action="commit a fenced transaction under",
+            lost_keys=tuple(x.idempotency_key for x in lost),
+            keys=tuple(x.idempotency_key for x in items),
+        )
+
+
+@contextlib.contextmanager
+def fenced_transaction_many(service: LeaseService, leases: Iterable[Lease]) -> Iterator[sa.Connection]:
+    """One transaction that commits only while *every* lease of the set is still held.
+
+    The set's rows are locked in lock-key order when it opens (see :func:`assert_held_many`): the same
+    semantics as :meth:`LeaseService.fenced_transaction` for one lease. Write the set's domain change and
+    its outbox rows (:func:`~dagster_joblease.outbox.enqueue_many`) here: all commit under live leases,
+    or nothing does. If any lease of the set is lost (already known, or found when the transaction
+    opens), nothing of the block runs or commits, every lease of the set is marked lost and the ones
+    still held are failed (``FAIL``, so a retry can reclaim them at once), and
+    :class:`LostBatchLeaseError` names the first lost key and lists them all. An exception raised by
+    the block rolls the transaction back and leaves the leases as they are (the caller fails them).
+    """
+    items = _check_leases(leases, empty=_NOTHING_TO_FENCE)
+    lost: errors.LostBatchLeaseError | None = None
+    known = [x for x in items if x.lost]
+    if known:
+        lost = errors.LostBatchLeaseError(
+            lease_id=known[0].id,
+            attempt=known[0].attempt,
+            idempotency_key=known[0].idempotency_key,
+            action="open a fenced transaction under",
+            lost_keys=tuple(x.idempotency_key for x in known),
+            keys=tuple(x.idempotency_key for x in items),
+        )
+    else:
+        with service.engine.begin() as connection:
+            try:
+                assert_held_many(connection, items)
+            except errors.LostBatchLeaseError as exc:
+                lost = exc  # the transaction ends (releasing its locks) before the set is failed
+            else:
+                yield connection
+                return
+    assert lost is not None
+    _abort_set(service, items, lost)
+    raise lost
+
+
+def _abort_set(service: LeaseService, items: list[Lease], cause: errors.LostBatchLeaseError) -> None:
+    """After a lost lease aborted a set's transaction: fail the set's leases still held, mark all lost."""
+    try:
+        fail_many(
+            service,
+            items,
+            f"aborted: the set's fenced transaction could not commit because lease of key "
+            f"{cause.idempotency_key} was lost",
+        )
+    except errors.JobLeaseError as failure:
+        logger.warning("could not fail the leases of an aborted batch: %s", failure)
+    for x in items:
+        if not x.lost:
+            x._lost.append(True)
+
+
+# -- heartbeat thread ----------------------------------------------------------------------------------
+
+
+class BatchHeartbeat:
+    """Renew a set of leases every ``heartbeat_ms`` from a background thread, one statement per renewal.
+
+    Use it as a context manager around the work on the set. A lease found lost is marked lost (the
+    worker sees ``lease.lost``) and dropped from the renewals; a transient database failure is logged
+    and retried at the next interval (the leases only die if renewals stay impossible for their length).
+    ``heartbeat_ms=0`` renews nothing.
+    """
+
+    def __init__(
+        self, service: LeaseService, leases: Iterable[Lease], heartbeat_ms: int | None = None
+    ) -> None:
+        self._service = service
+        self._leases = _check_leases(leases)
+        interval = service.timing.heartbeat_ms if heartbeat_ms is None else heartbeat_ms
+        if isinstance(interval, bool) or not isinstance(interval, int) or interval < 0:
+            raise errors.InvalidLeaseOptionsError(
+                "heartbeat_ms", interval, "must be 0 (no heartbeat) or a positive int number of milliseconds"
+            )
+        self._interval_s = interval / 1000
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+
+    def __enter__(self) -> BatchHeartbeat:
+        if self._interval_s > 0:
+            self._thread = threading.Thread(target=self._run, name="joblease-batch-heartbeat", daemon=True)
+            self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+    def _run(self) -> None:
+        while not self._stop.wait(self._interval_s):
+            live = [x for x in self._leases if not x.lost]
+            if not live:
+                return
+            try:
+                heartbeat_many(self._service, live)
+            except errors.StorageError as exc:
+                logger.warning("batch heartbeat of %d leases failed: %s", len(live), exc)
+
+    def stop(self) -> None:
+        self._stop.set()
+        if (
+            self._thread is not None
+            and self._thread.is_alive()
+            and threading.current_thread() is not self._thread
+        ):
+            self._thread.join()

@@ -1,0 +1,502 @@
+"""Dagster Components for dagster-joblease: the resource, delivery, leased schedules and reconciliation
+sensors declared in ``defs.yaml`` (``dg scaffold defs dagster_joblease.dagster.components.<Type> <path>``).
+
+The components wrap the Pythonic builders (:class:`JobLeaseResource`, :func:`build_dispatcher_job`,
+:func:`build_outbox_sensor`, :class:`OutboxHealth`, :func:`build_leased_schedule`,
+:func:`build_reconciliation_sensor`); they add no behaviour of their own.
+
+- :class:`JobLeaseResourceComponent` declares the ``joblease`` resource **once** per code location
+  (``Definitions.merge`` refuses two resources under one key); every other component names it by
+  ``resource_key``.
+- :class:`JobLeaseDeliveryComponent`: routes (topic → URL, headers, secret headers by environment-variable
+  name, timeout, and any further :class:`~dagster_joblease.dispatch.Route` option under ``options``), the
+  dispatcher job, the outbox sensor and the three outbox checks.
+- :class:`LeasedScheduleComponent` / :class:`ReconciliationSensorComponent`: a leased schedule or a
+  reconciliation sensor for a job or asset **of the same project**.
+
+How a schedule or sensor reaches its target: by a *path reference*. ``target.defs_path`` is the path,
+relative to the project's defs folder, of the Python module or component that defines the job (or the
+leased asset), and ``target.job`` (or ``target.asset``) its name there. The component builds that path's
+definitions through Dagster's component tree (``ComponentLoadContext.build_defs``, which records the
+dependency) and hands the object to the Pythonic builder, so the target's partitions are checked when the
+code location loads (a typo or an unpartitioned job fails ``dg check defs``, naming the path), not at
+the first tick. Leased bodies stay Python (``@leased_op`` / ``@leased_asset``): a lease is code.
+
+Secrets never go into attributes as values: the database URL and secret headers are given as
+*environment-variable names*, read when a run or tick starts (``{{ env.X }}`` would resolve to the value
+at load time, and the UI shows component attributes).
+"""
+
+# No `from __future__ import annotations`: Dagster derives the YAML schema from the dataclass fields'
+# runtime types (string annotations are not resolved).
+
+import dataclasses
+import datetime as dt
+import os
+import re
+import textwrap
+from pathlib import Path
+from typing import Any, Literal
+
+import dagster as dg
+from dagster.components import Component, ComponentLoadContext, Resolvable, Scaffolder, ScaffoldRequest
+from dagster.components import scaffold_with as _scaffold_with
+
+from dagster_joblease import errors
+from dagster_joblease.dagster.jobs import OutboxHealth, build_dispatcher_job, outbox_asset_spec
+from dagster_joblease.dagster.reconcile import build_reconciliation_sensor
+from dagster_joblease.dagster.resource import JobLeaseResource
+from dagster_joblease.dagster.schedules import build_leased_schedule
+from dagster_joblease.dagster.sensors import build_outbox_sensor
+from dagster_joblease.dispatch import Route
+from dagster_joblease.storage.engine import DATABASE_URL_ENV
+
+__all__ = [
+    "CheckSpec",
+    "DispatcherSpec",
+    "JobLeaseDeliveryComponent",
+    "JobLeaseResourceComponent",
+    "LeasedScheduleComponent",
+    "OutboxSensorSpec",
+    "ReconciliationSensorComponent",
+    "RouteSpec",
+    "TargetSpec",
+]
+
+_ENV_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
+_KEY = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
+Status = Literal["running", "stopped"]
+
+
+def _env_name(where: str, value: object) -> str:
+    if not isinstance(value, str) or not _ENV_NAME.match(value):
+        raise errors.ConfigurationError(
+            f"{where}={value!r} must be the *name* of an environment variable (letters, digits, "
+            "underscore; e.g. JOBLEASE_DATABASE_URL), never the secret itself"
+        )
+    return value
+
+
+def _resource_key(where: str, value: object) -> str:
+    if not isinstance(value, str) or not _KEY.match(value):
+        raise errors.ConfigurationError(
+            f"{where} resource_key={value!r} must be a Python identifier (the key the "
+            "JobLeaseResourceComponent declares, default 'joblease')"
+        )
+    return value
+
+
+def _sensor_status(value: Status) -> dg.DefaultSensorStatus:
+    return dg.DefaultSensorStatus.RUNNING if value == "running" else dg.DefaultSensorStatus.STOPPED
+
+
+def _yaml_block(type_name: str, attributes: str) -> str:
+    return f"type: {type_name}\n\nattributes:\n{textwrap.indent(textwrap.dedent(attributes).strip(), '  ')}\n"
+
+
+class _TemplateScaffolder(Scaffolder[Any]):
+    """Writes ``defs.yaml`` with the component's type and a commented, working set of attributes."""
+
+    template = ""
+
+    def scaffold(self, request: ScaffoldRequest[Any]) -> None:
+        path = request.target_path
+        path.mkdir(parents=True, exist_ok=True)
+        text = _yaml_block(request.type_name, self.template)
+        target = path / "defs.yaml"
+        if request.append and target.exists():
+            with target.open("a") as f:
+                f.write("---\n" + text)
+        else:
+            target.write_text(text)
+
+
+# -- the resource ------------------------------------------------------------------------------------
+
+
+class _ResourceScaffolder(_TemplateScaffolder):
+    template = """
+        # The joblease resource, declared once per code location; other components name it by key.
+        resource_key: joblease
+        # The NAME of the variable holding the URL (postgresql+psycopg://... or sqlite:///...), never the
+        # URL: it may carry a password. JOBLEASE_DATABASE_URL unset: an SQLite file under $DAGSTER_HOME.
+        database_url_env: JOBLEASE_DATABASE_URL
+        """
+
+
+@_scaffold_with(_ResourceScaffolder)
+@dataclasses.dataclass
+class JobLeaseResourceComponent(Component, Resolvable):
+    """The ``joblease`` resource (:class:`JobLeaseResource`), declared once; others use its ``resource_key``.
+
+    ``database_url_env`` names the environment variable that holds the URL, read when a run or tick
+    starts. With the default (``JOBLEASE_DATABASE_URL``) an unset variable means the embedded SQLite file
+    under ``$DAGSTER_HOME``, as in Python; any other name must be set (the run fails naming it).
+    """
+
+    resource_key: str = "joblease"
+    database_url_env: str = DATABASE_URL_ENV
+    lease_ms: int | None = None
+    heartbeat_ms: int | None = None
+    held_wait_ms: int | None = None
+    deployment: str | None = None
+    migrate_on_first_use: bool = True
+
+    def build_resource(self) -> JobLeaseResource:
+        env = _env_name("JobLeaseResourceComponent database_url_env", self.database_url_env)
+        url: Any = None if env == DATABASE_URL_ENV else dg.EnvVar(env)
+        return JobLeaseResource(
+            database_url=url,
+            lease_ms=self.lease_ms,
+            heartbeat_ms=self.heartbeat_ms,
+            held_wait_ms=self.held_wait_ms,
+            deployment=self.deployment,
+            migrate_on_first_use=self.migrate_on_first_use,
+        )
+
+    def build_defs(self, context: ComponentLoadContext) -> dg.Definitions:
+        key = _resource_key("JobLeaseResourceComponent", self.resource_key)
+        resource = self.build_resource()
+        resource.timing()  # validate lease_ms / heartbeat_ms / held_wait_ms when the location loads
+        resource.resolved_held_wait_ms()
+        return dg.Definitions(resources={key: resource})
+
+
+# -- delivery ----------------------------------------------------------------------------------------
+
+
+@dataclasses.dataclass
+class RouteSpec(Resolvable):
+    """One topic's destination. ``url`` or ``url_env`` (a variable read when a run or tick starts, with
+    ``url`` as its default); ``secret_headers`` maps a header to the NAME of the variable holding its value;
+    ``options`` passes any further :class:`Route` keyword option through unchanged (e.g. delivery limits)."""
+
+    url: str | None = None
+    url_env: str | None = None
+    headers: dict[str, str] = dataclasses.field(default_factory=dict)
+    secret_headers: dict[str, str] = dataclasses.field(default_factory=dict)
+    timeout_s: float = 10.0
+    options: dict[str, Any] = dataclasses.field(default_factory=dict)
+
+    def build(self, topic: str) -> Route:
+        where = f"JobLeaseDeliveryComponent route {topic!r}"
+        url = self.url
+        if self.url_env is not None:
+            url = os.environ.get(_env_name(f"{where} url_env", self.url_env)) or url
+        if url is None:
+            raise errors.ConfigurationError(
+                f"{where}: no URL: set {self.url_env} or give `url`"
+                if self.url_env
+                else f"{where}: give `url` (or `url_env`, the variable holding it)"
+            )
+        for header, env in self.secret_headers.items():
+            _env_name(f"{where} secret_headers[{header!r}]", env)
+        known = {f.name for f in dataclasses.fields(Route)}
+        unknown = sorted(set(self.options) - known)
+        if unknown or {"url", "headers", "secret_headers", "timeout_s"} & set(self.options):
+            raise errors.ConfigurationError(
+                f"{where}: options {sorted(set(self.options) - (known - {'url'}) | set(unknown))} are not "
+                f"extra Route options; allowed: "
+                f"{sorted(known - {'url', 'headers', 'secret_headers', 'timeout_s'}) or 'none'}"
+            )
+        return Route(
+            url,
+            headers=dict(self.headers),
+            secret_headers=dict(self.secret_headers),
+            timeout_s=self.timeout_s,
+            **self.options,
+        )
+
+
+@dataclasses.dataclass
+class DispatcherSpec(Resolvable):
+    """The dispatcher job (:func:`build_dispatcher_job`)."""
+
+    name: str = "outbox_dispatch_job"
+    max_attempts: int = 10
+    claim_ms: int = 60_000
+    concurrency: int = 8
+    tags: dict[str, str] = dataclasses.field(default_factory=dict)
+
+
+@dataclasses.dataclass
+class OutboxSensorSpec(Resolvable):
+    """The outbox sensor (:func:`build_outbox_sensor`); it also reports the checks every
+    ``checks_interval_seconds``."""
+
+    name: str = "outbox_dispatch_sensor"
+    minimum_interval_seconds: int = 30
+    default_status: Status = "running"
+    checks_interval_seconds: int = 300
+
+
+@dataclasses.dataclass
+class CheckSpec(Resolvable):
+    """The three outbox checks on ``joblease_outbox`` (:class:`OutboxHealth`)."""
+
+    stale_due_ms: int = 5 * 60_000
+    unrouted_after_ms: int = 15 * 60_000
+
+
+class _DeliveryScaffolder(_TemplateScaffolder):
+    template = """
+        resource_key: joblease
+        routes:
+          billing.daily:
+            # Read when a run or tick starts; `url` is the default when the variable is unset.
+            url_env: BILLING_API_URL
+            url: http://127.0.0.1:8765/billing.daily
+            # header -> NAME of the environment variable holding its value (never the value)
+            secret_headers: {}
+            timeout_s: 10
+        dispatcher:
+          name: outbox_dispatch_job
+        sensor:
+          name: outbox_dispatch_sensor
+          default_status: running
+        checks:
+          stale_due_ms: 300000
+        """
+
+
+@_scaffold_with(_DeliveryScaffolder)
+@dataclasses.dataclass
+class JobLeaseDeliveryComponent(Component, Resolvable):
+    """Routes, the dispatcher job, the outbox sensor (``sensor: null`` for none) and the outbox checks
+    (``checks: null`` for none), all on the resource named by ``resource_key``."""
+
+    routes: dict[str, RouteSpec]
+    resource_key: str = "joblease"
+    dispatcher: DispatcherSpec = dataclasses.field(default_factory=DispatcherSpec)
+    sensor: OutboxSensorSpec | None = dataclasses.field(default_factory=OutboxSensorSpec)
+    checks: CheckSpec | None = dataclasses.field(default_factory=CheckSpec)
+
+    def route_map(self) -> dict[str, Route]:
+        """The routes, read now (each run and tick calls this, so a changed ``url_env`` needs no reload)."""
+        return {topic: spec.build(topic) for topic, spec in self.routes.items()}
+
+    def build_defs(self, context: ComponentLoadContext) -> dg.Definitions:
+        key = _resource_key("JobLeaseDeliveryComponent", self.resource_key)
+        if not self.routes:
+            raise errors.ConfigurationError(
+                "JobLeaseDeliveryComponent needs at least one route (topic: {url: ...})"
+            )
+        self.route_map()  # validate every route when the location loads (env-named URLs may be unset)
+        routes = self.route_map
+        checks = self.checks or CheckSpec()
+        health = OutboxHealth(
+            routes=routes,
+            stale_due_ms=checks.stale_due_ms,
+            unrouted_after_ms=checks.unrouted_after_ms,
+            resource_key=key,
+        )
+        spec = self.dispatcher
+        job = build_dispatcher_job(
+            routes,
+            name=spec.name,
+            resource_key=key,
+            max_attempts=spec.max_attempts,
+            claim_ms=spec.claim_ms,
+            concurrency=spec.concurrency,
+            tags=spec.tags,
+            health=health,
+        )
+        sensors = []
+        if self.sensor is not None:
+            sensors.append(
+                build_outbox_sensor(
+                    job,
+                    name=self.sensor.name,
+                    resource_key=key,
+                    minimum_interval_seconds=self.sensor.minimum_interval_seconds,
+                    default_status=_sensor_status(self.sensor.default_status),
+                    routes=routes,
+                    health=health if self.checks is not None else None,
+                    checks_interval_seconds=self.sensor.checks_interval_seconds,
+                )
+            )
+        return dg.Definitions(
+            assets=[outbox_asset_spec],
+            asset_checks=health.asset_checks() if self.checks is not None else [],
+            jobs=[job],
+            sensors=sensors,
+        )
+
+
+# -- leased schedules and reconciliation sensors ------------------------------------------------------
+
+
+@dataclasses.dataclass
+class TargetSpec(Resolvable):
+    """A job or leased asset of this project: ``defs_path`` (relative to the defs folder: a Python module
+    such as ``billing.py`` or a component's folder) and the ``job`` name or the ``asset`` key
+    (``a/b`` for a multi-part key) defined there."""
+
+    defs_path: str
+    job: str | None = None
+    asset: str | None = None
+
+    def describe(self) -> str:
+        name = f"job {self.job!r}" if self.job is not None else f"asset {self.asset!r}"
+        return f"{name} of defs path {self.defs_path!r}"
+
+    def resolve(self, context: ComponentLoadContext, where: str) -> dg.JobDefinition | dg.AssetsDefinition:
+        if (self.job is None) == (self.asset is None):
+            raise errors.ConfigurationError(
+                f"{where}: target needs exactly one of `job` (a job name) or `asset` (an asset key, a/b), "
+                f"got job={self.job!r}, asset={self.asset!r}"
+            )
+        path = Path(self.defs_path)
+        if path.is_absolute() or ".." in path.parts:
+            raise errors.ConfigurationError(
+                f"{where}: target defs_path {self.defs_path!r} must be relative to the defs folder, inside it"
+            )
+        defs = context.build_defs(path)
+        if self.job is not None:
+            for job in defs.jobs or []:
+                if isinstance(job, dg.JobDefinition) and job.name == self.job:
+                    return job
+            found = sorted(j.name for j in defs.jobs or [])
+        else:
+            key = dg.AssetKey.from_user_string(self.asset or "")
+            for asset in defs.assets or []:
+                if isinstance(asset, dg.AssetsDefinition) and key in asset.keys:
+                    return asset
+            found = sorted(
+                k.to_user_string()
+                for a in defs.assets or []
+                if isinstance(a, dg.AssetsDefinition)
+                for k in a.keys
+            )
+        raise errors.ConfigurationError(
+            f"{where}: {self.describe()} not found; that path defines {found or 'none'}"
+        )
+
+
+class _ScheduleScaffolder(_TemplateScaffolder):
+    template = """
+        # The job (or leased asset) this schedule launches: a path relative to the defs folder, and its name.
+        target:
+          defs_path: billing.py
+          job: daily_billing_job
+        code: daily-billing          # the lease code of the job's @leased_op
+        cron_schedule: "0 2 * * *"   # default: the partitions' own cadence
+        default_status: stopped
+        """
+
+
+@_scaffold_with(_ScheduleScaffolder)
+@dataclasses.dataclass
+class LeasedScheduleComponent(Component, Resolvable):
+    """A leased schedule (:func:`build_leased_schedule`): each tick requests the last complete partition,
+    partition key = Dagster run key = lease run key. For an asset target the component also defines the
+    asset job it launches (``<asset>_job`` unless ``job_name`` says otherwise)."""
+
+    target: TargetSpec
+    code: str
+    cron_schedule: str | None = None
+    execution_timezone: str | None = None
+    name: str | None = None
+    job_name: str | None = None
+    description: str | None = None
+    default_status: Status = "stopped"
+
+    def build_defs(self, context: ComponentLoadContext) -> dg.Definitions:
+        where = f"LeasedScheduleComponent {self.name or self.code!r}"
+        target = self.target.resolve(context, where)
+        jobs: list[Any] = []
+        if isinstance(target, dg.AssetsDefinition):
+            if not isinstance(target.partitions_def, dg.TimeWindowPartitionsDefinition):
+                raise errors.ConfigurationError(
+                    f"{where}: {self.target.describe()} needs time-window partitions for a leased schedule"
+                )
+            asset_job = dg.define_asset_job(
+                self.job_name or f"{target.key.to_python_identifier()}_job",
+                selection=[target.key],
+                partitions_def=target.partitions_def,
+            )
+            jobs.append(asset_job)
+            job: Any = asset_job  # an unresolved asset job: the builder needs only its name and partitions
+        else:
+            job = target
+        schedule = build_leased_schedule(
+            job,
+            code=self.code,
+            cron_schedule=self.cron_schedule,
+            execution_timezone=self.execution_timezone,
+            name=self.name,
+            description=self.description,
+            default_status=(
+                dg.DefaultScheduleStatus.RUNNING
+                if self.default_status == "running"
+                else dg.DefaultScheduleStatus.STOPPED
+            ),
+            job_by_name=True,
+        )
+        return dg.Definitions(jobs=jobs, schedules=[schedule])
+
+
+class _ReconcileScaffolder(_TemplateScaffolder):
+    template = """
+        target:
+          defs_path: billing.py
+          job: daily_billing_job       # or `asset: billing_day` for a @leased_asset
+        code: daily-billing
+        resource_key: joblease
+        lookback_seconds: 604800       # 7 days
+        max_relaunches: 5
+        default_status: running
+        """
+
+
+@_scaffold_with(_ReconcileScaffolder)
+@dataclasses.dataclass
+class ReconciliationSensorComponent(Component, Resolvable):
+    """A reconciliation sensor (:func:`build_reconciliation_sensor`) for a partitioned job or leased asset:
+    relaunches partitions whose lease failed or expired, whose holder's run is finished, or that ended
+    ``held``; durations in seconds."""
+
+    target: TargetSpec
+    code: str
+    name: str | None = None
+    resource_key: str = "joblease"
+    lookback_seconds: int = 7 * 86_400
+    catch_up_from: str | None = None
+    max_requests_per_tick: int = 10
+    max_relaunches: int = 5
+    backoff_seconds: int = 120
+    max_backoff_seconds: int = 3_600
+    relaunch_canceled: bool = False
+    holder_stale_ms: int | None = None
+    minimum_interval_seconds: int = 60
+    description: str | None = None
+    default_status: Status = "running"
+
+    def build_defs(self, context: ComponentLoadContext) -> dg.Definitions:
+        where = f"ReconciliationSensorComponent {self.name or self.code!r}"
+        target = self.target.resolve(context, where)
+        for label, value in (
+            ("lookback_seconds", self.lookback_seconds),
+            ("backoff_seconds", self.backoff_seconds),
+            ("max_backoff_seconds", self.max_backoff_seconds),
+        ):
+            if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+                raise errors.ConfigurationError(f"{where}: {label}={value!r} must be an int >= 0 (seconds)")
+        sensor = build_reconciliation_sensor(
+            target,
+            code=self.code,
+            name=self.name,
+            lookback=dt.timedelta(seconds=self.lookback_seconds),
+            catch_up_from=self.catch_up_from,
+            max_requests_per_tick=self.max_requests_per_tick,
+            max_relaunches=self.max_relaunches,
+            backoff=dt.timedelta(seconds=self.backoff_seconds),
+            max_backoff=dt.timedelta(seconds=self.max_backoff_seconds),
+            relaunch_canceled=self.relaunch_canceled,
+            holder_stale_ms=self.holder_stale_ms,
+            minimum_interval_seconds=self.minimum_interval_seconds,
+            resource_key=_resource_key(where, self.resource_key),
+            default_status=_sensor_status(self.default_status),
+            description=self.description,
+        )
+        return dg.Definitions(sensors=[sensor])

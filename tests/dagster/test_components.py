@@ -1,0 +1,205 @@
+"""The Components in a freshly scaffolded Dagster project, as a user adds them.
+
+``create-dagster project`` (this environment's, at Dagster's pin; no ``uv sync``, no download) makes the
+project; ``dg scaffold defs`` adds the four joblease components; ``dg list components`` lists them and
+``dg check defs`` validates the location; then the definitions are loaded in-process
+(``dg.load_from_defs_folder``) and a leased partition runs twice (one win, one recorded skip) and a
+dispatcher run delivers its effect once, all against real PostgreSQL and a real HTTP downstream.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+
+import dagster as dg
+import pytest
+
+from dagster_joblease import errors, identity
+from dagster_joblease.dagster import TAG_OUTCOME
+from dagster_joblease.testing import RecordingDownstream
+from tests.dagster.conftest import DagsterPg
+
+BIN = Path(sys.executable).parent
+COMPONENTS = "dagster_joblease.dagster.components"
+TYPES = [
+    "JobLeaseResourceComponent",
+    "JobLeaseDeliveryComponent",
+    "LeasedScheduleComponent",
+    "ReconciliationSensorComponent",
+]
+
+BILLING_PY = """
+import dagster as dg
+
+from dagster_joblease.dagster import LeasedRun, leased_asset, leased_op
+
+daily = dg.DailyPartitionsDefinition(start_date="2024-01-01", timezone="UTC")
+
+
+@leased_op(code="daily-billing")
+def bill_day(run: LeasedRun) -> None:
+    with run.transaction() as conn:
+        run.enqueue_once(conn, topic="billing.daily", payload={"billingDate": run.partition_key})
+
+
+@dg.job(partitions_def=daily)
+def daily_billing_job() -> None:
+    bill_day()
+
+
+@leased_asset(code="daily-report", partitions_def=daily)
+def daily_report(run: LeasedRun) -> None:
+    with run.transaction() as conn:
+        run.enqueue_once(conn, topic="billing.daily", payload={"reportDate": run.partition_key})
+"""
+
+
+def _dg(args: list[str], cwd: Path, env: dict[str, str]) -> subprocess.CompletedProcess[str]:
+    proc = subprocess.run(args, cwd=cwd, env=env, capture_output=True, text=True, timeout=240, check=False)
+    assert proc.returncode == 0, f"{' '.join(args)} exited {proc.returncode}:\n{proc.stdout}\n{proc.stderr}"
+    return proc
+
+
+@pytest.fixture(scope="module")
+def project(tmp_path_factory: pytest.TempPathFactory, dagster_pg: DagsterPg) -> Iterator[Path]:
+    """One scaffolded project for the module (scaffolding costs tens of seconds on a loaded machine)."""
+    tmp_path = tmp_path_factory.mktemp("components")
+    name = f"jl_components_{uuid.uuid4().hex[:8]}"
+    env = dagster_pg.env(
+        PATH=f"{BIN}{os.pathsep}{os.environ.get('PATH', '')}",
+        DAGSTER_DG_UPDATE_CHECK_ENABLED="0",  # no PyPI look-up for a newer create-dagster / dg
+        DAGSTER_DISABLE_TELEMETRY="1",
+        COLUMNS="250",  # dg's tables wrap the type names at 80 columns
+    )
+    _dg([str(BIN / "create-dagster"), "project", "--no-uv-sync", name], tmp_path, env)
+    root = tmp_path / name
+    (root / "src" / name / "defs" / "billing.py").write_text(BILLING_PY)
+    for type_name, path in zip(
+        TYPES, ["joblease/resource", "joblease/delivery", "billing_schedule", "report_reconcile"], strict=True
+    ):
+        _dg([str(BIN / "dg"), "scaffold", "defs", f"{COMPONENTS}.{type_name}", path], root, env)
+    # The scaffolded reconcile sensor targets the job; point this one at the leased asset instead.
+    reconcile = root / "src" / name / "defs" / "report_reconcile" / "defs.yaml"
+    text = reconcile.read_text()
+    assert "job: daily_billing_job" in text and "code: daily-billing" in text
+    reconcile.write_text(
+        text.replace("job: daily_billing_job", "asset: daily_report").replace(
+            "code: daily-billing", "code: daily-report"
+        )
+    )
+    sys.path.insert(0, str(root / "src"))
+    try:
+        yield root
+    finally:
+        sys.path.remove(str(root / "src"))
+    for module in [m for m in sys.modules if m == name or m.startswith(f"{name}.")]:
+        del sys.modules[module]
+
+
+@pytest.mark.timeout(600)
+def test_a_scaffolded_project_declares_runs_and_delivers_with_the_components(
+    project: Path,
+    dagster_pg: DagsterPg,
+    joblease_downstream: RecordingDownstream,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    url = joblease_downstream.url("/billing.daily")
+    env = dagster_pg.env(
+        PATH=f"{BIN}{os.pathsep}{os.environ.get('PATH', '')}",
+        DAGSTER_DG_UPDATE_CHECK_ENABLED="0",
+        COLUMNS="250",
+        BILLING_API_URL=url,
+    )
+    listed = _dg([str(BIN / "dg"), "list", "components"], project, env).stdout
+    for type_name in TYPES:
+        assert f"{COMPONENTS}.{type_name}" in listed
+    checked = _dg([str(BIN / "dg"), "check", "defs"], project, env)
+    assert "All definitions loaded successfully" in checked.stdout + checked.stderr
+
+    monkeypatch.setenv("BILLING_API_URL", url)  # the route's url_env, read when the run starts
+    defs = dg.load_from_defs_folder(path_within_project=project)
+    repo = defs.get_repository_def()
+    assert sorted(s.name for s in repo.schedule_defs) == ["daily_billing_job_schedule"]
+    assert sorted(s.name for s in repo.sensor_defs) == ["daily_report_reconcile", "outbox_dispatch_sensor"]
+    assert {c.name for spec in repo.asset_checks_defs_by_key.values() for c in spec.check_specs} >= {
+        "no_dead_rows",
+        "delivery_backlog",
+        "no_unrouted_rows",
+    }
+
+    # The schedule's own evaluation asks for yesterday's partition under the lease's run key.
+    schedule = repo.get_schedule_def("daily_billing_job_schedule")
+    with dg.build_schedule_context(
+        scheduled_execution_time=dg.DailyPartitionsDefinition(start_date="2024-01-01")
+        .time_window_for_partition_key("2024-01-03")
+        .start.replace(hour=2),
+        repository_def=repo,
+    ) as context:
+        requests = schedule.evaluate_tick(context).run_requests or []
+    assert [(r.run_key, r.partition_key) for r in requests] == [("2024-01-02", "2024-01-02")]
+
+    job = defs.resolve_job_def("daily_billing_job")
+    runs = [
+        job.execute_in_process(partition_key="2024-01-02", instance=dagster_pg.instance, raise_on_error=False)
+        for _ in range(2)
+    ]
+    assert all(r.success for r in runs)
+    outcomes = [dagster_pg.instance.get_run_by_id(r.run_id).tags[TAG_OUTCOME] for r in runs]  # type: ignore[union-attr]
+    assert outcomes == ["won", "skipped-succeeded"]
+
+    dispatched = defs.resolve_job_def("outbox_dispatch_job").execute_in_process(
+        instance=dagster_pg.instance, raise_on_error=False
+    )
+    assert dispatched.success
+    key = identity.idempotency_key("SCHEDULE", "daily-billing", "2024-01-02")
+    assert joblease_downstream.effects(key) == 1
+    assert joblease_downstream.keys() == [key]
+
+
+def test_a_component_names_what_it_cannot_find(project: Path) -> None:
+    schedule = next(project.glob("src/*/defs/billing_schedule/defs.yaml"))
+    original = schedule.read_text()
+    schedule.write_text(original.replace("job: daily_billing_job", "job: daily_biling_job"))
+    try:
+        with pytest.raises(Exception) as raised:
+            dg.load_from_defs_folder(path_within_project=project)
+    finally:
+        schedule.write_text(original)
+    chain: list[BaseException] = []
+    exc: BaseException | None = raised.value
+    while exc is not None:
+        chain.append(exc)
+        exc = exc.__cause__ or exc.__context__
+    found = [e for e in chain if isinstance(e, errors.ConfigurationError)]
+    assert found, chain
+    assert str(found[0]) == (
+        "LeasedScheduleComponent 'daily-billing': job 'daily_biling_job' of defs path 'billing.py' not "
+        "found; that path defines ['daily_billing_job']"
+    )
+
+
+def test_secrets_are_environment_variable_names_not_values() -> None:
+    from dagster_joblease.dagster.components import JobLeaseResourceComponent, RouteSpec
+
+    with pytest.raises(errors.ConfigurationError) as raised:
+        JobLeaseResourceComponent(database_url_env="postgresql://app:pw@db/app").build_resource()
+    assert str(raised.value) == (
+        "JobLeaseResourceComponent database_url_env='postgresql://app:pw@db/app' must be the *name* of an "
+        "environment variable (letters, digits, underscore; e.g. JOBLEASE_DATABASE_URL), never the secret "
+        "itself"
+    )
+    with pytest.raises(errors.ConfigurationError) as raised:
+        RouteSpec(url="https://x.test/a", secret_headers={"Authorization": "Bearer abc"}).build("billing")
+    assert str(raised.value) == (
+        "JobLeaseDeliveryComponent route 'billing' secret_headers['Authorization']='Bearer abc' must be the "
+        "*name* of an environment variable (letters, digits, underscore; e.g. JOBLEASE_DATABASE_URL), never "
+        "the secret itself"
+    )
+    resource = JobLeaseResourceComponent(database_url_env="BILLING_DB_URL").build_resource()
+    assert isinstance(resource.database_url, dg.EnvVar)
+    assert resource.database_url.env_var_name == "BILLING_DB_URL"
