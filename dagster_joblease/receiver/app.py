@@ -565,6 +565,10 @@ class ReceiverServer(ThreadingHTTPServer):
         if (dialect.name, dialect.driver) != ("postgresql", "psycopg") or self.faults.effect_delay_ms:
             self._fast_path = False
         self._fast_path_lock = threading.Lock()
+        try:
+            self.fast_path  # noqa: B018 (looked up now, so POSTs need no pool connection for it)
+        except errors.StorageError as exc:
+            logger.warning("could not look up %s yet (will on the first POST): %s", APPLY_FUNCTION, exc)
         self._counter = 0
         self._counter_lock = threading.Lock()
         self._injected: collections.deque[_Injected] = collections.deque()
@@ -1063,8 +1067,6 @@ def serve(
         thread = threading.Thread(target=server.serve_forever, name="joblease-receiver", daemon=True)
         thread.start()
         try:
-            # Looked up now, so that a warning about the function comes at start-up.
-            logger.debug("receiver fast path (%s): %s", APPLY_FUNCTION, server.fast_path)
             if on_ready is not None:
                 on_ready(server.url)
             while not stop.wait(0.2):
