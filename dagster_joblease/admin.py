@@ -580,6 +580,13 @@ def _describe(row: LeaseRow) -> str:
     return row.code if row.run_key is None else f"{row.code} / {row.run_key}"
 
 
+def _cutoff(window_ms: int) -> sa.ScalarSelect[Any]:
+    """Database now minus ``window_ms``, as a scalar subquery: evaluated once per statement, so the
+    comparison is an index range condition (``clock_timestamp()`` itself is volatile, which would make
+    the planner read the whole table rather than the finished or sent rows' partial index)."""
+    return sa.select(db_now_plus_ms(sa.literal(-window_ms, sa.BigInteger()))).scalar_subquery()
+
+
 def _purge(
     engine: sa.Engine, table: sa.Table, where: sa.ColumnElement[bool], action: str, *, dry_run: bool
 ) -> int:
@@ -631,7 +638,7 @@ def purge_leases(
     where = sa.and_(
         t.c.job_type == "SCHEDULE",
         t.c.status.in_([LeaseStatus.SUCCESS.value, LeaseStatus.FAIL.value]),
-        t.c.finished_at < db_now_plus_ms(sa.literal(-window, sa.BigInteger())),
+        t.c.finished_at < _cutoff(window),
     )
     return _purge(engine, t, where, "purge leases", dry_run=dry_run)
 
@@ -740,7 +747,9 @@ def requeue(
     dispatcher is delivering right now), ``all_dead`` (every DEAD row) or ``topic`` (every DEAD row of that
     topic; ``all_dead`` may be given with it). Each row gets ``status=PENDING``, ``attempts=0``,
     ``next_attempt_at`` = database now and no claim. ``last_status``/``last_error`` are kept as history until
-    the next delivery attempt overwrites them. SENT rows are never requeued.
+    the next delivery attempt overwrites them. SENT rows are never requeued. The row's first-attempt time is
+    cleared, so a route's ``dedupe_window`` restarts from the next attempt: requeueing a row dead-lettered
+    past its window is a person's decision that sending it again is right.
     """
     o = outbox_table
     if row_id is not None and (all_dead or topic is not None):
@@ -751,6 +760,10 @@ def requeue(
         "next_attempt_at": db_now(),
         "claim_token": None,
         "claim_expires_at": None,
+        # A person's requeue is their decision to send again: the key's retention window restarts.
+        "first_attempt_at": None,
+        "claim_group": None,
+        "deferrals": 0,
         "updated_at": db_now(),
     }
     if row_id is not None:
@@ -817,5 +830,5 @@ def purge_sent(engine: sa.Engine, *, older_than_ms: int, min_retention_ms: int, 
             "deduplicate it. Nothing was deleted."
         )
     o = outbox_table
-    where = sa.and_(o.c.status == "SENT", o.c.sent_at < db_now_plus_ms(sa.literal(-window, sa.BigInteger())))
+    where = sa.and_(o.c.status == "SENT", o.c.sent_at < _cutoff(window))
     return _purge(engine, o, where, "purge sent outbox rows", dry_run=dry_run)

@@ -377,9 +377,13 @@ def _many_statements(dialect_name: str) -> tuple[Any, Any, Any]:
         .returning(t.c.idempotency_key)
     )
     keys = rowset.rows_source(dialect_name, (("key", sa.String()),))
-    existing = sa.select(t.c.idempotency_key, t.c.payload_sha256, t.c.topic).select_from(
-        t.join(keys, t.c.idempotency_key == keys.c.key)
-    )
+    read = (t.c.idempotency_key, t.c.payload_sha256, t.c.topic)
+    if dialect_name == "postgresql":
+        # One index lookup per key (LATERAL): linear whatever the planner's row estimates say.
+        found = sa.select(*read).where(t.c.idempotency_key == keys.c.key).lateral("l")
+        existing = sa.select(*(found.c[c.name] for c in read)).select_from(keys.join(found, sa.true()))
+    else:
+        existing = sa.select(*read).select_from(t.join(keys, t.c.idempotency_key == keys.c.key))
     keys_again = rowset.rows_source(dialect_name, (("key", sa.String()),), joined=False)
     delete = sa.delete(t).where(t.c.idempotency_key.in_(sa.select(keys_again.c.key)))
     return insert_stmt, existing, delete
@@ -558,7 +562,7 @@ def due_summary(
     engine_or_connection: sa.Engine | sa.Connection, *, topics: Collection[str] | None = None
 ) -> DueSummary:
     """Count due rows, the age of the oldest and the retrying rows, in one query over pending rows only
-    (the partial index of pending rows, or the status/topic index when ``topics`` narrows it).
+    (the partial index of pending rows, ``topics`` filtering them).
 
     ``topics`` limits the summary to those topics (a dispatcher's routed topics); ``None`` means all.
     """
@@ -623,8 +627,8 @@ def delivery_health(
 ) -> DeliveryHealth:
     """Summarize delivery for ``topics`` (``None``: every topic) in a few indexed queries.
 
-    Pending rows are read through the partial index of pending rows; dead rows through the
-    ``(status, topic)`` index. All ages come from the database clock.
+    Pending rows are read through the partial index of pending rows; dead rows through the partial
+    index of dead rows. All ages come from the database clock.
     """
     import contextlib
 

@@ -538,3 +538,42 @@ def test_overlapping_sets_claimed_at_once_have_one_winner_per_key(db_url: str, p
             )
     finally:
         engine.dispose()
+
+
+def test_concurrent_reclaims_of_overlapping_sets_have_one_winner_per_attempt(db_url: str) -> None:
+    """Processes claim the same set over and over while the others fail what they won: every attempt of
+    every key has exactly one winner (the fencing number is never handed out twice), nobody deadlocks."""
+    processes, rounds, count = 3, 6, 60
+    engine = create_engine(db_url)
+    try:
+        with engine.begin() as conn:
+            conn.execute(
+                sa.text(
+                    f"CREATE TABLE {batch_workers.ATTEMPTS} "
+                    "(key VARCHAR(80), attempt INT, holder VARCHAR(64))"
+                )
+            )
+        ctx = multiprocessing.get_context("spawn")
+        barrier = ctx.Barrier(processes)
+        procs = [
+            ctx.Process(target=batch_workers.reclaim_rounds, args=(db_url, i, rounds, count, barrier))
+            for i in range(processes)
+        ]
+        for p in procs:
+            p.start()
+        for p in procs:
+            p.join(timeout=300)
+        assert [p.exitcode for p in procs] == [0] * processes
+        with engine.connect() as conn:
+            records = conn.execute(sa.text(f"SELECT key, attempt FROM {batch_workers.ATTEMPTS}")).all()
+        rows = rows_by_key(engine)
+        assert len(records) == len(set(records))  # no (key, attempt) won twice
+        for job in batch_workers.race_days(count):
+            attempts = sorted(a for k, a in records if k == job.idempotency_key)
+            row = rows[job.idempotency_key]
+            assert attempts == list(range(1, row.attempt + 1))  # every attempt had its one winner
+            assert row.status == "FAIL"
+        # Each process made `rounds` claims; at least the first claim of the set won every key.
+        assert len(records) >= count
+    finally:
+        engine.dispose()
