@@ -32,9 +32,7 @@ def main(work: Path, out: Path) -> int:
     home = work / "dagster_home"
     with dg.DagsterInstance.from_config(str(home)) as instance:
         (backfill,) = instance.get_backfills()
-        skipped = [
-            r for r in instance.get_runs() if r.tags.get("joblease/outcome", "").startswith("skipped")
-        ]
+        skipped = [r for r in instance.get_runs() if r.tags.get("joblease/outcome", "").startswith("skipped")]
     port = free_port()
     env = {
         **os.environ,
