@@ -148,3 +148,16 @@ def test_translate_errors_maps_only_prepared_statement_errors(pg_url: str) -> No
         with pytest.raises(errors.StorageError, match="division by zero"):
             with translate_errors("run a test statement"):
                 conn.execute("SELECT 1/0")
+
+
+@pytest.mark.parametrize("threshold", [5, None])
+def test_prepare_true_prepares_at_once_unless_prepare_threshold_is_none(
+    pg_url: str, threshold: int | None
+) -> None:
+    """What docs/operations.md section 2 says: the library's ``prepare=True`` prepares on the first
+    execution (not after psycopg's 5), and ``prepare_threshold=None`` overrides it."""
+    conninfo = make_url(pg_url).set(drivername="postgresql").render_as_string(hide_password=False)
+    with psycopg.connect(conninfo, autocommit=True, prepare_threshold=threshold) as conn:
+        conn.execute("SELECT %s::int", (1,), prepare=True)
+        prepared = conn.execute("SELECT count(*) FROM pg_prepared_statements", prepare=False).fetchone()
+    assert prepared == (1 if threshold is not None else 0,)
