@@ -1,26 +1,32 @@
-"""Outbox enqueue and end-to-end delivery beside the *minimal* way to do the same work, in one run.
+"""Outbox enqueue and delivery beside the physical floor and the same-table floor, measured in one run.
 
-    .venv/bin/python benchmarks/dispatch.py [--fast] [--seconds 2] [--rounds 3] [--processes 1,4]
+    .venv/bin/python benchmarks/dispatch.py [--rounds 5] [--seconds 1] [--processes 1,4] [--long]
 
 The server comes from ``JOBLEASE_BENCH_PG_URL`` (default ``postgresql+psycopg://postgres@127.0.0.1:5432/
-postgres``); the script creates scratch databases and drops them at the end. Every cell alternates library
-and floor rounds (the order flips each round) and prints medians, the ratio and client CPU per row
-(``time.process_time``, summed over the processes). Paths:
+postgres``); the script creates scratch databases and drops them at the end. Sides rotate their order
+every round (``benchmarks/harness.py``: one window for every process, min / median / max, ``SUSPECT``
+flags, the machine's load). Paths:
 
-* ``enqueue``: one row per transaction, vs a bare psycopg 3 loop on one connection per process:
-  ``BEGIN; INSERT … ON CONFLICT DO NOTHING RETURNING id; COMMIT`` with a prepared statement, inserting the
-  same row (its JSON text and SHA-256 computed the plain way). The library twice: ``enqueue_once(conn)``
-  on the same kind of psycopg connection, then ``commit()``; and ``with engine.begin() as conn:
-  enqueue_once(conn, …)``. Target >= 0.85. An extra row runs the floor's own INSERT inside
-  ``engine.begin()``, to show how much of the gap is SQLAlchemy's transaction scaffolding (connection
-  checkout, begin, commit, checkin), which a caller on SQLAlchemy pays whatever the library does. The four
-  sides rotate their order every round.
-* ``delivery``: pending rows → ``Dispatcher.dispatch(limit=100)`` in a loop until drained (concurrency 1
-  per process) → HTTP POST with ``Idempotency-Key`` → the plain receiver (``benchmarks/plain_receiver.py``,
-  one ``INSERT … ON CONFLICT`` per request, in its own process) vs a bare keep-alive ``httpx.Client`` POST
-  loop against the same receiver with the same bodies and keys. Target >= 0.70.
-* ``claim latency``: the dispatcher's claim of 100 rows with 1,000 due among 1,000,000 sent rows (100,000
-  with ``--fast``) vs 1,000 due alone, alternating between two databases. Target <= 1.5x.
+* ``enqueue``, one row (a ~150-byte JSON payload) per transaction, one connection per process:
+  ``physical``: the issue's minimal ``outbox(id bigserial primary key, idempotency_key text unique, topic
+  text, payload jsonb, created_at timestamptz default now(), sent_at timestamptz, attempts int default 0)``
+  with a partial index on unsent rows, and ``BEGIN; INSERT … ON CONFLICT DO NOTHING RETURNING id; COMMIT``
+  (prepared; ``json.dumps`` per row). ``same-table``: the library's table and columns from the same bare
+  loop (its JSON text and SHA-256 computed the plain way). The library twice: ``enqueue_once(conn)`` on
+  the same kind of psycopg connection then ``commit()``, and ``with engine.begin() as conn:
+  enqueue_once(conn, …)``. An info row runs the same-table INSERT inside ``engine.begin()``: what
+  SQLAlchemy's transaction scaffolding (checkout, begin, commit, check-in) costs whatever the library does.
+* ``delivery``, one process at concurrency 1 and 8: pending rows → ``Dispatcher.dispatch(limit=100)``
+  until drained → HTTP POST with ``Idempotency-Key`` → the plain receiver (``benchmarks/plain_receiver.py``,
+  one ``INSERT … ON CONFLICT`` into PostgreSQL per request, its own process), vs the floor: a bare
+  keep-alive ``httpx.Client`` loop (at concurrency 8: 8 threads sharing one client) posting the same
+  bodies and keys to the same receiver. The receiver's CPU share of one core is printed for each side: a
+  receiver near 100% is the bottleneck and the figure measures it, not the dispatcher.
+* ``claim latency``: the dispatcher's claim of 100 rows with 1,000 due among 200,000 sent rows
+  (1,000,000 with ``--long``) vs 1,000 due alone, alternating between two databases.
+
+Goals: enqueue >= 0.8 of physical and >= 0.9 of same-table; delivery at concurrency 8 >= 0.8; claim
+latency <= 1.5x.
 """
 
 from __future__ import annotations
@@ -35,168 +41,204 @@ import queue
 import secrets
 import statistics
 import sys
+import threading
 import time
 from collections.abc import Callable
-from multiprocessing.synchronize import Barrier
 from pathlib import Path
 from typing import Any
 
 import httpx
 import psycopg
-import sqlalchemy as sa
-from sqlalchemy.engine import make_url
 
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from benchmarks.harness import (
+    Figure,
+    Sample,
+    Setup,
+    Stat,
+    Step,
+    figure,
+    print_figures,
+    rotate,
+    run_window,
+)
+from benchmarks.lease import add_arguments, databases, server_url
+from benchmarks.plain_receiver import start_plain_receiver_process
+from benchmarks.report import dsn
 from dagster_joblease import outbox
 from dagster_joblease.dispatch import Dispatcher, Route
 from dagster_joblease.dispatch.dispatcher import claim_statement
-from dagster_joblease.storage import create_engine, migrate, redact_url
+from dagster_joblease.storage import create_engine, migrate
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from plain_receiver import start_plain_receiver
-from report import dsn, print_table
-
-DEFAULT_URL = "postgresql+psycopg://postgres@127.0.0.1:5432/postgres"
-FLOOR_INSERT = (
+PHYSICAL_DDL = (
+    "CREATE TABLE IF NOT EXISTS outbox (id bigserial PRIMARY KEY, idempotency_key text UNIQUE, topic text, "
+    "payload jsonb, created_at timestamptz DEFAULT now(), sent_at timestamptz, attempts int DEFAULT 0); "
+    "CREATE INDEX IF NOT EXISTS outbox_unsent ON outbox (id) WHERE sent_at IS NULL"
+)
+PHYSICAL_INSERT = (
+    "INSERT INTO outbox (idempotency_key, topic, payload) VALUES (%s, %s, %s::jsonb) "
+    "ON CONFLICT DO NOTHING RETURNING id"
+)
+SAME_TABLE_INSERT = (
     "INSERT INTO joblease_outbox (idempotency_key, topic, payload, payload_sha256, status, attempts, "
     "next_attempt_at, created_at, updated_at) VALUES (%s, %s, %s::jsonb, %s, 'PENDING', 0, "
     "clock_timestamp(), clock_timestamp(), clock_timestamp()) "
     "ON CONFLICT (idempotency_key) DO NOTHING RETURNING id"
 )
+ENQUEUE_SIDES = ("physical", "same-table", "psycopg", "library", "sqlalchemy")
 
 
-def _payload(i: int) -> dict[str, Any]:
-    return {"v": 1, "order": i, "customer": f"c-{i % 97}", "lines": [{"sku": "A-1", "qty": 2}]}
+def payload(i: int) -> dict[str, Any]:
+    """About 150 bytes of JSON."""
+    return {
+        "v": 1,
+        "order": i,
+        "customer": f"c-{i % 97}",
+        "currency": "EUR",
+        "lines": [{"sku": "A-1", "qty": 2, "cents": 1999}, {"sku": "B-22", "qty": 1, "cents": 500}],
+        "note": "monthly",
+    }
 
 
-# -- processes ---------------------------------------------------------------------------------------
+def _text(i: int) -> str:
+    return json.dumps(payload(i), sort_keys=True, separators=(",", ":"))
 
 
-def _run_processes(
-    target: Callable[..., None], processes: int, *args: Any
-) -> list[tuple[int, float, float, float]]:
-    """Run ``target(barrier, results, *args)`` in ``processes`` forked processes; their (count, cpu, start,
-    end) results."""
-    mp = multiprocessing.get_context("fork")
-    barrier = mp.Barrier(processes)
-    results = mp.Queue()
-    procs = [mp.Process(target=target, args=(barrier, results, *args)) for _ in range(processes)]
-    for proc in procs:
-        proc.start()
-    out: list[tuple[int, float, float, float]] = []
-    while len(out) < processes:
-        try:
-            out.append(results.get(timeout=0.5))
-        except queue.Empty:
-            failed = [proc.exitcode for proc in procs if proc.exitcode not in (None, 0)]
-            if failed:
-                for proc in procs:
-                    proc.kill()
-                raise SystemExit(f"a worker failed (exit codes {failed})") from None
-    for proc in procs:
-        proc.join()
-    return out
+# -- enqueue --------------------------------------------------------------------------------------------
 
 
-def _rate(results: list[tuple[int, float, float, float]]) -> tuple[float, float]:
-    """Rows per second over the common span, and client CPU microseconds per row."""
-    rows = sum(r[0] for r in results)
-    span = max(r[3] for r in results) - min(r[2] for r in results)
-    return rows / span, sum(r[1] for r in results) / max(rows, 1) * 1e6
+def enqueue_side(kind: str, url: str) -> Setup:
+    def setup() -> tuple[Step, Callable[[], None]]:
+        prefix = f"v2:{kind}-{os.getpid()}-{secrets.token_hex(3)}-"
+        engine = create_engine(url)
+        pg = psycopg.connect(dsn(url))
 
+        def same_table_insert(conn: psycopg.Connection[Any], key: str, i: int) -> None:
+            text = _text(i)
+            sha = hashlib.sha256(text.encode()).hexdigest()
+            conn.execute(SAME_TABLE_INSERT, (key, "bench", text, sha), prepare=True).fetchone()
 
-# -- enqueue -------------------------------------------------------------------------------------------
-
-
-def _enqueue_worker(barrier: Barrier, results: Any, kind: str, url: str, seconds: float) -> None:
-    """``floor``: the bare psycopg loop; ``psycopg``: ``enqueue_once`` on the same kind of connection, then
-    ``commit()``; ``library``: ``enqueue_once`` in ``engine.begin()``; ``sqlalchemy``: the floor's INSERT
-    inside ``engine.begin()`` (what SQLAlchemy's transaction scaffolding alone costs)."""
-    prefix = f"v2:{kind}-{os.getpid()}-{secrets.token_hex(3)}-"
-    engine = create_engine(url)
-    pg = psycopg.connect(dsn(url))
-
-    def floor_insert(conn: psycopg.Connection[Any], key: str, i: int) -> None:
-        text = json.dumps(_payload(i), sort_keys=True, separators=(",", ":"))
-        sha = hashlib.sha256(text.encode()).hexdigest()
-        conn.execute(FLOOR_INSERT, (key, "bench", text, sha), prepare=True).fetchone()
-
-    def step(key: str, i: int) -> None:
-        if kind == "floor":
-            floor_insert(pg, key, i)
-            pg.commit()
-            return
-        if kind == "psycopg":
-            outbox.enqueue_once(pg, idempotency_key=key, topic="bench", payload=_payload(i))
-            pg.commit()
-            return
-        with engine.begin() as conn:
-            if kind == "library":
-                outbox.enqueue_once(conn, idempotency_key=key, topic="bench", payload=_payload(i))
+        def step(i: int) -> None:
+            key = f"{prefix}{i}"
+            if kind == "physical":
+                pg.execute(PHYSICAL_INSERT, (key, "bench", _text(i)), prepare=True).fetchone()
+                pg.commit()
+            elif kind == "same-table":
+                same_table_insert(pg, key, i)
+                pg.commit()
+            elif kind == "psycopg":
+                outbox.enqueue_once(pg, idempotency_key=key, topic="bench", payload=payload(i))
+                pg.commit()
             else:
-                driver = conn.connection.driver_connection
-                assert driver is not None
-                floor_insert(driver, key, i)
+                with engine.begin() as conn:
+                    if kind == "library":
+                        outbox.enqueue_once(conn, idempotency_key=key, topic="bench", payload=payload(i))
+                    else:
+                        driver = conn.connection.driver_connection
+                        assert driver is not None
+                        same_table_insert(driver, key, i)
 
-    for i in range(10):
-        step(f"{prefix}w{i}", i)
-    barrier.wait()
-    count = 0
-    cpu, start = time.process_time(), time.perf_counter()
-    deadline = start + seconds
-    while time.perf_counter() < deadline:
-        step(f"{prefix}{count}", count)
-        count += 1
-    end, cpu = time.perf_counter(), time.process_time() - cpu
-    pg.close()
-    engine.dispose()
-    results.put((count, cpu, start, end))
+        def close() -> None:
+            pg.close()
+            engine.dispose()
+
+        return step, close
+
+    return setup
 
 
-# -- delivery ------------------------------------------------------------------------------------------
+def _truncate(url: str) -> None:
+    with psycopg.connect(dsn(url), autocommit=True) as conn:
+        conn.execute("TRUNCATE joblease_outbox, outbox RESTART IDENTITY")
+        conn.execute("TRUNCATE plain_effect")
+        conn.execute("ANALYZE joblease_outbox")
+        conn.execute("ANALYZE outbox")
 
 
-def _deliver_worker(
-    barrier: Barrier, results: Any, kind: str, url: str, target: str, rows: int, tag: str
-) -> None:
-    count = 0
+# -- delivery -------------------------------------------------------------------------------------------
+
+
+def _cpu_s(pid: int) -> float:
+    """User + system CPU seconds a process has used so far (all its threads)."""
+    with open(f"/proc/{pid}/stat") as f:
+        fields = f.read().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def _deliver(kind: str, url: str, target: str, rows: int, concurrency: int, tag: str, results: Any) -> None:
+    """One forked process delivering ``rows`` rows; puts ``(rows, cpu s, wall s)``."""
     if kind == "library":
         engine = create_engine(url)
-        with Dispatcher(engine, {"bench": Route(target)}, concurrency=1) as dispatcher:
-            barrier.wait()
+        with Dispatcher(engine, {"bench": Route(target)}, concurrency=concurrency) as dispatcher:
+            count = 0
             cpu, start = time.process_time(), time.perf_counter()
             while True:
                 report = dispatcher.dispatch(limit=100)
                 count += report.sent
                 if report.claimed == 0:
                     break
-            end, cpu = time.perf_counter(), time.process_time() - cpu
+            wall, cpu = time.perf_counter() - start, time.process_time() - cpu
         engine.dispose()
-    else:
-        bodies = [
-            json.dumps(_payload(i), sort_keys=True, separators=(",", ":")).encode() for i in range(rows)
-        ]
-        with httpx.Client() as client:
-            for i in range(5):
-                client.post(
-                    target,
-                    content=b"{}",
-                    headers={"Idempotency-Key": f"v2:warm-{os.getpid()}-{i}-{secrets.token_hex(4)}"},
-                )
-            barrier.wait()
-            cpu, start = time.process_time(), time.perf_counter()
-            for i, body in enumerate(bodies):
+        results.put((count, cpu, wall))
+        return
+    bodies = [_text(i).encode() for i in range(rows)]
+    limits = httpx.Limits(max_connections=concurrency, max_keepalive_connections=concurrency)
+    sent = [0] * concurrency
+    with httpx.Client(limits=limits) as client:
+        for _i in range(concurrency):  # open the keep-alive connections, as a running dispatcher has
+            client.post(target, content=b"{}", headers={"Idempotency-Key": f"v2:warm-{secrets.token_hex(6)}"})
+
+        def loop(lane: int) -> None:
+            for i in range(lane, rows, concurrency):
                 response = client.post(
                     target,
-                    content=body,
-                    headers={
-                        "Content-Type": "application/json",
-                        "Idempotency-Key": f"v2:floor-{tag}-{os.getpid()}-{i}",
-                    },
+                    content=bodies[i],
+                    headers={"Content-Type": "application/json", "Idempotency-Key": f"v2:floor-{tag}-{i}"},
                 )
                 response.raise_for_status()
-                count += 1
-            end, cpu = time.perf_counter(), time.process_time() - cpu
-    results.put((count, cpu, start, end))
+                sent[lane] += 1
+
+        cpu, start = time.process_time(), time.perf_counter()
+        if concurrency == 1:
+            loop(0)
+        else:
+            threads = [threading.Thread(target=loop, args=(lane,)) for lane in range(concurrency)]
+            for t in threads:
+                t.start()
+            for t in threads:
+                t.join()
+        wall, cpu = time.perf_counter() - start, time.process_time() - cpu
+    results.put((sum(sent), cpu, wall))
+
+
+def deliver(
+    kind: str, url: str, target: str, rows: int, concurrency: int, receiver_pid: int
+) -> tuple[Sample, float]:
+    """One delivery round in a fresh process: the sample, and the receiver's CPU share of one core."""
+    _truncate(url)
+    tag = secrets.token_hex(3)
+    if kind == "library":
+        _fill_pending(url, rows, f"v2:lib-{tag}-")
+    mp = multiprocessing.get_context("fork")
+    results = mp.Queue()
+    proc = mp.Process(target=_deliver, args=(kind, url, target, rows, concurrency, tag, results))
+    receiver_cpu = _cpu_s(receiver_pid)
+    started = time.perf_counter()
+    proc.start()
+    while True:
+        try:
+            count, cpu, wall = results.get(timeout=0.5)
+            break
+        except queue.Empty:
+            if proc.exitcode not in (None, 0):
+                raise SystemExit(f"a {kind} delivery worker failed (exit code {proc.exitcode})") from None
+    busy = (_cpu_s(receiver_pid) - receiver_cpu) / (time.perf_counter() - started)
+    proc.join()
+    with psycopg.connect(dsn(url)) as conn:
+        row = conn.execute("SELECT count(*) FROM plain_effect WHERE key LIKE %s", (f"v2:%{tag}%",)).fetchone()
+    assert count == rows and row is not None and row[0] == rows, (kind, count, row, rows)
+    return Sample(count / wall, cpu / count * 1e6), busy
 
 
 def _fill_pending(url: str, rows: int, prefix: str) -> None:
@@ -204,25 +246,19 @@ def _fill_pending(url: str, rows: int, prefix: str) -> None:
         conn.execute(
             "INSERT INTO joblease_outbox (idempotency_key, topic, payload, payload_sha256, status, attempts, "
             "next_attempt_at, created_at, updated_at) SELECT %s || g, 'bench', jsonb_build_object('v', 1, "
-            "'order', g, 'customer', 'c-' || (g %% 97), 'lines', jsonb_build_array(jsonb_build_object("
-            "'sku', 'A-1', 'qty', 2))), md5(g::text) || md5(g::text), 'PENDING', 0, clock_timestamp(), "
-            "clock_timestamp(), clock_timestamp() FROM generate_series(1, %s) AS g",
+            "'order', g, 'customer', 'c-' || (g %% 97), 'currency', 'EUR', 'lines', jsonb_build_array("
+            "jsonb_build_object('sku', 'A-1', 'qty', 2, 'cents', 1999), jsonb_build_object('sku', 'B-22', "
+            "'qty', 1, 'cents', 500)), 'note', 'monthly'), md5(g::text) || md5(g::text), 'PENDING', 0, "
+            "clock_timestamp(), clock_timestamp(), clock_timestamp() FROM generate_series(1, %s) AS g",
             (prefix, rows),
         )
-        conn.execute("VACUUM ANALYZE joblease_outbox")
+        conn.execute("ANALYZE joblease_outbox")
 
 
-def _truncate(url: str) -> None:
-    with psycopg.connect(dsn(url), autocommit=True) as conn:
-        conn.execute("TRUNCATE joblease_outbox RESTART IDENTITY")
-        conn.execute("TRUNCATE plain_effect")
-        conn.execute("VACUUM ANALYZE joblease_outbox")
+# -- claim latency --------------------------------------------------------------------------------------
 
 
-# -- claim latency -------------------------------------------------------------------------------------
-
-
-def _claim_ms(url: str, reps: int) -> list[float]:
+def claim_ms(url: str, reps: int = 40) -> float:
     engine = create_engine(url)
     samples = []
     try:
@@ -239,7 +275,7 @@ def _claim_ms(url: str, reps: int) -> list[float]:
                 assert len(claimed) == 100
     finally:
         engine.dispose()
-    return samples
+    return statistics.median(samples[5:])
 
 
 def _fill_sent(url: str, rows: int) -> None:
@@ -255,177 +291,161 @@ def _fill_sent(url: str, rows: int) -> None:
         conn.execute("VACUUM ANALYZE joblease_outbox")
 
 
-# -- main ----------------------------------------------------------------------------------------------
+# -- the suite ------------------------------------------------------------------------------------------
 
 
-def _rotate(
-    rounds: int, sides: dict[str, Callable[[], tuple[float, float]]]
-) -> dict[str, tuple[float, float]]:
-    """Run every side once per round, the order rotated by one each round (two sides simply alternate);
-    medians of each side's (rate, cpu)."""
-    names = list(sides)
-    got: dict[str, list[tuple[float, float]]] = {name: [] for name in names}
-    for round_ in range(rounds):
-        shift = round_ % len(names)
-        for name in names[shift:] + names[:shift]:
-            got[name].append(sides[name]())
-    return {
-        name: (statistics.median(x[0] for x in v), statistics.median(x[1] for x in v))
-        for name, v in got.items()
-    }
+def prepare(url: str) -> None:
+    engine = create_engine(url)
+    migrate(engine)
+    engine.dispose()
+    with psycopg.connect(dsn(url), autocommit=True) as conn:
+        conn.execute(PHYSICAL_DDL)
+        conn.execute("CREATE TABLE IF NOT EXISTS plain_effect (key text PRIMARY KEY)")
 
 
-def _alternate(
-    rounds: int, a: Callable[[], tuple[float, float]], b: Callable[[], tuple[float, float]]
-) -> tuple[float, float, float, float]:
-    """Alternate ``a`` (library) and ``b`` (floor): their median rate and CPU, ``a``'s first."""
-    got = _rotate(rounds, {"a": a, "b": b})
-    return (*got["a"], *got["b"])
-
-
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(
-        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+def _show(fig: Figure) -> None:
+    print(
+        f"  {fig.path.strip()} | {fig.procs} | ratio {fig.ratio.median:.2f} | {'; '.join(fig.flags)}",
+        flush=True,
     )
-    parser.add_argument("--seconds", type=float, default=2.0, help="seconds per enqueue round (default 2)")
-    parser.add_argument("--rounds", type=int, default=3, help="alternating rounds per cell (default 3)")
-    parser.add_argument("--processes", default="1,4", help="process counts (default 1,4)")
-    parser.add_argument("--deliver-rows", type=int, default=2_000, help="rows per delivery round")
-    parser.add_argument("--sent-rows", type=int, default=1_000_000, help="sent rows for the claim latency")
-    parser.add_argument("--fast", action="store_true", help="quick check: short rounds, 100,000 sent rows")
-    args = parser.parse_args(argv)
-    if args.fast:
-        args.seconds, args.deliver_rows, args.sent_rows = 0.5, 600, min(args.sent_rows, 100_000)
-    counts = [int(x) for x in args.processes.split(",")]
 
-    server = make_url(os.environ.get("JOBLEASE_BENCH_PG_URL", DEFAULT_URL)).set(
-        drivername="postgresql+psycopg"
-    )
-    names = [f"joblease_bench_{os.getpid()}_{i}" for i in (1, 2)]
-    urls = [server.set(database=n).render_as_string(hide_password=False) for n in names]
-    with psycopg.connect(dsn(server), autocommit=True) as conn:
-        for name in names:
-            conn.execute(f'CREATE DATABASE "{name}"')
-    table: list[tuple[str, ...]] = []
 
-    def add(path: str, procs: str, floor: str, lib: str, ratio: str, cpu: str, target: str) -> None:
-        table.append((path, procs, floor, lib, ratio, cpu, target))
-        print("  " + " | ".join(table[-1]), flush=True)
-
-    started = time.perf_counter()
-    url = urls[0]
-    base_url = ""
+def suite(
+    server: Any,
+    *,
+    rounds: int,
+    seconds: float,
+    processes: list[int],
+    deliver_rows: int,
+    sent_rows: int,
+) -> list[Figure]:
+    urls, drop = databases(server, 2)
+    out: list[Figure] = []
     stop_receiver: Callable[[], None] = _noop
     try:
         for u in urls:
-            migrate(create_engine(u, poolclass=sa.pool.NullPool))
-        base_url, stop_receiver = start_plain_receiver(dsn(url))
-        print(
-            f"PostgreSQL {redact_url(server)}; {os.cpu_count()} CPUs; {args.rounds} alternating rounds per "
-            "cell, medians",
-            flush=True,
-        )
-        for processes in counts:
+            prepare(u)
+        url = urls[0]
+        for procs in processes:
 
-            def enqueue(kind: str, p: int = processes) -> tuple[float, float]:
+            def enqueue(kind: str, p: int = procs) -> Sample:
                 _truncate(url)
-                return _rate(_run_processes(_enqueue_worker, p, kind, url, args.seconds))
+                return run_window(enqueue_side(kind, url), p, seconds)
 
-            got = _rotate(
-                args.rounds,
-                {
-                    kind: functools.partial(enqueue, kind)
-                    for kind in ("psycopg", "library", "floor", "sqlalchemy")
-                },
-            )
-            floor, floor_cpu = got["floor"]
-            for kind, label, goal in (
-                ("psycopg", "enqueue, 1 row/transaction, psycopg connection", True),
-                ("library", "enqueue, 1 row/transaction, SQLAlchemy engine.begin()", True),
-                ("sqlalchemy", "  (floor's INSERT inside engine.begin(): SQLAlchemy's share)", False),
+            got = rotate(rounds, {kind: functools.partial(enqueue, kind) for kind in ENQUEUE_SIDES})
+            for kind, label in (
+                ("psycopg", "enqueue, 1 row/transaction, psycopg connection"),
+                ("library", "enqueue, 1 row/transaction, inside engine.begin()"),
             ):
-                rate, cpu = got[kind]
-                ok = "OK" if rate >= 0.85 * floor else "MISSED"
-                add(
-                    label,
-                    str(processes),
-                    f"{floor:,.0f}/s",
-                    f"{rate:,.0f}/s",
-                    f"{rate / floor:.2f}",
-                    f"{cpu:.0f} / {floor_cpu:.0f}",
-                    f">= 0.85 {ok}" if goal else "(info)",
+                for floor, goal in (("physical", 0.8), ("same-table", 0.9)):
+                    out.append(figure(label, procs, floor, got[floor], got[kind], goal=goal))
+                    _show(out[-1])
+            out.append(
+                figure(
+                    "  (same-table floor vs physical: the table's share)",
+                    procs,
+                    "physical",
+                    got["physical"],
+                    got["same-table"],
                 )
-        target = base_url + "/bench"
-        for processes in counts:
-            rows = args.deliver_rows * processes
-
-            def deliver(kind: str, p: int = processes, n: int = rows) -> tuple[float, float]:
-                _truncate(url)
-                tag = secrets.token_hex(3)
-                if kind == "library":
-                    _fill_pending(url, n, f"v2:lib-{tag}-")
-                    results = _run_processes(_deliver_worker, p, kind, url, target, 0, tag)
-                    assert sum(r[0] for r in results) == n, results
-                else:
-                    results = _run_processes(_deliver_worker, p, kind, url, target, n // p, tag)
-                with psycopg.connect(dsn(url)) as conn:
-                    effects = conn.execute(
-                        "SELECT count(*) FROM plain_effect WHERE key LIKE %s", (f"v2:%{tag}%",)
-                    )
-                    landed = effects.fetchone()
-                assert landed is not None and landed[0] == n, (landed, n)
-                return _rate(results)
-
-            lib, lib_cpu, floor, floor_cpu = _alternate(
-                args.rounds, lambda: deliver("library"), lambda: deliver("floor")
             )
-            add(
-                "delivery → plain receiver",
-                str(processes),
-                f"{floor:,.0f}/s",
-                f"{lib:,.0f}/s",
-                f"{lib / floor:.2f}",
-                f"{lib_cpu:.0f} / {floor_cpu:.0f}",
-                f">= 0.70 {'OK' if lib >= 0.7 * floor else 'MISSED'}",
+            out.append(
+                figure(
+                    "  (same-table INSERT inside engine.begin(): SQLAlchemy's share)",
+                    procs,
+                    "same-table",
+                    got["same-table"],
+                    got["sqlalchemy"],
+                )
             )
+            _show(out[-1])
+        target_base, stop_receiver, receiver_pid = start_plain_receiver_process(dsn(url))
+        target = target_base + "/bench"
+        for concurrency in (1, 8):
+            busy: dict[str, list[float]] = {"library": [], "floor": []}
+
+            def side(kind: str, c: int = concurrency, shares: dict[str, list[float]] = busy) -> Sample:
+                sample, share = deliver(kind, url, target, deliver_rows, c, receiver_pid)
+                shares[kind].append(share)
+                return sample
+
+            got = rotate(rounds, {"library": lambda: side("library"), "floor": lambda: side("floor")})
+            note = (
+                f"receiver busy {statistics.median(busy['library']):.0%} / "
+                f"{statistics.median(busy['floor']):.0%} of a core"
+            )
+            if max(busy["floor"] + busy["library"]) > 0.85:
+                note += " (receiver-bound: SUSPECT)"
+            out.append(
+                figure(
+                    f"delivery, 1 process, concurrency {concurrency}",
+                    1,
+                    "httpx loop",
+                    got["floor"],
+                    got["library"],
+                    goal=0.8 if concurrency == 8 else None,
+                    note=note,
+                )
+            )
+            _show(out[-1])
         stop_receiver()
         stop_receiver = _noop
-        print(f"claim latency: filling {args.sent_rows:,} sent rows ...", flush=True)
+        print(f"claim latency: filling {sent_rows:,} sent rows ...", flush=True)
         for u in urls:
-            _truncate_outbox_only(u)
+            with psycopg.connect(dsn(u), autocommit=True) as conn:
+                conn.execute("TRUNCATE joblease_outbox RESTART IDENTITY")
             _fill_pending(u, 1_000, "v2:due-")
-        _fill_sent(urls[1], args.sent_rows)
-
-        def latency(u: str) -> tuple[float, float]:
-            return statistics.median(_claim_ms(u, 40)[5:]), 0.0
-
-        big, _, small, _ = _alternate(args.rounds, lambda: latency(urls[1]), lambda: latency(urls[0]))
-        add(
-            f"claim 100 of 1,000 due among {args.sent_rows:,} sent vs alone",
-            "1",
-            f"{small:.2f} ms",
-            f"{big:.2f} ms",
-            f"{big / small:.2f}x cost",
-            "-",
-            f"<= 1.50x {'OK' if big <= 1.5 * small else 'MISSED'}",
+        _fill_sent(urls[1], sent_rows)
+        times = rotate(
+            rounds,
+            {"big": lambda: Sample(claim_ms(urls[1]), 0.0), "small": lambda: Sample(claim_ms(urls[0]), 0.0)},
+        )
+        out.append(
+            Figure(
+                path=f"claim 100 of 1,000 due among {sent_rows:,} sent vs alone",
+                procs="1",
+                floor_name="alone",
+                floor=Stat.of([s.rate for s in times["small"]]),
+                value=Stat.of([s.rate for s in times["big"]]),
+                ratio=Stat.of([b.rate / s.rate for b, s in zip(times["big"], times["small"], strict=True)]),
+                unit="ms",
+                goal=1.5,
+                lower_is_better=True,
+            )
         )
     finally:
         stop_receiver()
-        with psycopg.connect(dsn(server), autocommit=True) as conn:
-            for name in names:
-                conn.execute(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
-    headers = ("path", "procs", "floor", "library", "ratio", "cpu us/row lib / floor", "target")
-    print_table(headers, table, started)
-    return 0
+        drop()
+    return out
 
 
 def _noop() -> None:
     pass
 
 
-def _truncate_outbox_only(url: str) -> None:
-    with psycopg.connect(dsn(url), autocommit=True) as conn:
-        conn.execute("TRUNCATE joblease_outbox RESTART IDENTITY")
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    add_arguments(parser)
+    parser.add_argument(
+        "--deliver-rows", type=int, default=None, help="rows per delivery round (default 500)"
+    )
+    parser.add_argument("--sent-rows", type=int, default=None, help="sent rows for the claim latency")
+    args = parser.parse_args(argv)
+    if args.long:
+        args.seconds, args.rounds = max(args.seconds, 5.0), max(args.rounds, 7)
+    started = time.perf_counter()
+    figures = suite(
+        server_url(),
+        rounds=args.rounds,
+        seconds=args.seconds,
+        processes=[int(x) for x in args.processes.split(",")],
+        deliver_rows=args.deliver_rows or (5_000 if args.long else 500),
+        sent_rows=args.sent_rows or (1_000_000 if args.long else 200_000),
+    )
+    print_figures("outbox enqueue and delivery", figures, args.rounds, started)
+    return 0
 
 
 if __name__ == "__main__":

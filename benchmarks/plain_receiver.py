@@ -113,6 +113,12 @@ def _read_ready(stream: IO[str], out: queue.Queue[str]) -> None:
 
 def start_plain_receiver(pg_conninfo: str) -> tuple[str, Callable[[], None]]:
     """Start the floor receiver in a subprocess on a free port; return its base URL and a stop function."""
+    base_url, stop, _pid = start_plain_receiver_process(pg_conninfo)
+    return base_url, stop
+
+
+def start_plain_receiver_process(pg_conninfo: str) -> tuple[str, Callable[[], None], int]:
+    """:func:`start_plain_receiver`, and the receiver's process id (to read the CPU it used)."""
     proc = subprocess.Popen(
         [sys.executable, __file__, "--pg", pg_conninfo, "--port", "0"],
         stdout=subprocess.PIPE,
@@ -145,7 +151,7 @@ def start_plain_receiver(pg_conninfo: str) -> tuple[str, Callable[[], None]]:
         if proc.stdout is not None:
             proc.stdout.close()
 
-    return base_url, stop
+    return base_url, stop, proc.pid
 
 
 def main() -> int:

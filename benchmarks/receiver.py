@@ -1,7 +1,7 @@
 """The reference receiver against the HTTP floor, measured side by side in one run on a scratch database.
 
     .venv/bin/python benchmarks/receiver.py [--pg-url postgresql+psycopg://postgres@127.0.0.1:5432/postgres]
-                                            [--rounds 3] [--seconds 3] [--senders 1 4]
+                                            [--rounds 5] [--seconds 2] [--senders 1 4]
 
 Each sender process runs a bare ``httpx.Client`` keep-alive POST loop, a unique ``Idempotency-Key`` per
 POST, for ``--seconds``; posts/s is the sum over processes. Targets:
@@ -11,9 +11,10 @@ POST, for ``--seconds``; posts/s is the sum over processes. Targets:
 * (b) the reference receiver (``joblease receiver``, its own process) with its inbox on PostgreSQL: one
   call of its ``joblease_receiver_apply`` function per POST (one round trip, one commit).
 
-Rounds alternate (a, b, then b, a, ...) so drift on a shared machine hits both; the table shows medians
-and the ratio b / a (goal >= 0.7), and each receiver process's CPU per POST (all its threads; the
-PostgreSQL backends' work is not in it). The scratch database is dropped at the end.
+Rounds alternate (a, b, then b, a, ...) so drift on a shared machine hits both; the table shows min /
+median / max, the per-round ratio b / a (goal >= 0.85), ``SUSPECT`` flags and the machine's load
+(``benchmarks/harness.py``), and each receiver process's CPU per POST (all its threads; the PostgreSQL
+backends' work is not in it). The scratch database is dropped at the end.
 """
 
 from __future__ import annotations
@@ -21,7 +22,6 @@ from __future__ import annotations
 import argparse
 import multiprocessing
 import os
-import statistics
 import sys
 import time
 import uuid
@@ -35,14 +35,15 @@ import sqlalchemy as sa
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from benchmarks.plain_receiver import start_plain_receiver  # noqa: E402
+from benchmarks.harness import Figure, Sample, figure, print_figures, rotate  # noqa: E402
+from benchmarks.plain_receiver import start_plain_receiver_process  # noqa: E402
 from dagster_joblease.storage import create_engine, migrate  # noqa: E402
 from tests.receiver_proc import start_receiver  # noqa: E402
 
 DEFAULT_PG_URL = os.environ.get(
     "JOBLEASE_TEST_PG_URL", "postgresql+psycopg://postgres@127.0.0.1:5432/postgres"
 )
-GOAL = 0.7
+GOAL = 0.85
 
 
 def _sender(url: str, seconds: float, go: EventType, out: Any) -> None:
@@ -65,22 +66,6 @@ def _sender(url: str, seconds: float, go: EventType, out: Any) -> None:
             else:
                 failed += 1
     out.put((sent, failed))
-
-
-def _children() -> dict[int, str]:
-    """This process's child processes: pid -> command line."""
-    out: dict[int, str] = {}
-    for entry in os.listdir("/proc"):
-        if entry.isdigit():
-            try:
-                with open(f"/proc/{entry}/stat") as f:
-                    ppid = int(f.read().rsplit(")", 1)[1].split()[1])
-                if ppid == os.getpid():
-                    with open(f"/proc/{entry}/cmdline", "rb") as f:
-                        out[int(entry)] = f.read().replace(b"\0", b" ").decode()
-            except (OSError, ValueError, IndexError):
-                continue
-    return out
 
 
 def _cpu_s(pid: int) -> float:
@@ -120,61 +105,62 @@ def _admin(url: str, sql: str) -> None:
         engine.dispose()
 
 
-def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--pg-url", default=DEFAULT_PG_URL, help="maintenance db URL")
-    parser.add_argument("--rounds", type=int, default=3)
-    parser.add_argument("--seconds", type=float, default=3.0)
-    parser.add_argument("--senders", type=int, nargs="+", default=[1, 4])
-    args = parser.parse_args()
-
-    admin = sa.make_url(args.pg_url).set(drivername="postgresql+psycopg")
+def suite(pg_url: str, *, rounds: int, seconds: float, senders: list[int]) -> list[Figure]:
+    """The reference receiver against the plain one, ``rounds`` alternating rounds per sender count."""
+    admin = sa.make_url(pg_url).set(drivername="postgresql+psycopg")
     name = f"joblease_bench_recv_{uuid.uuid4().hex[:8]}"
     _admin(admin.render_as_string(hide_password=False), f'CREATE DATABASE "{name}"')
     db_url = admin.set(database=name).render_as_string(hide_password=False)
     engine = create_engine(db_url)
     migrate(engine)
     engine.dispose()
-    rates: dict[tuple[str, int], list[float]] = {}
-    cpus: dict[tuple[str, int], list[float]] = {}
-    plain_url, stop_plain = start_plain_receiver(db_url)
-    (plain_pid,) = [pid for pid, cmd in _children().items() if "plain_receiver.py" in cmd]
+    got: dict[int, dict[str, list[Sample]]] = {}
+    plain_url, stop_plain, plain_pid = start_plain_receiver_process(db_url)
     reference = start_receiver(db_url)
     try:
         targets = {"plain": plain_url + "/bench", "reference": reference.url + "/bench"}
         pids = {"plain": plain_pid, "reference": reference.pid}
-        for r in range(args.rounds):
-            for senders in args.senders:
-                order = ["plain", "reference"] if r % 2 == 0 else ["reference", "plain"]
-                for target in order:
-                    rate, cpu = measure(targets[target], senders, args.seconds, pids[target])
-                    rates.setdefault((target, senders), []).append(rate)
-                    cpus.setdefault((target, senders), []).append(cpu)
-                    print(
-                        f"round {r + 1} senders {senders} {target:9} {rate:8.0f} posts/s"
-                        f"  server CPU {cpu:5.0f} us/POST",
-                        flush=True,
-                    )
+        for count in senders:
+
+            def side(target: str, n: int = count) -> Sample:
+                rate, cpu = measure(targets[target], n, seconds, pids[target])
+                print(
+                    f"  senders {n} {target:9} {rate:8.0f} posts/s  server CPU {cpu:5.0f} us/POST", flush=True
+                )
+                return Sample(rate, cpu)
+
+            got[count] = rotate(
+                rounds, {"plain": lambda: side("plain"), "reference": lambda: side("reference")}
+            )
     finally:
         reference.stop()
         stop_plain()
         _admin(admin.render_as_string(hide_password=False), f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
+    return [
+        figure(
+            "reference receiver vs plain receiver",
+            f"{count} senders",
+            "plain",
+            got[count]["plain"],
+            got[count]["reference"],
+            goal=GOAL,
+            note="cpu: the receiver process's, per POST",
+        )
+        for count in senders
+    ]
 
-    print()
-    print("| senders | plain receiver | reference receiver (inbox on PostgreSQL) | ratio | goal |")
-    print("|---|---|---|---|---|")
-    worst = float("inf")
-    for senders in args.senders:
-        plain = statistics.median(rates[("plain", senders)])
-        ref = statistics.median(rates[("reference", senders)])
-        worst = min(worst, ref / plain)
-        print(f"| {senders} | {plain:.0f}/s | {ref:.0f}/s | {ref / plain:.2f} | >= {GOAL} |")
-    for senders in args.senders:
-        plain_cpu = statistics.median(cpus[("plain", senders)])
-        ref_cpu = statistics.median(cpus[("reference", senders)])
-        print(f"server CPU per POST, {senders} senders: plain {plain_cpu:.0f} us, reference {ref_cpu:.0f} us")
-    print(f"\nmedians of {args.rounds} alternating rounds of {args.seconds:g} s; {os.cpu_count()} CPUs")
-    return 0 if worst >= GOAL else 1
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--pg-url", default=DEFAULT_PG_URL, help="maintenance db URL")
+    parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--seconds", type=float, default=2.0)
+    parser.add_argument("--senders", type=int, nargs="+", default=[1, 4])
+    args = parser.parse_args()
+    started = time.perf_counter()
+    figures = suite(args.pg_url, rounds=args.rounds, seconds=args.seconds, senders=args.senders)
+    print_figures("reference receiver", figures, args.rounds, started)
+    return 0 if all(f.ratio.median >= GOAL for f in figures) else 1
 
 
 if __name__ == "__main__":

@@ -88,9 +88,11 @@ from dagster_joblease.lease import (
 )
 from dagster_joblease.outbox import (
     DueSummary,
+    OutboxItem,
     OutboxStatus,
     canonical_json,
     due_summary,
+    enqueue_many,
     enqueue_once,
     payload_fingerprint,
 )
@@ -141,6 +143,7 @@ __all__ = [
     "NotAcquiredReason",
     "NotFoundError",
     "OutboxConflictError",
+    "OutboxItem",
     "OutboxRow",
     "OutboxStats",
     "OutboxStatus",
@@ -159,6 +162,7 @@ __all__ = [
     "current_revision",
     "due_summary",
     "effect_key",
+    "enqueue_many",
     "enqueue_once",
     "fail_many",
     "fenced_transaction_many",

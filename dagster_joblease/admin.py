@@ -18,6 +18,7 @@ Safety rules these functions enforce:
 from __future__ import annotations
 
 import dataclasses
+import difflib
 import os
 import re
 import secrets
@@ -52,6 +53,7 @@ __all__ = [
     "admin_fail",
     "env_floor_ms",
     "list_leases",
+    "near_matches",
     "list_outbox",
     "outbox_stats",
     "parse_duration_ms",
@@ -425,23 +427,64 @@ def show_lease(engine: sa.Engine, key_or_code: str | int, run_key: str | None = 
     with translate_errors("read a lease"), engine.connect() as conn:
         found = _get_lease(conn, t.c.lock_key == key)
         schedules = 0
+        close: list[str] = []
         if found is None and job is not None and run_key is None:
             schedules = conn.execute(
                 sa.select(sa.func.count())
                 .select_from(t)
                 .where(t.c.code == job.code, t.c.job_type == "SCHEDULE")
             ).scalar_one()
+        if found is None and job is not None and not schedules:
+            close = near_matches(conn, job.code, job.run_key)
     if found is not None:
         return found
     if job is None:
         raise errors.NotFoundError(f"no lease with key {key}; list them with `joblease leases list`")
     what = f"INITIAL run {job.code!r}" if run_key is None else f"SCHEDULE run {job.code!r} / {job.run_key!r}"
-    hint = (
-        f"; {schedules} SCHEDULE run(s) of that code exist: give the run key too"
-        if schedules
-        else "; list them with `joblease leases list --code CODE`"
-    )
+    if schedules:
+        hint = f"; {schedules} SCHEDULE run(s) of that code exist: give the run key too"
+    elif close:
+        hint = "; close matches: " + ", ".join(close)
+    else:
+        hint = "; list them with `joblease leases list --code CODE`"
     raise errors.NotFoundError(f"no lease for {what} (key {key}){hint}")
+
+
+#: How many recent rows a near-match hint looks at (a bounded query, whatever the table's size).
+NEAR_MATCH_SCAN = 1_000
+
+
+def near_matches(conn: sa.Connection, code: str, run_key: str | None, *, limit: int = 3) -> list[str]:
+    """Leases whose name is close to (``code``, ``run_key``), for a "no lease" message: close run keys
+    of the same code, else close codes (``difflib.get_close_matches`` over at most
+    :data:`NEAR_MATCH_SCAN` of the newest rows). Each is shown as the option form that names it."""
+    t = lease_table
+    if run_key is not None:
+        keys = [
+            str(k)
+            for (k,) in conn.execute(
+                sa.select(t.c.run_key)
+                .where(t.c.code == code, t.c.job_type == "SCHEDULE")
+                .order_by(t.c.id.desc())
+                .limit(NEAR_MATCH_SCAN)
+            )
+            if k is not None
+        ]
+        close = difflib.get_close_matches(run_key, keys, n=limit, cutoff=0.6)
+        if close:
+            return [f"--code {code} --run-key {k}" for k in close]
+    recent = conn.execute(
+        sa.select(t.c.code, t.c.run_key).order_by(t.c.id.desc()).limit(NEAR_MATCH_SCAN)
+    ).all()
+    codes = list(dict.fromkeys(str(c) for c, _ in recent))
+    close_codes = [c for c in difflib.get_close_matches(code, codes, n=limit, cutoff=0.6) if c != code]
+    shown = []
+    for other in close_codes:
+        if run_key is not None and any(c == other and k == run_key for c, k in recent):
+            shown.append(f"--code {other} --run-key {run_key}")
+        else:
+            shown.append(f"--code {other}" if run_key is None else f"code {other!r}")
+    return shown
 
 
 @dataclasses.dataclass(frozen=True)
@@ -537,6 +580,13 @@ def _describe(row: LeaseRow) -> str:
     return row.code if row.run_key is None else f"{row.code} / {row.run_key}"
 
 
+def _cutoff(window_ms: int) -> sa.ScalarSelect[Any]:
+    """Database now minus ``window_ms``, as a scalar subquery: evaluated once per statement, so the
+    comparison is an index range condition (``clock_timestamp()`` itself is volatile, which would make
+    the planner read the whole table rather than the finished or sent rows' partial index)."""
+    return sa.select(db_now_plus_ms(sa.literal(-window_ms, sa.BigInteger()))).scalar_subquery()
+
+
 def _purge(
     engine: sa.Engine, table: sa.Table, where: sa.ColumnElement[bool], action: str, *, dry_run: bool
 ) -> int:
@@ -588,7 +638,7 @@ def purge_leases(
     where = sa.and_(
         t.c.job_type == "SCHEDULE",
         t.c.status.in_([LeaseStatus.SUCCESS.value, LeaseStatus.FAIL.value]),
-        t.c.finished_at < db_now_plus_ms(sa.literal(-window, sa.BigInteger())),
+        t.c.finished_at < _cutoff(window),
     )
     return _purge(engine, t, where, "purge leases", dry_run=dry_run)
 
@@ -697,7 +747,9 @@ def requeue(
     dispatcher is delivering right now), ``all_dead`` (every DEAD row) or ``topic`` (every DEAD row of that
     topic; ``all_dead`` may be given with it). Each row gets ``status=PENDING``, ``attempts=0``,
     ``next_attempt_at`` = database now and no claim. ``last_status``/``last_error`` are kept as history until
-    the next delivery attempt overwrites them. SENT rows are never requeued.
+    the next delivery attempt overwrites them. SENT rows are never requeued. The row's first-attempt time is
+    cleared, so a route's ``dedupe_window`` restarts from the next attempt: requeueing a row dead-lettered
+    past its window is a person's decision that sending it again is right.
     """
     o = outbox_table
     if row_id is not None and (all_dead or topic is not None):
@@ -708,6 +760,10 @@ def requeue(
         "next_attempt_at": db_now(),
         "claim_token": None,
         "claim_expires_at": None,
+        # A person's requeue is their decision to send again: the key's retention window restarts.
+        "first_attempt_at": None,
+        "claim_group": None,
+        "deferrals": 0,
         "updated_at": db_now(),
     }
     if row_id is not None:
@@ -774,5 +830,5 @@ def purge_sent(engine: sa.Engine, *, older_than_ms: int, min_retention_ms: int, 
             "deduplicate it. Nothing was deleted."
         )
     o = outbox_table
-    where = sa.and_(o.c.status == "SENT", o.c.sent_at < db_now_plus_ms(sa.literal(-window, sa.BigInteger())))
+    where = sa.and_(o.c.status == "SENT", o.c.sent_at < _cutoff(window))
     return _purge(engine, o, where, "purge sent outbox rows", dry_run=dry_run)

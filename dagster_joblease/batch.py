@@ -31,13 +31,13 @@ Example: a year of daily partitions, claimed with one statement::
 
     year = [JobIdentity.schedule("daily-billing", f"2026-{d:%m-%d}") for d in days_of_2026]
     claim = claim_many(service, year)
-    with BatchHeartbeat(service, claim.leases):
-        with fenced_transaction_many(service, claim.leases) as conn:
-            conn.execute(...)  # one SQL statement over the won days
-            for won in claim.leases:
-                enqueue_once(conn, idempotency_key=won.idempotency_key, topic="billing",
-                             payload={"day": won.identity.run_key})
-    complete_many(service, claim.leases).raise_if_lost()
+    if claim.leases:
+        with BatchHeartbeat(service, claim.leases):
+            with fenced_transaction_many(service, claim.leases) as conn:
+                conn.execute(...)  # one SQL statement over the won days
+                enqueue_many(conn, [OutboxItem(x.idempotency_key, "billing", {"day": x.identity.run_key})
+                                    for x in claim.leases])
+        complete_many(service, claim.leases).raise_if_lost()
     for refused in claim.refused:
         print(refused.identity, refused.reason, refused.holder)
 """
@@ -62,8 +62,10 @@ from sqlalchemy.sql import visitors
 from dagster_joblease import errors, identity, options
 from dagster_joblease import lease as _lease
 from dagster_joblease.lease import Lease, LeaseService, LeaseStatus, NotAcquiredReason
+from dagster_joblease.storage import rowset
 from dagster_joblease.storage.clock import db_now, db_now_plus_ms, ms_until
 from dagster_joblease.storage.engine import translate_errors
+from dagster_joblease.storage.rowset import bind_rows, rows_source
 from dagster_joblease.storage.schema import lease_table
 
 __all__ = [
@@ -85,11 +87,11 @@ __all__ = [
 logger = logging.getLogger(__name__)
 
 #: The most identities (or leases) one call takes; split larger sets into several calls.
-MAX_BATCH_KEYS = 100_000
+MAX_BATCH_KEYS = rowset.MAX_ROWS
 #: Keys per statement: a larger call runs several statements, in key order (so still deadlock-free).
-STATEMENT_KEYS = 10_000
+STATEMENT_KEYS = rowset.ROWS_PER_STATEMENT
 #: Claim rounds per key: a row purged (or a lease lost in a race) between two statements is tried again.
-_CLAIM_ROUNDS = 3
+_CLAIM_ROUNDS = _lease.CLAIM_ROUNDS
 
 _t = lease_table
 
@@ -165,7 +167,7 @@ class BatchWrite:
     """What a fenced set write did: the leases it wrote (``held``) and those no longer this worker's
     (``lost``: reclaimed by another worker, or already finished). Lost leases are marked lost
     (``lease.lost``, ``lease.ensure_held()`` raises). ``expires_at``: a heartbeat's new expiry per
-    idempotency key of the renewed leases."""
+    idempotency key of the renewed leases. A write over an empty set sends no statement."""
 
     action: str
     held: tuple[Lease, ...]
@@ -189,9 +191,11 @@ class BatchWrite:
 # -- validation ----------------------------------------------------------------------------------------
 
 
-def _check_count(field: str, count: int, error: type[errors.JobLeaseError], value: object) -> None:
-    if count == 0:
-        raise _invalid(error, field, value, "is empty; pass at least one")
+def _check_count(
+    field: str, count: int, error: type[errors.JobLeaseError], value: object, *, empty: str | None
+) -> None:
+    if count == 0 and empty is not None:
+        raise _invalid(error, field, value, empty)
     if count > MAX_BATCH_KEYS:
         raise _invalid(
             error,
@@ -215,7 +219,13 @@ def _as_list(field: str, value: object, error: type[errors.JobLeaseError]) -> li
 
 def _check_identities(identities: object) -> list[identity.JobIdentity]:
     jobs = _as_list("identities", identities, errors.InvalidJobIdentityError)
-    _check_count("identities", len(jobs), errors.InvalidJobIdentityError, identities)
+    _check_count(
+        "identities",
+        len(jobs),
+        errors.InvalidJobIdentityError,
+        identities,
+        empty="is empty; pass at least one identity",
+    )
     seen: set[str] = set()
     for job in jobs:
         if not isinstance(job, identity.JobIdentity):
@@ -230,9 +240,11 @@ def _check_identities(identities: object) -> list[identity.JobIdentity]:
     return jobs
 
 
-def _check_leases(leases: object) -> list[Lease]:
+def _check_leases(leases: object, *, empty: str | None = None) -> list[Lease]:
+    """The leases as a list: distinct :class:`Lease` objects, at most MAX_BATCH_KEYS; an empty set is
+    refused with ``empty`` as the rule when given (else allowed: a write over nothing does nothing)."""
     items = _as_list("leases", leases, errors.InvalidLeaseOptionsError)
-    _check_count("leases", len(items), errors.InvalidLeaseOptionsError, leases)
+    _check_count("leases", len(items), errors.InvalidLeaseOptionsError, leases, empty=empty)
     seen: set[str] = set()
     for item in items:
         if not isinstance(item, Lease):
@@ -254,38 +266,7 @@ def _chunks(items: Sequence[Any]) -> Iterator[Sequence[Any]]:
         yield items[start : start + STATEMENT_KEYS]
 
 
-# -- statements ----------------------------------------------------------------------------------------
-#
-# A set travels as one parameter per column: PostgreSQL arrays unnested into rows, or on SQLite one JSON
-# array of rows read with json_each (SQLite binds at most 32,766 parameters per statement). Either way a
-# statement has a fixed number of parameters, so it is compiled once per dialect.
-
-
-def _rows_source(dialect_name: str, columns: Sequence[tuple[str, Any]], *, joined: bool = True) -> Any:
-    """A FROM clause with one row per key and the given (name, type) columns; bound as
-    ``k_<name>`` arrays on PostgreSQL, as one JSON array of row arrays ``k_rows`` on SQLite.
-
-    ``joined``: the source is joined with the lease table. SQLite then reads it as a ``MATERIALIZED``
-    CTE: its planner otherwise guesses json_each small and scans it once per lease row (quadratic)."""
-    if dialect_name == "postgresql":
-        arrays = [sa.cast(sa.bindparam(f"k_{name}"), postgresql.ARRAY(kind)) for name, kind in columns]
-        return (
-            sa.func.unnest(*arrays).table_valued(*(sa.column(n, k) for n, k in columns)).render_derived("k")
-        )
-    each = sa.func.json_each(sa.bindparam("k_rows", type_=sa.Text())).table_valued("value")
-    rows = sa.select(
-        *(
-            sa.type_coerce(sa.func.json_extract(each.c.value, f"$[{i}]"), kind).label(name)
-            for i, (name, kind) in enumerate(columns)
-        )
-    ).select_from(each)
-    return rows.cte("k").prefix_with("MATERIALIZED") if joined else rows.subquery("k")
-
-
-def _bind_rows(dialect_name: str, names: Sequence[str], rows: Sequence[Sequence[Any]]) -> dict[str, Any]:
-    if dialect_name == "postgresql":
-        return {f"k_{name}": [row[i] for row in rows] for i, name in enumerate(names)}
-    return {"k_rows": json.dumps([list(row) for row in rows], separators=(",", ":"))}
+# -- statements ---------------------------------------------------------------------------------------
 
 
 _CLAIM_COLUMNS = (
@@ -321,7 +302,7 @@ def _call_params(length: int, heartbeat_ms: int, label: str) -> dict[str, Any]:
 def _insert_statement(dialect_name: str) -> Any:
     """``INSERT … SELECT <the single claim's values> FROM <keys> ORDER BY lock_key ON CONFLICT (lock_key)
     DO NOTHING RETURNING lock_key, id, attempt, expires_at, last_error``: the keys never claimed."""
-    source = _rows_source(dialect_name, _CLAIM_COLUMNS, joined=False)
+    source = rows_source(dialect_name, _CLAIM_COLUMNS, joined=False)
     values = _lease._claim_values(sa.bindparam("p_lease_ms", type_=sa.BigInteger()), _lease._HEARTBEAT_MS)
     rows = (
         sa.select(*(_per_key(expr, source).label(name) for name, expr in values.items()))
@@ -337,35 +318,85 @@ def _insert_statement(dialect_name: str) -> Any:
     )
 
 
+# PostgreSQL statements find rows with plans that stay linear whatever the planner's row estimates say
+# (a range claimed into a fresh table has stale statistics, and a nested loop over a misestimated join,
+# or a sequential scan testing `= ANY(array)` on every row, is quadratic): each key is looked up by a
+# LATERAL index lookup driven by the key array (which Python sends sorted by lock key, so rows are
+# locked in that order), and the update then reaches the locked rows by their ctid (a TID scan; a row
+# this statement has locked cannot move).
+
+
+def _filter_only(condition: Any) -> Any:
+    """``(condition) IS TRUE``: the same test, but one the planner cannot answer from an index. With
+    stale statistics it would otherwise pick the status index (guessed one row) over the key lookup and
+    scan every row of that status once per key."""
+    return sa.cast(condition, sa.Boolean()).is_(sa.true())
+
+
+class _Tid(sa.types.UserDefinedType[Any]):
+    """PostgreSQL's ``tid`` (a row version's physical address, the ``ctid`` system column)."""
+
+    cache_ok = True
+
+    def get_col_spec(self, **kw: Any) -> str:
+        return "TID"
+
+
+_CTID_COLUMN: Any = sa.literal_column("joblease_lease.ctid", _Tid())
+_CTID: Any = _CTID_COLUMN.label("row_ctid")
+
+
+def _looked_up(source: Any, match: Any, columns: Sequence[Any], *conditions: Any, lock: bool) -> Any:
+    """PostgreSQL: ``columns`` of the lease row of each row of ``source`` (``match``: the index lookup,
+    e.g. ``lock_key = k.lock_key``) that meets ``conditions``, found by a LATERAL lookup per key, in the
+    order of ``source``; locked ``FOR UPDATE`` when ``lock``."""
+    found = sa.select(*columns).where(match, *(_filter_only(c) for c in conditions))
+    if lock:
+        found = found.with_for_update()
+    row = found.lateral("l")
+    return sa.select(*(row.c[c.name] for c in columns)).select_from(source.join(row, sa.true()))
+
+
+def _locked_rows(locked: Any) -> Any:
+    """``ctid = ANY((SELECT array_agg(row_ctid) FROM locked))``: the rows the CTE ``locked`` locked."""
+    ctids = sa.select(sa.func.array_agg(locked.c.row_ctid)).scalar_subquery()
+    return _CTID_COLUMN == sa.any_(sa.cast(ctids, postgresql.ARRAY(_Tid())))
+
+
+#: A new owner token made by the database (PostgreSQL reclaims): 32 hex digits like secrets.token_hex(16).
+_SERVER_TOKEN = sa.literal_column("replace(CAST(gen_random_uuid() AS TEXT), '-', '')", sa.String())
+
+
 @functools.cache
 def _reclaim_statement(dialect_name: str) -> Any:
     """Reclaim the ``FAIL`` and expired ``RUNNING`` rows of the keys, ``RETURNING lock_key, id, attempt,
-    expires_at, last_error``. On PostgreSQL the rows are locked first in lock-key order (``SELECT …
-    ORDER BY lock_key FOR UPDATE``), and READ COMMITTED re-checks the reclaim condition on the newest
-    version of each locked row, so two reclaimers get one winner per key and never deadlock."""
-    source = _rows_source(dialect_name, (("lock_key", sa.String()), ("owner_token", sa.String())))
+    expires_at, last_error, owner_token``. On PostgreSQL the rows are locked first in lock-key order
+    (``SELECT … WHERE lock_key = ANY(…) ORDER BY lock_key FOR UPDATE``), and READ COMMITTED re-checks
+    the reclaim condition on the newest version of each locked row, so two reclaimers get one winner per
+    key and never deadlock; the new owner tokens are made by the database (``gen_random_uuid``), so the
+    update needs no join back to the keys. SQLite (one writer at a time) takes the caller's tokens."""
     holder = sa.bindparam("p_holder", type_=sa.String())
     lease_ms = sa.bindparam("p_lease_ms", type_=sa.BigInteger())
+    returning = (_t.c.lock_key, *_lease._RETURNED, _t.c.owner_token)
     if dialect_name == "postgresql":
+        keys = rows_source(dialect_name, (("lock_key", sa.String()),))
         locked = (
-            sa.select(_t.c.id, source.c.owner_token)
-            .select_from(_t.join(source, _t.c.lock_key == source.c.lock_key))
-            .where(_lease._reclaimable())
-            .order_by(_t.c.lock_key)
-            .with_for_update(of=_t)
+            _looked_up(keys, _t.c.lock_key == keys.c.lock_key, [_CTID], _lease._reclaimable(), lock=True)
             .cte("locked")
             .prefix_with("MATERIALIZED")
         )
-        where = [_t.c.id == locked.c.id]
-        token: Any = locked.c.owner_token
-    else:
-        where = [_t.c.lock_key == source.c.lock_key]
-        token = source.c.owner_token
+        return (
+            sa.update(_t)
+            .where(_locked_rows(locked), _filter_only(_lease._reclaimable()))
+            .values(**_lease._reclaim_values(_SERVER_TOKEN, holder, lease_ms, _lease._HEARTBEAT_MS))
+            .returning(*returning)
+        )
+    source = rows_source(dialect_name, (("lock_key", sa.String()), ("owner_token", sa.String())))
     return (
         sa.update(_t)
-        .where(*where, _lease._reclaimable())
-        .values(**_lease._reclaim_values(token, holder, lease_ms, _lease._HEARTBEAT_MS))
-        .returning(_t.c.lock_key, *_lease._RETURNED)
+        .where(_t.c.lock_key == source.c.lock_key, _lease._reclaimable())
+        .values(**_lease._reclaim_values(source.c.owner_token, holder, lease_ms, _lease._HEARTBEAT_MS))
+        .returning(*returning)
     )
 
 
@@ -373,8 +404,7 @@ def _reclaim_statement(dialect_name: str) -> Any:
 def _report_statement(dialect_name: str) -> Any:
     """The rows of keys neither inserted nor reclaimed: status, holder, attempt, expiry, heartbeat age,
     and whether the row is reclaimable now (then the claim lost a race and tries it again)."""
-    source = _rows_source(dialect_name, (("lock_key", sa.String()),))
-    return sa.select(
+    columns = [
         _t.c.lock_key,
         _t.c.status,
         _t.c.holder,
@@ -382,10 +412,22 @@ def _report_statement(dialect_name: str) -> Any:
         _t.c.expires_at,
         (-ms_until(_t.c.heartbeat_at)).label("heartbeat_age_ms"),
         sa.case((_lease._reclaimable(), sa.true()), else_=sa.false()).label("reclaimable"),
-    ).select_from(_t.join(source, _t.c.lock_key == source.c.lock_key))
+    ]
+    source = rows_source(dialect_name, (("lock_key", sa.String()),))
+    if dialect_name == "postgresql":
+        return _looked_up(source, _t.c.lock_key == source.c.lock_key, columns, lock=False)
+    return sa.select(*columns).select_from(_t.join(source, _t.c.lock_key == source.c.lock_key))
 
 
 _LEASE_COLUMNS = (("id", sa.BigInteger()), ("owner_token", sa.String()))
+
+
+def _held_rows(columns: Sequence[Any], *conditions: Any) -> Any:
+    """PostgreSQL: ``columns`` of the set's rows whose id and owner token match and that meet
+    ``conditions``, each found by its primary key and locked ``FOR UPDATE``, in lock-key order."""
+    source = rows_source("postgresql", _LEASE_COLUMNS)
+    match = sa.and_(_t.c.id == source.c.id, _t.c.owner_token == source.c.owner_token)
+    return _looked_up(source, match, columns, *conditions, lock=True)
 
 
 @functools.cache
@@ -393,31 +435,13 @@ def _fenced_update_statement(dialect_name: str, action: str) -> Any:
     """One fenced write over a set: the rows whose id and owner token match and that are still
     ``RUNNING`` get ``action``'s values, ``RETURNING lock_key, expires_at``. On PostgreSQL they are
     locked in lock-key order first, as a claim locks them, so a set write and a claim cannot deadlock."""
-    source = _rows_source(dialect_name, _LEASE_COLUMNS)
-    match = [
-        _t.c.id == source.c.id,
-        _t.c.owner_token == source.c.owner_token,
-        _t.c.status == _lease._RUNNING,
-    ]
+    running = _t.c.status == _lease._RUNNING
+    update = sa.update(_t).values(**_WRITE_VALUES[action]()).returning(_t.c.lock_key, _t.c.expires_at)
     if dialect_name == "postgresql":
-        locked = (
-            sa.select(_t.c.id)
-            .select_from(_t.join(source, sa.and_(*match[:2])))
-            .where(match[2])
-            .order_by(_t.c.lock_key)
-            .with_for_update(of=_t)
-            .cte("locked")
-            .prefix_with("MATERIALIZED")
-        )
-        where: list[Any] = [_t.c.id == locked.c.id, match[2]]
-    else:
-        where = match
-    return (
-        sa.update(_t)
-        .where(*where)
-        .values(**_WRITE_VALUES[action]())
-        .returning(_t.c.lock_key, _t.c.expires_at)
-    )
+        locked = _held_rows([_CTID], running).cte("locked").prefix_with("MATERIALIZED")
+        return update.where(_locked_rows(locked))  # locked there, and checked RUNNING under the lock
+    source = rows_source(dialect_name, _LEASE_COLUMNS)
+    return update.where(_t.c.id == source.c.id, _t.c.owner_token == source.c.owner_token, running)
 
 
 def _heartbeat_values() -> dict[str, Any]:
@@ -455,20 +479,19 @@ _WRITE_VALUES = {
 
 @functools.cache
 def _held_statement(dialect_name: str) -> Any:
-    """The set's rows still held (id, owner token, ``RUNNING``, not expired on the database clock), in
-    lock-key order, locked ``FOR UPDATE`` on PostgreSQL until the transaction ends."""
-    source = _rows_source(dialect_name, _LEASE_COLUMNS)
-    stmt = (
+    """The lock keys of the set's rows still held (id, owner token, ``RUNNING``, not expired on the
+    database clock), locked ``FOR UPDATE`` in lock-key order on PostgreSQL until the transaction ends."""
+    held = (_t.c.status == _lease._RUNNING, _t.c.expires_at > db_now())
+    if dialect_name == "postgresql":
+        return _held_rows([_t.c.lock_key], *held)
+    source = rows_source(dialect_name, _LEASE_COLUMNS)
+    return (
         sa.select(_t.c.lock_key)
         .select_from(
             _t.join(source, sa.and_(_t.c.id == source.c.id, _t.c.owner_token == source.c.owner_token))
         )
-        .where(_t.c.status == _lease._RUNNING, _t.c.expires_at > db_now())
-        .order_by(_t.c.lock_key)
+        .where(*held)
     )
-    if dialect_name == "postgresql":
-        stmt = stmt.with_for_update(of=_t)
-    return stmt
 
 
 # -- connections ---------------------------------------------------------------------------------------
@@ -506,9 +529,9 @@ def claim_many(
     Statements: one multi-row ``INSERT … ON CONFLICT DO NOTHING RETURNING`` for the set; when some keys
     met a row, one ``UPDATE`` reclaiming those that are reclaimable (row locks in key order), and one
     read reporting the rest. A row purged in between (or a key lost in a race to a concurrent claimer)
-    is tried again, at most three rounds; a key still undecided is reported ``CONTENDED``. At most
-    :data:`STATEMENT_KEYS` keys go in one statement; keys are processed in lock-key order, so
-    overlapping sets claimed at once cannot deadlock.
+    is tried again, in as many rounds as a single claim (``lease.CLAIM_ROUNDS``); a key still
+    undecided is reported ``CONTENDED``. At most :data:`STATEMENT_KEYS` keys go in one statement; keys
+    are processed in lock-key order, so overlapping sets claimed at once cannot deadlock.
 
     Args:
         service: the lease service (its engine, default ``lease_ms`` and holder label).
@@ -578,7 +601,9 @@ def _claim_round(
     by_key = {job.idempotency_key: job for job in jobs}
 
     def won(row: Any) -> None:
-        key, lease_id, attempt, expires_at, last_error = row
+        key, lease_id, attempt, expires_at, last_error = row[:5]
+        if len(row) > 5:
+            tokens[key] = row[5]  # a PostgreSQL reclaim: the database made the new token
         job = by_key[key]
         found[key] = KeyClaim(
             identity=job,
@@ -599,24 +624,23 @@ def _claim_round(
         )
 
     rows = [(j.idempotency_key, j.type.value, j.code, j.run_key, tokens[j.idempotency_key]) for j in jobs]
-    inserted = conn.execute(_insert_statement(dialect), {**call, **_bind_rows(dialect, _CLAIM_NAMES, rows)})
+    inserted = conn.execute(_insert_statement(dialect), {**call, **bind_rows(dialect, _CLAIM_NAMES, rows)})
     for row in inserted:
         won(row)
     met = [r for r in rows if r[0] not in found]
     if not met:
         return []
-    pairs = [(r[0], r[4]) for r in met]
-    for row in conn.execute(
-        _reclaim_statement(dialect), {**call, **_bind_rows(dialect, ("lock_key", "owner_token"), pairs)}
-    ):
+    if dialect == "postgresql":  # the database makes the reclaim's tokens
+        keyed = bind_rows(dialect, ("lock_key",), [(r[0],) for r in met])
+    else:
+        keyed = bind_rows(dialect, ("lock_key", "owner_token"), [(r[0], r[4]) for r in met])
+    for row in conn.execute(_reclaim_statement(dialect), {**call, **keyed}):
         won(row)
     rest = [r[0] for r in met if r[0] not in found]
     if not rest:
         return []
     again: set[str] = set(rest)
-    report = conn.execute(
-        _report_statement(dialect), _bind_rows(dialect, ("lock_key",), [(k,) for k in rest])
-    )
+    report = conn.execute(_report_statement(dialect), bind_rows(dialect, ("lock_key",), [(k,) for k in rest]))
     for key, status, row_holder, attempt, expires_at, age, reclaimable in report:
         if reclaimable:
             continue  # reclaimable again already (its winner failed it): another round claims it
@@ -640,6 +664,8 @@ def _claim_round(
 
 def _write(service: LeaseService, leases: Iterable[Lease], action: str, params: dict[str, Any]) -> BatchWrite:
     items = _check_leases(leases)
+    if not items:
+        return BatchWrite(action=action, held=(), lost=())
     dialect = service.engine.dialect.name
     ordered = sorted(items, key=lambda x: x.idempotency_key)
     written: dict[str, datetime] = {}
@@ -648,7 +674,7 @@ def _write(service: LeaseService, leases: Iterable[Lease], action: str, params: 
             rows = [(x.id, x.owner_token) for x in chunk]
             result = conn.execute(
                 _fenced_update_statement(dialect, action),
-                {**params, **_bind_rows(dialect, ("id", "owner_token"), rows)},
+                {**params, **bind_rows(dialect, ("id", "owner_token"), rows)},
             )
             written.update({key: expires_at for key, expires_at in result})
     held = tuple(x for x in items if x.idempotency_key in written)
@@ -717,6 +743,12 @@ def release_many(
 # -- fenced transaction over a set ---------------------------------------------------------------------
 
 
+_NOTHING_TO_FENCE = (
+    "is empty: a transaction fenced by no lease is not fenced at all; skip the work when the claim won "
+    "nothing"
+)
+
+
 def assert_held_many(connection: sa.Connection, leases: Sequence[Lease]) -> None:
     """Inside ``connection``'s transaction, make sure every lease of the set is still this worker's.
 
@@ -725,7 +757,7 @@ def assert_held_many(connection: sa.Connection, leases: Sequence[Lease]) -> None
     in before the commit. A lease reclaimed, finished or expired raises :class:`LostBatchLeaseError`
     naming the first such key (in key order) and listing all of them; nothing is marked or failed here.
     """
-    items = _check_leases(leases)
+    items = _check_leases(leases, empty=_NOTHING_TO_FENCE)
     dialect = connection.dialect.name
     ordered = sorted(items, key=lambda x: x.idempotency_key)
     held: set[str] = set()
@@ -734,7 +766,7 @@ def assert_held_many(connection: sa.Connection, leases: Sequence[Lease]) -> None
             rows = [(x.id, x.owner_token) for x in chunk]
             held.update(
                 connection.execute(
-                    _held_statement(dialect), _bind_rows(dialect, ("id", "owner_token"), rows)
+                    _held_statement(dialect), bind_rows(dialect, ("id", "owner_token"), rows)
                 ).scalars()
             )
     lost = [x for x in ordered if x.idempotency_key not in held]
@@ -762,7 +794,7 @@ def fenced_transaction_many(service: LeaseService, leases: Iterable[Lease]) -> I
     :class:`LostBatchLeaseError` names the first lost key and lists them all. An exception raised by
     the block rolls the transaction back and leaves the leases as they are (the caller fails them).
     """
-    items = _check_leases(leases)
+    items = _check_leases(leases, empty=_NOTHING_TO_FENCE)
     lost: errors.LostBatchLeaseError | None = None
     known = [x for x in items if x.lost]
     if known:

@@ -473,13 +473,50 @@ _KEY_RE = re.compile(r"v2:[0-9a-f]{64}")
 _RUN_KEY_LIKE = re.compile(r"\d[\d\-:T/._+Z ]*")
 
 
+def lease_options(fn: Callable[..., Any]) -> Callable[..., Any]:
+    """The one option form that names a lease, the same on every per-lease command."""
+    for option in reversed(
+        [
+            click.option("--key", "key_opt", metavar="KEY", help="The lease's v2: idempotency key."),
+            click.option("--code", "code_opt", metavar="CODE", help="The job code (alone: an INITIAL run)."),
+            click.option(
+                "--run-key", "run_key_opt", metavar="RUN_KEY", help="With --code: that SCHEDULE run."
+            ),
+            click.option("--id", "lease_id", type=int, help="The lease's numeric row id."),
+        ]
+    ):
+        fn = option(fn)
+    return fn
+
+
+def _optioned_lease(
+    key_opt: str | None, code_opt: str | None, run_key_opt: str | None, lease_id: int | None
+) -> tuple[str | int, str | None] | None:
+    """The lease the options name, as (v2 key | code | id, run key); None when no option was given."""
+    if lease_id is not None:
+        return lease_id, None
+    if key_opt is not None:
+        if not _KEY_RE.fullmatch(key_opt.strip()):
+            raise click.BadParameter(f"{key_opt!r} is not a v2: idempotency key", param_hint="--key")
+        return key_opt.strip(), None
+    if code_opt is not None:
+        return code_opt, run_key_opt
+    return None
+
+
+def _one_way(given: list[str], forms: str, run_key_opt: str | None, code_opt: str | None) -> None:
+    if run_key_opt is not None and code_opt is None:
+        raise click.UsageError("--run-key needs --code CODE: a run key alone does not name a run")
+    if len(given) != 1:
+        raise click.UsageError(
+            f"name the lease in exactly one way: {forms} (got {', '.join(given) if given else 'none'})"
+        )
+
+
 @leases.command("show", short_help="Show one lease by key, code [run key] or id.")
 @click.argument("key_or_code", required=False, metavar="[KEY | CODE [RUN_KEY]]")
 @click.argument("run_key", required=False, metavar="")
-@click.option("--key", "key_opt", metavar="KEY", help="The lease's v2: idempotency key.")
-@click.option("--code", "code_opt", metavar="CODE", help="The job code (alone: an INITIAL run).")
-@click.option("--run-key", "run_key_opt", metavar="RUN_KEY", help="With --code: that SCHEDULE run.")
-@click.option("--id", "lease_id", type=int, help="Look the lease up by its numeric row id instead.")
+@lease_options
 @json_option
 def leases_show(
     key_or_code: str | None,
@@ -490,17 +527,17 @@ def leases_show(
     lease_id: int | None,
     as_json: bool,
 ) -> None:
-    """Show one lease, named in exactly one way:
+    """Show one lease, named in exactly one way (the options are the same on `leases fail`):
 
     \b
-      joblease leases show v2:…                     (or --key v2:…)
-      joblease leases show CODE RUN_KEY             (or --code CODE --run-key RUN_KEY): a SCHEDULE run
-      joblease leases show --code CODE              an INITIAL run (CODE alone works unless it looks
-                                                    like a run key: a date, a time or a number)
+      joblease leases show --code CODE --run-key RUN_KEY   a SCHEDULE run (or: show CODE RUN_KEY)
+      joblease leases show --code CODE                     an INITIAL run (CODE alone works unless it
+                                                           looks like a run key: a date, a time, a number)
+      joblease leases show --key v2:…                      (or: show v2:…)
       joblease leases show --id N
 
     A lone positional value that looks like a run key (2024-02-03) is refused rather than read as an
-    INITIAL job's code; give its code too.
+    INITIAL job's code; give its code too. No such lease: close run keys (or codes) are suggested.
     """
     given = [
         name
@@ -512,22 +549,16 @@ def leases_show(
         )
         if value is not None
     ]
-    if len(given) != 1:
-        raise click.UsageError(
-            "name the lease in exactly one way: KEY, CODE [RUN_KEY], --key KEY, --code CODE [--run-key "
-            f"RUN_KEY] or --id N (got {', '.join(given) if given else 'none'})"
-        )
-    if run_key_opt is not None and code_opt is None:
-        raise click.UsageError("--run-key needs --code CODE: a run key alone does not name a run")
+    _one_way(
+        given,
+        "KEY, CODE [RUN_KEY], --key KEY, --code CODE [--run-key RUN_KEY] or --id N",
+        run_key_opt,
+        code_opt,
+    )
     target: str | int
-    if lease_id is not None:
-        target = lease_id
-    elif key_opt is not None:
-        if not _KEY_RE.fullmatch(key_opt.strip()):
-            raise click.BadParameter(f"{key_opt!r} is not a v2: idempotency key", param_hint="--key")
-        target = key_opt.strip()
-    elif code_opt is not None:
-        target, run_key = code_opt, run_key_opt
+    optioned = _optioned_lease(key_opt, code_opt, run_key_opt, lease_id)
+    if optioned is not None:
+        target, run_key = optioned
     else:
         assert key_or_code is not None
         text = key_or_code.strip()
@@ -537,8 +568,8 @@ def leases_show(
         elif run_key is None and _RUN_KEY_LIKE.fullmatch(text):
             raise click.UsageError(
                 f"{text!r} looks like a run key (a date, a time or a number), not a job code. Give its "
-                f"code too: `joblease leases show CODE {text}` (or --code CODE --run-key {text}); for an "
-                f"INITIAL job whose code really is {text!r}, `--code {text}`; for a lease id, `--id {text}`."
+                f"code too: `joblease leases show --code CODE --run-key {text}`; for an INITIAL job whose "
+                f"code really is {text!r}, `--code {text}`; for a lease id, `--id {text}`."
             )
         target = key_or_code
     row = admin.show_lease(_state().engine(), target, run_key)
@@ -575,7 +606,8 @@ def _lease_ref(text: str) -> str | int:
 
 
 @leases.command("fail", short_help="Reset stuck or failed runs so the next claim retries them.")
-@click.argument("keys", nargs=-1, required=True, metavar="KEY_OR_ID...")
+@click.argument("keys", nargs=-1, required=False, metavar="[KEY_OR_ID...]")
+@lease_options
 @click.option(
     "--force",
     is_flag=True,
@@ -586,17 +618,68 @@ def _lease_ref(text: str) -> str | int:
 @click.option(
     "--reason", default="marked failed by an operator", show_default=True, help="Recorded in last_error."
 )
-def leases_fail(keys: tuple[str, ...], force: bool, reason: str) -> None:
+def leases_fail(
+    keys: tuple[str, ...],
+    key_opt: str | None,
+    code_opt: str | None,
+    run_key_opt: str | None,
+    lease_id: int | None,
+    force: bool,
+    reason: str,
+) -> None:
     """Reset stuck or failed runs to FAIL so the next claim retries them with the same idempotency key.
 
-    Each KEY_OR_ID is a v2: key or a numeric lease id. The old holder is fenced out (new owner token).
-    A live lease is refused unless --force; a SUCCESS row is always refused (purge it instead).
+    \b
+      joblease leases fail --code CODE --run-key RUN_KEY   a SCHEDULE run (as `leases show` names it)
+      joblease leases fail --code CODE                     an INITIAL run
+      joblease leases fail --key v2:… | --id N
+      joblease leases fail KEY_OR_ID...                    several v2: keys or numeric ids at once
+
+    The old holder is fenced out (new owner token). A live lease is refused unless --force; a SUCCESS
+    row is always refused (purge it instead).
     """
+    given = [
+        name
+        for name, value in (
+            ("KEY_OR_ID...", keys or None),
+            ("--key", key_opt),
+            ("--code", code_opt),
+            ("--id", lease_id),
+        )
+        if value is not None
+    ]
+    _one_way(
+        given, "--code CODE [--run-key RUN_KEY], --key KEY, --id N, or KEY_OR_ID...", run_key_opt, code_opt
+    )
+    refs: list[str | int]
+    optioned = _optioned_lease(key_opt, code_opt, run_key_opt, lease_id)
+    if optioned is not None:
+        target, run_key = optioned
+        if isinstance(target, str) and not _KEY_RE.fullmatch(target):
+            # A code (and run key): find the row first, so a near miss gets the same hints as `show`.
+            refs = [admin.show_lease(_state().engine(), target, run_key).id]
+        else:
+            refs = [target]
+    else:
+        bad = [ref for ref in keys if not (ref.isdigit() or _KEY_RE.fullmatch(ref.strip()))]
+        if bad:
+            code, *rest = keys
+            suggestion = (
+                f"joblease leases fail --code {code} --run-key {rest[0]}"
+                if len(keys) == 2 and not code.isdigit() and not _KEY_RE.fullmatch(code)
+                else "joblease leases fail --code CODE --run-key RUN_KEY"
+            )
+            raise click.UsageError(
+                f"{bad[0]!r} is neither a v2: key nor a numeric lease id. Positional arguments of "
+                f"`leases fail` are keys or ids (several at once); name a run by its code with the options "
+                f"`leases show` takes too: `{suggestion}` (an INITIAL run: `--code CODE`)."
+            )
+        refs = [_lease_ref(ref) for ref in keys]
     engine = _state().engine()
     worst = 0
-    for ref in keys:
+    for ref in refs:
         try:
-            outcome = admin.reset_lease(engine, _lease_ref(ref), force=force, reason=reason)
+            outcome = admin.reset_lease(engine, ref, force=force, reason=reason)
         except (errors.NotFoundError, admin.AdminRefusedError, admin.AdminArgumentError) as exc:
             click.echo(f"Error: {ref}: {exc}", err=True)
             worst = max(worst, exit_code_for(exc))
@@ -722,6 +805,61 @@ def outbox_list(status: str | None, topic: str | None, limit: int, as_json: bool
     )
 
 
+@outbox.command("status", short_help="Per topic and limit group: due, in flight, paused, limits.")
+@click.option(
+    "--routes",
+    "routes_file",
+    type=click.Path(exists=True, dir_okay=False, path_type=Path),
+    help="The dispatcher's routes file, to show each topic's limit group (optional).",
+)
+@click.option("--route", "route_specs", multiple=True, metavar="TOPIC=URL", help="A route; repeat for more.")
+@json_option
+def outbox_status(routes_file: Path | None, route_specs: tuple[str, ...], as_json: bool) -> None:
+    """Delivery status on the database clock: per topic the rows due, in flight, waiting (backoff or
+    pause), retrying and dead; per limit group the requests in flight (every dispatcher), the limits in
+    force, and a pause (until when, and why). Give the routes to see which group each topic is in."""
+    from dagster_joblease import delivery_status
+
+    routes = _routes(routes_file, route_specs) if routes_file or route_specs else {}
+    status = delivery_status.delivery_status(
+        _state().engine(), topic_groups={t: str(r.limit_group) for t, r in routes.items()}
+    )
+    if as_json:
+        _echo_json(status.to_json())
+        return
+    if not status.topics:
+        click.echo("no pending or dead outbox rows")
+    else:
+        click.echo(
+            render_table(
+                ["TOPIC", "GROUP", "DUE", "IN FLIGHT", "WAITING", "RETRYING", "DEAD"],
+                [
+                    [t.topic, t.limit_group, t.due, t.in_flight, t.waiting, t.retrying, t.dead]
+                    for t in status.topics
+                ],
+                {"TOPIC": 40, "GROUP": 40},
+            )
+        )
+    if status.groups:
+        click.echo("")
+        click.echo(
+            render_table(
+                ["LIMIT GROUP", "IN FLIGHT", "RATE", "PAUSED UNTIL", "REASON"],
+                [
+                    [
+                        g.limit_group,
+                        f"{g.in_flight}/{g.max_in_flight}" if g.max_in_flight else g.in_flight,
+                        f"{g.rate}/s (booked {human_ms(g.rate_busy_ms)} ahead)" if g.rate else None,
+                        f"{g.paused_until} (in {human_ms(g.pause_remaining_ms)})" if g.paused_until else None,
+                        g.pause_reason,
+                    ]
+                    for g in status.groups
+                ],
+                {"LIMIT GROUP": 40, "REASON": ERROR_CELL_CHARS},
+            )
+        )
+
+
 @outbox.command("requeue", short_help="Make dead rows due again with their original key.")
 @click.argument("row_id", type=int, required=False, metavar="[ID]")
 @click.option("--all-dead", is_flag=True, help="Requeue every DEAD row.")
@@ -737,7 +875,11 @@ def outbox_requeue(row_id: int | None, all_dead: bool, topic: str | None) -> Non
     if row_id is not None and (all_dead or topic is not None):
         raise click.UsageError("give either an ID or --all-dead/--topic, not both")
     count = admin.requeue(_state().engine(), row_id=row_id, all_dead=all_dead, topic=topic)
-    click.echo(f"requeued {count} row(s); they keep their idempotency keys and are due now")
+    click.echo(
+        f"requeued {count} row(s); they keep their idempotency keys and are due now. Their retention "
+        "clock restarts: a route's dedupe_window counts from the next attempt (requeueing a row that was "
+        "dead-lettered past its window sends it again, which you decided is right)"
+    )
 
 
 @outbox.command("purge", short_help="Delete SENT rows older than a window.")
@@ -768,6 +910,21 @@ def outbox_purge(sent_before: int, min_retention: int | None, dry_run: bool) -> 
 
 
 # -- dispatch --------------------------------------------------------------------------------------
+
+
+def _routes(routes_file: Path | None, route_specs: Sequence[str]) -> dict[str, Any]:
+    """The routes of ``--routes FILE`` and ``--route TOPIC=URL`` (the latter win on the same topic)."""
+    try:
+        from dagster_joblease import dispatch
+    except ImportError as exc:
+        raise CliConfigError(f"dispatch is unavailable in this installation: {exc}") from exc
+    routes: dict[str, Any] = dict(dispatch.load_routes(routes_file)) if routes_file else {}
+    for spec in route_specs:
+        topic, sep, url = spec.partition("=")
+        if not sep or not topic.strip() or not url.strip():
+            raise click.BadParameter(f"{spec!r} is not TOPIC=URL", param_hint="--route")
+        routes[topic.strip()] = dispatch.Route(url.strip())
+    return routes
 
 
 class _LogToProgress(logging.Handler):
@@ -804,12 +961,18 @@ class _Progress:
         self.quiet = quiet
         self.batches = 0
         self.totals = {"claimed": 0, "sent": 0, "retried": 0, "dead": 0}
+        self.expired = 0
+        self.paused: dict[str, tuple[str, str]] = {}
+        self.limited: set[str] = set()
         self._line_open = False
 
     def __call__(self, report: Any) -> None:
         self.batches += 1
         for name in self.totals:
             self.totals[name] += int(getattr(report, name))
+        self.expired += int(getattr(report, "expired", 0))
+        self.paused.update(getattr(report, "paused", {}))
+        self.limited |= set(getattr(report, "limited", ()))
         if self.quiet:
             return
         if self.tty:
@@ -897,23 +1060,20 @@ def dispatch_command(
     --once delivers every row due now and exits; --loop keeps polling.
 
     Prints a live progress line on a terminal, plain lines otherwise, and a final summary (claimed, sent,
-    retried, dead); dead rows and other warnings go to stderr. With --json, stdout holds only the final
+    retried, dead); dead rows and other warnings go to stderr, and so do a paused limit group (until when,
+    and why) and due rows of topics these routes do not route. With --json, stdout holds only the final
     totals as JSON.
+
+    Exit code with --once: 1 when this pass dead-lettered rows (the message says how many and how to
+    requeue them), else 0; rows of unrouted topics and pauses are reported, not failed.
     """
     if mode is None:
         raise click.UsageError("give --once or --loop")
     if not routes_file and not route_specs:
         raise click.UsageError("no routes: give --routes FILE or --route TOPIC=URL")
-    try:
-        from dagster_joblease import dispatch
-    except ImportError as exc:
-        raise CliConfigError(f"dispatch is unavailable in this installation: {exc}") from exc
-    routes: dict[str, Any] = dict(dispatch.load_routes(routes_file)) if routes_file else {}
-    for spec in route_specs:
-        topic, sep, url = spec.partition("=")
-        if not sep or not topic.strip() or not url.strip():
-            raise click.BadParameter(f"{spec!r} is not TOPIC=URL", param_hint="--route")
-        routes[topic.strip()] = dispatch.Route(url.strip())
+    from dagster_joblease import dispatch, outbox
+
+    routes = _routes(routes_file, route_specs)
     engine = _state().engine()
     progress = _Progress(tty=sys.stdout.isatty() and not as_json, quiet=as_json)
     with (
@@ -931,7 +1091,39 @@ def dispatch_command(
                 poll_interval_s=poll_interval, max_batches=max_batches, on_report=progress, limit=batch_size
             )
             progress.totals = {k: int(getattr(totals, k)) for k in progress.totals}
+            progress.expired, progress.paused = totals.expired, totals.paused
+    groups = {topic: str(route.limit_group) for topic, route in routes.items()}
+    with storage_engine.translate_errors("read pauses"), engine.connect() as conn:
+        pauses = outbox.paused_groups(conn, groups)
+    unrouted, unrouted_topics = outbox.unrouted_due(engine, topics=list(routes))
+    notes = [f"paused: {p.describe()}" for p in pauses]
+    if unrouted:
+        named = ", ".join(f"{t} ({n})" for t, n in unrouted_topics.items())
+        notes.append(
+            f"{unrouted} due row(s) of topics this location does not route: {named} (left for the "
+            "dispatcher that routes them)"
+        )
+    dead = progress.totals["dead"]
+    if dead:
+        notes.append(
+            f"{dead} row(s) were dead-lettered in this pass ({progress.expired} past their route's "
+            "dedupe_window: reconcile those effects first); fix the cause, then requeue deliberately: "
+            "`joblease outbox requeue --all-dead` (or --topic TOPIC, or one ID)"
+        )
     if as_json:
-        _echo_json({**progress.totals, "batches": progress.batches})
+        _echo_json(
+            {
+                **progress.totals,
+                "batches": progress.batches,
+                "expired": progress.expired,
+                "paused": [dataclasses.asdict(p) for p in pauses],
+                "unrouted_due": unrouted,
+                "unrouted_due_topics": unrouted_topics,
+            }
+        )
     else:
         click.echo(progress.summary())
+    for note in notes:
+        click.echo(note, err=True)
+    if dead and mode == "once":
+        sys.exit(EXIT_FAILED)

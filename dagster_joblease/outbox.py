@@ -8,25 +8,27 @@ is refused here, before anything is written, rather than discovered by the dispa
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import enum
 import functools
 import hashlib
 import json
 import re
-from collections.abc import Collection
-from typing import TYPE_CHECKING, Any
+from collections.abc import Collection, Iterable, Mapping, Sequence
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 import psycopg
 import sqlalchemy as sa
 from sqlalchemy.dialects import postgresql, sqlite
 from sqlalchemy.dialects.postgresql import psycopg as psycopg_dialect
 
-from dagster_joblease import errors
+from dagster_joblease import errors, route_groups
+from dagster_joblease.storage import rowset
 from dagster_joblease.storage.clock import db_now, ms_until
 from dagster_joblease.storage.engine import translate_errors
 from dagster_joblease.storage.schema import outbox_table
-from dagster_joblease.storage.transaction import callers_transaction
+from dagster_joblease.storage.transaction import CallersTransaction, callers_transaction
 
 if TYPE_CHECKING:
     from sqlalchemy import orm
@@ -36,11 +38,16 @@ __all__ = [
     "MAX_KEY_LENGTH",
     "MAX_TOPIC_LENGTH",
     "DueSummary",
+    "GroupPause",
+    "OutboxItem",
     "OutboxStatus",
     "canonical_json",
     "due_clause",
     "due_summary",
+    "enqueue_many",
     "enqueue_once",
+    "paused_groups",
+    "unrouted_due",
     "payload_fingerprint",
 ]
 
@@ -274,19 +281,8 @@ def enqueue_once(
     """
     target = callers_transaction(connection, clause=outbox_table)
     driver = target.driver
-    _check_text("idempotency_key", idempotency_key, MAX_KEY_LENGTH, ascii_only=True)
-    _check_text("topic", topic, MAX_TOPIC_LENGTH, ascii_only=False)
-    limit = _check_max_bytes(max_payload_bytes)
-    text = canonical_json(payload)
-    data = _encode(text)
-    if len(data) > limit:
-        raise errors.InvalidPayloadError(
-            "payload",
-            f"is {len(data)} bytes of canonical JSON; at most {limit} are allowed. Keep payloads minimal "
-            "(send ids, let the consumer fetch the rest) or raise max_payload_bytes",
-        )
-    fingerprint = hashlib.sha256(data).hexdigest()
-    params = (idempotency_key, topic, text, fingerprint)
+    params = _prepare_row(idempotency_key, topic, payload, _check_max_bytes(max_payload_bytes))
+    fingerprint = params[3]
     # Two rounds: a conflicting row can vanish between the INSERT and the read (a concurrent purge or a
     # rolled-back writer); the second INSERT then simply succeeds.
     for _ in range(2):
@@ -314,6 +310,234 @@ def enqueue_once(
     )
 
 
+# -- enqueue_many: one multi-row statement for a set of rows ----------------------------------------------
+
+
+class OutboxItem(NamedTuple):
+    """One row for :func:`enqueue_many` (a plain ``(idempotency_key, topic, payload)`` tuple works too)."""
+
+    idempotency_key: str
+    topic: str
+    payload: Any
+
+
+def _prepare_row(idempotency_key: object, topic: object, payload: Any, limit: int) -> _Params:
+    """Validate one outbox row (key, topic, payload of at most ``limit`` bytes); its parameters (key,
+    topic, canonical text, sha256). :func:`enqueue_once` and :func:`enqueue_many` share it."""
+    _check_text("idempotency_key", idempotency_key, MAX_KEY_LENGTH, ascii_only=True)
+    _check_text("topic", topic, MAX_TOPIC_LENGTH, ascii_only=False)
+    assert isinstance(idempotency_key, str) and isinstance(topic, str)
+    text = canonical_json(payload)
+    data = _encode(text)
+    if len(data) > limit:
+        raise errors.InvalidPayloadError(
+            "payload",
+            f"is {len(data)} bytes of canonical JSON; at most {limit} are allowed. Keep payloads minimal "
+            "(send ids, let the consumer fetch the rest) or raise max_payload_bytes",
+        )
+    return (idempotency_key, topic, text, hashlib.sha256(data).hexdigest())
+
+
+_MANY_COLUMNS = (
+    ("key", sa.String()),
+    ("topic", sa.String()),
+    ("payload_text", sa.Text()),
+    ("sha256", sa.String()),
+)
+_MANY_NAMES = tuple(name for name, _ in _MANY_COLUMNS)
+
+
+@functools.cache
+def _many_statements(dialect_name: str) -> tuple[Any, Any, Any]:
+    """``INSERT … SELECT … FROM <rows> ORDER BY key ON CONFLICT DO NOTHING RETURNING idempotency_key``,
+    the read of the rows that were already there, and the delete that takes back a refused call's rows."""
+    t = outbox_table
+    source = rowset.rows_source(dialect_name, _MANY_COLUMNS, joined=False)
+    payload: sa.ColumnElement[Any] = source.c.payload_text
+    if dialect_name == "postgresql":
+        payload = sa.cast(payload, postgresql.JSONB())
+    rows = (
+        sa.select(
+            source.c.key,
+            source.c.topic,
+            payload,
+            source.c.sha256,
+            _PENDING_TEXT,
+            sa.literal_column("0", sa.Integer()),
+            db_now(),
+            db_now(),
+            db_now(),
+        )
+        .select_from(source)
+        .where(sa.true())  # SQLite: INSERT … SELECT … ON CONFLICT needs a WHERE to parse
+        .order_by(source.c.key)  # key order: overlapping sets wait for each other, never deadlock
+    )
+    columns = ["idempotency_key", "topic", "payload", "payload_sha256", "status", "attempts"]
+    columns += ["next_attempt_at", "created_at", "updated_at"]
+    insert = (postgresql.insert if dialect_name == "postgresql" else sqlite.insert)(t)
+    insert_stmt = (
+        insert.from_select(columns, rows)
+        .on_conflict_do_nothing(index_elements=[t.c.idempotency_key])
+        .returning(t.c.idempotency_key)
+    )
+    keys = rowset.rows_source(dialect_name, (("key", sa.String()),))
+    read = (t.c.idempotency_key, t.c.payload_sha256, t.c.topic)
+    if dialect_name == "postgresql":
+        # One index lookup per key (LATERAL): linear whatever the planner's row estimates say.
+        found = sa.select(*read).where(t.c.idempotency_key == keys.c.key).lateral("l")
+        existing = sa.select(*(found.c[c.name] for c in read)).select_from(keys.join(found, sa.true()))
+    else:
+        existing = sa.select(*read).select_from(t.join(keys, t.c.idempotency_key == keys.c.key))
+    keys_again = rowset.rows_source(dialect_name, (("key", sa.String()),), joined=False)
+    delete = sa.delete(t).where(t.c.idempotency_key.in_(sa.select(keys_again.c.key)))
+    return insert_stmt, existing, delete
+
+
+@functools.cache
+def _many_psycopg_sql() -> tuple[tuple[str, tuple[str, ...]], ...]:
+    """:func:`_many_statements` compiled once for psycopg (positional ``%s``), with their parameter names."""
+    dialect = psycopg_dialect.dialect(paramstyle="format")  # type: ignore[no-untyped-call]
+    compiled = []
+    for statement in _many_statements("postgresql"):
+        form = statement.compile(dialect=dialect)
+        assert form.positiontup is not None
+        compiled.append((str(form), tuple(form.positiontup)))
+    return tuple(compiled)
+
+
+class _ManyRunner:
+    """Runs :func:`_many_statements` where :func:`callers_transaction` says: on the psycopg driver
+    connection (as :func:`enqueue_once` does), or through the SQLAlchemy connection."""
+
+    def __init__(self, target: CallersTransaction) -> None:
+        self.target = target
+        self.dialect = target.dialect_name
+
+    def run(self, which: int, names: Sequence[str], rows: Sequence[Sequence[Any]]) -> list[Any]:
+        params = rowset.bind_rows(self.dialect, names, rows)
+        with translate_errors("enqueue outbox rows"):
+            if self.target.driver is not None:
+                sql, order = _many_psycopg_sql()[which]
+                with self.target.driver.cursor() as cursor:
+                    cursor.execute(sql, tuple(params[name] for name in order))
+                    return cursor.fetchall() if cursor.description is not None else []
+            assert self.target.connection is not None
+            result = self.target.connection.execute(_many_statements(self.dialect)[which], params)
+            return list(result.all()) if result.returns_rows else []
+
+
+def _check_items(items: object, limit: int) -> list[_Params]:
+    if isinstance(items, str | bytes | dict) or not isinstance(items, Iterable):
+        raise errors.InvalidPayloadError(
+            "rows", "must be a list (or another iterable) of OutboxItem(idempotency_key, topic, payload)"
+        )
+    prepared: list[_Params] = []
+    seen: set[str] = set()
+    for index, item in enumerate(items):
+        if len(prepared) >= rowset.MAX_ROWS:
+            raise errors.InvalidPayloadError(
+                "rows", f"hold more than {rowset.MAX_ROWS} rows; at most that many per call, split the set"
+            )
+        if not isinstance(item, tuple) or len(item) != 3:
+            raise errors.InvalidPayloadError(
+                f"row {index}",
+                "must be an OutboxItem(idempotency_key, topic, payload) or a 3-tuple, got "
+                f"{type(item).__name__}",
+            )
+        key, topic, payload = item
+        try:
+            row = _prepare_row(key, topic, payload, limit)
+        except errors.InvalidPayloadError as exc:
+            raise errors.InvalidPayloadError(
+                f"{exc.field} of row {index} (key {key!r:.60})", exc.rule
+            ) from None
+        if row[0] in seen:
+            raise errors.InvalidPayloadError(
+                f"row {index}", f"repeats the idempotency key {row[0]!r}; one key is one effect, pass it once"
+            )
+        seen.add(row[0])
+        prepared.append(row)
+    if not prepared:
+        raise errors.InvalidPayloadError("rows", "is empty; pass at least one row")
+    return prepared
+
+
+def enqueue_many(
+    connection: sa.Connection | psycopg.Connection[Any] | orm.Session,
+    rows: Iterable[OutboxItem | tuple[str, str, Any]],
+    *,
+    max_payload_bytes: int = DEFAULT_MAX_PAYLOAD_BYTES,
+) -> tuple[bool, ...]:
+    """Add one pending outbox row per item inside the caller's transaction, with one multi-row statement.
+
+    Per row, the result (in the given order) is True if inserted, False if the same key was already
+    there with the same topic and payload: :func:`enqueue_once`'s rules, for a set. The connection
+    styles and the refusal of a connection that would commit on its own are :func:`enqueue_once`'s
+    (one rule: :func:`dagster_joblease.storage.transaction.callers_transaction`).
+    Every row is validated as :func:`enqueue_once` validates one (errors name the row's index and key)
+    before any SQL is sent; a key repeated within the call is refused too. If any key already holds
+    another payload or topic, :class:`OutboxConflictError` names it (the first in key order) and the
+    call writes nothing (rows it had inserted are taken back in the same transaction). At most
+    :data:`~dagster_joblease.storage.rowset.MAX_ROWS` rows per call; rows are written in key order.
+
+    Statements: one ``INSERT … SELECT … ON CONFLICT DO NOTHING RETURNING`` per 10,000 rows; a read of
+    the rows that were already there only when some were.
+
+    Example, one outbox row per day of a range, in the transaction that bills the range::
+
+        with fenced_transaction_many(service, claim.leases) as conn:
+            conn.execute(...)
+            enqueue_many(conn, [OutboxItem(x.idempotency_key, "billing", {"day": x.identity.run_key})
+                                for x in claim.leases])
+    """
+    target = callers_transaction(connection, clause=outbox_table)
+    limit = _check_max_bytes(max_payload_bytes)
+    prepared = _check_items(rows, limit)
+    runner = _ManyRunner(target)
+    ordered = sorted(prepared, key=lambda row: row[0])
+    inserted: set[str] = set()
+    try:
+        for start in range(0, len(ordered), rowset.ROWS_PER_STATEMENT):
+            _enqueue_chunk(runner, ordered[start : start + rowset.ROWS_PER_STATEMENT], inserted)
+    except errors.OutboxConflictError:
+        if inserted:  # take back what this call inserted: it writes all of its rows or none
+            runner.run(2, ("key",), [(key,) for key in sorted(inserted)])
+        raise
+    return tuple(row[0] in inserted for row in prepared)
+
+
+def _enqueue_chunk(runner: _ManyRunner, chunk: list[_Params], inserted: set[str]) -> None:
+    pending = chunk
+    # Two rounds, as enqueue_once: a conflicting row can vanish between the INSERT and the read.
+    for _ in range(2):
+        inserted.update(row[0] for row in runner.run(0, _MANY_NAMES, pending))
+        met = [row for row in pending if row[0] not in inserted]
+        if not met:
+            return
+        found = {
+            key: (sha256, topic) for key, sha256, topic in runner.run(1, ("key",), [(r[0],) for r in met])
+        }
+        pending = []
+        for key, topic, _text, fingerprint in met:
+            if key not in found:
+                pending.append((key, topic, _text, fingerprint))
+                continue
+            existing_sha256, existing_topic = found[key]
+            if existing_sha256 != fingerprint or existing_topic != topic:
+                raise errors.OutboxConflictError(
+                    idempotency_key=key,
+                    existing_sha256=existing_sha256,
+                    new_sha256=fingerprint,
+                    existing_topic=existing_topic,
+                    new_topic=topic,
+                )
+        if not pending:
+            return
+    raise errors.StorageError(
+        f"outbox key {pending[0][0]!r} conflicted but could not be read back twice; retry the transaction"
+    )
+
+
 @dataclasses.dataclass(frozen=True)
 class DueSummary:
     """How much is waiting: rows a dispatcher could claim now, how long the oldest has waited, and how many
@@ -322,6 +546,59 @@ class DueSummary:
     due: int
     oldest_due_age_ms: int | None
     retrying: int = 0
+    #: Due rows not counted in ``due`` because their limit group is paused (see ``pauses``).
+    paused_due: int = 0
+    pauses: tuple[GroupPause, ...] = ()
+
+
+@dataclasses.dataclass(frozen=True)
+class GroupPause:
+    """A limit group paused now (a downstream's Retry-After, or repeated connection failures)."""
+
+    limit_group: str
+    paused_until: str  #: ISO 8601, UTC
+    remaining_ms: int
+    reason: str
+    topics: tuple[str, ...]
+
+    def describe(self) -> str:
+        return (
+            f"limit group {self.limit_group} (topics {', '.join(self.topics)}) is paused for another "
+            f"{self.remaining_ms / 1000:.1f} s, until {self.paused_until}: {self.reason}"
+        )
+
+
+def paused_groups(conn: sa.Connection, topic_groups: Mapping[str, str]) -> tuple[GroupPause, ...]:
+    """The groups of ``topic_groups`` (topic → limit group) paused now, on the database clock."""
+    if not topic_groups:
+        return ()
+    states = route_groups.read_states(conn, set(topic_groups.values()))
+    pauses = []
+    for name, state in states.items():
+        if state.paused and state.paused_until is not None:
+            pauses.append(
+                GroupPause(
+                    limit_group=name,
+                    paused_until=state.paused_until.isoformat(),
+                    remaining_ms=state.pause_remaining_ms,
+                    reason=state.pause_reason or "",
+                    topics=tuple(sorted(t for t, g in topic_groups.items() if g == name)),
+                )
+            )
+    return tuple(pauses)
+
+
+def _check_groups(groups: object) -> dict[str, str] | None:
+    if groups is None:
+        return None
+    if not isinstance(groups, Mapping) or not all(
+        isinstance(k, str) and isinstance(v, str) for k, v in groups.items()
+    ):
+        raise errors.ConfigurationError(
+            f"groups={groups!r} must map topic names to limit group names (e.g. {{t: r.limit_group for t, r "
+            "in routes.items()}}), or be None"
+        )
+    return dict(groups)
 
 
 def _check_topics(topics: object) -> list[str] | None:
@@ -339,16 +616,39 @@ def _check_topics(topics: object) -> list[str] | None:
 
 
 def due_summary(
-    engine_or_connection: sa.Engine | sa.Connection, *, topics: Collection[str] | None = None
+    engine_or_connection: sa.Engine | sa.Connection,
+    *,
+    topics: Collection[str] | None = None,
+    groups: Mapping[str, str] | None = None,
 ) -> DueSummary:
     """Count due rows, the age of the oldest and the retrying rows, in one query over pending rows only
-    (the partial index of pending rows, or the status/topic index when ``topics`` narrows it).
+    (the partial index of pending rows, ``topics`` filtering them).
 
     ``topics`` limits the summary to those topics (a dispatcher's routed topics); ``None`` means all.
+    ``groups`` (topic → limit group, e.g. ``{t: r.limit_group for t, r in routes.items()}``) leaves out
+    rows of groups paused now: they are counted in ``paused_due`` instead, and ``pauses`` says why and
+    until when (one more read of the small group table; a second count only while a group is paused).
     """
     names = _check_topics(topics)
+    topic_groups = _check_groups(groups)
     if names == []:
         return DueSummary(due=0, oldest_due_age_ms=None, retrying=0)
+    with translate_errors("summarize the outbox"), contextlib.ExitStack() as stack:
+        if isinstance(engine_or_connection, sa.Engine):
+            conn = stack.enter_context(engine_or_connection.connect())
+        else:
+            conn = engine_or_connection
+        pauses = paused_groups(conn, topic_groups) if topic_groups else ()
+        paused_topics = sorted({t for p in pauses for t in p.topics})
+        if paused_topics:
+            summary = _due_summary(conn, names, exclude=paused_topics)
+            paused_due = _due_summary(conn, paused_topics).due
+            return dataclasses.replace(summary, paused_due=paused_due, pauses=pauses)
+        return _due_summary(conn, names)
+
+
+def _due_summary(conn: sa.Connection, names: list[str] | None, exclude: Sequence[str] = ()) -> DueSummary:
+    """The due summary over ``names`` (None: every topic) less the ``exclude`` topics."""
     t = outbox_table
     due = sa.and_(
         t.c.next_attempt_at <= db_now(),
@@ -366,13 +666,9 @@ def due_summary(
     )
     if names is not None:
         stmt = stmt.where(t.c.topic.in_(names))
-    with translate_errors("summarize the outbox"):
-        if isinstance(engine_or_connection, sa.Engine):
-            with engine_or_connection.connect() as conn:
-                row = conn.execute(stmt).one()
-        else:
-            row = engine_or_connection.execute(stmt).one()
-    count, age, retrying = row
+    if exclude:
+        stmt = stmt.where(t.c.topic.not_in(exclude))
+    count, age, retrying = conn.execute(stmt).one()
     return DueSummary(
         due=int(count),
         oldest_due_age_ms=None if age is None else max(0, int(age)),
@@ -397,6 +693,9 @@ class DeliveryHealth:
     unrouted: int
     oldest_unrouted_age_ms: int | None
     unrouted_topics: tuple[str, ...]
+    #: As in :class:`DueSummary`: due rows of paused groups (left out of ``due``) and the pauses.
+    paused_due: int = 0
+    pauses: tuple[GroupPause, ...] = ()
 
 
 def delivery_health(
@@ -404,14 +703,14 @@ def delivery_health(
     *,
     topics: Collection[str] | None = None,
     unrouted_after_ms: int = 15 * 60_000,
+    groups: Mapping[str, str] | None = None,
 ) -> DeliveryHealth:
-    """Summarize delivery for ``topics`` (``None``: every topic) in a few indexed queries.
+    """Summarize delivery for ``topics`` (``None``: every topic) in a few indexed queries; ``groups``
+    (topic → limit group) leaves paused groups' rows out of ``due``, as :func:`due_summary` does.
 
-    Pending rows are read through the partial index of pending rows; dead rows through the
-    ``(status, topic)`` index. All ages come from the database clock.
+    Pending rows are read through the partial index of pending rows; dead rows through the partial
+    index of dead rows. All ages come from the database clock.
     """
-    import contextlib
-
     from dagster_joblease.storage.clock import db_now_plus_ms
 
     scoped = _check_topics(topics)
@@ -429,7 +728,7 @@ def delivery_health(
             conn = stack.enter_context(engine_or_connection.connect())
         else:
             conn = engine_or_connection
-        summary = due_summary(conn, topics=scoped)
+        summary = due_summary(conn, topics=scoped, groups=groups)
         dead = int(conn.execute(dead_stmt).scalar_one())
         unrouted, unrouted_age, unrouted_topics = 0, None, ()
         if scoped is not None:
@@ -455,4 +754,25 @@ def delivery_health(
         unrouted=int(unrouted),
         oldest_unrouted_age_ms=None if unrouted_age is None else max(0, int(unrouted_age)),
         unrouted_topics=unrouted_topics,
+        paused_due=summary.paused_due,
+        pauses=summary.pauses,
     )
+
+
+def unrouted_due(
+    engine_or_connection: sa.Engine | sa.Connection, *, topics: Collection[str]
+) -> tuple[int, dict[str, int]]:
+    """Due rows of topics *not* in ``topics`` (another location's, or nobody's): the total and the count
+    per topic (at most 20 topics named). One query over the partial index of pending rows."""
+    scoped = _check_topics(topics) or []
+    t = outbox_table
+    stmt = sa.select(t.c.topic, sa.func.count()).where(due_clause()).group_by(t.c.topic).order_by(t.c.topic)
+    if scoped:
+        stmt = stmt.where(t.c.topic.not_in(scoped))
+    with translate_errors("count unrouted due outbox rows"), contextlib.ExitStack() as stack:
+        if isinstance(engine_or_connection, sa.Engine):
+            conn = stack.enter_context(engine_or_connection.connect())
+        else:
+            conn = engine_or_connection
+        counts = {topic: int(n) for topic, n in conn.execute(stmt)}
+    return sum(counts.values()), dict(list(counts.items())[:20])

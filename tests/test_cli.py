@@ -190,11 +190,11 @@ def test_schema_behind_exits_2_and_changes_nothing_until_db_upgrade(empty_pg_url
 def test_db_check_reports_drift_with_exit_1(pg_url: str) -> None:
     engine = create_engine(pg_url)
     with engine.begin() as conn:
-        conn.exec_driver_sql("DROP INDEX ix_joblease_outbox_status_topic")
+        conn.exec_driver_sql("DROP INDEX ix_joblease_outbox_dead")
     engine.dispose()
     result = run(pg_url, "db", "check")
     assert result.exit_code == 1
-    assert "ix_joblease_outbox_status_topic" in result.output
+    assert "ix_joblease_outbox_dead" in result.output
     doc = json.loads(run(pg_url, "db", "check", "--json").output)
     assert doc["ok"] is False and doc["current_revision"] == HEAD_REVISION and doc["differences"]
 
@@ -244,6 +244,7 @@ def test_own_schema_via_search_path_and_no_prepared_statements(empty_pg_url: str
         ("joblease", "joblease_inbox"),
         ("joblease", "joblease_lease"),
         ("joblease", "joblease_outbox"),
+        ("joblease", "joblease_route_group"),
     ]
     engine.dispose()
 

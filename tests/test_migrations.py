@@ -26,7 +26,7 @@ from dagster_joblease.storage.schema import HEAD_REVISION, VERSION_TABLE
 from tests import lease_workers
 from tests.conftest import _admin_execute, admin_url
 
-OUR_TABLES = {"joblease_lease", "joblease_outbox", "joblease_inbox", VERSION_TABLE}
+OUR_TABLES = {"joblease_lease", "joblease_outbox", "joblease_inbox", "joblease_route_group", VERSION_TABLE}
 
 
 @pytest.fixture
@@ -84,10 +84,10 @@ def test_check_schema_is_ok_after_migrate(engine: sa.Engine) -> None:
 
 def test_check_schema_reports_a_dropped_index(engine: sa.Engine) -> None:
     with engine.begin() as conn:
-        conn.execute(sa.text("DROP INDEX ix_joblease_lease_status_finished_at"))
+        conn.execute(sa.text("DROP INDEX ix_joblease_lease_finished_at"))
     diff = check_schema(engine)
     assert not diff.ok
-    assert any("ix_joblease_lease_status_finished_at" in d for d in diff.differences), diff.differences
+    assert any("ix_joblease_lease_finished_at" in d for d in diff.differences), diff.differences
     # The revision alone would not have told us: it still says head.
     assert diff.db_revision == head_revision()
 
@@ -150,3 +150,88 @@ def test_six_processes_migrate_a_fresh_database_at_once(empty_url: str) -> None:
             assert conn.execute(sa.text(f"SELECT count(*) FROM {VERSION_TABLE}")).scalar_one() == 1
     finally:
         engine.dispose()
+
+
+def _index_names(engine: sa.Engine, table: str) -> set[str]:
+    return {ix["name"] for ix in sa.inspect(engine).get_indexes(table) if ix["name"]}
+
+
+def test_index_audit_upgrades_a_0001_database_with_rows_in_place(empty_engine: sa.Engine) -> None:
+    """Rows written under 0001's schema stay claimable, purgeable and countable after the index audit."""
+    from dagster_joblease import admin, outbox
+    from dagster_joblease.identity import JobIdentity
+    from dagster_joblease.lease import LeaseService
+
+    migrate(empty_engine, "0001")
+    assert "ix_joblease_lease_status_finished_at" in _index_names(empty_engine, "joblease_lease")
+    held = JobIdentity.schedule("audit", "held")
+    done = JobIdentity.schedule("audit", "done")
+    now = "CURRENT_TIMESTAMP"
+    with empty_engine.begin() as conn:  # 0001's columns, written the way 0001-era code wrote them
+        for job, status, finished, expires in (
+            (held, "RUNNING", "NULL", "'2999-01-01 00:00:00+00'"),
+            (done, "SUCCESS", "'2000-01-01 00:00:00+00'", "'2000-01-01 00:00:00+00'"),
+        ):
+            conn.execute(
+                sa.text(
+                    "INSERT INTO joblease_lease (lock_key, job_type, code, run_key, status, owner_token, "
+                    "attempt, lease_ms, holder, created_at, acquired_at, heartbeat_at, expires_at, "
+                    "finished_at) "
+                    f"VALUES (:key, 'SCHEDULE', 'audit', :run_key, :status, 'tok', 1, 60000, 'h', {now}, "
+                    f"{now}, {now}, {expires}, {finished})"
+                ),
+                {"key": job.idempotency_key, "run_key": job.run_key, "status": status},
+            )
+        for key, status, sent in (
+            ("v2:p", "PENDING", "NULL"),
+            ("v2:d", "DEAD", "NULL"),
+            ("v2:s", "SENT", now),
+        ):
+            conn.execute(
+                sa.text(
+                    "INSERT INTO joblease_outbox (idempotency_key, topic, payload, payload_sha256, status, "
+                    "attempts, next_attempt_at, created_at, updated_at, sent_at) VALUES (:key, 'billing', "
+                    f"'{{}}', :sha, :status, 0, {now}, {now}, {now}, {sent})"
+                ),
+                {"key": key, "sha": "0" * 64, "status": status},
+            )
+
+    migrate(empty_engine)
+
+    assert current_revision(empty_engine) == head_revision()
+    assert check_schema(empty_engine).ok
+    lease_ix = _index_names(empty_engine, "joblease_lease")
+    outbox_ix = _index_names(empty_engine, "joblease_outbox")
+    assert {"ix_joblease_lease_finished_at", "ix_joblease_lease_live"} <= lease_ix
+    assert "ix_joblease_lease_status_finished_at" not in lease_ix
+    assert "ix_joblease_outbox_dead" in outbox_ix
+    assert "ix_joblease_outbox_status_topic" not in outbox_ix
+    service = LeaseService(empty_engine)
+    assert service.try_acquire(held).reason is not None  # still held by its 0001-era holder
+    assert service.try_acquire(JobIdentity.schedule("audit", "fresh")).acquired
+    day = 86_400_000
+    assert (
+        admin.purge_leases(empty_engine, finished_before_ms=day, min_replay_window_ms=day, dry_run=True) == 1
+    )
+    assert admin.purge_sent(empty_engine, older_than_ms=0, min_retention_ms=0, dry_run=True) == 1
+    assert outbox.delivery_health(empty_engine, topics=["billing"]).dead == 1
+    assert [r.idempotency_key for r in admin.list_outbox(empty_engine, status="dead")] == ["v2:d"]
+    assert [r.idempotency_key for r in admin.list_outbox(empty_engine, status="pending")] == ["v2:p"]
+    running = admin.list_leases(empty_engine, status="running")
+    assert sorted(r.run_key for r in running) == ["fresh", "held"]
+
+
+def test_index_audit_downgrades_to_the_previous_indexes(empty_engine: sa.Engine) -> None:
+    migrate(empty_engine)
+    from alembic import command
+
+    from dagster_joblease.storage.migrate import _config
+
+    with empty_engine.begin() as conn:
+        command.downgrade(_config(conn), "0002")  # the revision before the index audit
+    assert "ix_joblease_lease_status_finished_at" in _index_names(empty_engine, "joblease_lease")
+    assert "ix_joblease_outbox_status_topic" in _index_names(empty_engine, "joblease_outbox")
+    assert "ix_joblease_outbox_dead" not in _index_names(empty_engine, "joblease_outbox")
+    assert "ix_joblease_lease_live" not in _index_names(empty_engine, "joblease_lease")
+    migrate(empty_engine)
+    assert check_schema(empty_engine).ok

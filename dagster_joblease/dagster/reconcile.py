@@ -81,8 +81,8 @@ __all__ = [
     "is_zombie",
 ]
 
-#: Legacy name (before the tag diet): which sensor launched a run is Dagster's ``dagster/sensor_name``.
-TAG_RECONCILE = metadata.TAG_RECONCILE
+#: Which sensor launched a run: Dagster's own ``dagster/sensor_name`` (the relaunch cap counts by it).
+TAG_RECONCILE = metadata.TAG_SENSOR_NAME
 TAG_RELAUNCH = metadata.TAG_RELAUNCH
 TAG_RECONCILE_REASON = metadata.TAG_RECONCILE_REASON
 PARTITION_TAG = "dagster/partition"

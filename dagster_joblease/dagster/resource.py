@@ -151,7 +151,11 @@ class JobLeaseResource(dg.ConfigurableResource):  # type: ignore[type-arg]
         self.resolved_held_wait_ms()
         if self.deployment is not None:
             holders.validate_deployment(self.deployment)
-        engine = storage_engine.create_engine(self.resolved_url())
+        url = self.resolved_url()
+        try:
+            engine = storage_engine.create_engine(url)
+        except errors.ConfigurationError as exc:
+            raise errors.ConfigurationError(f"JobLeaseResource: {self._url_source()}: {exc}") from exc
         try:
             if self.migrate_on_first_use:
                 if current_revision(engine) != head_revision():
@@ -159,11 +163,43 @@ class JobLeaseResource(dg.ConfigurableResource):  # type: ignore[type-arg]
             else:
                 require_schema(engine)
             service = lease.LeaseService(engine, lease_ms=timing.lease_ms, heartbeat_ms=timing.heartbeat_ms)
+        except errors.SchemaNotAtHeadError:
+            engine.dispose()
+            raise
+        except errors.StorageError as exc:
+            engine.dispose()
+            raise errors.StorageError(self.unreachable_message(url, exc)) from exc
         except BaseException:
             engine.dispose()
             raise
         self._engine = engine
         self._service = service
+
+    def _url_source(self) -> str:
+        if self.database_url:
+            return "the URL in its database_url"
+        if os.environ.get(storage_engine.DATABASE_URL_ENV):
+            return f"the URL in ${storage_engine.DATABASE_URL_ENV}"
+        return f"the default SQLite file (${storage_engine.DATABASE_URL_ENV} is unset)"
+
+    def unreachable_message(self, url: str, exc: BaseException) -> str:
+        """What a run or tick says when the joblease database cannot be reached: the resource, where
+        its URL came from, the database (never the user or password) and the variable to fix."""
+        try:
+            parsed = storage_engine.normalize_url(url)
+            where = (
+                f"sqlite file {parsed.database}"
+                if parsed.get_backend_name() == "sqlite"
+                else f"postgresql database {parsed.database!r} on {parsed.host}:{parsed.port or 5432}"
+            )
+        except errors.ConfigurationError:
+            where = "the configured database"
+        detail = storage_engine.scrub_secrets(str(exc), url)
+        return (
+            f"JobLeaseResource cannot use the joblease database ({where}, {self._url_source()}): {detail}. "
+            f"Check ${storage_engine.DATABASE_URL_ENV} (or the resource's database_url) and that the "
+            "database is reachable from here."
+        )
 
     def close(self) -> None:
         """Dispose of the engine (Dagster calls this after each run and each sensor tick)."""

@@ -8,6 +8,7 @@ import os
 import re
 import sqlite3
 import time
+import weakref
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -23,6 +24,7 @@ __all__ = [
     "DATABASE_URL_ENV",
     "create_engine",
     "default_sqlite_url",
+    "fork_safe",
     "normalize_url",
     "redact_url",
     "scrub_secrets",
@@ -36,6 +38,7 @@ SQLITE_BUSY_TIMEOUT_MS = 30_000
 #: A pooled PostgreSQL connection idle at least this long is pinged before reuse.
 IDLE_PING_AFTER_S = 1.0
 _IDLE_SINCE = "joblease_idle_since"
+_PID = "joblease_pid"
 
 
 def default_sqlite_url(*, create: bool = True) -> str:
@@ -142,7 +145,10 @@ def redact_url(url: str | URL) -> str:
 
 
 def _secret_pieces(url: str) -> set[str]:
-    """Every text that is or may be (part of) a credential in ``url``, for :func:`scrub_secrets`."""
+    """What in ``url`` is or may be a credential, for :func:`scrub_secrets`: the password as parsed and,
+    conservatively, everything from the user name's ':' to the LAST '@'; for an ambiguous URL (an unencoded
+    '@'), also what a mis-parse made of it (the host, the database, the user name). Empty when the URL holds
+    no password (a bare file name or a password-less URL is no secret)."""
     pieces: set[str] = set()
     try:
         parsed: URL | None = make_url(url)
@@ -152,15 +158,10 @@ def _secret_pieces(url: str) -> set[str]:
         pieces.add(str(parsed.password))
     _, sep, rest = url.partition("://")
     if sep and "@" in rest:
-        # Conservatively, everything from the user name's ':' to the LAST '@' may be password.
         userinfo = rest[: rest.rfind("@")]
         _user, colon, password = userinfo.partition(":")
         if colon:
             pieces.add(password)
-            for part in re.split(r"[@#/?:]", password):
-                if len(part) >= 2:
-                    pieces.add(part)
-            # And whatever a mis-parse made of it (the host, the database, a dropped query part).
             if parsed is not None and _ambiguous(url, parsed):
                 for value in (parsed.host, parsed.database, parsed.username):
                     if value:
@@ -169,18 +170,29 @@ def _secret_pieces(url: str) -> set[str]:
     return {p for p in pieces if p}
 
 
+def _as_token(piece: str) -> re.Pattern[str]:
+    # A piece is replaced only where it stands as a token of its own (not inside a longer word), so a
+    # one-letter password fragment such as "p" never turns "split" or "urllib.parse" into "s***lit".
+    return re.compile(rf"(?<![A-Za-z0-9]){re.escape(piece)}(?![A-Za-z0-9])")
+
+
 def scrub_secrets(text: str, url: str | URL | None) -> str:
-    """``text`` without the URL, its password, or any piece of the password an ambiguous URL (an
-    unencoded '@', '/', '#') could have scattered into a host name, a database name or a driver error.
+    """``text`` with the URL's password redacted: the whole URL (if it holds a password) shown as
+    :func:`redact_url` shows it, and its password, or any piece an ambiguous URL (an unencoded '@', '/',
+    '#') could have put in a host name, a database name or a driver error, replaced by ``***`` wherever
+    it stands as a token. A URL without a password changes nothing (``joblease.sqlite`` stays readable).
 
     Use it on every message that might quote a driver error or the configured URL (CLI, receiver).
     """
     if url is None:
         return text
     raw = url if isinstance(url, str) else url.render_as_string(hide_password=False)
-    text = text.replace(raw, "<database URL>")
-    for piece in sorted(_secret_pieces(raw), key=len, reverse=True):
-        text = text.replace(piece, "***")
+    pieces = _secret_pieces(raw)
+    if not pieces:
+        return text
+    text = text.replace(raw, redact_url(raw))
+    for piece in sorted(pieces, key=len, reverse=True):
+        text = _as_token(piece).sub("***", text)
     return text
 
 
@@ -242,14 +254,14 @@ def create_engine(url: str | URL | None = None, **kwargs: Any) -> sa.Engine:
         Path(database).parent.mkdir(parents=True, exist_ok=True)
         engine = sa.create_engine(parsed, **kwargs)
         _install_sqlite_pragmas(engine)
-        return engine
+        return fork_safe(engine)
     parsed, driver_args = _postgres_connect_args(parsed)
     if driver_args:
         kwargs["connect_args"] = {**driver_args, **kwargs.get("connect_args", {})}
-    if "pool_pre_ping" in kwargs:
-        return sa.create_engine(parsed, **kwargs)
     engine = sa.create_engine(parsed, **kwargs)
-    _install_idle_ping(engine)
+    fork_safe(engine)  # first: its checkout guard runs before the idle ping
+    if "pool_pre_ping" not in kwargs:
+        _install_idle_ping(engine)
     return engine
 
 
@@ -285,25 +297,106 @@ def _install_idle_ping(engine: sa.Engine) -> None:
     idle sockets), so pinging only those keeps the protection. A connection found dead is replaced (the
     pool retries on DisconnectionError); a failure on a busy connection surfaces once as StorageError and
     SQLAlchemy then recycles the pool.
+
+    The listeners hold the dialect, never the engine: a pool copied from this one (``pool.recreate()``,
+    as the claim connections do) must not keep the engine alive.
     """
+    event.listen(engine, "checkin", _mark_idle)
+    event.listen(engine, "checkout", _IdlePing(engine.dialect))
 
-    @event.listens_for(engine, "checkin")
-    def _on_checkin(_dbapi_connection: Any, record: Any) -> None:
-        record.info[_IDLE_SINCE] = time.monotonic()
 
-    @event.listens_for(engine, "checkout")
-    def _on_checkout(dbapi_connection: Any, record: Any, _proxy: Any) -> None:
+def _mark_idle(_dbapi_connection: Any, record: Any) -> None:
+    record.info[_IDLE_SINCE] = time.monotonic()
+
+
+class _IdlePing:
+    """The checkout listener of :func:`_install_idle_ping` (a class, so it holds only the dialect)."""
+
+    __slots__ = ("__weakref__", "dialect")  # SQLAlchemy keeps listeners by weak reference too
+
+    def __init__(self, dialect: sa.Dialect) -> None:
+        self.dialect = dialect
+
+    def __call__(self, dbapi_connection: Any, record: Any, _proxy: Any) -> None:
         idle_since = record.info.get(_IDLE_SINCE)
         if idle_since is None or time.monotonic() - idle_since < IDLE_PING_AFTER_S:
             return
         try:
-            engine.dialect.do_ping(dbapi_connection)
+            self.dialect.do_ping(dbapi_connection)
         except Exception as exc:
             raise sa.exc.DisconnectionError("pooled connection failed its ping") from exc
 
 
+# -- fork safety -----------------------------------------------------------------------------------
+
+#: The engines made fork-safe, held weakly: a forked child drops their pools (see _after_fork_in_child).
+_FORK_SAFE: weakref.WeakSet[sa.Engine] = weakref.WeakSet()
+
+
+def fork_safe(engine: sa.Engine) -> sa.Engine:
+    """Make ``engine`` safe to use in a forked child (idempotent; returns it). :func:`create_engine` and
+    every :class:`LeaseService` apply it; call it on an engine of your own that a child may inherit.
+
+    SQLAlchemy's two recipes ("Using Connection Pools with Multiprocessing or os.fork()"): at a fork the
+    child replaces the engine's pool by an empty one (``engine.dispose(close=False)``: the parent's
+    connections are neither used nor closed by the child), and a connection checked out in another
+    process than the one that opened it is discarded unclosed, the pool then opening a new one. The
+    engine is held weakly and the listeners hold nothing of it.
+    """
+    if engine not in _FORK_SAFE:
+        if not event.contains(engine, "checkout", _refuse_other_process):
+            event.listen(engine, "connect", _record_process)
+            event.listen(engine, "checkout", _refuse_other_process)
+        _FORK_SAFE.add(engine)
+    return engine
+
+
+def _record_process(_dbapi_connection: Any, record: Any) -> None:
+    record.info[_PID] = os.getpid()
+
+
+def _refuse_other_process(_dbapi_connection: Any, record: Any, proxy: Any) -> None:
+    pid = os.getpid()
+    # A connection opened before the guard was installed is adopted by the process that checks it out
+    # first; a fork's child never sees those (its pool was replaced at the fork).
+    owner = record.info.setdefault(_PID, pid)
+    if owner != pid:
+        # Forget the socket without closing it (closing would end the parent's session), then let the
+        # pool open a new connection.
+        record.dbapi_connection = proxy.dbapi_connection = None
+        raise sa.exc.DisconnectionError(f"connection belongs to process {owner}, not {pid}")
+
+
+def _after_fork_in_child() -> None:
+    for engine in list(_FORK_SAFE):
+        try:
+            engine.dispose(close=False)
+        except Exception:  # pragma: no cover - never break the child's start; the pid guard still holds
+            pass
+
+
+os.register_at_fork(after_in_child=_after_fork_in_child)
+
+
 def _first_line(exc: BaseException) -> str:
     return (str(exc).strip().splitlines() or [type(exc).__name__])[0]
+
+
+#: What the server says when a session's prepared statements are not where the client left them.
+_PREPARED_STATEMENT_HINT = (
+    "the server session lacks a prepared statement this connection made, or already has one of that "
+    "name: the connection goes through a pooler in transaction mode (PgBouncer pool_mode = transaction), "
+    "which runs each transaction on any server connection. Add prepare_threshold=none to the database "
+    "URL (e.g. postgresql+psycopg://user@pgbouncer:6432/db?prepare_threshold=none; your own psycopg "
+    "connections take psycopg.connect(..., prepare_threshold=None)); see docs/operations.md section 2"
+)
+
+
+def _is_prepared_statement_error(exc: BaseException | None) -> bool:
+    """42P05 / 26000, or a Bind that met another client's statement of the same name (08P01)."""
+    if isinstance(exc, psycopg.errors.DuplicatePreparedStatement | psycopg.errors.InvalidSqlStatementName):
+        return True
+    return isinstance(exc, psycopg.errors.ProtocolViolation) and "prepared statement" in str(exc)
 
 
 @contextlib.contextmanager
@@ -311,15 +404,27 @@ def translate_errors(action: str) -> Iterator[None]:
     """Re-raise driver errors as :class:`StorageError` naming the action, never the URL.
 
     Covers SQLAlchemy's wrapped errors and raw psycopg errors (the hot paths that run compiled SQL on
-    the pooled driver connection).
+    the pooled driver connection). A prepared statement missing or duplicated on the server (PgBouncer
+    in transaction mode without ``?prepare_threshold=none``) is a :class:`ConfigurationError` naming
+    the setting instead: retrying cannot fix it.
     """
     try:
         yield
     except sa.exc.DBAPIError as exc:
+        driver_error = exc.orig or exc
+        if _is_prepared_statement_error(driver_error):
+            raise errors.ConfigurationError(
+                f"database error while trying to {action}: {_first_line(driver_error)}; "
+                f"{_PREPARED_STATEMENT_HINT}"
+            ) from exc
         raise errors.StorageError(
-            f"database error while trying to {action}: {_first_line(exc.orig or exc)}"
+            f"database error while trying to {action}: {_first_line(driver_error)}"
         ) from exc
     except psycopg.Error as exc:
+        if _is_prepared_statement_error(exc):
+            raise errors.ConfigurationError(
+                f"database error while trying to {action}: {_first_line(exc)}; {_PREPARED_STATEMENT_HINT}"
+            ) from exc
         raise errors.StorageError(f"database error while trying to {action}: {_first_line(exc)}") from exc
     except sa.exc.SQLAlchemyError as exc:
         raise errors.StorageError(f"database error while trying to {action}: {type(exc).__name__}") from exc

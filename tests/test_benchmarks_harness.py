@@ -1,0 +1,78 @@
+"""The benchmark harness counts what it says and flags what it should (no timing is asserted)."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from benchmarks.__main__ import BEGIN, END, markdown, write_readme
+from benchmarks.harness import Figure, Sample, Stat, figure, rotate, run_window
+
+
+def _counter_setup() -> tuple[object, object]:
+    calls: list[int] = []
+
+    def step(i: int) -> None:
+        calls.append(i)
+
+    return step, (lambda: None)
+
+
+def test_run_window_counts_calls_of_every_process_in_one_window() -> None:
+    sample = run_window(_counter_setup, 3, 0.2, warm=2)  # type: ignore[arg-type]
+    assert sample.rate > 0
+    assert sample.cpu_us > 0
+
+
+def test_run_window_reports_a_worker_that_fails_in_setup() -> None:
+    def broken() -> tuple[object, object]:
+        raise RuntimeError("no database")
+
+    with pytest.raises(SystemExit, match="worker failed"):
+        run_window(broken, 2, 0.1)  # type: ignore[arg-type]
+
+
+def test_rotate_runs_every_side_every_round_in_rotated_order() -> None:
+    order: list[str] = []
+
+    def side(name: str) -> Sample:
+        order.append(name)
+        return Sample(1.0, 0.0)
+
+    got = rotate(3, {n: (lambda n=n: side(n)) for n in ("a", "b", "c")})  # type: ignore[misc]
+    assert order == ["a", "b", "c", "b", "c", "a", "c", "a", "b"]
+    assert all(len(v) == 3 for v in got.values())
+
+
+def test_spread_and_a_ratio_above_its_floor_are_flagged_suspect() -> None:
+    steady = [Sample(100.0, 1.0)] * 5
+    noisy = [Sample(r, 1.0) for r in (80.0, 100.0, 100.0, 100.0, 120.0)]
+    fast = [Sample(120.0, 1.0)] * 5
+    assert figure("p", 1, "floor", steady, steady, goal=0.8).flags == []
+    assert any("value spread" in f for f in figure("p", 1, "floor", steady, noisy, goal=0.8).flags)
+    assert any("SUSPECT ratio" in f for f in figure("p", 1, "floor", steady, fast, goal=0.8).flags)
+    explained = figure("p", 1, "floor", steady, fast, goal=0.8, faster_because="floor locks")
+    assert explained.flags == []
+    assert any("by design" in r for r in explained.remarks)
+    paired = figure("p", 1, "floor", noisy, noisy, goal=0.8)
+    assert paired.ratio == Stat(1.0, 1.0, 1.0)  # per-round ratios pair the sides of one round
+
+
+def test_readme_block_is_written_between_the_markers_only(tmp_path: Path) -> None:
+    readme = tmp_path / "README.md"
+    readme.write_text(f"# title\n\nbefore\n{BEGIN}\nold table\n{END}\nafter\n")
+    fig = Figure("claim", "1", "physical", Stat(1, 2, 3), Stat(1, 2, 3), Stat(1, 1, 1), goal=0.8)
+    write_readme(markdown([fig], "Taken now."), readme)
+    text = readme.read_text()
+    assert text.startswith("# title\n\nbefore\n")
+    assert text.endswith("\nafter\n")
+    assert "old table" not in text
+    assert "| claim | 1 | physical |" in text
+    assert "Taken now." in text
+    readme.write_text("no markers")
+    with pytest.raises(SystemExit, match="markers"):
+        write_readme("x", readme)
