@@ -33,6 +33,7 @@ from dagster_joblease.dagster import (
     OutboxHealth,
     build_dispatcher_job,
     build_leased_schedule,
+    build_not_run_sensors,
     build_outbox_sensor,
     build_reconciliation_sensor,
     leased_op,
@@ -49,6 +50,7 @@ __all__ = [
     "daily_billing_reconcile",
     "daily_billing_schedule",
     "defs",
+    "not_run_sensors",
     "outbox_dispatch_job",
     "outbox_dispatch_sensor",
     "seed_default_settings_job",
@@ -191,6 +193,8 @@ def routes() -> dict[str, Route]:
     }
 
 
+not_run_sensors = build_not_run_sensors()
+
 # The delivery checks look only at this location's topics; the outbox sensor reports them every 5 minutes.
 outbox_health = OutboxHealth(routes=routes)
 outbox_dispatch_job = build_dispatcher_job(routes, name="outbox_dispatch_job", health=outbox_health)
@@ -207,7 +211,8 @@ defs = dg.Definitions.merge(
         asset_checks=outbox_health.asset_checks(),
         jobs=[daily_billing_job, sync_orders_job, seed_default_settings_job, outbox_dispatch_job],
         schedules=[daily_billing_schedule, sync_orders_schedule],
-        sensors=[outbox_dispatch_sensor, daily_billing_reconcile, sync_orders_reconcile],
+        # The not-run sensors keep joblease/* tags true on re-executions whose leased step never ran.
+        sensors=[outbox_dispatch_sensor, daily_billing_reconcile, sync_orders_reconcile, *not_run_sensors],
     ),
     dg.load_from_defs_folder(path_within_project=Path(__file__).parent),
 )

@@ -6,6 +6,7 @@
   succeed and are recorded (``joblease/...`` run tags and output metadata).
 - :func:`build_outbox_sensor` / :func:`build_dispatcher_job` / :class:`OutboxHealth`: delivery and its checks.
 - :func:`build_reconciliation_sensor`: relaunches partitions left undone (failed, expired, dead holder, held).
+- :func:`build_not_run_sensors`: run-status sensors rewriting copied tags of runs whose leased step never ran.
 - :func:`run_partition_twice`: for your tests, a partition run twice at once (backfill + schedule).
 """
 
@@ -63,6 +64,7 @@ from dagster_joblease.dagster.reconcile import (
     build_reconciliation_sensor,
 )
 from dagster_joblease.dagster.resource import JobLeaseResource
+from dagster_joblease.dagster.run_status import build_not_run_sensors
 from dagster_joblease.dagster.schedules import build_leased_schedule, partition_for_tick
 from dagster_joblease.dagster.sensors import NOT_FINISHED_STATUSES, build_outbox_sensor
 from dagster_joblease.dagster.testing import PartitionRun, run_partition_twice
@@ -101,6 +103,7 @@ __all__ = [
     "build_dead_rows_check",
     "build_dispatcher_job",
     "build_leased_schedule",
+    "build_not_run_sensors",
     "build_outbox_sensor",
     "build_reconciliation_sensor",
     "dead_rows_evaluation",

@@ -220,3 +220,40 @@ defs = dg.Definitions(
     sensors=[dispatch_sensor],
     resources={"joblease": JobLeaseResource()},
 )
+
+
+NOT_RUN_FAIL_ENV = "JOBLEASE_TEST_NOT_RUN_FAIL"  # a file path: while it exists, plain_op fails
+
+
+@dg.op(ins={"after": dg.In(dg.Nothing)})
+def plain_op() -> None:
+    """A step that is not leased; fails while the ``NOT_RUN_FAIL_ENV`` marker file exists."""
+    marker = os.environ.get(NOT_RUN_FAIL_ENV)
+    if marker and Path(marker).exists():
+        raise RuntimeError("failing while the marker exists")
+
+
+not_run_leased = leased_op(code="t-not-run", name="not_run_leased")(write_domain_and_outbox)
+not_run_leased_after = leased_op(
+    code="t-not-run-b", name="not_run_leased_after", ins={"after": dg.In(dg.Nothing)}
+)(write_domain_and_outbox)
+
+
+def not_run_after_job() -> dg.JobDefinition:
+    """The leased step, then a plain step: a from-failure re-execution runs only the plain one."""
+
+    @dg.job(name="not_run_after_job", partitions_def=days, resource_defs={"joblease": WAIT_RESOURCE})
+    def _the_job() -> None:
+        plain_op(after=not_run_leased())
+
+    return _the_job
+
+
+def not_run_before_job() -> dg.JobDefinition:
+    """A plain step, then the leased step: when the plain one fails, the leased one never runs."""
+
+    @dg.job(name="not_run_before_job", partitions_def=days, resource_defs={"joblease": WAIT_RESOURCE})
+    def _the_job() -> None:
+        not_run_leased_after(after=plain_op())
+
+    return _the_job
