@@ -747,7 +747,9 @@ def requeue(
     dispatcher is delivering right now), ``all_dead`` (every DEAD row) or ``topic`` (every DEAD row of that
     topic; ``all_dead`` may be given with it). Each row gets ``status=PENDING``, ``attempts=0``,
     ``next_attempt_at`` = database now and no claim. ``last_status``/``last_error`` are kept as history until
-    the next delivery attempt overwrites them. SENT rows are never requeued.
+    the next delivery attempt overwrites them. SENT rows are never requeued. The row's first-attempt time is
+    cleared, so a route's ``dedupe_window`` restarts from the next attempt: requeueing a row dead-lettered
+    past its window is a person's decision that sending it again is right.
     """
     o = outbox_table
     if row_id is not None and (all_dead or topic is not None):
@@ -758,6 +760,10 @@ def requeue(
         "next_attempt_at": db_now(),
         "claim_token": None,
         "claim_expires_at": None,
+        # A person's requeue is their decision to send again: the key's retention window restarts.
+        "first_attempt_at": None,
+        "claim_group": None,
+        "deferrals": 0,
         "updated_at": db_now(),
     }
     if row_id is not None:

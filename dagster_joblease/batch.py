@@ -91,7 +91,7 @@ MAX_BATCH_KEYS = rowset.MAX_ROWS
 #: Keys per statement: a larger call runs several statements, in key order (so still deadlock-free).
 STATEMENT_KEYS = rowset.ROWS_PER_STATEMENT
 #: Claim rounds per key: a row purged (or a lease lost in a race) between two statements is tried again.
-_CLAIM_ROUNDS = 3
+_CLAIM_ROUNDS = _lease.CLAIM_ROUNDS
 
 _t = lease_table
 
@@ -318,35 +318,85 @@ def _insert_statement(dialect_name: str) -> Any:
     )
 
 
+# PostgreSQL statements find rows with plans that stay linear whatever the planner's row estimates say
+# (a range claimed into a fresh table has stale statistics, and a nested loop over a misestimated join,
+# or a sequential scan testing `= ANY(array)` on every row, is quadratic): each key is looked up by a
+# LATERAL index lookup driven by the key array (which Python sends sorted by lock key, so rows are
+# locked in that order), and the update then reaches the locked rows by their ctid (a TID scan; a row
+# this statement has locked cannot move).
+
+
+def _filter_only(condition: Any) -> Any:
+    """``(condition) IS TRUE``: the same test, but one the planner cannot answer from an index. With
+    stale statistics it would otherwise pick the status index (guessed one row) over the key lookup and
+    scan every row of that status once per key."""
+    return sa.cast(condition, sa.Boolean()).is_(sa.true())
+
+
+class _Tid(sa.types.UserDefinedType[Any]):
+    """PostgreSQL's ``tid`` (a row version's physical address, the ``ctid`` system column)."""
+
+    cache_ok = True
+
+    def get_col_spec(self, **kw: Any) -> str:
+        return "TID"
+
+
+_CTID_COLUMN: Any = sa.literal_column("joblease_lease.ctid", _Tid())
+_CTID: Any = _CTID_COLUMN.label("row_ctid")
+
+
+def _looked_up(source: Any, match: Any, columns: Sequence[Any], *conditions: Any, lock: bool) -> Any:
+    """PostgreSQL: ``columns`` of the lease row of each row of ``source`` (``match``: the index lookup,
+    e.g. ``lock_key = k.lock_key``) that meets ``conditions``, found by a LATERAL lookup per key, in the
+    order of ``source``; locked ``FOR UPDATE`` when ``lock``."""
+    found = sa.select(*columns).where(match, *(_filter_only(c) for c in conditions))
+    if lock:
+        found = found.with_for_update()
+    row = found.lateral("l")
+    return sa.select(*(row.c[c.name] for c in columns)).select_from(source.join(row, sa.true()))
+
+
+def _locked_rows(locked: Any) -> Any:
+    """``ctid = ANY((SELECT array_agg(row_ctid) FROM locked))``: the rows the CTE ``locked`` locked."""
+    ctids = sa.select(sa.func.array_agg(locked.c.row_ctid)).scalar_subquery()
+    return _CTID_COLUMN == sa.any_(sa.cast(ctids, postgresql.ARRAY(_Tid())))
+
+
+#: A new owner token made by the database (PostgreSQL reclaims): 32 hex digits like secrets.token_hex(16).
+_SERVER_TOKEN = sa.literal_column("replace(CAST(gen_random_uuid() AS TEXT), '-', '')", sa.String())
+
+
 @functools.cache
 def _reclaim_statement(dialect_name: str) -> Any:
     """Reclaim the ``FAIL`` and expired ``RUNNING`` rows of the keys, ``RETURNING lock_key, id, attempt,
-    expires_at, last_error``. On PostgreSQL the rows are locked first in lock-key order (``SELECT …
-    ORDER BY lock_key FOR UPDATE``), and READ COMMITTED re-checks the reclaim condition on the newest
-    version of each locked row, so two reclaimers get one winner per key and never deadlock."""
-    source = rows_source(dialect_name, (("lock_key", sa.String()), ("owner_token", sa.String())))
+    expires_at, last_error, owner_token``. On PostgreSQL the rows are locked first in lock-key order
+    (``SELECT … WHERE lock_key = ANY(…) ORDER BY lock_key FOR UPDATE``), and READ COMMITTED re-checks
+    the reclaim condition on the newest version of each locked row, so two reclaimers get one winner per
+    key and never deadlock; the new owner tokens are made by the database (``gen_random_uuid``), so the
+    update needs no join back to the keys. SQLite (one writer at a time) takes the caller's tokens."""
     holder = sa.bindparam("p_holder", type_=sa.String())
     lease_ms = sa.bindparam("p_lease_ms", type_=sa.BigInteger())
+    returning = (_t.c.lock_key, *_lease._RETURNED, _t.c.owner_token)
     if dialect_name == "postgresql":
+        keys = rows_source(dialect_name, (("lock_key", sa.String()),))
         locked = (
-            sa.select(_t.c.id, source.c.owner_token)
-            .select_from(_t.join(source, _t.c.lock_key == source.c.lock_key))
-            .where(_lease._reclaimable())
-            .order_by(_t.c.lock_key)
-            .with_for_update(of=_t)
+            _looked_up(keys, _t.c.lock_key == keys.c.lock_key, [_CTID], _lease._reclaimable(), lock=True)
             .cte("locked")
             .prefix_with("MATERIALIZED")
         )
-        where = [_t.c.id == locked.c.id]
-        token: Any = locked.c.owner_token
-    else:
-        where = [_t.c.lock_key == source.c.lock_key]
-        token = source.c.owner_token
+        return (
+            sa.update(_t)
+            .where(_locked_rows(locked), _filter_only(_lease._reclaimable()))
+            .values(**_lease._reclaim_values(_SERVER_TOKEN, holder, lease_ms, _lease._HEARTBEAT_MS))
+            .returning(*returning)
+        )
+    source = rows_source(dialect_name, (("lock_key", sa.String()), ("owner_token", sa.String())))
     return (
         sa.update(_t)
-        .where(*where, _lease._reclaimable())
-        .values(**_lease._reclaim_values(token, holder, lease_ms, _lease._HEARTBEAT_MS))
-        .returning(_t.c.lock_key, *_lease._RETURNED)
+        .where(_t.c.lock_key == source.c.lock_key, _lease._reclaimable())
+        .values(**_lease._reclaim_values(source.c.owner_token, holder, lease_ms, _lease._HEARTBEAT_MS))
+        .returning(*returning)
     )
 
 
@@ -354,8 +404,7 @@ def _reclaim_statement(dialect_name: str) -> Any:
 def _report_statement(dialect_name: str) -> Any:
     """The rows of keys neither inserted nor reclaimed: status, holder, attempt, expiry, heartbeat age,
     and whether the row is reclaimable now (then the claim lost a race and tries it again)."""
-    source = rows_source(dialect_name, (("lock_key", sa.String()),))
-    return sa.select(
+    columns = [
         _t.c.lock_key,
         _t.c.status,
         _t.c.holder,
@@ -363,10 +412,22 @@ def _report_statement(dialect_name: str) -> Any:
         _t.c.expires_at,
         (-ms_until(_t.c.heartbeat_at)).label("heartbeat_age_ms"),
         sa.case((_lease._reclaimable(), sa.true()), else_=sa.false()).label("reclaimable"),
-    ).select_from(_t.join(source, _t.c.lock_key == source.c.lock_key))
+    ]
+    source = rows_source(dialect_name, (("lock_key", sa.String()),))
+    if dialect_name == "postgresql":
+        return _looked_up(source, _t.c.lock_key == source.c.lock_key, columns, lock=False)
+    return sa.select(*columns).select_from(_t.join(source, _t.c.lock_key == source.c.lock_key))
 
 
 _LEASE_COLUMNS = (("id", sa.BigInteger()), ("owner_token", sa.String()))
+
+
+def _held_rows(columns: Sequence[Any], *conditions: Any) -> Any:
+    """PostgreSQL: ``columns`` of the set's rows whose id and owner token match and that meet
+    ``conditions``, each found by its primary key and locked ``FOR UPDATE``, in lock-key order."""
+    source = rows_source("postgresql", _LEASE_COLUMNS)
+    match = sa.and_(_t.c.id == source.c.id, _t.c.owner_token == source.c.owner_token)
+    return _looked_up(source, match, columns, *conditions, lock=True)
 
 
 @functools.cache
@@ -374,31 +435,13 @@ def _fenced_update_statement(dialect_name: str, action: str) -> Any:
     """One fenced write over a set: the rows whose id and owner token match and that are still
     ``RUNNING`` get ``action``'s values, ``RETURNING lock_key, expires_at``. On PostgreSQL they are
     locked in lock-key order first, as a claim locks them, so a set write and a claim cannot deadlock."""
-    source = rows_source(dialect_name, _LEASE_COLUMNS)
-    match = [
-        _t.c.id == source.c.id,
-        _t.c.owner_token == source.c.owner_token,
-        _t.c.status == _lease._RUNNING,
-    ]
+    running = _t.c.status == _lease._RUNNING
+    update = sa.update(_t).values(**_WRITE_VALUES[action]()).returning(_t.c.lock_key, _t.c.expires_at)
     if dialect_name == "postgresql":
-        locked = (
-            sa.select(_t.c.id)
-            .select_from(_t.join(source, sa.and_(*match[:2])))
-            .where(match[2])
-            .order_by(_t.c.lock_key)
-            .with_for_update(of=_t)
-            .cte("locked")
-            .prefix_with("MATERIALIZED")
-        )
-        where: list[Any] = [_t.c.id == locked.c.id, match[2]]
-    else:
-        where = match
-    return (
-        sa.update(_t)
-        .where(*where)
-        .values(**_WRITE_VALUES[action]())
-        .returning(_t.c.lock_key, _t.c.expires_at)
-    )
+        locked = _held_rows([_CTID], running).cte("locked").prefix_with("MATERIALIZED")
+        return update.where(_locked_rows(locked))  # locked there, and checked RUNNING under the lock
+    source = rows_source(dialect_name, _LEASE_COLUMNS)
+    return update.where(_t.c.id == source.c.id, _t.c.owner_token == source.c.owner_token, running)
 
 
 def _heartbeat_values() -> dict[str, Any]:
@@ -436,20 +479,19 @@ _WRITE_VALUES = {
 
 @functools.cache
 def _held_statement(dialect_name: str) -> Any:
-    """The set's rows still held (id, owner token, ``RUNNING``, not expired on the database clock), in
-    lock-key order, locked ``FOR UPDATE`` on PostgreSQL until the transaction ends."""
+    """The lock keys of the set's rows still held (id, owner token, ``RUNNING``, not expired on the
+    database clock), locked ``FOR UPDATE`` in lock-key order on PostgreSQL until the transaction ends."""
+    held = (_t.c.status == _lease._RUNNING, _t.c.expires_at > db_now())
+    if dialect_name == "postgresql":
+        return _held_rows([_t.c.lock_key], *held)
     source = rows_source(dialect_name, _LEASE_COLUMNS)
-    stmt = (
+    return (
         sa.select(_t.c.lock_key)
         .select_from(
             _t.join(source, sa.and_(_t.c.id == source.c.id, _t.c.owner_token == source.c.owner_token))
         )
-        .where(_t.c.status == _lease._RUNNING, _t.c.expires_at > db_now())
-        .order_by(_t.c.lock_key)
+        .where(*held)
     )
-    if dialect_name == "postgresql":
-        stmt = stmt.with_for_update(of=_t)
-    return stmt
 
 
 # -- connections ---------------------------------------------------------------------------------------
@@ -487,9 +529,9 @@ def claim_many(
     Statements: one multi-row ``INSERT … ON CONFLICT DO NOTHING RETURNING`` for the set; when some keys
     met a row, one ``UPDATE`` reclaiming those that are reclaimable (row locks in key order), and one
     read reporting the rest. A row purged in between (or a key lost in a race to a concurrent claimer)
-    is tried again, at most three rounds; a key still undecided is reported ``CONTENDED``. At most
-    :data:`STATEMENT_KEYS` keys go in one statement; keys are processed in lock-key order, so
-    overlapping sets claimed at once cannot deadlock.
+    is tried again, in as many rounds as a single claim (``lease.CLAIM_ROUNDS``); a key still
+    undecided is reported ``CONTENDED``. At most :data:`STATEMENT_KEYS` keys go in one statement; keys
+    are processed in lock-key order, so overlapping sets claimed at once cannot deadlock.
 
     Args:
         service: the lease service (its engine, default ``lease_ms`` and holder label).
@@ -559,7 +601,9 @@ def _claim_round(
     by_key = {job.idempotency_key: job for job in jobs}
 
     def won(row: Any) -> None:
-        key, lease_id, attempt, expires_at, last_error = row
+        key, lease_id, attempt, expires_at, last_error = row[:5]
+        if len(row) > 5:
+            tokens[key] = row[5]  # a PostgreSQL reclaim: the database made the new token
         job = by_key[key]
         found[key] = KeyClaim(
             identity=job,
@@ -586,10 +630,11 @@ def _claim_round(
     met = [r for r in rows if r[0] not in found]
     if not met:
         return []
-    pairs = [(r[0], r[4]) for r in met]
-    for row in conn.execute(
-        _reclaim_statement(dialect), {**call, **bind_rows(dialect, ("lock_key", "owner_token"), pairs)}
-    ):
+    if dialect == "postgresql":  # the database makes the reclaim's tokens
+        keyed = bind_rows(dialect, ("lock_key",), [(r[0],) for r in met])
+    else:
+        keyed = bind_rows(dialect, ("lock_key", "owner_token"), [(r[0], r[4]) for r in met])
+    for row in conn.execute(_reclaim_statement(dialect), {**call, **keyed}):
         won(row)
     rest = [r[0] for r in met if r[0] not in found]
     if not rest:

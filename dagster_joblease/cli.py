@@ -805,6 +805,61 @@ def outbox_list(status: str | None, topic: str | None, limit: int, as_json: bool
     )
 
 
+@outbox.command("status", short_help="Per topic and limit group: due, in flight, paused, limits.")
+@click.option(
+    "--routes",
+    "routes_file",
+    type=click.Path(exists=True, dir_okay=False, path_type=Path),
+    help="The dispatcher's routes file, to show each topic's limit group (optional).",
+)
+@click.option("--route", "route_specs", multiple=True, metavar="TOPIC=URL", help="A route; repeat for more.")
+@json_option
+def outbox_status(routes_file: Path | None, route_specs: tuple[str, ...], as_json: bool) -> None:
+    """Delivery status on the database clock: per topic the rows due, in flight, waiting (backoff or
+    pause), retrying and dead; per limit group the requests in flight (every dispatcher), the limits in
+    force, and a pause (until when, and why). Give the routes to see which group each topic is in."""
+    from dagster_joblease import delivery_status
+
+    routes = _routes(routes_file, route_specs) if routes_file or route_specs else {}
+    status = delivery_status.delivery_status(
+        _state().engine(), topic_groups={t: str(r.limit_group) for t, r in routes.items()}
+    )
+    if as_json:
+        _echo_json(status.to_json())
+        return
+    if not status.topics:
+        click.echo("no pending or dead outbox rows")
+    else:
+        click.echo(
+            render_table(
+                ["TOPIC", "GROUP", "DUE", "IN FLIGHT", "WAITING", "RETRYING", "DEAD"],
+                [
+                    [t.topic, t.limit_group, t.due, t.in_flight, t.waiting, t.retrying, t.dead]
+                    for t in status.topics
+                ],
+                {"TOPIC": 40, "GROUP": 40},
+            )
+        )
+    if status.groups:
+        click.echo("")
+        click.echo(
+            render_table(
+                ["LIMIT GROUP", "IN FLIGHT", "RATE", "PAUSED UNTIL", "REASON"],
+                [
+                    [
+                        g.limit_group,
+                        f"{g.in_flight}/{g.max_in_flight}" if g.max_in_flight else g.in_flight,
+                        f"{g.rate}/s (booked {human_ms(g.rate_busy_ms)} ahead)" if g.rate else None,
+                        f"{g.paused_until} (in {human_ms(g.pause_remaining_ms)})" if g.paused_until else None,
+                        g.pause_reason,
+                    ]
+                    for g in status.groups
+                ],
+                {"LIMIT GROUP": 40, "REASON": ERROR_CELL_CHARS},
+            )
+        )
+
+
 @outbox.command("requeue", short_help="Make dead rows due again with their original key.")
 @click.argument("row_id", type=int, required=False, metavar="[ID]")
 @click.option("--all-dead", is_flag=True, help="Requeue every DEAD row.")
@@ -820,7 +875,11 @@ def outbox_requeue(row_id: int | None, all_dead: bool, topic: str | None) -> Non
     if row_id is not None and (all_dead or topic is not None):
         raise click.UsageError("give either an ID or --all-dead/--topic, not both")
     count = admin.requeue(_state().engine(), row_id=row_id, all_dead=all_dead, topic=topic)
-    click.echo(f"requeued {count} row(s); they keep their idempotency keys and are due now")
+    click.echo(
+        f"requeued {count} row(s); they keep their idempotency keys and are due now. Their retention "
+        "clock restarts: a route's dedupe_window counts from the next attempt (requeueing a row that was "
+        "dead-lettered past its window sends it again, which you decided is right)"
+    )
 
 
 @outbox.command("purge", short_help="Delete SENT rows older than a window.")
@@ -851,6 +910,21 @@ def outbox_purge(sent_before: int, min_retention: int | None, dry_run: bool) -> 
 
 
 # -- dispatch --------------------------------------------------------------------------------------
+
+
+def _routes(routes_file: Path | None, route_specs: Sequence[str]) -> dict[str, Any]:
+    """The routes of ``--routes FILE`` and ``--route TOPIC=URL`` (the latter win on the same topic)."""
+    try:
+        from dagster_joblease import dispatch
+    except ImportError as exc:
+        raise CliConfigError(f"dispatch is unavailable in this installation: {exc}") from exc
+    routes: dict[str, Any] = dict(dispatch.load_routes(routes_file)) if routes_file else {}
+    for spec in route_specs:
+        topic, sep, url = spec.partition("=")
+        if not sep or not topic.strip() or not url.strip():
+            raise click.BadParameter(f"{spec!r} is not TOPIC=URL", param_hint="--route")
+        routes[topic.strip()] = dispatch.Route(url.strip())
+    return routes
 
 
 class _LogToProgress(logging.Handler):
@@ -887,12 +961,18 @@ class _Progress:
         self.quiet = quiet
         self.batches = 0
         self.totals = {"claimed": 0, "sent": 0, "retried": 0, "dead": 0}
+        self.expired = 0
+        self.paused: dict[str, tuple[str, str]] = {}
+        self.limited: set[str] = set()
         self._line_open = False
 
     def __call__(self, report: Any) -> None:
         self.batches += 1
         for name in self.totals:
             self.totals[name] += int(getattr(report, name))
+        self.expired += int(getattr(report, "expired", 0))
+        self.paused.update(getattr(report, "paused", {}))
+        self.limited |= set(getattr(report, "limited", ()))
         if self.quiet:
             return
         if self.tty:
@@ -980,23 +1060,20 @@ def dispatch_command(
     --once delivers every row due now and exits; --loop keeps polling.
 
     Prints a live progress line on a terminal, plain lines otherwise, and a final summary (claimed, sent,
-    retried, dead); dead rows and other warnings go to stderr. With --json, stdout holds only the final
+    retried, dead); dead rows and other warnings go to stderr, and so do a paused limit group (until when,
+    and why) and due rows of topics these routes do not route. With --json, stdout holds only the final
     totals as JSON.
+
+    Exit code with --once: 1 when this pass dead-lettered rows (the message says how many and how to
+    requeue them), else 0; rows of unrouted topics and pauses are reported, not failed.
     """
     if mode is None:
         raise click.UsageError("give --once or --loop")
     if not routes_file and not route_specs:
         raise click.UsageError("no routes: give --routes FILE or --route TOPIC=URL")
-    try:
-        from dagster_joblease import dispatch
-    except ImportError as exc:
-        raise CliConfigError(f"dispatch is unavailable in this installation: {exc}") from exc
-    routes: dict[str, Any] = dict(dispatch.load_routes(routes_file)) if routes_file else {}
-    for spec in route_specs:
-        topic, sep, url = spec.partition("=")
-        if not sep or not topic.strip() or not url.strip():
-            raise click.BadParameter(f"{spec!r} is not TOPIC=URL", param_hint="--route")
-        routes[topic.strip()] = dispatch.Route(url.strip())
+    from dagster_joblease import dispatch, outbox
+
+    routes = _routes(routes_file, route_specs)
     engine = _state().engine()
     progress = _Progress(tty=sys.stdout.isatty() and not as_json, quiet=as_json)
     with (
@@ -1014,7 +1091,39 @@ def dispatch_command(
                 poll_interval_s=poll_interval, max_batches=max_batches, on_report=progress, limit=batch_size
             )
             progress.totals = {k: int(getattr(totals, k)) for k in progress.totals}
+            progress.expired, progress.paused = totals.expired, totals.paused
+    groups = {topic: str(route.limit_group) for topic, route in routes.items()}
+    with storage_engine.translate_errors("read pauses"), engine.connect() as conn:
+        pauses = outbox.paused_groups(conn, groups)
+    unrouted, unrouted_topics = outbox.unrouted_due(engine, topics=list(routes))
+    notes = [f"paused: {p.describe()}" for p in pauses]
+    if unrouted:
+        named = ", ".join(f"{t} ({n})" for t, n in unrouted_topics.items())
+        notes.append(
+            f"{unrouted} due row(s) of topics this location does not route: {named} (left for the "
+            "dispatcher that routes them)"
+        )
+    dead = progress.totals["dead"]
+    if dead:
+        notes.append(
+            f"{dead} row(s) were dead-lettered in this pass ({progress.expired} past their route's "
+            "dedupe_window: reconcile those effects first); fix the cause, then requeue deliberately: "
+            "`joblease outbox requeue --all-dead` (or --topic TOPIC, or one ID)"
+        )
     if as_json:
-        _echo_json({**progress.totals, "batches": progress.batches})
+        _echo_json(
+            {
+                **progress.totals,
+                "batches": progress.batches,
+                "expired": progress.expired,
+                "paused": [dataclasses.asdict(p) for p in pauses],
+                "unrouted_due": unrouted,
+                "unrouted_due_topics": unrouted_topics,
+            }
+        )
     else:
         click.echo(progress.summary())
+    for note in notes:
+        click.echo(note, err=True)
+    if dead and mode == "once":
+        sys.exit(EXIT_FAILED)

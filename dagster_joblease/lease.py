@@ -17,22 +17,31 @@ import logging
 import os
 import secrets
 import socket
+import threading
+import traceback
 import unicodedata
 from collections.abc import Callable, Iterator
 from datetime import datetime
-from typing import Any, TypeVar
+from typing import Any, Generic, TypeVar
 
 import sqlalchemy as sa
 from sqlalchemy.dialects import postgresql, sqlite
 from sqlalchemy.dialects.postgresql import psycopg as psycopg_dialect
 
-from dagster_joblease import errors, exclusive, identity, options
+from dagster_joblease import errors, identity, options
 from dagster_joblease.storage.autocommit import autocommit_connections
 from dagster_joblease.storage.clock import db_now, db_now_plus_ms, ms_until
-from dagster_joblease.storage.engine import translate_errors
+from dagster_joblease.storage.engine import fork_safe, translate_errors
 from dagster_joblease.storage.schema import lease_table
 
-__all__ = ["AcquireResult", "Lease", "LeaseService", "LeaseStatus", "NotAcquiredReason"]
+__all__ = [
+    "AcquireResult",
+    "ExclusiveOutcome",
+    "Lease",
+    "LeaseService",
+    "LeaseStatus",
+    "NotAcquiredReason",
+]
 
 logger = logging.getLogger(__name__)
 
@@ -282,8 +291,12 @@ def reclaim_or_status_statement() -> Any:
     ``UPDATE … WHERE lock_key = … AND <reclaimable>`` re-checks the row under its lock (READ COMMITTED
     re-evaluates the condition on the newest version), so two reclaimers still get exactly one winner.
     A refusal is a plain read: no row lock, no transaction id, no commit flush. Rows: a win returns
-    ``(id, attempt, expires_at, last_error, NULL)``; a refusal returns ``(NULL, …, status)`` as of the
-    statement's snapshot; no row means the row was deleted (purged) after the insert saw it.
+    ``(id, attempt, expires_at, last_error, NULL)``; a refusal returns ``(NULL, …, status)``, only for a
+    row that is not reclaimable (a live holder, a success). No row means the row changed between the
+    statements: it was deleted (purged) after the insert saw it, or the reclaim found it gone or taken
+    while the statement's snapshot still shows it reclaimable (a purge's DELETE held its lock, then
+    committed): the caller claims again (see :data:`CLAIM_ROUNDS`) rather than report a refusal that
+    names nobody.
     """
     t = lease_table
     lease_ms = sa.bindparam("p_lease_ms", type_=sa.BigInteger())
@@ -310,11 +323,19 @@ def reclaim_or_status_statement() -> Any:
         sa.cast(sa.null(), sa.DateTime(timezone=True)),
         sa.cast(sa.null(), sa.Text()),
         t.c.status,
-    ).where(t.c.lock_key == key, ~sa.exists(sa.select(reclaimed.c.id)))
+    ).where(t.c.lock_key == key, ~_reclaimable(), ~sa.exists(sa.select(reclaimed.c.id)))
     return sa.union_all(won, refused)
 
 
-_STATUS_OF = sa.select(lease_table.c.status).where(lease_table.c.lock_key == sa.bindparam("p_lock_key"))
+#: The status of a row that refuses a claim (a live holder or a success); nothing for a reclaimable row.
+_STATUS_OF = sa.select(lease_table.c.status).where(
+    lease_table.c.lock_key == sa.bindparam("p_lock_key"), ~_reclaimable()
+)
+
+#: How many times a claim starts again when the row changed between its statements (a purge deleted
+#: it; the reclaim waited on a purge's lock and then found it gone). Each round is a new statement with a
+#: new snapshot; only churn on one key that outlasts every round ends in ``CONTENDED``.
+CLAIM_ROUNDS = 5
 
 
 @dataclasses.dataclass(frozen=True)
@@ -345,6 +366,59 @@ def psycopg_claim_sql() -> tuple[_CompiledClaim, _CompiledClaim]:
     return compiled[0], compiled[1]
 
 
+# -- run_exclusive: the outcome and the heartbeat thread ---------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class ExclusiveOutcome(Generic[T]):
+    """What :meth:`LeaseService.run_exclusive` did: ran ``fn`` (``acquired``) and its ``result``, or why
+    it did not."""
+
+    acquired: bool
+    result: T | None = None
+    reason: NotAcquiredReason | None = None
+    lease: Lease | None = None
+
+    @property
+    def outcome(self) -> str:
+        """``won``, ``reclaimed`` or ``skipped: <reason>``: the label shown in logs and the Dagster UI."""
+        if self.lease is not None:
+            return "reclaimed" if self.lease.reclaimed else "won"
+        return f"skipped: {self.reason.value if self.reason else 'not acquired'}"
+
+
+class _Heartbeat(threading.Thread):
+    """Renews the lease every ``interval_ms`` until stopped or until the lease turns out to be lost."""
+
+    def __init__(self, service: LeaseService, lease: Lease, interval_ms: int) -> None:
+        super().__init__(name=f"joblease-heartbeat-{lease.id}", daemon=True)
+        self._service = service
+        self._lease = lease
+        self._interval_s = interval_ms / 1000
+        self._stop_event = threading.Event()
+
+    def run(self) -> None:
+        while not self._stop_event.wait(self._interval_s):
+            try:
+                self._service.heartbeat(self._lease)
+            except errors.LostLeaseError:
+                return  # heartbeat() has already marked the lease lost; the callback sees it at once
+            except errors.StorageError as exc:
+                # A transient database failure: keep trying; the lease only dies if renewals stay
+                # impossible for the rest of its length, and then the next fenced write says so.
+                logger.warning("heartbeat for lease %d failed: %s", self._lease.id, exc)
+
+    def stop(self) -> None:
+        self._stop_event.set()
+        if self.is_alive() and threading.current_thread() is not self:
+            self.join()
+
+
+def _error_text(exc: BaseException) -> str:
+    lines = traceback.format_exception_only(type(exc), exc)
+    return "".join(lines).strip()
+
+
 class LeaseService:
     """Acquire, renew and finish leases on a SQLAlchemy engine (PostgreSQL or SQLite).
 
@@ -371,7 +445,7 @@ class LeaseService:
         heartbeat_ms: int | None = None,
         holder: str | None = None,
     ) -> None:
-        self.engine = engine
+        self.engine = fork_safe(engine)  # a forked child never uses a connection of its parent
         self.timing = options.resolve_timing(lease_ms, heartbeat_ms)
         self.holder = None if holder is None else validate_holder(holder)
 
@@ -428,15 +502,20 @@ class LeaseService:
         }
         dialect = self.engine.dialect
         current: str | None = None
+        row: Any = None
         if dialect.name == "postgresql" and dialect.driver == "psycopg":
             row, current = self._claim_psycopg(params)
         else:
             with self._one_statement("acquire a lease") as conn:
-                row = conn.execute(acquire_statement(conn.dialect.name), params).first()
-                if row is None:
+                for _ in range(CLAIM_ROUNDS):
+                    row = conn.execute(acquire_statement(conn.dialect.name), params).first()
+                    if row is not None:
+                        break
                     current = conn.execute(
                         _STATUS_OF, {"p_lock_key": job.idempotency_key}
                     ).scalar_one_or_none()
+                    if current is not None:
+                        break  # a live holder or a success: the refusal names it
         if row is None:
             reason = _REASONS.get(current or "", NotAcquiredReason.CONTENDED)
             logger.info("lease not acquired for %s: %s", job, reason.value, extra={"action": "lease_skipped"})
@@ -467,13 +546,14 @@ class LeaseService:
         per-execution and pool work (see :mod:`dagster_joblease.storage.autocommit`); the SQL is what
         SQLAlchemy compiles from :func:`insert_claim_statement` and :func:`reclaim_or_status_statement`.
         A first claim is one round trip; a claim that meets an existing row is two. Returns the claimed
-        row (or None) and, when refused, the row's status (None: lost a race).
+        row (or None) and, when refused, the row's status (None: the row kept changing for
+        :data:`CLAIM_ROUNDS` rounds).
         """
         insert, reclaim = psycopg_claim_sql()
         connections = autocommit_connections(self.engine)
         with translate_errors("acquire a lease"), connections.connection(self.engine) as handle:
             cursor = handle.cursor
-            for _ in range(2):  # twice only if the row was purged between the two statements
+            for _ in range(CLAIM_ROUNDS):  # again only if the row changed between the two statements
                 cursor.execute(insert.sql, insert.args(params), prepare=True)
                 found = cursor.fetchone()
                 if found is not None:
@@ -679,9 +759,50 @@ class LeaseService:
         *,
         lease_ms: int | None = None,
         heartbeat_ms: int | None = None,
-    ) -> exclusive.ExclusiveOutcome[T]:
-        """Run ``fn(lease)`` only if this worker wins ``job``.
+    ) -> ExclusiveOutcome[T]:
+        """Run ``fn(lease)`` only if this worker wins the lease for ``job`` (the same as
+        :func:`dagster_joblease.exclusive.run_exclusive`).
 
-        See :func:`dagster_joblease.exclusive.run_exclusive`.
+        A loser returns ``acquired=False`` with the reason and never calls ``fn``. The winner heartbeats from
+        a background thread, so ``lease.lost`` turns true as soon as the lease is gone; then records
+        ``SUCCESS`` (or ``FAIL`` with the error text, re-raising ``fn``'s exception). ``KeyboardInterrupt``,
+        ``SystemExit`` and other interrupts (Dagster's run termination) release the lease instead of leaving
+        it to expire. If the lease was lost, finalization raises :class:`LostLeaseError`: the effect may run
+        again under the next owner, which the idempotency key lets the downstream deduplicate.
         """
-        return exclusive.run_exclusive(self, job, fn, lease_ms=lease_ms, heartbeat_ms=heartbeat_ms)
+        timing = options.resolve_timing(lease_ms, heartbeat_ms, defaults=self.timing)
+        acquired = self.try_acquire(job, lease_ms=timing.lease_ms, heartbeat_ms=timing.heartbeat_ms)
+        lease = acquired.lease
+        if lease is None:
+            return ExclusiveOutcome(acquired=False, reason=acquired.reason)
+
+        heartbeat = _Heartbeat(self, lease, timing.heartbeat_ms) if timing.heartbeat_ms else None
+        if heartbeat is not None:
+            heartbeat.start()
+        try:
+            result = fn(lease)
+        except Exception as exc:
+            if heartbeat is not None:
+                heartbeat.stop()
+            try:
+                self.fail(lease, _error_text(exc))
+            except errors.LostLeaseError as lost:
+                raise lost from exc
+            except errors.StorageError as storage:
+                # fn's own exception is the one the caller must see; the lease simply expires later.
+                logger.warning("could not record the failure of lease %d: %s", lease.id, storage)
+            raise
+        except BaseException as exc:
+            if heartbeat is not None:
+                heartbeat.stop()
+            try:
+                self.release(lease, f"released: interrupted by {type(exc).__name__}")
+            except errors.JobLeaseError as release_error:
+                logger.warning("could not release lease %d on interrupt: %s", lease.id, release_error)
+            raise
+        if heartbeat is not None:
+            heartbeat.stop()
+        if lease.lost:
+            raise lease._lost_error("complete")
+        self.complete(lease)
+        return ExclusiveOutcome(acquired=True, result=result, lease=lease)

@@ -8,13 +8,14 @@ is refused here, before anything is written, rather than discovered by the dispa
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import enum
 import functools
 import hashlib
 import json
 import re
-from collections.abc import Collection, Iterable, Sequence
+from collections.abc import Collection, Iterable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any, NamedTuple
 
 import psycopg
@@ -22,7 +23,7 @@ import sqlalchemy as sa
 from sqlalchemy.dialects import postgresql, sqlite
 from sqlalchemy.dialects.postgresql import psycopg as psycopg_dialect
 
-from dagster_joblease import errors
+from dagster_joblease import errors, route_groups
 from dagster_joblease.storage import rowset
 from dagster_joblease.storage.clock import db_now, ms_until
 from dagster_joblease.storage.engine import translate_errors
@@ -37,6 +38,7 @@ __all__ = [
     "MAX_KEY_LENGTH",
     "MAX_TOPIC_LENGTH",
     "DueSummary",
+    "GroupPause",
     "OutboxItem",
     "OutboxStatus",
     "canonical_json",
@@ -44,6 +46,8 @@ __all__ = [
     "due_summary",
     "enqueue_many",
     "enqueue_once",
+    "paused_groups",
+    "unrouted_due",
     "payload_fingerprint",
 ]
 
@@ -377,9 +381,13 @@ def _many_statements(dialect_name: str) -> tuple[Any, Any, Any]:
         .returning(t.c.idempotency_key)
     )
     keys = rowset.rows_source(dialect_name, (("key", sa.String()),))
-    existing = sa.select(t.c.idempotency_key, t.c.payload_sha256, t.c.topic).select_from(
-        t.join(keys, t.c.idempotency_key == keys.c.key)
-    )
+    read = (t.c.idempotency_key, t.c.payload_sha256, t.c.topic)
+    if dialect_name == "postgresql":
+        # One index lookup per key (LATERAL): linear whatever the planner's row estimates say.
+        found = sa.select(*read).where(t.c.idempotency_key == keys.c.key).lateral("l")
+        existing = sa.select(*(found.c[c.name] for c in read)).select_from(keys.join(found, sa.true()))
+    else:
+        existing = sa.select(*read).select_from(t.join(keys, t.c.idempotency_key == keys.c.key))
     keys_again = rowset.rows_source(dialect_name, (("key", sa.String()),), joined=False)
     delete = sa.delete(t).where(t.c.idempotency_key.in_(sa.select(keys_again.c.key)))
     return insert_stmt, existing, delete
@@ -538,6 +546,59 @@ class DueSummary:
     due: int
     oldest_due_age_ms: int | None
     retrying: int = 0
+    #: Due rows not counted in ``due`` because their limit group is paused (see ``pauses``).
+    paused_due: int = 0
+    pauses: tuple[GroupPause, ...] = ()
+
+
+@dataclasses.dataclass(frozen=True)
+class GroupPause:
+    """A limit group paused now (a downstream's Retry-After, or repeated connection failures)."""
+
+    limit_group: str
+    paused_until: str  #: ISO 8601, UTC
+    remaining_ms: int
+    reason: str
+    topics: tuple[str, ...]
+
+    def describe(self) -> str:
+        return (
+            f"limit group {self.limit_group} (topics {', '.join(self.topics)}) is paused for another "
+            f"{self.remaining_ms / 1000:.1f} s, until {self.paused_until}: {self.reason}"
+        )
+
+
+def paused_groups(conn: sa.Connection, topic_groups: Mapping[str, str]) -> tuple[GroupPause, ...]:
+    """The groups of ``topic_groups`` (topic → limit group) paused now, on the database clock."""
+    if not topic_groups:
+        return ()
+    states = route_groups.read_states(conn, set(topic_groups.values()))
+    pauses = []
+    for name, state in states.items():
+        if state.paused and state.paused_until is not None:
+            pauses.append(
+                GroupPause(
+                    limit_group=name,
+                    paused_until=state.paused_until.isoformat(),
+                    remaining_ms=state.pause_remaining_ms,
+                    reason=state.pause_reason or "",
+                    topics=tuple(sorted(t for t, g in topic_groups.items() if g == name)),
+                )
+            )
+    return tuple(pauses)
+
+
+def _check_groups(groups: object) -> dict[str, str] | None:
+    if groups is None:
+        return None
+    if not isinstance(groups, Mapping) or not all(
+        isinstance(k, str) and isinstance(v, str) for k, v in groups.items()
+    ):
+        raise errors.ConfigurationError(
+            f"groups={groups!r} must map topic names to limit group names (e.g. {{t: r.limit_group for t, r "
+            "in routes.items()}}), or be None"
+        )
+    return dict(groups)
 
 
 def _check_topics(topics: object) -> list[str] | None:
@@ -555,16 +616,39 @@ def _check_topics(topics: object) -> list[str] | None:
 
 
 def due_summary(
-    engine_or_connection: sa.Engine | sa.Connection, *, topics: Collection[str] | None = None
+    engine_or_connection: sa.Engine | sa.Connection,
+    *,
+    topics: Collection[str] | None = None,
+    groups: Mapping[str, str] | None = None,
 ) -> DueSummary:
     """Count due rows, the age of the oldest and the retrying rows, in one query over pending rows only
     (the partial index of pending rows, ``topics`` filtering them).
 
     ``topics`` limits the summary to those topics (a dispatcher's routed topics); ``None`` means all.
+    ``groups`` (topic → limit group, e.g. ``{t: r.limit_group for t, r in routes.items()}``) leaves out
+    rows of groups paused now: they are counted in ``paused_due`` instead, and ``pauses`` says why and
+    until when (one more read of the small group table; a second count only while a group is paused).
     """
     names = _check_topics(topics)
+    topic_groups = _check_groups(groups)
     if names == []:
         return DueSummary(due=0, oldest_due_age_ms=None, retrying=0)
+    with translate_errors("summarize the outbox"), contextlib.ExitStack() as stack:
+        if isinstance(engine_or_connection, sa.Engine):
+            conn = stack.enter_context(engine_or_connection.connect())
+        else:
+            conn = engine_or_connection
+        pauses = paused_groups(conn, topic_groups) if topic_groups else ()
+        paused_topics = sorted({t for p in pauses for t in p.topics})
+        if paused_topics:
+            summary = _due_summary(conn, names, exclude=paused_topics)
+            paused_due = _due_summary(conn, paused_topics).due
+            return dataclasses.replace(summary, paused_due=paused_due, pauses=pauses)
+        return _due_summary(conn, names)
+
+
+def _due_summary(conn: sa.Connection, names: list[str] | None, exclude: Sequence[str] = ()) -> DueSummary:
+    """The due summary over ``names`` (None: every topic) less the ``exclude`` topics."""
     t = outbox_table
     due = sa.and_(
         t.c.next_attempt_at <= db_now(),
@@ -582,13 +666,9 @@ def due_summary(
     )
     if names is not None:
         stmt = stmt.where(t.c.topic.in_(names))
-    with translate_errors("summarize the outbox"):
-        if isinstance(engine_or_connection, sa.Engine):
-            with engine_or_connection.connect() as conn:
-                row = conn.execute(stmt).one()
-        else:
-            row = engine_or_connection.execute(stmt).one()
-    count, age, retrying = row
+    if exclude:
+        stmt = stmt.where(t.c.topic.not_in(exclude))
+    count, age, retrying = conn.execute(stmt).one()
     return DueSummary(
         due=int(count),
         oldest_due_age_ms=None if age is None else max(0, int(age)),
@@ -613,6 +693,9 @@ class DeliveryHealth:
     unrouted: int
     oldest_unrouted_age_ms: int | None
     unrouted_topics: tuple[str, ...]
+    #: As in :class:`DueSummary`: due rows of paused groups (left out of ``due``) and the pauses.
+    paused_due: int = 0
+    pauses: tuple[GroupPause, ...] = ()
 
 
 def delivery_health(
@@ -620,14 +703,14 @@ def delivery_health(
     *,
     topics: Collection[str] | None = None,
     unrouted_after_ms: int = 15 * 60_000,
+    groups: Mapping[str, str] | None = None,
 ) -> DeliveryHealth:
-    """Summarize delivery for ``topics`` (``None``: every topic) in a few indexed queries.
+    """Summarize delivery for ``topics`` (``None``: every topic) in a few indexed queries; ``groups``
+    (topic → limit group) leaves paused groups' rows out of ``due``, as :func:`due_summary` does.
 
     Pending rows are read through the partial index of pending rows; dead rows through the partial
     index of dead rows. All ages come from the database clock.
     """
-    import contextlib
-
     from dagster_joblease.storage.clock import db_now_plus_ms
 
     scoped = _check_topics(topics)
@@ -645,7 +728,7 @@ def delivery_health(
             conn = stack.enter_context(engine_or_connection.connect())
         else:
             conn = engine_or_connection
-        summary = due_summary(conn, topics=scoped)
+        summary = due_summary(conn, topics=scoped, groups=groups)
         dead = int(conn.execute(dead_stmt).scalar_one())
         unrouted, unrouted_age, unrouted_topics = 0, None, ()
         if scoped is not None:
@@ -671,4 +754,25 @@ def delivery_health(
         unrouted=int(unrouted),
         oldest_unrouted_age_ms=None if unrouted_age is None else max(0, int(unrouted_age)),
         unrouted_topics=unrouted_topics,
+        paused_due=summary.paused_due,
+        pauses=summary.pauses,
     )
+
+
+def unrouted_due(
+    engine_or_connection: sa.Engine | sa.Connection, *, topics: Collection[str]
+) -> tuple[int, dict[str, int]]:
+    """Due rows of topics *not* in ``topics`` (another location's, or nobody's): the total and the count
+    per topic (at most 20 topics named). One query over the partial index of pending rows."""
+    scoped = _check_topics(topics) or []
+    t = outbox_table
+    stmt = sa.select(t.c.topic, sa.func.count()).where(due_clause()).group_by(t.c.topic).order_by(t.c.topic)
+    if scoped:
+        stmt = stmt.where(t.c.topic.not_in(scoped))
+    with translate_errors("count unrouted due outbox rows"), contextlib.ExitStack() as stack:
+        if isinstance(engine_or_connection, sa.Engine):
+            conn = stack.enter_context(engine_or_connection.connect())
+        else:
+            conn = engine_or_connection
+        counts = {topic: int(n) for topic, n in conn.execute(stmt)}
+    return sum(counts.values()), dict(list(counts.items())[:20])

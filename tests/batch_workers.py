@@ -7,7 +7,7 @@ from multiprocessing.synchronize import Barrier
 
 import sqlalchemy as sa
 
-from dagster_joblease.batch import claim_many, complete_many, fenced_transaction_many
+from dagster_joblease.batch import claim_many, complete_many, fail_many, fenced_transaction_many
 from dagster_joblease.identity import JobIdentity
 from dagster_joblease.lease import LeaseService
 from dagster_joblease.storage import create_engine
@@ -47,5 +47,38 @@ def race_range(url: str, index: int, processes: int, barrier: Barrier) -> None:
             with fenced_transaction_many(service, won) as conn:
                 conn.execute(record, [{"key": x.idempotency_key, "holder": f"racer-{index}"} for x in won])
             complete_many(service, won).raise_if_lost()
+    finally:
+        engine.dispose()
+
+
+ATTEMPTS = "batch_attempt"
+
+
+def reclaim_rounds(url: str, index: int, rounds: int, count: int, barrier: Barrier) -> None:
+    """Round after round, claim the whole shared set (FAIL rows are reclaimed), record each won
+    (key, attempt) in a fenced set transaction, then fail what was won so the others reclaim it."""
+    engine = create_engine(url)
+    service = LeaseService(engine, lease_ms=60_000, holder=f"reclaimer-{index}")
+    jobs = race_days(count)
+    if index % 2:
+        jobs.reverse()
+    record = sa.text(f"INSERT INTO {ATTEMPTS} (key, attempt, holder) VALUES (:key, :attempt, :holder)")
+    with engine.connect():
+        pass
+    try:
+        barrier.wait(timeout=120)
+        for _ in range(rounds):
+            won = claim_many(service, jobs).leases
+            if not won:
+                continue
+            with fenced_transaction_many(service, won) as conn:
+                conn.execute(
+                    record,
+                    [
+                        {"key": x.idempotency_key, "attempt": x.attempt, "holder": f"reclaimer-{index}"}
+                        for x in won
+                    ],
+                )
+            fail_many(service, won, "handed on").raise_if_lost()
     finally:
         engine.dispose()

@@ -40,7 +40,8 @@ def _setup(database_url: str, application_name: str | None) -> tuple[sa.Engine, 
 
 
 def _routes(spec: dict[str, dict[str, Any]]) -> dict[str, Route]:
-    return {topic: Route(r["url"], timeout_s=r.get("timeout_s", 10.0)) for topic, r in spec.items()}
+    """Routes from plain dicts: ``url`` plus any other :class:`Route` option (timeout_s, max_in_flight…)."""
+    return {topic: Route(r["url"], **{k: v for k, v in r.items() if k != "url"}) for topic, r in spec.items()}
 
 
 def _write(result_path: str, report: DispatchReport, counter: _ActionCounter, **extra: Any) -> None:

@@ -36,7 +36,7 @@ def test_transient_statuses_retry(status: int) -> None:
     assert c.reason == f"HTTP {status}: busy"
 
 
-@pytest.mark.parametrize("status", [400, 401, 403, 404, 405, 410, 413, 422, 451])
+@pytest.mark.parametrize("status", [400, 401, 403, 404, 405, 410, 413, 451])
 def test_other_4xx_are_dead_with_status_and_body(status: int) -> None:
     c = policy.classify_response(_response(status, '{"detail":\n  "bad field"}'))
     assert c.outcome is Outcome.DEAD
@@ -162,3 +162,59 @@ def test_decide_keeps_sent_and_dead() -> None:
     assert _decide(policy.classify_response(_response(200)), attempts=99).outcome is Outcome.SENT
     dead = _decide(policy.classify_response(_response(400, "no")), attempts=1)
     assert dead.outcome is Outcome.DEAD and dead.reason == "HTTP 400: no"
+
+
+def test_422_is_dead_with_the_downstreams_reason_first() -> None:
+    c = policy.classify_response(_response(422, '{"detail": "key reused with another payload"}'))
+    assert c.outcome is Outcome.DEAD and c.status_code == 422
+    assert c.reason.startswith('HTTP 422: {"detail": "key reused with another payload"}')
+    assert "not retried" in c.reason
+
+
+def test_409_is_retried_with_backoff_not_dead() -> None:
+    c = policy.classify_response(_response(409, "in flight"))
+    d = policy.decide(c, attempts=1, max_attempts=5, base_ms=100, max_ms=1000, max_pause_ms=300_000)
+    assert d.outcome is Outcome.RETRY and d.pause_ms is None and not d.deferred and d.delay_ms <= 100
+
+
+def test_retry_after_on_429_or_503_pauses_and_defers_without_counting() -> None:
+    for status in (429, 503):
+        c = policy.classify_response(_response(status, "slow down", headers={"Retry-After": "2"}))
+        d = policy.decide(c, attempts=9, max_attempts=10, base_ms=100, max_ms=1000, max_pause_ms=300_000)
+        assert d.outcome is Outcome.RETRY and d.pause_ms == 2000 and d.deferred and d.delay_ms == 2000
+        # attempts=10 of 10 would be dead for an ordinary retry; a deferral does not use attempts up
+        d = policy.decide(c, attempts=10, max_attempts=10, base_ms=100, max_ms=1000, max_pause_ms=300_000)
+        assert d.outcome is Outcome.RETRY and d.deferred
+    capped = policy.decide(
+        policy.classify_response(_response(429, "", headers={"Retry-After": "86400"})),
+        attempts=1,
+        max_attempts=10,
+        base_ms=100,
+        max_ms=1000,
+        max_pause_ms=5_000,
+    )
+    assert capped.pause_ms == 5_000
+
+
+def test_deferrals_are_bounded() -> None:
+    c = policy.classify_response(_response(503, "", headers={"Retry-After": "1"}))
+    d = policy.decide(
+        c,
+        attempts=1,
+        max_attempts=10,
+        base_ms=100,
+        max_ms=1000,
+        max_pause_ms=5_000,
+        deferrals=4,
+        max_deferrals=5,
+    )
+    assert d.outcome is Outcome.DEAD and "5 Retry-After deferrals" in d.reason
+
+
+def test_no_group_pause_when_turned_off_or_without_retry_after() -> None:
+    c = policy.classify_response(_response(429, "", headers={"Retry-After": "2"}))
+    d = policy.decide(c, attempts=1, max_attempts=10, base_ms=100, max_ms=1000, max_pause_ms=0)
+    assert d.pause_ms is None and not d.deferred and d.delay_ms == 1000
+    bare = policy.classify_response(_response(429, ""))
+    d = policy.decide(bare, attempts=1, max_attempts=10, base_ms=100, max_ms=1000, max_pause_ms=5_000)
+    assert d.pause_ms is None and not d.deferred

@@ -143,15 +143,67 @@ def _steal(other_engine: sa.Engine, rival: LeaseService) -> Lease:
     return stolen
 
 
+class _HeartbeatGate:
+    """Holds the heartbeat thread's renewals at a gate (SQLAlchemy's cursor events on the holder's
+    engine), so a test decides when the holder may renew instead of racing its interval."""
+
+    def __init__(self, engine: sa.Engine) -> None:
+        self._cond = threading.Condition()
+        self._open = True
+        self._in_flight = 0
+        sa.event.listen(engine, "before_cursor_execute", self._before)
+        sa.event.listen(engine, "after_cursor_execute", self._after)
+        sa.event.listen(engine, "handle_error", self._on_error)
+
+    @staticmethod
+    def _is_renewal(statement: str) -> bool:
+        return (
+            threading.current_thread().name.startswith("joblease-heartbeat") and "heartbeat_at" in statement
+        )
+
+    def _before(self, _conn: Any, _cursor: Any, statement: str, *_args: Any) -> None:
+        if self._is_renewal(statement):
+            with self._cond:
+                assert self._cond.wait_for(lambda: self._open, timeout=60), "the gate stayed shut"
+                self._in_flight += 1
+
+    def _after(self, _conn: Any, _cursor: Any, statement: str, *_args: Any) -> None:
+        if self._is_renewal(statement):
+            with self._cond:
+                self._in_flight -= 1
+                self._cond.notify_all()
+
+    def _on_error(self, context: Any) -> None:
+        self._after(None, None, context.statement or "")
+
+    def shut(self) -> None:
+        """No renewal runs from now on until :meth:`open`, and none is still in flight."""
+        with self._cond:
+            self._open = False
+            assert self._cond.wait_for(lambda: self._in_flight == 0, timeout=60)
+
+    def open(self) -> None:
+        with self._cond:
+            self._open = True
+            self._cond.notify_all()
+
+
 def test_lost_lease_is_seen_at_once_and_finalization_raises(
     service: LeaseService, rival: LeaseService, other_engine: sa.Engine, engine: sa.Engine
 ) -> None:
     stolen: list[Lease] = []
+    gate = _HeartbeatGate(engine)
 
     def work(lease: Lease) -> str:
         assert not lease.lost
-        stolen.append(_steal(other_engine, rival))
-        wait_until(lambda: lease.lost, timeout=10)
+        # The holder may not renew between the forced expiry and the rival's claim (on a loaded machine
+        # a 50 ms heartbeat would, now and then); its first renewal after the takeover sees the loss.
+        gate.shut()
+        try:
+            stolen.append(_steal(other_engine, rival))
+        finally:
+            gate.open()
+        wait_until(lambda: lease.lost, timeout=30)
         with pytest.raises(errors.LostLeaseError):
             lease.ensure_held()
         return "finished anyway"

@@ -77,6 +77,21 @@ def resolve_routes(routes: RoutesSource) -> dict[str, dispatch.Route]:
     return dict(routes() if callable(routes) else routes)
 
 
+def topic_groups(route_map: Mapping[str, dispatch.Route]) -> dict[str, str]:
+    """Topic → limit group of each route (what the due summary needs to leave paused groups out)."""
+    return {topic: str(route.limit_group) for topic, route in route_map.items()}
+
+
+def pause_text(pauses: tuple[outbox.GroupPause, ...]) -> str:
+    return "; ".join(p.describe() for p in pauses)
+
+
+REQUEUE_HINT = (
+    "fix the cause, then requeue them deliberately: `joblease outbox requeue --all-dead` (or `--topic "
+    "TOPIC`, or one ID); a row dead-lettered past its dedupe_window needs its effect reconciled first"
+)
+
+
 def _topic_filter(topics: tuple[str, ...] | None) -> sa.ColumnElement[bool]:
     return sa.true() if topics is None else outbox_table.c.topic.in_(topics)
 
@@ -171,7 +186,10 @@ class OutboxHealth:
     def evaluate(self, engine: sa.Engine) -> list[dg.AssetCheckEvaluation]:
         """All three checks, evaluated now (database clock)."""
         topics = self.topics()
-        health = outbox.delivery_health(engine, topics=topics, unrouted_after_ms=self.unrouted_after_ms)
+        groups = None if self.routes is None else topic_groups(resolve_routes(self.routes))
+        health = outbox.delivery_health(
+            engine, topics=topics, unrouted_after_ms=self.unrouted_after_ms, groups=groups
+        )
         return [
             dead_rows_evaluation(engine, topics=topics),
             self._backlog(health, topics),
@@ -190,12 +208,20 @@ class OutboxHealth:
                 f"the oldest of {health.due} due row(s) has waited {_age(health.oldest_due_age_ms)} "
                 f"(threshold {self.stale_due_ms / 1000:g} s): is a dispatcher running?"
             )
+        if health.pauses:
+            problems.append(
+                f"delivery paused by the downstream, {health.paused_due} due row(s) held: "
+                f"{pause_text(health.pauses)}"
+            )
         meta: dict[str, Any] = {
             "due": dg.MetadataValue.int(health.due),
             "oldest_due_age_ms": dg.MetadataValue.int(health.oldest_due_age_ms or 0),
             "retrying": dg.MetadataValue.int(health.retrying),
             "stale_due_ms": dg.MetadataValue.int(self.stale_due_ms),
         }
+        if health.pauses:
+            meta["paused_due"] = dg.MetadataValue.int(health.paused_due)
+            meta["paused_groups"] = dg.MetadataValue.json([dataclasses.asdict(p) for p in health.pauses])
         if topics is not None:
             meta["topics"] = dg.MetadataValue.text(", ".join(topics))
         return dg.AssetCheckEvaluation(
@@ -276,8 +302,18 @@ def build_dead_rows_check(
     return OutboxHealth(routes=routes, resource_key=resource_key).asset_checks()[0]
 
 
-def _verdict(claimed: int, sent: int, due_before: int) -> str:
+def _no_run_retry(context: OpExecutionContext) -> None:
+    """Tag the run so Dagster's run-retry daemon does not retry it (it reads the tags when the run fails)."""
+    try:
+        context.instance.add_run_tags(context.run_id, {"dagster/max_retries": "0"})
+    except Exception as exc:  # an ephemeral run (direct invocation) has no stored run to tag
+        context.log.info(f"could not tag the run against retries: {exc}")
+
+
+def _verdict(claimed: int, sent: int, due_before: int, paused_due: int = 0) -> str:
     if claimed == 0:
+        if due_before == 0 and paused_due:
+            return f"{paused_due} due row(s) wait out a downstream's pause; delivered nothing"
         if due_before == 0:
             return "nothing was due for this location's topics; delivered nothing"
         return (
@@ -298,6 +334,8 @@ def build_dispatcher_job(
     concurrency: int = 8,
     tags: Mapping[str, str] | None = None,
     health: OutboxHealth | None = None,
+    pool: str | None = None,
+    max_deferrals: int = dispatch.dispatcher.DEFAULT_MAX_DEFERRALS,
 ) -> dg.JobDefinition:
     """A job that dispatches due outbox rows of its routed topics until none is claimable.
 
@@ -308,7 +346,16 @@ def build_dispatcher_job(
     A run that claimed rows but delivered none of them (the downstream refuses, every row retried or
     died) **fails** with a retryable :class:`dagster.Failure` after reporting its counts and checks: green
     means something was delivered, or nothing was there to deliver (its metadata says which).
+    A run that **dead-lettered** rows fails too, naming how many and how to requeue them, and is *not*
+    retried (a retry cannot help): ``Failure(allow_retries=False)`` bypasses an op retry policy and the
+    run is tagged ``dagster/max_retries=0`` before it fails, which Dagster's run-retry daemon honours.
+    Due rows of topics this location does not route are counted and named in the metadata, without
+    failing the run (locations share a database on purpose).
     ``health`` sets the checks' thresholds (default: :class:`OutboxHealth` over ``routes``).
+
+    ``pool`` runs the dispatch op in a Dagster concurrency pool (``dagster instance concurrency set
+    POOL N``): it bounds how many dispatcher *runs* Dagster executes at once. It does not bound HTTP
+    requests to a downstream; the routes' ``max_in_flight`` and ``rate`` do, across every dispatcher.
     """
     checks = health or OutboxHealth(routes=routes, resource_key=resource_key)
 
@@ -316,11 +363,17 @@ def build_dispatcher_job(
         resource = getattr(context.resources, resource_key)
         route_map = resolve_routes(routes)
         topics = tuple(sorted(route_map))
-        before = outbox.delivery_health(resource.engine, topics=topics)
+        groups = topic_groups(route_map)
+        before = outbox.delivery_health(resource.engine, topics=topics, groups=groups)
         totals = dispatch.DispatchReport()
         batches = 0
         with dispatch.Dispatcher(
-            resource.engine, route_map, max_attempts=max_attempts, claim_ms=claim_ms, concurrency=concurrency
+            resource.engine,
+            route_map,
+            max_attempts=max_attempts,
+            claim_ms=claim_ms,
+            concurrency=concurrency,
+            max_deferrals=max_deferrals,
         ) as dispatcher:
             for _ in range(config.max_batches):
                 report = dispatcher.dispatch(limit=config.batch_size)
@@ -334,13 +387,26 @@ def build_dispatcher_job(
                         )
                 if report.claimed == 0:
                     break
-        after = outbox.delivery_health(resource.engine, topics=topics)
+        after = outbox.delivery_health(resource.engine, topics=topics, groups=groups)
+        unrouted, unrouted_topics = outbox.unrouted_due(resource.engine, topics=topics)
         counts = {"batches": batches} | {
-            key: value for key, value in dataclasses.asdict(totals).items() if key != "rows"
+            key: value
+            for key, value in dataclasses.asdict(totals).items()
+            if key not in ("rows", "paused", "limited")
         }
         counts["due_before"] = before.due
         counts["due_after"] = after.due
-        verdict = _verdict(totals.claimed, totals.sent, before.due)
+        counts["paused_due"] = after.paused_due
+        counts["unrouted_due"] = unrouted
+        verdict = _verdict(totals.claimed, totals.sent, before.due, before.paused_due)
+        if after.pauses:
+            context.log.warning(f"delivery paused: {pause_text(after.pauses)}")
+        if unrouted:
+            context.log.info(
+                f"{unrouted} due row(s) of topics this location does not route: "
+                f"{', '.join(f'{t} ({n})' for t, n in unrouted_topics.items())} (another location's routes "
+                "deliver them; the no_unrouted_rows check warns if they grow old)"
+            )
         context.log.info(
             f"{verdict}: claimed {totals.claimed}, sent {totals.sent}, retried {totals.retried}, "
             f"dead {totals.dead} in {batches} batch(es); lost claims {totals.lost_claims}, released "
@@ -352,10 +418,24 @@ def build_dispatcher_job(
         meta["result"] = dg.MetadataValue.text(verdict)
         meta["delivered_nothing"] = dg.MetadataValue.bool(totals.sent == 0)
         meta["topics"] = dg.MetadataValue.text(", ".join(topics))
+        if unrouted:
+            meta["unrouted_due_topics"] = dg.MetadataValue.json(unrouted_topics)
+        if after.pauses:
+            meta["paused_groups"] = dg.MetadataValue.json([dataclasses.asdict(p) for p in after.pauses])
+        if totals.limited:
+            meta["limited_groups"] = dg.MetadataValue.text(", ".join(sorted(totals.limited)))
         # Yielded, not logged: logged events are flushed only when the step succeeds, and a run that
         # delivered nothing must still show its counts and checks.
         yield dg.AssetObservation(asset_key=OUTBOX_ASSET_KEY, metadata=meta)
         yield from checks.evaluate(resource.engine)
+        if totals.dead:
+            description = (
+                f"{totals.dead} outbox row(s) were dead-lettered in this pass ({totals.expired} past their "
+                f"route's dedupe_window); {verdict}. They will not be delivered until a person acts: "
+                f"{REQUEUE_HINT}. This run is not retried: a retry cannot help."
+            )
+            _no_run_retry(context)
+            raise dg.Failure(description=description, metadata=meta, allow_retries=False)
         if totals.claimed > 0 and totals.sent == 0:
             raise dg.Failure(
                 description=(
@@ -371,6 +451,7 @@ def build_dispatcher_job(
 
     dispatch_op = dg.op(
         name=f"{name}_dispatch",
+        pool=pool,
         required_resource_keys={resource_key},
         description="Claim, deliver and record due outbox rows of the routed topics; report the counts.",
     )(real_annotations(_dispatch, context=OpExecutionContext, config=DispatchConfig))

@@ -12,7 +12,13 @@ import sqlalchemy as sa
 from dagster._core.storage.tags import REPOSITORY_LABEL_TAG
 
 from dagster_joblease import errors, outbox
-from dagster_joblease.dagster.jobs import OutboxHealth, RoutesSource, resolve_routes
+from dagster_joblease.dagster.jobs import (
+    OutboxHealth,
+    RoutesSource,
+    pause_text,
+    resolve_routes,
+    topic_groups,
+)
 from dagster_joblease.dagster.resource import JobLeaseResource
 from dagster_joblease.storage.clock import db_now
 from dagster_joblease.storage.engine import translate_errors
@@ -67,8 +73,10 @@ def build_outbox_sensor(
     ``checks_interval_seconds``), so they are evaluated even while no dispatcher runs.
 
     Each evaluation runs one query over the partial index of due rows. Nothing due: a ``SkipReason``
-    with the count. Rows due while a dispatcher run is queued or running: a ``SkipReason`` naming that
-    run. Otherwise a ``RunRequest`` whose ``run_key`` is unique per request (a sensor's run keys dedupe
+    with the count. With ``routes``, rows of limit groups a downstream paused (``429``/``503`` with
+    ``Retry-After``) do not count as due, and the skip reason names the pause and its end. Rows due while a
+    dispatcher run is queued or running: a ``SkipReason`` naming that run. Otherwise a ``RunRequest`` whose
+    ``run_key`` is unique per request (a sensor's run keys dedupe
     forever, so a constant key would fire once, ever).
 
     Test it with ``sensor.evaluate_tick(ctx)`` inside ``with build_sensor_context(resources=...) as ctx``
@@ -92,8 +100,11 @@ def build_outbox_sensor(
     def _sensor(context: dg.SensorEvaluationContext) -> dg.SensorResult:
         resource: JobLeaseResource = getattr(context.resources, resource_key)
         engine = resource.engine
-        topics = None if routes is None else tuple(sorted(resolve_routes(routes)))
-        summary = outbox.delivery_health(engine, topics=topics)
+        route_map = None if routes is None else resolve_routes(routes)
+        topics = None if route_map is None else tuple(sorted(route_map))
+        groups = None if route_map is None else topic_groups(route_map)
+        # Paused groups' rows are left out of `due`: no dispatcher run every tick that claims nothing.
+        summary = outbox.delivery_health(engine, topics=topics, groups=groups)
         cursor: dict[str, Any] = json.loads(context.cursor) if context.cursor else {}
         checks_at = float(cursor.get("checks_at", 0))
         events: list[dg.AssetCheckEvaluation] = []
@@ -104,9 +115,11 @@ def build_outbox_sensor(
                 checks_at = now
         new_cursor = json.dumps({"checks_at": checks_at})
         if summary.due == 0:
-            return dg.SensorResult(
-                skip_reason=dg.SkipReason("0 outbox rows due"), asset_events=events, cursor=new_cursor
-            )
+            reason = "0 outbox rows due"
+            if summary.pauses:
+                held = pause_text(summary.pauses)
+                reason += f" ({summary.paused_due} more wait out a downstream's pause: {held})"
+            return dg.SensorResult(skip_reason=dg.SkipReason(reason), asset_events=events, cursor=new_cursor)
         busy = context.instance.get_runs(
             dg.RunsFilter(
                 job_name=job.name, statuses=list(NOT_FINISHED_STATUSES), tags=_own_location(context)

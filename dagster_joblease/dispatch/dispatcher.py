@@ -21,11 +21,23 @@ One batch is three phases, and no transaction is open while HTTP is in flight:
 
 A dispatcher that dies leaves claims that expire and are claimed again; the receiver deduplicates the
 re-delivery by its ``Idempotency-Key``. That is at-least-once delivery with end-to-end deduplication.
+
+**Limits and pauses** (see :class:`Route`): each claim first reads the state of its routes' limit groups
+(one indexed read of a small table; nothing else when no group has a limit or a pause: the unlimited path).
+Rows of a paused group are not claimed. Rows of a limited group are claimed, under that group's row lock,
+only as far as its global ``max_in_flight`` (unexpired claims holding the group's capacity, whichever
+dispatcher made them) and ``rate`` (evenly spaced admissions) allow, and no further than this dispatcher has
+idle workers, so a claimed row starts at once; its outcome is recorded as soon as it is known, which frees
+the slot, and the batch claims again while it has budget. A ``429``/``503`` with ``Retry-After`` pauses the
+group in the database for every dispatcher (and at once for this one's other threads).
+A row whose route has a ``dedupe_window`` and whose first attempt is older is not sent but dead-lettered.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import datetime as dt
+import functools
 import logging
 import random
 import secrets
@@ -41,7 +53,7 @@ import httpcore
 import httpx
 import sqlalchemy as sa
 
-from dagster_joblease import errors, outbox
+from dagster_joblease import errors, limits, outbox, route_groups
 from dagster_joblease.dispatch import policy
 from dagster_joblease.dispatch.routes import Route
 from dagster_joblease.options import MAX_DURATION_MS
@@ -61,6 +73,13 @@ MAX_REPORT_ROWS = 1_000
 RECORD_RETRY_PAUSES_S = (0.05, 0.25, 1.0)
 #: Longest a finished delivery waits to be recorded while the rest of its batch is still in flight.
 MAX_RECORD_DELAY_S = 0.25
+#: How often a batch with undelivered rows re-reads its groups' pauses (another dispatcher may open one).
+PAUSE_REFRESH_S = 0.05
+#: Longest one batch waits, in total, for a limited group's capacity while its rows are due.
+LIMIT_WAIT_S = 1.0
+#: Pause between two looks at a full in-flight limit held by other dispatchers.
+SLOT_POLL_S = 0.02
+DEFAULT_MAX_DEFERRALS = 100
 _OutcomeLabel = str
 
 
@@ -94,6 +113,14 @@ class DispatchReport:
     lost_claims: int = 0
     released: int = 0
     unrecorded: int = 0
+    #: Of ``dead``: rows past their route's ``dedupe_window``, dead-lettered without being sent.
+    expired: int = 0
+    #: Of ``retried``: attempts deferred by a ``Retry-After`` pause (not counted against max_attempts).
+    deferred: int = 0
+    #: Limit groups paused when this batch claimed: group → (paused until, ISO 8601 UTC; reason).
+    paused: dict[str, tuple[str, str]] = dataclasses.field(default_factory=dict)
+    #: Limit groups whose due rows waited for capacity (max_in_flight or rate) in this batch.
+    limited: set[str] = dataclasses.field(default_factory=set)
 
     def merge(self, other: DispatchReport) -> DispatchReport:
         """A new report with both reports' counters summed and rows concatenated."""
@@ -106,6 +133,10 @@ class DispatchReport:
             lost_claims=self.lost_claims + other.lost_claims,
             released=self.released + other.released,
             unrecorded=self.unrecorded + other.unrecorded,
+            expired=self.expired + other.expired,
+            deferred=self.deferred + other.deferred,
+            paused={**self.paused, **other.paused},
+            limited=self.limited | other.limited,
         )
 
 
@@ -116,6 +147,22 @@ class _Claimed:
     topic: str
     attempts: int
     payload: str
+    deferrals: int = 0
+    #: The limit group whose capacity the claim holds (None: unlimited path).
+    group: str | None = None
+    #: Local monotonic time just before the claim statement ran: the claim lasts claim_ms from then.
+    claimed_at: float = 0.0
+    #: A rate admission: do not start before this local monotonic time (None: at once).
+    not_before: float | None = None
+
+
+class _TooLate(Exception):
+    """A rate-admitted request could not start within RATE_LATE_S of its admission."""
+
+
+def _claimed(r: Any, **extra: Any) -> _Claimed:
+    """A row returned by :func:`claim_statement`."""
+    return _Claimed(r[0], r[1], r[2], r[3], r[4], deferrals=int(r[5] or 0), **extra)
 
 
 #: A finished row: its verdict, or None when the claim is given back undelivered.
@@ -133,17 +180,29 @@ def _positive_int(name: str, value: object, minimum: int = 1, maximum: int | Non
     return value
 
 
+def _as_stored(value: dt.datetime, conn: sa.Connection) -> dt.datetime:
+    """A UTC datetime as the backend stores it (SQLite keeps naive UTC text)."""
+    return value.replace(tzinfo=None) if conn.dialect.name == "sqlite" else value
+
+
 def _safety_ms(claim_ms: int) -> int:
     """Margin kept between a request's deadline and the claim's expiry (clock skew, recording time)."""
     return min(1_000, claim_ms // 10)
 
 
 def claim_statement(
-    dialect_name: str, *, token: str, limit: int, claim_ms: int, topics: Collection[str] | None = None
+    dialect_name: str,
+    *,
+    token: str,
+    limit: int,
+    claim_ms: int,
+    topics: Collection[str] | None = None,
+    claim_group: str | None = None,
 ) -> sa.Update:
     """The claim as one statement: lock up to ``limit`` due rows (of ``topics`` only, when given), stamp
-    ``token`` and an expiry, count the attempt, and return ``(id, idempotency_key, topic, attempts,
-    payload as text)``.
+    ``token``, an expiry and ``claim_group`` (the limit group whose capacity the claim holds), record the
+    first attempt's time if this is it, count the attempt, and return ``(id, idempotency_key, topic,
+    attempts, payload as text, deferrals)``.
 
     The payload comes back as text (``jsonb::text`` on PostgreSQL) and is sent as-is: decoding it to
     Python only to encode it again would cost time and could change it.
@@ -166,9 +225,41 @@ def claim_statement(
     return stmt.values(
         claim_token=token,
         claim_expires_at=db_now_plus_ms(sa.literal(claim_ms, sa.BigInteger())),
+        claim_group=sa.literal(claim_group, sa.String()) if claim_group is not None else None,
         attempts=t.c.attempts + 1,
+        first_attempt_at=sa.func.coalesce(t.c.first_attempt_at, db_now()),
         updated_at=db_now(),
-    ).returning(t.c.id, t.c.idempotency_key, t.c.topic, t.c.attempts, payload)
+    ).returning(t.c.id, t.c.idempotency_key, t.c.topic, t.c.attempts, payload, t.c.deferrals)
+
+
+def expire_statement(*, topics: Collection[str], window_ms: int, margin_ms: int) -> sa.Update:
+    """Dead-letter due, unclaimed rows of ``topics`` whose first attempt is ``window_ms - margin_ms`` or
+    more ago: the downstream may have forgotten the key, so a resend could be a second effect."""
+    t = outbox_table
+    reason = (
+        f"not sent again: its first delivery attempt is older than the route's dedupe_window "
+        f"({window_ms / 1000:g} s, less one timeout), so the downstream may have forgotten the key and a "
+        "resend could be a second effect. Reconcile the effect by hand (did the downstream apply it?); "
+        "`joblease outbox requeue` sends it again with a fresh window, if you decide it must be sent"
+    )
+    return (
+        sa.update(t)
+        .where(
+            outbox.due_clause(),
+            t.c.topic.in_(sorted(topics)),
+            t.c.first_attempt_at.is_not(None),
+            t.c.first_attempt_at <= db_now_plus_ms(sa.literal(margin_ms - window_ms, sa.BigInteger())),
+        )
+        .values(
+            status=outbox.OutboxStatus.DEAD.value,
+            last_error=reason,
+            claim_token=None,
+            claim_expires_at=None,
+            claim_group=None,
+            updated_at=db_now(),
+        )
+        .returning(t.c.id, t.c.idempotency_key, t.c.topic, t.c.last_status)
+    )
 
 
 # -- a total deadline per request ------------------------------------------------------------------------
@@ -293,6 +384,7 @@ class Dispatcher:
         backoff_base_ms: int = 1_000,
         backoff_max_ms: int = 300_000,
         client: httpx.Client | None = None,
+        max_deferrals: int = DEFAULT_MAX_DEFERRALS,
     ) -> None:
         self.engine = engine
         self.max_attempts = _positive_int("max_attempts", max_attempts)
@@ -302,6 +394,7 @@ class Dispatcher:
         self.backoff_max_ms = _positive_int(
             "backoff_max_ms", backoff_max_ms, backoff_base_ms, MAX_DURATION_MS
         )
+        self.max_deferrals = _positive_int("max_deferrals", max_deferrals)
         if not isinstance(routes, Mapping):
             raise errors.ConfigurationError("routes must be a mapping of topic → Route")
         self.routes: dict[str, Route] = {}
@@ -316,6 +409,34 @@ class Dispatcher:
             self._headers[topic] = {**route.resolve_headers(), "Content-Type": "application/json"}
             self._timeouts[topic] = route.timeout
         self.topics: frozenset[str] = frozenset(self.routes)
+        # Limit groups: topic → group, group → its topics, and this dispatcher's own limits per group
+        # (the smallest of its routes' when two routes of one group disagree).
+        self._group_of: dict[str, str] = {t: str(r.limit_group) for t, r in self.routes.items()}
+        self._group_topics: dict[str, tuple[str, ...]] = {}
+        for topic, group in sorted(self._group_of.items()):
+            self._group_topics[group] = (*self._group_topics.get(group, ()), topic)
+        self._group_limits: dict[str, tuple[int | None, int | None]] = {}
+        for group, topics in self._group_topics.items():
+            mifs = {m for t in topics if (m := self.routes[t].max_in_flight) is not None}
+            rates = {r for t in topics if (r := self.routes[t].rate) is not None}
+            if len(mifs) > 1 or len(rates) > 1:
+                logger.warning(
+                    "routes of limit group %s configure different limits (max_in_flight %s, rate %s); the "
+                    "smallest applies",
+                    group,
+                    sorted(mifs),
+                    sorted(rates),
+                    extra={"action": "limit_mismatch"},
+                )
+            self._group_limits[group] = (min(mifs, default=None), min(rates, default=None))
+        self.groups: frozenset[str] = frozenset(self._group_topics)
+        self._windows: dict[tuple[int, int], list[str]] = {}
+        for topic, route in sorted(self.routes.items()):
+            if route.dedupe_window_s is not None:
+                window = (int(route.dedupe_window_s * 1000), int(route.timeout_s * 1000))
+                self._windows.setdefault(window, []).append(topic)
+        self._mismatch_logged: set[tuple[str, str, int | None]] = set()
+        self._local_pause: dict[str, float] = {}
         longest_ms = max((int(r.timeout_s * 1000) for r in self.routes.values()), default=0)
         if longest_ms + _safety_ms(self.claim_ms) >= self.claim_ms:
             raise errors.ConfigurationError(
@@ -324,12 +445,14 @@ class Dispatcher:
                 "overlap with another dispatcher's; raise claim_ms or lower timeout_s"
             )
         self._owns_client = client is None
-        limits = httpx.Limits(max_connections=self.concurrency, max_keepalive_connections=self.concurrency)
+        http_limits = httpx.Limits(
+            max_connections=self.concurrency, max_keepalive_connections=self.concurrency
+        )
         self._client = client or httpx.Client(
             follow_redirects=False,
-            limits=limits,
+            limits=http_limits,
             timeout=httpx.Timeout(10.0),
-            transport=_DeadlineTransport(limits),
+            transport=_DeadlineTransport(http_limits),
         )
         self._pool = (
             ThreadPoolExecutor(max_workers=self.concurrency, thread_name_prefix="joblease-dispatch")
@@ -364,41 +487,81 @@ class Dispatcher:
     # -- one batch ---------------------------------------------------------------------------------
 
     def dispatch(self, limit: int = 100) -> DispatchReport:
-        """Claim up to ``limit`` due rows of the routed topics, deliver them, record every outcome."""
+        """Claim up to ``limit`` due rows of the routed topics, deliver them, record every outcome.
+
+        Rows of limited groups are claimed as capacity frees up, within this same call (the batch keeps
+        claiming them while it has budget; it waits at most :data:`LIMIT_WAIT_S` in all for capacity
+        other dispatchers hold). Rows of paused groups are not claimed (``report.paused`` names them).
+        """
         limit = _positive_int("limit", limit)
         if self._closed:
             raise errors.DispatchError("this dispatcher is closed; create a new one")
+        report = DispatchReport()
         if not self.routes:
-            return DispatchReport()
-        token = secrets.token_hex(16)
-        started = time.monotonic()
-        rows = self._claim(token, limit)
-        report = DispatchReport(claimed=len(rows))
-        if not rows:
             return report
-        deadline = started + self.claim_ms / 1000.0
+        token = secrets.token_hex(16)
+        rows, blocked = self._claim(token, limit, self.concurrency, report, limited_only=False)
+        report.claimed += len(rows)
+        budget = limit - len(rows)
+        if not rows and not blocked:
+            return report
+        inflight: dict[Future[policy.Decision | None], _Claimed] = {}
+        queue: list[_Claimed] = []
         finished: list[_Finished] = []
+        waited = 0.0
         flushed_at = time.monotonic()
-        if self._pool is None or len(rows) == 1:
-            for row in rows:
-                finished.append((row, self._deliver(row, deadline)))
-                if time.monotonic() - flushed_at >= self._record_delay_s:
-                    self._record(token, finished, report)
-                    finished, flushed_at = [], time.monotonic()
-        else:
-            futures: dict[Future[policy.Decision | None], _Claimed] = {
-                self._pool.submit(self._deliver, row, deadline): row for row in rows
-            }
-            waiting = set(futures)
-            while waiting:
-                timeout = max(0.0, flushed_at + self._record_delay_s - time.monotonic()) if finished else None
-                done, waiting = wait(waiting, timeout=timeout, return_when=FIRST_COMPLETED)
-                finished.extend((futures[f], f.result()) for f in done)
-                if finished and (not waiting or time.monotonic() - flushed_at >= self._record_delay_s):
-                    self._record(token, finished, report)
-                    finished, flushed_at = [], time.monotonic()
-        if finished:
-            self._record(token, finished, report)
+        refresh_at = flushed_at + PAUSE_REFRESH_S
+        # Rows of limited groups first: they were claimed for idle workers and hold capacity.
+        pending = sorted(rows, key=lambda r: (r.group is None, r.id))
+        while True:
+            for row in pending:
+                if self._pool is None:
+                    queue.append(row)
+                else:
+                    inflight[self._pool.submit(self._deliver, row)] = row
+            pending = []
+            if self._pool is None:
+                if queue:
+                    row = queue.pop(0)
+                    finished.append((row, self._deliver(row)))
+            elif inflight:
+                timeout = PAUSE_REFRESH_S if len(inflight) > self.concurrency else None
+                if finished:
+                    left = max(0.0, flushed_at + self._record_delay_s - time.monotonic())
+                    timeout = left if timeout is None else min(timeout, left)
+                done, _ = wait(set(inflight), timeout=timeout, return_when=FIRST_COMPLETED)
+                finished.extend((inflight.pop(f), f.result()) for f in done)
+            busy = bool(inflight or queue)
+            limited_done = any(row.group is not None for row, _ in finished)
+            urgent = limited_done or any(d is not None and d.pause_ms for _, d in finished)
+            now = time.monotonic()
+            if finished and (urgent or not busy or now - flushed_at >= self._record_delay_s):
+                self._record(token, finished, report)
+                finished, flushed_at = [], time.monotonic()
+            if busy and time.monotonic() >= refresh_at:
+                # Rows still waiting to start: learn of pauses other dispatchers opened meanwhile.
+                self._refresh_pauses()
+                refresh_at = time.monotonic() + PAUSE_REFRESH_S
+            free = self.concurrency - len(inflight) if self._pool is not None else (0 if queue else 1)
+            want_refill = budget > 0 and free > 0 and not self._stop.is_set() and (limited_done or blocked)
+            if want_refill and (limited_done or not busy):
+                more, blocked = self._claim(token, budget, free, report, limited_only=True)
+                report.claimed += len(more)
+                budget -= len(more)
+                pending = sorted(more, key=lambda r: r.id)
+                if pending:
+                    continue
+            if busy:
+                continue
+            if finished:
+                continue
+            if blocked and budget > 0 and waited < LIMIT_WAIT_S and not self._stop.is_set():
+                pause = min(max(min(blocked.values()), 0.001), LIMIT_WAIT_S - waited)
+                self._stop.wait(pause)
+                waited += pause
+                continue
+            break
+        report.limited |= set(blocked)
         logger.info(
             "dispatched %d rows: %d sent, %d retry, %d dead, %d lost claims, %d released",
             report.claimed,
@@ -411,40 +574,203 @@ class Dispatcher:
         )
         return report
 
-    def _claim(self, token: str, limit: int) -> list[_Claimed]:
+    def _claim(
+        self, token: str, budget: int, free: int, report: DispatchReport, *, limited_only: bool
+    ) -> tuple[list[_Claimed], dict[str, float]]:
+        """One claim transaction: read the groups' state, dead-letter rows past their window, claim rows
+        of unlimited groups (up to ``budget``) and of limited groups (up to their capacity and ``free``
+        idle workers). Returns the rows and, per limited group whose due rows had to wait for capacity,
+        the seconds worth waiting before looking again."""
+        started = time.monotonic()
+        blocked: dict[str, float] = {}
+        rows: list[_Claimed] = []
         with translate_errors("claim outbox rows"), self.engine.begin() as conn:
-            stmt = claim_statement(
-                conn.dialect.name, token=token, limit=limit, claim_ms=self.claim_ms, topics=self.topics
-            )
-            rows = [_Claimed(*r) for r in conn.execute(stmt)]
+            states = route_groups.read_states(conn, self.groups)
+            paused = {name for name, state in states.items() if state.paused}
+            for name in paused:
+                state = states[name]
+                assert state.paused_until is not None
+                report.paused[name] = (state.paused_until.isoformat(), state.pause_reason or "")
+                self._local_pause[name] = started + state.pause_remaining_ms / 1000
+            limited = {
+                name
+                for name in self.groups - paused
+                if self._group_limits[name] != (None, None) or (name in states and states[name].limited)
+            }
+            open_topics = [t for t in sorted(self.topics) if self._group_of[t] not in paused]
+            self._expire(conn, open_topics, report)
+            plain = [t for t in open_topics if self._group_of[t] not in limited]
+            if plain and not limited_only:
+                stmt = claim_statement(
+                    conn.dialect.name, token=token, limit=budget, claim_ms=self.claim_ms, topics=plain
+                )
+                rows = [_claimed(r, claimed_at=started) for r in conn.execute(stmt)]
+            workers = free - len(rows)
+            for name in sorted(limited):
+                left = min(budget - len(rows), workers)
+                if left <= 0:
+                    break
+                taken, wait_s = self._claim_limited(conn, token, name, left, started)
+                rows.extend(taken)
+                workers -= len(taken)
+                if wait_s is not None:
+                    blocked[name] = wait_s
         rows.sort(key=lambda r: r.id)
-        return rows
+        return rows, blocked
 
-    def _deliver(self, row: _Claimed, claim_deadline: float) -> policy.Decision | None:
+    def _claim_limited(
+        self, conn: sa.Connection, token: str, group: str, want: int, started: float
+    ) -> tuple[list[_Claimed], float | None]:
+        """Claim up to ``want`` rows of a limited group under its row lock; the wait hint is set when due
+        rows had to stay behind for capacity."""
+        state = route_groups.lock_group(conn, group)
+        local_now = time.monotonic()
+        mine_mif, mine_rate = self._group_limits[group]
+        mif = limits.applied_limit(mine_mif, state.max_in_flight, state.max_in_flight_live)
+        rate = limits.applied_limit(mine_rate, state.rate, state.rate_live)
+        values: dict[str, Any] = {}
+        for name, applied, mine in (("max_in_flight", mif, mine_mif), ("rate", rate, mine_rate)):
+            if applied.register:
+                values[name] = applied.value
+                values[f"{name}_until"] = route_groups.registration_until()
+            if applied.mismatch and (group, name, mine) not in self._mismatch_logged:
+                self._mismatch_logged.add((group, name, mine))
+                logger.warning(
+                    "limit group %s: this dispatcher configures %s=%s, another dispatcher %s; the smallest "
+                    "applies",
+                    group,
+                    name,
+                    mine,
+                    applied.value,
+                    extra={"action": "limit_mismatch"},
+                )
+        capacity = want
+        if mif.value is not None:
+            capacity = min(capacity, mif.value - route_groups.count_in_flight(conn, group))
+        admission: limits.RateAdmission | None = None
+        if rate.value is not None and capacity > 0:
+            admission = limits.admit_rate(rate.value, state.rate_next_at, state.now, capacity)
+            capacity = admission.count
+        rows: list[_Claimed] = []
+        if capacity > 0:
+            stmt = claim_statement(
+                conn.dialect.name,
+                token=token,
+                limit=capacity,
+                claim_ms=self.claim_ms,
+                topics=self._group_topics[group],
+                claim_group=group,
+            )
+            claimed = sorted(conn.execute(stmt), key=lambda r: r[0])
+            offsets = admission.offsets_ms if admission is not None else ()
+            for i, r in enumerate(claimed):
+                not_before = local_now + offsets[i] / 1000 if i < len(offsets) else None
+                rows.append(_claimed(r, group=group, claimed_at=started, not_before=not_before))
+            if admission is not None and rows:
+                next_ms = admission.next_after(len(rows))
+                values["rate_next_at"] = _as_stored(state.now + dt.timedelta(milliseconds=next_ms), conn)
+        route_groups.update_group(conn, group, values)
+        wait_s: float | None = None
+        if len(rows) < want and (capacity <= 0 or (admission is not None and len(rows) == capacity)):
+            if self._due_exists(conn, group):
+                if admission is not None and admission.count == 0:
+                    wait_s = max(admission.wait_ms / 1000, 0.001)
+                else:
+                    wait_s = SLOT_POLL_S
+        return rows, wait_s
+
+    def _due_exists(self, conn: sa.Connection, group: str) -> bool:
+        t = outbox_table
+        stmt = sa.select(t.c.id).where(outbox.due_clause(), t.c.topic.in_(self._group_topics[group])).limit(1)
+        return conn.execute(stmt).first() is not None
+
+    def _expire(self, conn: sa.Connection, topics: list[str], report: DispatchReport) -> None:
+        """Dead-letter due rows of ``topics`` whose route's dedupe_window has passed (one UPDATE per
+        window setting; nothing at all when no route sets one)."""
+        if not self._windows:
+            return
+        allowed = set(topics)
+        for (window_ms, margin_ms), window_topics in self._windows.items():
+            scoped = [t for t in window_topics if t in allowed]
+            if not scoped:
+                continue
+            stmt = expire_statement(topics=scoped, window_ms=window_ms, margin_ms=margin_ms)
+            for r in conn.execute(stmt):
+                report.dead += 1
+                report.expired += 1
+                reason = f"dedupe_window ({window_ms / 1000:g} s) passed since the first attempt"
+                if len(report.rows) < MAX_REPORT_ROWS:
+                    report.rows.append(
+                        RowOutcome(r.id, r.idempotency_key, r.topic, "dead", r.last_status, reason)
+                    )
+                logger.warning(
+                    "outbox row %d (key %s, topic %s) is DEAD: its first attempt is older than the route's "
+                    "dedupe_window (%g s); the downstream may have forgotten the key, so it is not sent "
+                    "again. Reconcile the effect by hand; `joblease outbox requeue %d` resends it with a "
+                    "fresh window",
+                    r.id,
+                    r.idempotency_key,
+                    r.topic,
+                    window_ms / 1000,
+                    r.id,
+                    extra={"action": "outbox_expired"},
+                )
+
+    def _refresh_pauses(self) -> None:
+        """Re-read the groups' pauses (a cheap read, no transaction) so unstarted rows of a group another
+        dispatcher paused are given back rather than sent."""
+        try:
+            with translate_errors("read limit group pauses"), self.engine.connect() as conn:
+                states = route_groups.read_states(conn, self.groups)
+        except errors.StorageError:
+            return
+        local = time.monotonic()
+        for name, state in states.items():
+            if state.paused:
+                self._local_pause[name] = local + state.pause_remaining_ms / 1000
+
+    def _deliver(self, row: _Claimed) -> policy.Decision | None:
         """POST one row and judge the answer (no database work here); None: give the claim back."""
         route = self.routes.get(row.topic)
+        if route is None or self._stop.is_set():
+            return None
+        group = self._group_of[row.topic]
+        if row.not_before is not None:
+            delay = row.not_before - time.monotonic()
+            if delay > 0 and self._stop.wait(delay):
+                return None
         now = time.monotonic()
-        ends = claim_deadline - _safety_ms(self.claim_ms) / 1000
-        if route is None or self._stop.is_set() or now + route.timeout_s > ends:
+        ends = row.claimed_at + (self.claim_ms - _safety_ms(self.claim_ms)) / 1000
+        if now + route.timeout_s > ends or self._local_pause.get(group, 0.0) > now:
             return None
         _deadline.at = now + route.timeout_s
         try:
             classification = self._post(row, route, _deadline.at)
+        except _TooLate:
+            return None  # started too late for its rate admission: sending now could burst
         except Exception as exc:  # any failure to get a response is judged, never allowed to stop the batch
             classification = policy.classify_exception(exc)
         finally:
             _deadline.at = None
-        return policy.decide(
+        decision = policy.decide(
             classification,
             attempts=row.attempts,
             max_attempts=self.max_attempts,
             base_ms=self.backoff_base_ms,
             max_ms=self.backoff_max_ms,
             rng=self._rng,
+            max_pause_ms=int(route.max_pause_s * 1000),
+            deferrals=row.deferrals,
+            max_deferrals=self.max_deferrals,
         )
+        if decision.pause_ms:
+            # This dispatcher's other threads hold off at once; the pause reaches the others when recorded.
+            until = time.monotonic() + decision.pause_ms / 1000
+            self._local_pause[group] = max(self._local_pause.get(group, 0.0), until)
+        return decision
 
     def _post(self, row: _Claimed, route: Route, deadline: float) -> policy.Classification:
-        headers = {**self._headers[row.topic], "Idempotency-Key": row.idempotency_key}
+        headers = {**self._headers[row.topic], "Idempotency-Key": route.key_header(row.idempotency_key)}
         request = self._client.build_request(
             "POST",
             route.url,
@@ -452,6 +778,8 @@ class Dispatcher:
             headers=headers,
             timeout=self._timeouts[row.topic],
         )
+        if row.not_before is not None and time.monotonic() > row.not_before + limits.RATE_LATE_S:
+            raise _TooLate
         response = self._client.send(request, stream=True, follow_redirects=False)
         try:
             body = bytearray()
@@ -519,6 +847,7 @@ class Dispatcher:
             report.sent += 1
         elif decision.outcome is policy.Outcome.RETRY:
             report.retried += 1
+            report.deferred += int(decision.deferred)
             logger.info(
                 "outbox row %d (key %s) will be retried in %d ms: %s",
                 row.id,
@@ -544,7 +873,7 @@ class Dispatcher:
         released claims carry their own values."""
         t = outbox_table
         fence = (t.c.claim_token == token, t.c.status == outbox.OutboxStatus.PENDING.value)
-        cleared = {"claim_token": None, "claim_expires_at": None, "updated_at": db_now()}
+        cleared = {"claim_token": None, "claim_expires_at": None, "claim_group": None, "updated_at": db_now()}
         sent: dict[int | None, list[int]] = {}
         statements: list[tuple[sa.Executable, bool]] = []
         released: list[int] = []
@@ -560,6 +889,9 @@ class Dispatcher:
                         next_attempt_at=db_now_plus_ms(sa.literal(decision.delay_ms, sa.BigInteger())),
                         last_error=decision.reason,
                     )
+                    if decision.deferred:
+                        # A Retry-After pause: the attempt is not counted against max_attempts.
+                        values.update(attempts=t.c.attempts - 1, deferrals=t.c.deferrals + 1)
                 else:
                     values.update(status=outbox.OutboxStatus.DEAD.value, last_error=decision.reason)
                 stmt = sa.update(t).where(t.c.id == row.id, *fence).values(**values).returning(t.c.id)
@@ -584,6 +916,55 @@ class Dispatcher:
             statements.append((give_back.values(**cleared, attempts=t.c.attempts - 1), False))
         return statements
 
+    def _group_writes(self, finished: list[_Finished]) -> list[Callable[[sa.Connection], object]]:
+        """Writes to the limit groups' rows that ``finished`` calls for: pauses a downstream asked for,
+        and consecutive connection failures where a route counts them."""
+        writes: list[Callable[[sa.Connection], object]] = []
+        pauses: dict[str, tuple[int, str]] = {}
+        streaks: dict[str, tuple[bool, int, str]] = {}  # group → (answered at all, failures since, last)
+        for row, decision in finished:
+            if decision is None:
+                continue
+            group = self._group_of[row.topic]
+            if decision.pause_ms:
+                reason = (
+                    f"HTTP {decision.status_code} with Retry-After from topic {row.topic} "
+                    f"(outbox row {row.id}): {decision.reason}"
+                )
+                if decision.pause_ms > pauses.get(group, (0, ""))[0]:
+                    pauses[group] = (decision.pause_ms, reason)
+            if self.routes[row.topic].pause_after_failures is not None:
+                answered, failures, last = streaks.get(group, (False, 0, ""))
+                if decision.status_code is None and decision.outcome is not policy.Outcome.SENT:
+                    streaks[group] = (answered, failures + 1, decision.reason)
+                else:
+                    streaks[group] = (True, 0, last)
+        for group, (pause_ms, reason) in pauses.items():
+            writes.append(
+                functools.partial(route_groups.record_pause, group=group, pause_ms=pause_ms, reason=reason)
+            )
+        for group, (answered, failures, last) in streaks.items():
+            if answered:
+                writes.append(functools.partial(route_groups.record_answers, group=group))
+            if failures:
+                route = self.routes[self._group_topics[group][0]]
+                threshold = min(
+                    r.pause_after_failures
+                    for t in self._group_topics[group]
+                    if (r := self.routes[t]).pause_after_failures is not None
+                )
+                writes.append(
+                    functools.partial(
+                        route_groups.record_connection_failures,
+                        group=group,
+                        count=failures,
+                        threshold=threshold,
+                        pause_ms=int(route.failure_pause_s * 1000),
+                        reason=last,
+                    )
+                )
+        return writes
+
     def _write_with_retry(self, token: str, finished: list[_Finished]) -> set[int]:
         """Run the fenced UPDATEs in one transaction; returns the ids they matched. A dropped connection
         gets a few quick retries on a fresh one.
@@ -593,6 +974,7 @@ class Dispatcher:
         fenced by the claim token.
         """
         statements = self._statements(token, finished)
+        group_writes = self._group_writes(finished)
         retries = 0
         while True:
             try:
@@ -602,6 +984,8 @@ class Dispatcher:
                         result = conn.execute(stmt)
                         if returns_ids:
                             matched.update(result.scalars())
+                    for write in group_writes:
+                        write(conn)
                 return matched
             except errors.StorageError as exc:
                 if retries == len(RECORD_RETRY_PAUSES_S) or self._stop.is_set():

@@ -6,7 +6,15 @@
   ``max_attempts`` is reached → ``dead``.
 * 3xx → ``dead``: redirects are never followed, because httpx would carry custom credential headers to the
   new origin.
+* ``422`` → ``dead`` with the downstream's reason: the IETF Idempotency-Key draft answers 422 when a key is
+  reused with another payload, so resending cannot help and a person must look.
 * Any other 4xx → ``dead`` at once: the request itself is wrong and repeating it cannot help.
+* ``409`` (the draft's "the first request with this key is still in flight") is retried with the same key
+  and backoff. A stored ``5xx`` replayed for a key is retried like any 5xx, so ``max_attempts`` (and the
+  route's ``dedupe_window``) bound it.
+* A ``429``/``503`` *with* ``Retry-After`` is the downstream's instruction to the whole client: the row's
+  limit group is paused (see :func:`decide`'s ``max_pause_ms``) and the attempt is *deferred*, not counted
+  against ``max_attempts``; ``max_deferrals`` bounds how often that can happen to one row.
 """
 
 from __future__ import annotations
@@ -21,6 +29,7 @@ import httpx
 
 __all__ = [
     "MAX_REASON_CHARS",
+    "PAUSING_STATUSES",
     "RETRYABLE_STATUSES",
     "Classification",
     "Decision",
@@ -36,6 +45,8 @@ __all__ = [
 MAX_REASON_CHARS = 500
 #: Client errors that mean "not now" rather than "never".
 RETRYABLE_STATUSES = frozenset({408, 409, 425, 429})
+#: Answers whose Retry-After pauses the whole limit group.
+PAUSING_STATUSES = frozenset({429, 503})
 
 
 class Outcome(enum.StrEnum):
@@ -53,6 +64,16 @@ class Classification:
     reason: str
     retry_after_ms: int | None = None
 
+    @property
+    def connection_failure(self) -> bool:
+        """No HTTP answer at all (refused, reset, timed out): what ``pause_after_failures`` counts."""
+        return self.status_code is None and self.outcome is Outcome.RETRY
+
+    @property
+    def asks_pause(self) -> bool:
+        """A 429/503 with a Retry-After: the downstream asks every client to hold off until then."""
+        return self.status_code in PAUSING_STATUSES and self.retry_after_ms is not None
+
 
 @dataclasses.dataclass(frozen=True)
 class Decision:
@@ -62,6 +83,10 @@ class Decision:
     status_code: int | None
     reason: str
     delay_ms: int = 0
+    #: The limit group should pause this long (a Retry-After pause), or None.
+    pause_ms: int | None = None
+    #: The attempt does not count against max_attempts (it was deferred by a pause).
+    deferred: bool = False
 
 
 def _bound(text: str, limit: int = MAX_REASON_CHARS) -> str:
@@ -123,6 +148,15 @@ def classify_response(response: httpx.Response, body_snippet: str | None = None)
     if status in RETRYABLE_STATUSES or status >= 500:
         retry_after = parse_retry_after_ms(response.headers.get("retry-after"), now=_response_now(response))
         return Classification(Outcome.RETRY, status, _bound(detail), retry_after)
+    if status == 422:
+        return Classification(
+            Outcome.DEAD,
+            status,
+            _bound(
+                f"{detail} (the downstream refused this key's request; per the Idempotency-Key draft the key "
+                "was reused with another payload: not retried, a person must look)"
+            ),
+        )
     if 400 <= status < 500:
         return Classification(Outcome.DEAD, status, _bound(detail))
     return Classification(Outcome.RETRY, status, _bound(f"unexpected HTTP status {status}"))
@@ -153,11 +187,30 @@ def decide(
     base_ms: int,
     max_ms: int,
     rng: random.Random | None = None,
+    max_pause_ms: int = 0,
+    deferrals: int = 0,
+    max_deferrals: int = 100,
 ) -> Decision:
-    """Turn a classification into a verdict. ``attempts`` counts this attempt (1 for the first)."""
+    """Turn a classification into a verdict. ``attempts`` counts this attempt (1 for the first).
+
+    With ``max_pause_ms > 0`` a 429/503 carrying ``Retry-After`` pauses the group for ``min(Retry-After,
+    max_pause_ms)`` and defers the row as long, without counting the attempt; ``deferrals`` (earlier such
+    deferrals of this row) reaching ``max_deferrals`` makes it ``DEAD`` instead, so a downstream that keeps
+    answering "later" cannot keep a row forever.
+    """
     c = classification
     if c.outcome is not Outcome.RETRY:
         return Decision(c.outcome, c.status_code, c.reason)
+    if max_pause_ms > 0 and c.asks_pause:
+        assert c.retry_after_ms is not None
+        if deferrals + 1 >= max_deferrals:
+            return Decision(
+                Outcome.DEAD,
+                c.status_code,
+                _bound(f"gave up after {deferrals + 1} Retry-After deferrals; last: {c.reason}"),
+            )
+        pause = min(max_pause_ms, max(c.retry_after_ms, 1))
+        return Decision(Outcome.RETRY, c.status_code, c.reason, pause, pause_ms=pause, deferred=True)
     if attempts >= max_attempts:
         return Decision(
             Outcome.DEAD, c.status_code, _bound(f"gave up after {attempts} attempts; last: {c.reason}")

@@ -11,11 +11,22 @@ A routes file (TOML or JSON) maps topics to routes::
     headers = { "X-Source" = "joblease" }
     secret_headers = { "Authorization" = "BILLING_TOKEN" }
     timeout_s = 5.0
+
+    [billing.limits]          # optional: the downstream's capacity, shared by every dispatcher
+    limit_group = "billing"   # default: the URL's origin (scheme://host:port)
+    max_in_flight = 4         # at most 4 requests at once, globally
+    rate = 50                 # at most 50 requests in any 1-second window, globally
+    max_pause_s = 300         # cap on a Retry-After pause of the whole group
+    dedupe_window = "24h"     # the downstream remembers a key this long after its first attempt
+    key_format = "sf-string"  # send Idempotency-Key as an RFC 8941 string: "v2:…"
+
+(the options may also sit directly in the topic's table).
 """
 
 from __future__ import annotations
 
 import dataclasses
+import datetime as dt
 import json
 import os
 import re
@@ -29,7 +40,7 @@ import httpx
 
 from dagster_joblease import errors
 
-__all__ = ["RESERVED_HEADERS", "Route", "load_routes"]
+__all__ = ["DEFAULT_MAX_PAUSE_S", "KEY_FORMATS", "RESERVED_HEADERS", "Route", "load_routes", "origin_of"]
 
 #: Headers the dispatcher sets itself; a route may not override them.
 RESERVED_HEADERS = frozenset(
@@ -38,6 +49,48 @@ RESERVED_HEADERS = frozenset(
 _TOKEN = re.compile(r"^[!#$%&'*+\-.^_`|~0-9A-Za-z]+$")
 _ENV_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
 _MAX_TIMEOUT_S = 600.0
+#: Longest pause a downstream's Retry-After may impose when a route sets no max_pause_s (5 minutes).
+DEFAULT_MAX_PAUSE_S = 300.0
+_MAX_PAUSE_S = 7 * 86_400.0
+_MAX_WINDOW_S = 366 * 86_400.0
+_MAX_LIMIT = 1_000_000
+_GROUP_CHARS = 255
+KEY_FORMATS = ("bare", "sf-string")
+_DURATION = re.compile(r"^(?:(\d+)d)?(?:(\d+)h)?(?:(\d+)m)?(?:(\d+)s)?$")
+
+
+def duration_s(value: object, where: str, name: str) -> float:
+    """Seconds from a number, a ``timedelta`` or text like ``24h``, ``30m``, ``1h30m``, ``90s``, ``7d``."""
+    if isinstance(value, dt.timedelta):
+        return value.total_seconds()
+    if isinstance(value, int | float) and not isinstance(value, bool):
+        return float(value)
+    if isinstance(value, str):
+        match = _DURATION.match(value.strip())
+        if match and any(match.groups()):
+            d, h, m, s = (int(g or 0) for g in match.groups())
+            return float(((d * 24 + h) * 60 + m) * 60 + s)
+    raise errors.ConfigurationError(
+        f"{where}: {name}={value!r} is not a duration; give seconds, a timedelta, or text like 24h, 30m, "
+        "1h30m, 90s or 7d"
+    )
+
+
+def _optional_int(value: object, where: str, name: str) -> int | None:
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, int) or not 1 <= value <= _MAX_LIMIT:
+        raise errors.ConfigurationError(
+            f"{where}: {name}={value!r} must be an int in [1, {_MAX_LIMIT}], or None for no limit"
+        )
+    return value
+
+
+def origin_of(url: str) -> str:
+    """The origin of ``url`` (scheme://host:port, default ports spelled out): a route's default group."""
+    parsed = httpx.URL(url)
+    port = parsed.port or (443 if parsed.scheme == "https" else 80)
+    return f"{parsed.scheme}://{parsed.host}:{port}"
 
 
 def _check_header_name(name: object, where: str) -> str:
@@ -72,12 +125,39 @@ class Route:
         secret_headers: header name → *name of the environment variable* that holds its value.
         timeout_s: the whole request's deadline (seconds, > 0): connect, send, headers and body together,
             not per socket read, so a downstream that dribbles its answer cannot stretch it.
+        limit_group: the name the downstream's capacity is shared under; default the URL's origin
+            (``https://host:443``), since two topics often share one downstream. Limits and pauses are kept
+            per group in the database, so they hold across every dispatcher sharing it.
+        max_in_flight: at most this many requests of the group in flight at any moment, globally (None: no
+            limit). Slots of a dispatcher that died free themselves when its claims expire.
+        rate: at most this many requests of the group started in any 1-second window, globally (None: no
+            limit); requests are spaced evenly, never sent in a burst.
+        max_pause_s: a ``429``/``503`` with ``Retry-After`` pauses the whole group for every dispatcher until
+            then, capped at this many seconds (default 300); 0 turns group pauses off (the row alone waits).
+        pause_after_failures: after this many consecutive connection failures (no HTTP answer) to the group,
+            pause it for ``failure_pause_s`` (None: never).
+        failure_pause_s: how long such a pause lasts (default 30 s).
+        dedupe_window: how long the downstream remembers a key, from the row's first delivery attempt
+            (seconds, a timedelta or text like ``"24h"``; None: forever). A row past it is not sent again
+            but dead-lettered for a person to reconcile, since a resend could be a second effect.
+        key_format: ``"bare"`` (default: ``Idempotency-Key: v2:…``, what Stripe-style APIs expect) or
+            ``"sf-string"`` (the IETF draft's RFC 8941 string: ``Idempotency-Key: "v2:…"``).
+
+    When dispatchers configure different limits for one group, the smallest applies (and is logged).
     """
 
     url: str
     headers: Mapping[str, str] = dataclasses.field(default_factory=dict, kw_only=True)
     secret_headers: Mapping[str, str] = dataclasses.field(default_factory=dict, kw_only=True)
     timeout_s: float = dataclasses.field(default=10.0, kw_only=True)
+    limit_group: str | None = dataclasses.field(default=None, kw_only=True)
+    max_in_flight: int | None = dataclasses.field(default=None, kw_only=True)
+    rate: int | None = dataclasses.field(default=None, kw_only=True)
+    max_pause_s: float = dataclasses.field(default=DEFAULT_MAX_PAUSE_S, kw_only=True)
+    pause_after_failures: int | None = dataclasses.field(default=None, kw_only=True)
+    failure_pause_s: float = dataclasses.field(default=30.0, kw_only=True)
+    dedupe_window: float | dt.timedelta | str | None = dataclasses.field(default=None, kw_only=True)
+    key_format: str = dataclasses.field(default="bare", kw_only=True)
 
     def __post_init__(self) -> None:
         if not isinstance(self.url, str):
@@ -125,6 +205,64 @@ class Route:
         object.__setattr__(self, "headers", MappingProxyType(headers))
         object.__setattr__(self, "secret_headers", MappingProxyType(secrets_))
         object.__setattr__(self, "timeout_s", float(timeout))
+        group = origin_of(self.url) if self.limit_group is None else self.limit_group
+        if (
+            not isinstance(group, str)
+            or not group.strip()
+            or len(group) > _GROUP_CHARS
+            or any(ord(c) < 0x20 for c in group)
+        ):
+            raise errors.ConfigurationError(
+                f"{where}: limit_group={self.limit_group!r} must be 1-{_GROUP_CHARS} characters without "
+                "control characters"
+            )
+        object.__setattr__(self, "limit_group", group)
+        object.__setattr__(self, "max_in_flight", _optional_int(self.max_in_flight, where, "max_in_flight"))
+        object.__setattr__(self, "rate", _optional_int(self.rate, where, "rate"))
+        object.__setattr__(
+            self,
+            "pause_after_failures",
+            _optional_int(self.pause_after_failures, where, "pause_after_failures"),
+        )
+        for name, bound in (("max_pause_s", _MAX_PAUSE_S), ("failure_pause_s", _MAX_PAUSE_S)):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int | float) or not 0 <= value <= bound:
+                raise errors.ConfigurationError(
+                    f"{where}: {name}={value!r} must be a number of seconds in [0, {bound:g}]"
+                )
+            object.__setattr__(self, name, float(value))
+        if self.dedupe_window is not None:
+            window = duration_s(self.dedupe_window, where, "dedupe_window")
+            if not 0 < window <= _MAX_WINDOW_S:
+                raise errors.ConfigurationError(
+                    f"{where}: dedupe_window={self.dedupe_window!r} must be more than 0 and at most 366 days"
+                )
+            if window <= self.timeout_s:
+                raise errors.ConfigurationError(
+                    f"{where}: dedupe_window ({window:g} s) must exceed timeout_s ({self.timeout_s:g} s): a "
+                    "row is not sent once less than one timeout of its window remains"
+                )
+            object.__setattr__(self, "dedupe_window", window)
+        if self.key_format not in KEY_FORMATS:
+            raise errors.ConfigurationError(
+                f"{where}: key_format={self.key_format!r} must be one of {', '.join(KEY_FORMATS)}"
+            )
+
+    @property
+    def limited(self) -> bool:
+        """Whether this route configures a global limit (max_in_flight or rate)."""
+        return self.max_in_flight is not None or self.rate is not None
+
+    @property
+    def dedupe_window_s(self) -> float | None:
+        """The retention window in seconds (None: the downstream keeps keys forever)."""
+        return None if self.dedupe_window is None else float(self.dedupe_window)  # type: ignore[arg-type]
+
+    def key_header(self, key: str) -> str:
+        """The ``Idempotency-Key`` header value for ``key`` in this route's ``key_format``."""
+        if self.key_format == "sf-string":
+            return '"' + key.replace("\\", "\\\\").replace('"', '\\"') + '"'
+        return key
 
     @property
     def timeout(self) -> httpx.Timeout:
@@ -145,20 +283,51 @@ class Route:
         return resolved
 
     def __repr__(self) -> str:
+        extra = "".join(
+            f", {f.name}={getattr(self, f.name)!r}"
+            for f in dataclasses.fields(self)
+            if f.name not in ("url", "headers", "secret_headers", "timeout_s", "limit_group")
+            and getattr(self, f.name) != f.default
+        )
         return (
             f"Route(url={self.url!r}, headers={dict(self.headers)!r}, "
-            f"secret_headers={dict(self.secret_headers)!r}, timeout_s={self.timeout_s!r})"
+            f"secret_headers={dict(self.secret_headers)!r}, timeout_s={self.timeout_s!r}, "
+            f"limit_group={self.limit_group!r}{extra})"
         )
+
+
+_LIMIT_KEYS = (
+    "limit_group",
+    "max_in_flight",
+    "rate",
+    "max_pause_s",
+    "pause_after_failures",
+    "failure_pause_s",
+    "dedupe_window",
+    "key_format",
+)
+_ROUTE_KEYS = ("url", "headers", "secret_headers", "timeout_s", *_LIMIT_KEYS)
 
 
 def _route_from(topic: str, spec: object, source: str) -> Route:
     if not isinstance(spec, Mapping):
         raise errors.ConfigurationError(f"{source}: topic {topic!r} must map to a table with at least `url`")
-    unknown = set(spec) - {"url", "headers", "secret_headers", "timeout_s"}
+    spec = dict(spec)
+    limits = spec.pop("limits", None)
+    if limits is not None:
+        if not isinstance(limits, Mapping):
+            raise errors.ConfigurationError(f"{source}: topic {topic!r}: `limits` must be a table")
+        clash = set(limits) & set(spec)
+        if clash:
+            raise errors.ConfigurationError(
+                f"{source}: topic {topic!r} sets {sorted(clash)} both in `limits` and beside it; keep one"
+            )
+        spec.update(limits)
+    unknown = set(spec) - set(_ROUTE_KEYS)
     if unknown:
         raise errors.ConfigurationError(
-            f"{source}: topic {topic!r} has unknown keys {sorted(unknown)}; allowed: url, headers, "
-            "secret_headers, timeout_s"
+            f"{source}: topic {topic!r} has unknown keys {sorted(unknown)}; allowed: {', '.join(_ROUTE_KEYS)}"
+            " (and a `limits` table)"
         )
     if "url" not in spec:
         raise errors.ConfigurationError(f"{source}: topic {topic!r} has no `url`")
@@ -168,8 +337,9 @@ def _route_from(topic: str, spec: object, source: str) -> Route:
             if not isinstance(spec[key], Mapping):
                 raise errors.ConfigurationError(f"{source}: topic {topic!r}: `{key}` must be a table")
             kwargs[key] = spec[key]
-    if "timeout_s" in spec:
-        kwargs["timeout_s"] = spec["timeout_s"]
+    for key in ("timeout_s", *_LIMIT_KEYS):
+        if key in spec:
+            kwargs[key] = spec[key]
     return Route(spec["url"], **kwargs)
 
 

@@ -16,7 +16,13 @@ from dagster_joblease.storage.migrate import (
     migrate,
     require_schema,
 )
-from dagster_joblease.storage.schema import inbox_table, lease_table, metadata, outbox_table
+from dagster_joblease.storage.schema import (
+    inbox_table,
+    lease_table,
+    metadata,
+    outbox_table,
+    route_group_table,
+)
 
 __all__ = [
     "DATABASE_URL_ENV",
@@ -31,6 +37,7 @@ __all__ = [
     "metadata",
     "migrate",
     "outbox_table",
+    "route_group_table",
     "redact_url",
     "require_schema",
 ]

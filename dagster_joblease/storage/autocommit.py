@@ -59,7 +59,6 @@ class AutocommitConnections:
         self._idle: list[tuple[AutocommitConnection, float]] = []
         self._generation = 0
         self._pid = os.getpid()
-        self._factory: sa.pool.Pool | None = None
 
     def acquire(self, engine: sa.Engine) -> AutocommitConnection:
         """An idle connection, or a new one from ``engine``; hand it back with :meth:`release`."""
@@ -81,11 +80,7 @@ class AutocommitConnections:
                 continue
             return handle
         generation = self._generation
-        if self._factory is None:
-            # A pool of our own (same creator and connect events as the engine's) that only ever makes
-            # new connections: the engine's pool may hold connections a forked child inherited.
-            self._factory = engine.pool.recreate()
-        proxied = self._factory.connect()
+        proxied = _factory(engine).connect()
         conn: psycopg.Connection[Any] = proxied.driver_connection  # type: ignore[assignment]
         proxied.detach()
         try:
@@ -148,11 +143,40 @@ class AutocommitConnections:
         self._idle = []
         self._generation += 1
         self._pid = os.getpid()
-        self._factory = None
+
+
+_FACTORY = "_joblease_claim_connection_factory"
+
+
+def _factory(engine: sa.Engine) -> sa.pool.Pool:
+    """A pool of our own (same creator and connect events as the engine's) that only ever makes new
+    connections, detached at once: the engine's own pool is left to SQLAlchemy's users.
+
+    It is kept on the engine itself, not here: a copied pool carries SQLAlchemy's own first-connect
+    listener, which refers to the engine, so a registry value holding it would keep its key (the engine)
+    alive forever. On the engine it is only a cycle, freed with the engine. One per process.
+    """
+    pid = os.getpid()
+    found: tuple[int, sa.pool.Pool] | None = engine.__dict__.get(_FACTORY)
+    if found is None or found[0] != pid:
+        found = engine.__dict__[_FACTORY] = (pid, engine.pool.recreate())
+    return found[1]
 
 
 _by_engine: weakref.WeakKeyDictionary[sa.Engine, AutocommitConnections] = weakref.WeakKeyDictionary()
 _registry_lock = threading.Lock()
+
+
+def _after_fork_in_child() -> None:
+    """A fork can happen while another thread holds a lock here (a first claim on a new engine): the
+    child, which has only the forking thread, would wait for it forever. Fresh locks, no parent sockets."""
+    global _registry_lock
+    _registry_lock = threading.Lock()
+    for connections in list(_by_engine.values()):
+        connections._forget_after_fork()
+
+
+os.register_at_fork(after_in_child=_after_fork_in_child)
 
 
 def autocommit_connections(engine: sa.Engine) -> AutocommitConnections:
@@ -169,7 +193,9 @@ def autocommit_connections(engine: sa.Engine) -> AutocommitConnections:
                 # pool_size=0 is SQLAlchemy's "no limit": keep as many as are used.
                 size = pool.size() if pool.size() > 0 else sys.maxsize
             connections = AutocommitConnections(max_idle=size)
+            # Neither the listener nor the finalizer reaches the engine: the value must not keep its key.
             event.listen(engine, "engine_disposed", lambda _engine: connections.close_idle())
             weakref.finalize(engine, connections.close_idle)
+            engine_module.fork_safe(engine)
             found = _by_engine[engine] = connections
     return found

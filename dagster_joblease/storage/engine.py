@@ -8,6 +8,7 @@ import os
 import re
 import sqlite3
 import time
+import weakref
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -23,6 +24,7 @@ __all__ = [
     "DATABASE_URL_ENV",
     "create_engine",
     "default_sqlite_url",
+    "fork_safe",
     "normalize_url",
     "redact_url",
     "scrub_secrets",
@@ -36,6 +38,7 @@ SQLITE_BUSY_TIMEOUT_MS = 30_000
 #: A pooled PostgreSQL connection idle at least this long is pinged before reuse.
 IDLE_PING_AFTER_S = 1.0
 _IDLE_SINCE = "joblease_idle_since"
+_PID = "joblease_pid"
 
 
 def default_sqlite_url(*, create: bool = True) -> str:
@@ -251,14 +254,14 @@ def create_engine(url: str | URL | None = None, **kwargs: Any) -> sa.Engine:
         Path(database).parent.mkdir(parents=True, exist_ok=True)
         engine = sa.create_engine(parsed, **kwargs)
         _install_sqlite_pragmas(engine)
-        return engine
+        return fork_safe(engine)
     parsed, driver_args = _postgres_connect_args(parsed)
     if driver_args:
         kwargs["connect_args"] = {**driver_args, **kwargs.get("connect_args", {})}
-    if "pool_pre_ping" in kwargs:
-        return sa.create_engine(parsed, **kwargs)
     engine = sa.create_engine(parsed, **kwargs)
-    _install_idle_ping(engine)
+    fork_safe(engine)  # first: its checkout guard runs before the idle ping
+    if "pool_pre_ping" not in kwargs:
+        _install_idle_ping(engine)
     return engine
 
 
@@ -294,21 +297,85 @@ def _install_idle_ping(engine: sa.Engine) -> None:
     idle sockets), so pinging only those keeps the protection. A connection found dead is replaced (the
     pool retries on DisconnectionError); a failure on a busy connection surfaces once as StorageError and
     SQLAlchemy then recycles the pool.
+
+    The listeners hold the dialect, never the engine: a pool copied from this one (``pool.recreate()``,
+    as the claim connections do) must not keep the engine alive.
     """
+    event.listen(engine, "checkin", _mark_idle)
+    event.listen(engine, "checkout", _IdlePing(engine.dialect))
 
-    @event.listens_for(engine, "checkin")
-    def _on_checkin(_dbapi_connection: Any, record: Any) -> None:
-        record.info[_IDLE_SINCE] = time.monotonic()
 
-    @event.listens_for(engine, "checkout")
-    def _on_checkout(dbapi_connection: Any, record: Any, _proxy: Any) -> None:
+def _mark_idle(_dbapi_connection: Any, record: Any) -> None:
+    record.info[_IDLE_SINCE] = time.monotonic()
+
+
+class _IdlePing:
+    """The checkout listener of :func:`_install_idle_ping` (a class, so it holds only the dialect)."""
+
+    __slots__ = ("__weakref__", "dialect")  # SQLAlchemy keeps listeners by weak reference too
+
+    def __init__(self, dialect: sa.Dialect) -> None:
+        self.dialect = dialect
+
+    def __call__(self, dbapi_connection: Any, record: Any, _proxy: Any) -> None:
         idle_since = record.info.get(_IDLE_SINCE)
         if idle_since is None or time.monotonic() - idle_since < IDLE_PING_AFTER_S:
             return
         try:
-            engine.dialect.do_ping(dbapi_connection)
+            self.dialect.do_ping(dbapi_connection)
         except Exception as exc:
             raise sa.exc.DisconnectionError("pooled connection failed its ping") from exc
+
+
+# -- fork safety -----------------------------------------------------------------------------------
+
+#: The engines made fork-safe, held weakly: a forked child drops their pools (see _after_fork_in_child).
+_FORK_SAFE: weakref.WeakSet[sa.Engine] = weakref.WeakSet()
+
+
+def fork_safe(engine: sa.Engine) -> sa.Engine:
+    """Make ``engine`` safe to use in a forked child (idempotent; returns it). :func:`create_engine` and
+    every :class:`LeaseService` apply it; call it on an engine of your own that a child may inherit.
+
+    SQLAlchemy's two recipes ("Using Connection Pools with Multiprocessing or os.fork()"): at a fork the
+    child replaces the engine's pool by an empty one (``engine.dispose(close=False)``: the parent's
+    connections are neither used nor closed by the child), and a connection checked out in another
+    process than the one that opened it is discarded unclosed, the pool then opening a new one. The
+    engine is held weakly and the listeners hold nothing of it.
+    """
+    if engine not in _FORK_SAFE:
+        if not event.contains(engine, "checkout", _refuse_other_process):
+            event.listen(engine, "connect", _record_process)
+            event.listen(engine, "checkout", _refuse_other_process)
+        _FORK_SAFE.add(engine)
+    return engine
+
+
+def _record_process(_dbapi_connection: Any, record: Any) -> None:
+    record.info[_PID] = os.getpid()
+
+
+def _refuse_other_process(_dbapi_connection: Any, record: Any, proxy: Any) -> None:
+    pid = os.getpid()
+    # A connection opened before the guard was installed is adopted by the process that checks it out
+    # first; a fork's child never sees those (its pool was replaced at the fork).
+    owner = record.info.setdefault(_PID, pid)
+    if owner != pid:
+        # Forget the socket without closing it (closing would end the parent's session), then let the
+        # pool open a new connection.
+        record.dbapi_connection = proxy.dbapi_connection = None
+        raise sa.exc.DisconnectionError(f"connection belongs to process {owner}, not {pid}")
+
+
+def _after_fork_in_child() -> None:
+    for engine in list(_FORK_SAFE):
+        try:
+            engine.dispose(close=False)
+        except Exception:  # pragma: no cover - never break the child's start; the pid guard still holds
+            pass
+
+
+os.register_at_fork(after_in_child=_after_fork_in_child)
 
 
 def _first_line(exc: BaseException) -> str:

@@ -17,12 +17,13 @@ __all__ = [
     "lease_table",
     "metadata",
     "outbox_table",
+    "route_group_table",
 ]
 
 #: Alembic's version table for this package, distinct from Dagster's and the host's ``alembic_version``.
 VERSION_TABLE = "joblease_alembic_version"
 #: The newest migration; ``db check`` compares the database against it.
-HEAD_REVISION = "0003"
+HEAD_REVISION = "0004"
 
 metadata = sa.MetaData(
     naming_convention={
@@ -112,6 +113,12 @@ outbox_table = sa.Table(
     sa.Column("created_at", _Time, nullable=False),
     sa.Column("updated_at", _Time, nullable=False),
     sa.Column("sent_at", _Time, nullable=True),
+    # When the downstream first saw (or may have seen) this key: the start of its retention window.
+    sa.Column("first_attempt_at", _Time, nullable=True),
+    # The limit group whose capacity an unexpired claim holds (NULL when no limit applied).
+    sa.Column("claim_group", sa.String(255), nullable=True),
+    # Attempts a downstream's Retry-After pause deferred without counting them against max_attempts.
+    sa.Column("deferrals", sa.Integer(), nullable=False, server_default=sa.text("0")),
     sa.UniqueConstraint("idempotency_key"),
     sa.CheckConstraint("status IN ('PENDING', 'SENT', 'DEAD')", name="status"),
     sa.CheckConstraint("attempts >= 0", name="attempts_nonnegative"),
@@ -125,6 +132,15 @@ outbox_table = sa.Table(
         "id",
         postgresql_where=sa.text("status = 'PENDING'"),
         sqlite_where=sa.text("status = 'PENDING'"),
+    ),
+    # Claims holding a limit group's capacity: counting a group's requests in flight reads only these
+    # (NULL on the unlimited path, so its claims and outcomes write no entry here).
+    sa.Index(
+        "ix_joblease_outbox_claim_group",
+        "claim_group",
+        "claim_expires_at",
+        postgresql_where=sa.text("claim_group IS NOT NULL"),
+        sqlite_where=sa.text("claim_group IS NOT NULL"),
     ),
     # Dead rows only: delivery_health, the no_dead_rows check, `outbox requeue --all-dead / --topic`,
     # `outbox list --status dead`. Written when a row is dead-lettered, never by an enqueue.
@@ -141,6 +157,26 @@ outbox_table = sa.Table(
         postgresql_where=sa.text("status = 'SENT'"),
         sqlite_where=sa.text("status = 'SENT'"),
     ),
+)
+
+# One row per limit group (a downstream's capacity shared by every dispatcher on this database): the
+# smallest limits live dispatchers configured (each until its registration lapses), the rate limiter's next
+# free admission, and a pause a downstream asked for (Retry-After) or repeated connection failures opened.
+route_group_table = sa.Table(
+    "joblease_route_group",
+    metadata,
+    sa.Column("limit_group", sa.String(255), primary_key=True),
+    sa.Column("max_in_flight", sa.Integer(), nullable=True),
+    sa.Column("max_in_flight_until", _Time, nullable=True),
+    sa.Column("rate", sa.Integer(), nullable=True),
+    sa.Column("rate_until", _Time, nullable=True),
+    sa.Column("rate_next_at", _Time, nullable=True),
+    sa.Column("paused_until", _Time, nullable=True),
+    sa.Column("pause_reason", sa.Text(), nullable=True),
+    sa.Column("failures", sa.Integer(), nullable=False, server_default=sa.text("0")),
+    sa.Column("updated_at", _Time, nullable=False),
+    sa.CheckConstraint("max_in_flight IS NULL OR max_in_flight >= 1", name="max_in_flight_positive"),
+    sa.CheckConstraint("rate IS NULL OR rate >= 1", name="rate_positive"),
 )
 
 inbox_table = sa.Table(

@@ -164,7 +164,8 @@ def test_sensor_requests_one_dispatcher_run_at_a_time_and_the_job_reports(
         assert again.run_key != request.run_key
 
         result = here.dispatch(dagster_pg)
-        counts = result.output_for_node(f"{here.job.name}_dispatch")
+        # The pass dead-lettered the poison row: the run fails (not retried), after its counts and checks.
+        counts = _meta(result, f"{here.job.name}_dispatch")
         sent = counts["sent"]
         for _ in range(5):
             # On a loaded machine a delivery can time out: a retry (with backoff) is the dispatcher
@@ -173,13 +174,20 @@ def test_sensor_requests_one_dispatcher_run_at_a_time_and_the_job_reports(
                 break
             wait_until(lambda: outbox.due_summary(engine).due > 0, timeout=10)
             sent += here.dispatch(dagster_pg).output_for_node(f"{here.job.name}_dispatch")["sent"]
-    assert result.success
+    assert not result.success
+    (failure,) = [e for e in result.all_events if e.event_type == dg.DagsterEventType.STEP_FAILURE]
+    assert failure.step_failure_data.error is not None
+    message = failure.step_failure_data.user_failure_data.description or ""
+    assert "1 outbox row(s) were dead-lettered in this pass" in message
+    assert "joblease outbox requeue" in message
+    stored = instance.get_run_by_id(result.run_id)
+    assert stored is not None and stored.tags.get("dagster/max_retries") == "0"  # no run retry
     assert (counts["claimed"], counts["dead"], counts["sent"] + counts["retried"]) == (3, 1, 2), counts
     assert sent == 2
     assert effect_count(engine) == 2
 
-    meta = _meta(result, f"{here.job.name}_dispatch")
-    assert meta["sent"] == counts["sent"] and meta["due_before"] == 3
+    meta = counts
+    assert meta["due_before"] == 3
     assert meta["result"] == f"delivered {counts['sent']} of 3 claimed row(s)"
     assert meta["delivered_nothing"] is False
     assert {"batches", "lost_claims", "released", "unrecorded", "due_after"} <= set(meta)
@@ -324,3 +332,38 @@ def test_health_options_are_validated() -> None:
         OutboxHealth(stale_due_ms=-1)
     with pytest.raises(errors.ConfigurationError, match="topics='abc' must be a collection"):
         outbox.delivery_health(sa.create_engine("sqlite://"), topics="abc")
+
+
+def test_a_paused_group_is_skipped_by_the_sensor_and_shown_by_the_job_and_checks(
+    dagster_pg: DagsterPg, engine: sa.Engine
+) -> None:
+    from dagster_joblease import route_groups
+
+    topic = f"paused.{uuid.uuid4().hex[:6]}"
+    group = f"downstream-{uuid.uuid4().hex[:6]}"
+    here = Location("paused", {topic: Route(f"{REFUSED}/{topic}", limit_group=group)})
+    _enqueue(engine, f"v2:{topic}-1", topic)
+    with engine.begin() as conn:
+        route_groups.record_pause(conn, group, 600_000, "HTTP 429 with Retry-After: 600")
+    tick = here.tick(dagster_pg)
+    assert tick.run_requests == []  # no dispatcher run every tick that would claim nothing
+    assert tick.skip_message.startswith("0 outbox rows due (1 more wait out a downstream's pause")
+    assert group in tick.skip_message and "Retry-After: 600" in tick.skip_message
+
+    result = here.dispatch(dagster_pg)
+    assert result.success  # nothing deliverable and nothing dead: green, and the metadata says why
+    meta = _meta(result, f"{here.job.name}_dispatch")
+    assert meta["claimed"] == 0 and meta["paused_due"] == 1
+    assert meta["result"] == "1 due row(s) wait out a downstream's pause; delivered nothing"
+    assert meta["paused_groups"][0]["limit_group"] == group
+    backlog = _checks(result)[BACKLOG_CHECK]
+    assert not backlog.passed and "delivery paused by the downstream" in (backlog.description or "")
+    assert _rows(engine, topic) == [("PENDING", 0)]
+
+
+def test_the_dispatch_op_can_run_in_a_concurrency_pool() -> None:
+    job = build_dispatcher_job({"t": Route("http://127.0.0.1:9/t")}, name="pooled_job", pool="joblease")
+    (node,) = job.graph.node_defs
+    assert node.pool == "joblease"
+    plain = build_dispatcher_job({"t": Route("http://127.0.0.1:9/t")}, name="plain_job")
+    assert plain.graph.node_defs[0].pool is None
