@@ -91,7 +91,7 @@ MAX_BATCH_KEYS = rowset.MAX_ROWS
 #: Keys per statement: a larger call runs several statements, in key order (so still deadlock-free).
 STATEMENT_KEYS = rowset.ROWS_PER_STATEMENT
 #: Claim rounds per key: a row purged (or a lease lost in a race) between two statements is tried again.
-_CLAIM_ROUNDS = 3
+_CLAIM_ROUNDS = _lease.CLAIM_ROUNDS
 
 _t = lease_table
 
@@ -529,9 +529,9 @@ def claim_many(
     Statements: one multi-row ``INSERT … ON CONFLICT DO NOTHING RETURNING`` for the set; when some keys
     met a row, one ``UPDATE`` reclaiming those that are reclaimable (row locks in key order), and one
     read reporting the rest. A row purged in between (or a key lost in a race to a concurrent claimer)
-    is tried again, at most three rounds; a key still undecided is reported ``CONTENDED``. At most
-    :data:`STATEMENT_KEYS` keys go in one statement; keys are processed in lock-key order, so
-    overlapping sets claimed at once cannot deadlock.
+    is tried again, in as many rounds as a single claim (``lease.CLAIM_ROUNDS``); a key still
+    undecided is reported ``CONTENDED``. At most :data:`STATEMENT_KEYS` keys go in one statement; keys
+    are processed in lock-key order, so overlapping sets claimed at once cannot deadlock.
 
     Args:
         service: the lease service (its engine, default ``lease_ms`` and holder label).

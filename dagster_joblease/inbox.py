@@ -26,6 +26,7 @@ processed in this same database waits for the effect to commit and then gets the
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import enum
 import functools
@@ -252,6 +253,10 @@ def _delete_expired_statement() -> Any:
     )
 
 
+_BEGIN = "BEGIN"
+_COMMIT = "COMMIT"
+
+
 def _insert_done_statement() -> Any:
     """The DONE record as a plain INSERT: a key recorded meanwhile makes it fail (unique violation)."""
     return inbox_table.insert().values(
@@ -266,61 +271,56 @@ def _insert_done_statement() -> Any:
 
 
 class _HotPath(NamedTuple):
-    """The PostgreSQL hot path's SQL, in two forms (see :func:`_hot_path`)."""
+    """The PostgreSQL hot path's statements (psycopg placeholders) and the constants they bind."""
 
-    prepare: str  # PREPARE the three statements, once per connection
-    begin_lookup: str  # BEGIN; EXECUTE lookup
-    record_commit: str  # EXECUTE delete-expired; EXECUTE insert-done; COMMIT
-    plain_begin_lookup: str  # the same without prepared statements (PgBouncer transaction pooling)
+    lookup: str
+    expire: str
+    done: str
+    #: Without server-side preparation: ``BEGIN; lookup`` and ``expire; done; COMMIT``, each one message.
+    plain_begin_lookup: str
     plain_record_commit: str
     constants: dict[str, Any]
 
 
-_PREPARED_FLAG = "joblease_inbox_prepared"
-_BIND = re.compile(r"%\((\w+)\)s")
-
-
-def _positional(binds: list[str], match: re.Match[str]) -> str:
-    return f"${binds.index(match.group(1)) + 1}"
-
-
 @functools.cache
 def _hot_path() -> _HotPath:
-    """The two messages of the PostgreSQL hot path, compiled once by SQLAlchemy, and the constants they bind.
+    """The hot path's three statements, compiled once by SQLAlchemy, and the constants they bind.
 
-    ``BEGIN; lookup`` opens the transaction and reads the key in one round trip; ``DELETE expired claim;
-    INSERT DONE; COMMIT`` records and commits in one. In a multi-statement message an error skips the
-    statements after it, so the COMMIT never runs after a failed INSERT. Multi-statement messages use the
-    simple query protocol (psycopg's client-side binding), so the statements are SQL-level prepared
-    statements (``PREPARE`` once per connection, then ``EXECUTE``): the server plans them once.
+    Prepared, they run with psycopg's extended protocol and are prepared on the server once per session
+    (``prepare=True``): protocol-level preparation only, never SQL-level ``PREPARE``, so one URL rule
+    (``?prepare_threshold=none`` behind PgBouncer in transaction mode) holds for the whole library, and
+    PgBouncer's ``max_prepared_statements`` can track them. Protocol-level statements go one per
+    message, so they are pipelined (:meth:`Inbox._transaction_psycopg`) to keep two round trips.
+    With ``prepare_threshold=None`` nothing is prepared, and the same two round trips are two
+    multi-statement messages of the simple query protocol (psycopg's client-side binding): a pipeline
+    of unprepared statements measured slower than that.
     """
     dialect = psycopg_dialect.dialect()  # type: ignore[no-untyped-call]
     own = {"key", "idle_ms", "sha256", "response_status", "response_body"}
     constants: dict[str, Any] = {}
-    names = ("joblease_inbox_lookup", "joblease_inbox_expire", "joblease_inbox_done")
-    statements = (_lookup_statement("postgresql"), _delete_expired_statement(), _insert_done_statement())
-    texts, prepares, executes = [], [], []
-    for name, stmt in zip(names, statements, strict=True):
+    texts = []
+    for stmt in (_lookup_statement("postgresql"), _delete_expired_statement(), _insert_done_statement()):
         compiled = stmt.compile(dialect=dialect)
         for bind, value in compiled.params.items():
             if bind not in own:
                 assert constants.get(bind, value) == value, f"bind {bind!r} has two values"
                 constants[bind] = value
-        text = str(compiled)
-        assert "%%" not in text, "a literal percent sign would need unescaping for PREPARE"
-        binds = list(dict.fromkeys(_BIND.findall(text)))
-        positional = _BIND.sub(functools.partial(_positional, binds), text)
-        texts.append(text)
-        prepares.append(f"PREPARE {name} AS {positional}")
-        executes.append(f"EXECUTE {name}({', '.join(f'%({b})s' for b in binds)})")
+        texts.append(str(compiled))
+    lookup, expire, done = texts
     return _HotPath(
-        prepare="; ".join(prepares),
-        begin_lookup=f"BEGIN; {executes[0]}",
-        record_commit=f"{executes[1]}; {executes[2]}; COMMIT",
-        plain_begin_lookup=f"BEGIN; {texts[0]}",
-        plain_record_commit=f"{texts[1]}; {texts[2]}; COMMIT",
+        lookup=lookup,
+        expire=expire,
+        done=done,
+        plain_begin_lookup=f"{_BEGIN}; {lookup}",
+        plain_record_commit=f"{expire}; {done}; {_COMMIT}",
         constants=constants,
     )
+
+
+def _pipeline(driver: psycopg.Connection[Any]) -> contextlib.AbstractContextManager[Any]:
+    """psycopg's pipeline mode (one round trip for the statements inside), or plain statements where the
+    libpq in use has none (before PostgreSQL 14's libpq: one round trip each, same effect)."""
+    return driver.pipeline() if psycopg.Pipeline.is_supported() else contextlib.nullcontext()
 
 
 class _Row(NamedTuple):
@@ -456,63 +456,84 @@ class Inbox:
         """The same transaction in three round trips (begin + lookup, the effect, record + commit).
 
         The pooled psycopg connection is switched to autocommit for the duration so that psycopg does
-        not send its own BEGIN (a round trip of its own): the transaction is opened by our first message
-        and ended by our last. SQLAlchemy's commit then finds the connection idle and sends nothing; its
-        rollback (on any error) still sends ROLLBACK, since psycopg checks the server's transaction state.
+        not send its own BEGIN (a round trip of its own): the transaction is opened by our first
+        pipeline and ended by our last. SQLAlchemy's commit then finds the connection idle and sends
+        nothing; its rollback (on any error) still sends ROLLBACK, since psycopg checks the server's
+        state.
         """
-        sql = _hot_path()
-        constants = sql.constants
         with translate_errors("process an inbox key"), self.engine.connect() as conn:
             driver = conn.connection.driver_connection
             assert driver is not None, "the connection is closed"
-            # psycopg's prepare_threshold=None (?prepare_threshold=none, for PgBouncer's transaction
-            # pooling) means prepared statements cannot be trusted to stay on the server connection.
-            prepared = driver.prepare_threshold is not None
-            info = conn.connection.info
-            begin_lookup = sql.begin_lookup if prepared else sql.plain_begin_lookup
-            record_commit = sql.record_commit if prepared else sql.plain_record_commit
             driver.autocommit = True
             try:
-                with conn.begin():
-                    with psycopg.ClientCursor(driver) as cursor:
-                        if prepared and not info.get(_PREPARED_FLAG):
-                            cursor.execute(sql.prepare)
-                            info[_PREPARED_FLAG] = True
-                        try:
-                            cursor.execute(
-                                begin_lookup, {**constants, "key": key, "idle_ms": str(self.lock_ms)}
-                            )
-                        except psycopg.errors.InvalidSqlStatementName:
-                            info.pop(_PREPARED_FLAG, None)  # the server forgot them (DISCARD ALL): again
-                            raise _Retry from None
-                        cursor.nextset()
-                        row = _row(cursor.fetchone())
-                    replay = _decide(key, fingerprint, row)
-                    if replay is not None:
-                        return replay
-                    status_code, body = _check_response(key, effect(conn))
-                    params = {
-                        **constants,
-                        "key": key,
-                        "sha256": fingerprint,
-                        "response_status": status_code,
-                        "response_body": body,
-                    }
-                    try:
-                        with (
-                            translate_errors("record an inbox result"),
-                            psycopg.ClientCursor(driver) as cursor,
-                        ):
-                            cursor.execute(record_commit, params)
-                    except errors.StorageError as exc:
-                        if isinstance(exc.__cause__, psycopg.errors.UniqueViolation):
-                            raise _Retry from None  # recorded meanwhile: see _once
-                        raise
+                outcome = self._transaction_psycopg(conn, driver, key, fingerprint, effect)
             finally:
                 if driver.pgconn.transaction_status == psycopg.pq.TransactionStatus.IDLE:
                     driver.autocommit = False
                 else:
                     conn.invalidate()  # never hand a connection in an unknown state back to the pool
+        if isinstance(outcome, errors.JobLeaseError):
+            raise outcome
+        return outcome
+
+    def _transaction_psycopg(
+        self,
+        conn: sa.Connection,
+        driver: psycopg.Connection[Any],
+        key: str,
+        fingerprint: str,
+        effect: Effect,
+    ) -> InboxResult | errors.InboxConflictError | errors.InboxInProgressError:
+        """One round trip opens the transaction and reads the key; the effect runs; one round trip
+        records and commits (a pipeline of prepared statements, or one simple-protocol message without
+        preparation: see :func:`_hot_path`). Either way the server skips everything after an error up to
+        the end of that round trip, so the COMMIT never runs after a failed INSERT: that transaction is
+        rolled back.
+
+        A refusal (409, 422) is returned, not raised, so that its read-only transaction ends with a
+        COMMIT: after a ROLLBACK psycopg would deallocate the connection's prepared statements.
+        """
+        sql = _hot_path()
+        constants = sql.constants
+        prepared = driver.prepare_threshold is not None
+        cursor_class = psycopg.Cursor if prepared else psycopg.ClientCursor
+        with conn.begin(), cursor_class(driver) as cursor:
+            lookup_params = {**constants, "key": key, "idle_ms": str(self.lock_ms)}
+            if prepared:
+                with _pipeline(driver):
+                    cursor.execute(_BEGIN, prepare=False)
+                    cursor.execute(sql.lookup, lookup_params, prepare=True)
+            else:
+                cursor.execute(sql.plain_begin_lookup, lookup_params)
+                cursor.nextset()
+            row = _row(cursor.fetchone())
+            try:
+                replay = _decide(key, fingerprint, row)
+            except (errors.InboxConflictError, errors.InboxInProgressError) as refusal:
+                return refusal
+            if replay is not None:
+                return replay
+            status_code, body = _check_response(key, effect(conn))
+            params = {
+                **constants,
+                "key": key,
+                "sha256": fingerprint,
+                "response_status": status_code,
+                "response_body": body,
+            }
+            try:
+                with translate_errors("record an inbox result"):
+                    if prepared:
+                        with _pipeline(driver):
+                            cursor.execute(sql.expire, params, prepare=True)
+                            cursor.execute(sql.done, params, prepare=True)
+                            cursor.execute(_COMMIT, prepare=False)
+                    else:
+                        cursor.execute(sql.plain_record_commit, params)
+            except errors.StorageError as exc:
+                if isinstance(exc.__cause__, psycopg.errors.UniqueViolation):
+                    raise _Retry from None  # recorded meanwhile: see _once
+                raise
         return _processed(key, status_code, body)
 
     def purge(self, older_than_ms: int) -> int:

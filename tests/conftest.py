@@ -111,11 +111,12 @@ class BouncedDatabase:
 
 
 @pytest.fixture
-def bounced(pg_template: str) -> Iterator[BouncedDatabase]:
+def bounced(request: pytest.FixtureRequest) -> Iterator[BouncedDatabase]:
     """A database created on PostgreSQL, then used through PgBouncer (dropped afterwards)."""
-    bouncer = pgbouncer_base_url()
+    bouncer = pgbouncer_base_url()  # skip (or fail) before making any database
+    template = str(request.getfixturevalue("pg_template"))
     name = f"joblease_b_{uuid.uuid4().hex[:10]}"
-    direct = clone_template(pg_template, name)
+    direct = clone_template(template, name)
     via = bouncer.set(database=name)
     yield BouncedDatabase(
         name=name,

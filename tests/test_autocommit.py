@@ -220,8 +220,9 @@ def test_claim_connections_honour_the_url_schema_and_prepare_threshold(
 def test_a_session_that_forgot_its_prepared_statements_fails_one_claim_then_is_replaced(
     pg_url: str,
 ) -> None:
-    """As behind a pooler that moved the session: the claim that meets it fails loudly, and its
-    connection is closed rather than trusted again, so the next claim works."""
+    """As behind a pooler that moved the session: the claim that meets it fails loudly (naming the URL
+    setting that prevents it), and its connection is closed rather than trusted again, so the next
+    claim works."""
     engine = create_engine(pg_url)
     try:
         service = LeaseService(engine, lease_ms=60_000)
@@ -229,7 +230,7 @@ def test_a_session_that_forgot_its_prepared_statements_fails_one_claim_then_is_r
         connections = autocommit_connections(engine)
         (handle, _), *_ = connections._idle
         handle.connection.pgconn.exec_(b"DEALLOCATE ALL")  # behind psycopg's back, as the server would
-        with pytest.raises(errors.StorageError, match="acquire a lease"):
+        with pytest.raises(errors.ConfigurationError, match=r"acquire a lease.*prepare_threshold=none"):
             service.acquire(JobIdentity.schedule("forgot", "2"))
         assert handle.connection.closed
         for i in range(2, 5):

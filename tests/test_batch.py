@@ -24,6 +24,7 @@ from dagster_joblease.batch import (
 from dagster_joblease.identity import JobIdentity
 from dagster_joblease.lease import Lease, LeaseService, LeaseStatus, NotAcquiredReason
 from dagster_joblease.storage import create_engine, lease_table
+from dagster_joblease.storage.rowset import bind_rows
 from tests import batch_workers
 
 t = lease_table
@@ -577,3 +578,49 @@ def test_concurrent_reclaims_of_overlapping_sets_have_one_winner_per_attempt(db_
         assert len(records) >= count
     finally:
         engine.dispose()
+
+
+def _plan_nodes(plan: dict[str, Any]) -> Iterator[dict[str, Any]]:
+    yield plan
+    for child in plan.get("Plans", []):
+        yield from _plan_nodes(child)
+
+
+def test_postgresql_statements_reach_rows_by_key_whatever_the_statistics(pg_engine: sa.Engine) -> None:
+    """A range claimed into a fresh table has stale statistics (the planner guesses one row per status).
+    Every batch statement must still reach the lease rows only through the primary key, the lock-key
+    index or a row's ctid: one lookup per key, never a scan of other rows once per key (which made a
+    10,000-key heartbeat quadratic: seconds instead of milliseconds). Plans are read, not timed."""
+    service = LeaseService(pg_engine, lease_ms=60_000)
+    leases = claim_many(service, days(2_000)).leases
+    keyed = bind_rows("postgresql", ("lock_key",), [(x.idempotency_key,) for x in leases])
+    pairs = bind_rows("postgresql", ("id", "owner_token"), [(x.id, x.owner_token) for x in leases])
+    call = {"p_lease_ms": 60_000, "p_heartbeat_ms": 20_000, "p_holder": "h"}
+    statements = [
+        (batch._reclaim_statement("postgresql"), {**call, **keyed}),
+        (batch._report_statement("postgresql"), keyed),
+        (batch._held_statement("postgresql"), pairs),
+        *(
+            (
+                batch._fenced_update_statement("postgresql", action),
+                {**pairs, "w_result": None, "w_error": "x"},
+            )
+            for action in ("heartbeat", "complete", "fail")
+        ),
+    ]
+    allowed = {"pk_joblease_lease", "uq_joblease_lease_lock_key"}
+    with pg_engine.connect() as conn:
+        for statement, params in statements:
+            compiled = statement.compile(dialect=pg_engine.dialect)
+            sql = "EXPLAIN (FORMAT JSON) " + str(compiled)
+            (plan,) = conn.exec_driver_sql(sql, {k: params[k] for k in compiled.params}).one()[0]
+            for node in _plan_nodes(plan["Plan"]):
+                if node.get("Relation Name") != "joblease_lease" or node["Node Type"] in (
+                    "ModifyTable",
+                    "Tid Scan",
+                ):
+                    continue
+                assert node["Node Type"] == "Index Scan" and node["Index Name"] in allowed, (
+                    str(compiled),
+                    node,
+                )

@@ -404,19 +404,24 @@ def test_without_server_side_prepared_statements(pg_url: str) -> None:
 
 
 @pytest.mark.postgres_only
-def test_prepared_statements_the_server_forgot_are_prepared_again(pg_url: str) -> None:
+def test_statements_are_prepared_at_protocol_level_only(pg_url: str) -> None:
+    """No SQL-level PREPARE (PgBouncer's max_prepared_statements cannot see those): psycopg's own,
+    one rule (?prepare_threshold=none) for the whole library; after DEALLOCATE ALL they come back."""
     engine = create_engine(pg_url, pool_size=1, max_overflow=0)
     try:
         _test_metadata.create_all(engine)
         inbox = Inbox(engine)
         inbox.process("a", {"v": 1}, _writer("a", "a"))
+        with pytest.raises(errors.InboxConflictError):
+            inbox.process("a", {"v": 2}, _writer("a", "other"))
         with engine.connect() as conn:  # the pool's only connection: the one the inbox prepared on
             driver = conn.connection.driver_connection
             assert driver is not None
             conn.rollback()
             driver.autocommit = True
-            named = "SELECT count(*) FROM pg_prepared_statements WHERE name LIKE 'joblease_inbox_%'"
-            assert driver.execute(named).fetchone() == (3,)
+            listed = "SELECT from_sql, count(*) FROM pg_prepared_statements GROUP BY from_sql"
+            # lookup, delete-expired, insert-done: still there after the refusal (it commits)
+            assert driver.execute(listed).fetchall() == [(False, 3)]
             driver.execute("DEALLOCATE ALL")
             driver.autocommit = False
         assert inbox.process("b", {"v": 1}, _writer("b", "b")).replayed is False

@@ -191,13 +191,13 @@ class RouteSpec(Resolvable):
             )
         for header, env in self.secret_headers.items():
             _env_name(f"{where} secret_headers[{header!r}]", env)
-        known = {f.name for f in dataclasses.fields(Route)}
-        unknown = sorted(set(self.options) - known)
-        if unknown or {"url", "headers", "secret_headers", "timeout_s"} & set(self.options):
+        own = {"url", "headers", "secret_headers", "timeout_s"}
+        extra = {f.name for f in dataclasses.fields(Route)} - own
+        bad = sorted(set(self.options) - extra)
+        if bad:
             raise errors.ConfigurationError(
-                f"{where}: options {sorted(set(self.options) - (known - {'url'}) | set(unknown))} are not "
-                f"extra Route options; allowed: "
-                f"{sorted(known - {'url', 'headers', 'secret_headers', 'timeout_s'}) or 'none'}"
+                f"{where}: options {bad} are not Route options; allowed: {sorted(extra)} (url, headers, "
+                "secret_headers and timeout_s are attributes of their own)"
             )
         return Route(
             url,

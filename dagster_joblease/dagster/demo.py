@@ -1,21 +1,28 @@
-"""``joblease demo``: the whole story end to end, on the embedded SQLite default, in well under a minute.
+"""``joblease demo``: the whole story end to end on the embedded SQLite default, with Dagster's own daemon.
 
-1. start the reference receiver (a real HTTP server in its own process);
-2. run ``daily_billing_job`` for N daily partitions twice at once, from two processes (as an overlapping
-   backfill and schedule would): every partition gets two Dagster runs, the lease lets one of them win;
-3. start a dispatcher process and SIGKILL it mid-delivery (effects applied, not yet recorded as sent);
-4. dispatch the rest with ``outbox_dispatch_job`` once the dead dispatcher's claims expire;
-5. print the table and exit non-zero unless every partition has exactly one winner, one outbox row and
-   one effect at the receiver (POSTs may exceed effects: redelivery is deduplicated by the inbox).
+1. start the reference receiver (a real HTTP server in its own process) and ``dagster-daemon run`` on the
+   packaged code location :mod:`dagster_joblease.dagster.demo_location` (run monitoring on, the queued run
+   coordinator, the sensors RUNNING);
+2. launch a real asset backfill of ``daily_invoice`` over the last N complete days, through Dagster's
+   GraphQL API as the UI does (``launchPartitionBackfill``); the daemon's backfill loop submits its runs;
+3. evaluate ``daily_billing_schedule`` at today's 02:00 UTC tick (``scheduleDryRun``, the UI's "Test
+   schedule") and launch the run it requests (``launchRun``): yesterday again, which the backfill also
+   runs, so one of the two wins and the other succeeds as a recorded skip;
+4. SIGKILL the run worker of one backfilled partition in the middle of its leased body; Dagster marks the
+   run failed, and ``daily_invoice_reconcile`` sees a lease whose holder's run is finished and relaunches
+   the partition, which reclaims the lease;
+5. ``outbox_dispatch_sensor`` requests ``outbox_dispatch_job`` runs that deliver each partition's POST;
+6. print the table and exit non-zero unless every partition has exactly one winner, one outbox row and
+   one effect at the receiver.
 
-The runs belong to the packaged code location :mod:`dagster_joblease.dagster.demo_location` (they carry
-its repository origin, so the job's Partitions tab lists them). With ``--keep`` the work directory stays,
-and the demo prints the two commands that show the same runs in the Dagster UI: a receiver to keep up,
-and ``dagster dev -m dagster_joblease.dagster.demo_location``. Nothing here needs the source checkout.
+With ``--keep`` the work directory stays and the demo prints the two commands that show the same runs,
+backfill, ticks and the killed run in the Dagster UI (a receiver, and ``dg dev``). Nothing here needs
+the source checkout.
 """
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 import datetime as dt
 import json
@@ -28,27 +35,82 @@ import tempfile
 import threading
 import time
 import warnings
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from contextlib import contextmanager
 from pathlib import Path
 from typing import IO, Any
 
 import click
 import sqlalchemy as sa
 
-from dagster_joblease import dispatch, identity, outbox
+from dagster_joblease import identity
 from dagster_joblease.storage import create_engine, migrate
-from dagster_joblease.storage.schema import outbox_table
+from dagster_joblease.storage.schema import lease_table, outbox_table
 
-__all__ = ["DemoReport", "demo_command", "run_demo"]
+__all__ = ["DemoReport", "demo_command", "run_demo", "ui_commands"]
 
+LOCATION = "dagster_joblease.dagster.demo_location"
+REPOSITORY = "__repository__"
+ASSET = "daily_invoice"
 JOB_NAME = "daily_billing_job"
+SCHEDULE = "daily_billing_schedule"
+DISPATCH_JOB = "outbox_dispatch_job"
 TOPIC = "billing.daily"
 BILLING_CODE = "daily-billing"
-FIRST_DAY = dt.date(2024, 1, 1)
-KILLED_CLAIM_MS = 1_500  # the killed dispatcher's claims expire this fast, so the rest can go out soon
-RECEIVER_DELAY_MS = 120  # the receiver applies, commits, then answers this late: a window to kill in
-QUIET = {"loggers": {"console": {"config": {"log_level": "ERROR"}}}}
-DAGSTER_YAML = "telemetry:\n  enabled: false\n"
+#: The demo's Dagster instance: run monitoring on (a dead run worker is failed by Dagster, not left
+#: STARTED), the queued coordinator dequeuing every second, sensors evaluated in threads.
+DAGSTER_YAML = """\
+telemetry:
+  enabled: false
+run_monitoring:
+  enabled: true
+  poll_interval_seconds: 5
+  max_resume_run_attempts: 0
+run_coordinator:
+  module: dagster.core.run_coordinator
+  class: QueuedRunCoordinator
+  config:
+    max_concurrent_runs: 4
+    dequeue_interval_seconds: 1
+    dequeue_use_threads: true
+    dequeue_num_workers: 4
+sensors:
+  use_threads: true
+  num_workers: 4
+"""
+BACKFILL_MUTATION = """
+mutation($params: LaunchBackfillParams!) {
+  launchPartitionBackfill(backfillParams: $params) {
+    __typename
+    ... on LaunchBackfillSuccess { backfillId }
+    ... on PythonError { message }
+  }
+}
+"""
+DRY_RUN_MUTATION = """
+mutation($selector: ScheduleSelector!, $timestamp: Float!) {
+  scheduleDryRun(selectorData: $selector, timestamp: $timestamp) {
+    __typename
+    ... on DryRunInstigationTick {
+      evaluationResult {
+        runRequests { runKey runConfigYaml tags { key value } }
+        skipReason
+        error { message }
+      }
+    }
+    ... on PythonError { message }
+  }
+}
+"""
+LAUNCH_MUTATION = """
+mutation($params: ExecutionParams!) {
+  launchRun(executionParams: $params) {
+    __typename
+    ... on LaunchRunSuccess { run { runId } }
+    ... on PythonError { message }
+  }
+}
+"""
 
 
 @dataclasses.dataclass
@@ -57,14 +119,19 @@ class DemoReport:
 
     partitions: int
     runs: int
-    winners: int
-    skips: int
+    won: int
+    reclaimed: int
+    skipped: int
+    killed: int
+    other: int
     outbox_rows: int
-    sent: int
     posts: int
     effects: int
-    killed_after_posts: int
     partitions_with_one_effect: int
+    dispatcher_runs: int
+    backfill_id: str
+    overlap_day: str
+    killed_day: str
     seconds: float
     workdir: str
 
@@ -72,22 +139,26 @@ class DemoReport:
     def ok(self) -> bool:
         n = self.partitions
         return (
-            self.runs == 2 * n
-            and self.winners == n
-            and self.skips == n
+            self.won + self.reclaimed == n
+            and self.runs == self.won + self.reclaimed + self.skipped + self.killed + self.other
+            and self.other == 0
+            and self.killed == 1
+            and self.reclaimed >= 1
             and self.outbox_rows == n
-            and self.sent == n
             and self.effects == n
             and self.partitions_with_one_effect == n
         )
 
     def table(self) -> str:
-        headers = ["partitions", "runs", "winners", "skips", "outbox rows", "POSTs", "effects applied"]
+        headers = ["partitions", "runs", "won", "reclaimed", "skipped", "killed", "outbox rows", "POSTs"]
+        headers.append("effects applied")
         values = [
             self.partitions,
             self.runs,
-            self.winners,
-            self.skips,
+            self.won,
+            self.reclaimed,
+            self.skipped,
+            self.killed,
             self.outbox_rows,
             self.posts,
             self.effects,
@@ -107,12 +178,14 @@ class _Progress:
         self.tty = stream.isatty()
         self.last = ""
         self.lock = threading.Lock()
+        self.started = time.monotonic()
 
     def update(self, text: str) -> None:
         with self.lock:
             if text == self.last:
                 return
             self.last = text
+            text = f"{time.monotonic() - self.started:5.1f} s  {text}"
             if self.tty:
                 self.stream.write("\r\033[K" + text)
             else:
@@ -126,40 +199,26 @@ class _Progress:
             self.stream.flush()
 
 
-def _env(workdir: Path, joblease_url: str, billing_url: str | None = None) -> dict[str, str]:
-    env = dict(os.environ)
-    env["JOBLEASE_DATABASE_URL"] = joblease_url
-    env["DAGSTER_HOME"] = str(workdir / "dagster_home")
-    if billing_url is not None:
-        env["BILLING_API_URL"] = billing_url
-    return env
+def demo_days(count: int, today: dt.date | None = None) -> list[str]:
+    """The last ``count`` complete days (UTC), oldest first: the backfill's partitions; the last one is
+    what the schedule's 02:00 tick today asks for."""
+    end = today or dt.datetime.now(dt.UTC).date()
+    return [(end - dt.timedelta(days=count - i)).isoformat() for i in range(count)]
 
 
-def _days(count: int) -> list[str]:
-    return [(FIRST_DAY + dt.timedelta(days=i)).isoformat() for i in range(count)]
-
-
-def _wait_for(predicate: Callable[[], bool], timeout_s: float, what: str) -> None:
+def _wait_for(predicate: Callable[[], bool], timeout_s: float, what: str, work: Path) -> None:
     deadline = time.monotonic() + timeout_s
     while not predicate():
         if time.monotonic() > deadline:
-            raise click.ClickException(f"demo: timed out after {timeout_s:g} s waiting for {what}")
-        time.sleep(0.05)
+            raise click.ClickException(
+                f"demo: timed out after {timeout_s:g} s waiting for {what} (logs in {work})"
+            )
+        time.sleep(0.2)
 
 
 def _start_receiver(database_url: str, log: Path) -> tuple[subprocess.Popen[str], str]:
     proc = subprocess.Popen(
-        [
-            sys.executable,
-            "-m",
-            "dagster_joblease.receiver",
-            "--database-url",
-            database_url,
-            "--port",
-            "0",
-            "--delay-after-apply-ms",
-            str(RECEIVER_DELAY_MS),
-        ],
+        [sys.executable, "-m", "dagster_joblease.receiver", "--database-url", database_url, "--port", "0"],
         stdout=subprocess.PIPE,
         stderr=log.open("w"),
         text=True,
@@ -172,53 +231,132 @@ def _start_receiver(database_url: str, log: Path) -> tuple[subprocess.Popen[str]
     return proc, line.removeprefix("listening on ")
 
 
-def _worker_main(argv: Sequence[str]) -> int:
-    """A launcher process: run the job for each partition, one Dagster run each, and say what happened."""
-    label, *days = argv
-    warnings.simplefilter("ignore")
-    import dagster as dg
+def _stop(proc: subprocess.Popen[Any], *, group: bool) -> None:
+    """Stop a process (and, for the daemon, its code server and run workers: its process group)."""
+    if proc.poll() is not None:
+        return
+    try:
+        if group:
+            os.killpg(proc.pid, signal.SIGTERM)
+        else:
+            proc.terminate()
+        proc.wait(timeout=20)
+    except (subprocess.TimeoutExpired, ProcessLookupError):
+        pass
+    if proc.poll() is None or group:
+        try:
+            if group:
+                os.killpg(proc.pid, signal.SIGKILL)
+            else:
+                proc.kill()
+        except ProcessLookupError:
+            pass
+        proc.wait(timeout=10)
 
-    from dagster_joblease.dagster import demo_location
 
-    job = demo_location.defs.resolve_job_def(JOB_NAME)
-    instance = dg.DagsterInstance.get()
-    tags = {"joblease/demo_launcher": label, **demo_location.origin_tags(JOB_NAME)}
-    for day in days:
-        result = job.execute_in_process(
-            partition_key=day, instance=instance, run_config=QUIET, tags=tags, raise_on_error=False
+@contextmanager
+def _stderr_to(path: Path) -> Iterator[None]:
+    """Send this process's stderr (fd 2, which child processes inherit) to ``path`` for a while."""
+    sys.stderr.flush()
+    saved = os.dup(2)
+    with path.open("a") as log:
+        os.dup2(log.fileno(), 2)
+        try:
+            yield
+        finally:
+            sys.stderr.flush()
+            os.dup2(saved, 2)
+            os.close(saved)
+
+
+@contextmanager
+def _graphql(instance: Any) -> Iterator[Callable[[str, Mapping[str, Any]], dict[str, Any]]]:
+    """Dagster's GraphQL API on this instance and the demo location, in this process (what the UI uses)."""
+    from dagster._core.workspace.context import WorkspaceProcessContext
+    from dagster._core.workspace.load_target import ModuleTarget
+    from dagster_graphql.schema import create_schema
+
+    schema = create_schema()
+    target = ModuleTarget(module_name=LOCATION, attribute=None, working_directory=None, location_name=None)
+    with WorkspaceProcessContext(instance, target) as process_context:
+
+        def execute(query: str, variables: Mapping[str, Any]) -> dict[str, Any]:
+            context = process_context.create_request_context()
+            result = asyncio.run(
+                schema.execute_async(query, context_value=context, variable_values=dict(variables))
+            )
+            if result.errors:
+                raise click.ClickException(f"demo: GraphQL error: {result.errors[0]}")
+            assert result.data is not None
+            return dict(result.data)
+
+        yield execute
+
+
+def _launch_backfill(execute: Callable[[str, Mapping[str, Any]], dict[str, Any]], days: list[str]) -> str:
+    params = {
+        "assetSelection": [{"path": [ASSET]}],
+        "partitionNames": days,
+        "title": "joblease demo: backfill the last days",
+    }
+    answer = execute(BACKFILL_MUTATION, {"params": params})["launchPartitionBackfill"]
+    if answer["__typename"] != "LaunchBackfillSuccess":
+        raise click.ClickException(f"demo: the backfill was refused: {answer}")
+    return str(answer["backfillId"])
+
+
+def _launch_schedule_tick(
+    execute: Callable[[str, Mapping[str, Any]], dict[str, Any]], tick: dt.datetime
+) -> list[str]:
+    """Evaluate the schedule at ``tick`` and launch every run it requests, as the UI's "Test schedule"."""
+    repo = {"repositoryLocationName": LOCATION, "repositoryName": REPOSITORY}
+    answer = execute(
+        DRY_RUN_MUTATION, {"selector": {**repo, "scheduleName": SCHEDULE}, "timestamp": tick.timestamp()}
+    )["scheduleDryRun"]
+    result = answer.get("evaluationResult") or {}
+    requests = result.get("runRequests") or []
+    if answer["__typename"] != "DryRunInstigationTick" or not requests:
+        raise click.ClickException(f"demo: the schedule requested no run: {answer}")
+    launched = []
+    for request in requests:
+        params = {
+            "selector": {**repo, "jobName": JOB_NAME},
+            "runConfigData": request["runConfigYaml"] or "{}",
+            "executionMetadata": {"tags": request["tags"]},
+        }
+        run = execute(LAUNCH_MUTATION, {"params": params})["launchRun"]
+        if run["__typename"] != "LaunchRunSuccess":
+            raise click.ClickException(f"demo: the schedule's run was refused: {run}")
+        launched.append(str(run["run"]["runId"]))
+    return launched
+
+
+def _outbox_rows(engine: sa.Engine) -> int:
+    with engine.connect() as conn:
+        return int(
+            conn.execute(
+                sa.select(sa.func.count()).select_from(outbox_table).where(outbox_table.c.topic == TOPIC)
+            ).scalar_one()
         )
-        run = instance.get_run_by_id(result.run_id)
-        outcome = run.tags.get("joblease/outcome", "failed") if run is not None else "failed"
-        print(json.dumps({"day": day, "success": result.success, "outcome": outcome}), flush=True)
-    return 0
 
 
-def _dispatcher_main(argv: Sequence[str]) -> int:
-    """A plain dispatcher process (no Dagster), killed mid-delivery by the demo."""
-    url, billing_url = argv
-    with dispatch.Dispatcher(
-        create_engine(url), {TOPIC: dispatch.Route(billing_url, timeout_s=1.0)}, claim_ms=KILLED_CLAIM_MS
-    ) as dispatcher:
-        dispatcher.dispatch(limit=1_000)
-    return 0
-
-
-def _outbox_counts(engine: sa.Engine) -> tuple[int, int, int]:
-    t = outbox_table
+def _lease_states(engine: sa.Engine, days: Sequence[str]) -> dict[str, str]:
+    t = lease_table
     with engine.connect() as conn:
         rows = conn.execute(
-            sa.select(t.c.status, sa.func.count()).where(t.c.topic == TOPIC).group_by(t.c.status)
+            sa.select(t.c.run_key, t.c.status).where(t.c.code == BILLING_CODE, t.c.run_key.in_(days))
         ).all()
-    counts = {status: int(n) for status, n in rows}
-    return sum(counts.values()), counts.get("SENT", 0), counts.get("PENDING", 0)
+    return {str(k): str(s) for k, s in rows}
 
 
 def run_demo(
-    *, partitions: int = 10, workdir: Path | None = None, stream: IO[str] | None = None
+    *, partitions: int = 3, workdir: Path | None = None, stream: IO[str] | None = None
 ) -> DemoReport:
     """Run the demo in ``workdir`` (created if needed) and return what it counted."""
     from dagster_joblease.receiver import effect_count, effects, request_count
 
+    if partitions < 2:
+        raise click.BadParameter("the demo needs at least 2 partitions (one is killed, one overlaps)")
     out = stream or sys.stdout
     progress = _Progress(out)
     started = time.monotonic()
@@ -227,100 +365,96 @@ def run_demo(
     home = work / "dagster_home"
     home.mkdir(exist_ok=True)
     (home / "dagster.yaml").write_text(DAGSTER_YAML)
+    kill_dir = work / "kill"
+    kill_dir.mkdir(exist_ok=True)
     joblease_url = f"sqlite:///{work / 'joblease.sqlite'}"
     receiver_url = f"sqlite:///{work / 'receiver.sqlite'}"
-    days = _days(partitions)
+    now = dt.datetime.now(dt.UTC)
+    days = demo_days(partitions, now.date())
+    overlap_day, killed_day = days[-1], days[-2]
+    tick = dt.datetime.combine(now.date(), dt.time(2, 0), tzinfo=dt.UTC)
+    (kill_dir / f"{killed_day}.kill").write_text("")
     engine = create_engine(joblease_url)
     receiver_engine = create_engine(receiver_url)
-    procs: list[subprocess.Popen[Any]] = []
-    saved_env = {k: os.environ.get(k) for k in ("DAGSTER_HOME", "BILLING_API_URL", "JOBLEASE_DATABASE_URL")}
+    procs: list[tuple[subprocess.Popen[Any], bool]] = []
+    names = ("DAGSTER_HOME", "BILLING_API_URL", "JOBLEASE_DATABASE_URL")
+    saved_env = {k: os.environ.get(k) for k in names}
     try:
-        progress.update("[1/5] preparing the joblease database and the Dagster home")
+        progress.update("[1/6] preparing the joblease database and the Dagster home")
         migrate(engine)
-        # Initialise the SQLite Dagster home once, before two processes open it (concurrent first use
-        # corrupts it: "alembic_version has more than one head").
         os.environ["DAGSTER_HOME"] = str(home)
+        os.environ["JOBLEASE_DATABASE_URL"] = joblease_url
         warnings.simplefilter("ignore")
         import dagster as dg
 
+        from dagster_joblease.dagster.sensors import NOT_FINISHED_STATUSES
+
         instance = dg.DagsterInstance.get()
-        instance.get_runs(limit=1)
+        instance.get_runs(limit=1)  # initialise the SQLite home once, before other processes open it
 
-        progress.update("[2/5] starting the reference receiver")
+        progress.update("[2/6] starting the reference receiver and the Dagster daemon")
         receiver, base = _start_receiver(receiver_url, work / "receiver.log")
-        procs.append(receiver)
+        procs.append((receiver, False))
         billing_url = f"{base}/{TOPIC}"
-        env = _env(work, joblease_url, billing_url)
+        os.environ["BILLING_API_URL"] = billing_url
+        daemon = subprocess.Popen(
+            [sys.executable, "-m", "dagster._daemon", "run", "-m", LOCATION],
+            stdout=(work / "daemon.log").open("w"),
+            stderr=subprocess.STDOUT,
+            env={
+                **os.environ,
+                "JOBLEASE_DEMO_KILL_DIR": str(kill_dir),
+                "PYTHONWARNINGS": "ignore",
+            },
+            cwd=work,
+            start_new_session=True,
+        )
+        procs.append((daemon, True))
 
-        lines: list[dict[str, Any]] = []
-        lock = threading.Lock()
+        with _stderr_to(work / "graphql.log"), _graphql(instance) as execute:
+            progress.update(f"[3/6] launching a backfill of {ASSET} for {days[0]}..{days[-1]}")
+            backfill_id = _launch_backfill(execute, days)
+            progress.update(f"[3/6] backfill {backfill_id} launched; the schedule's 02:00 tick asks too")
+            _launch_schedule_tick(execute, tick)
 
-        def launch(label: str) -> tuple[subprocess.Popen[str], threading.Thread]:
-            proc = subprocess.Popen(
-                [sys.executable, "-m", "dagster_joblease.dagster.demo", "_worker", label, *days],
-                stdout=subprocess.PIPE,
-                stderr=(work / f"{label}.log").open("w"),
-                env=env,
-                text=True,
+        pid_file = kill_dir / f"{killed_day}.pid"
+        progress.update(f"[4/6] waiting for the run of {killed_day} to be inside its leased body")
+        _wait_for(pid_file.exists, 150, f"the run of {killed_day} to start its leased body", work)
+        time.sleep(0.2)  # the file is written before the body waits; the lease is held by then
+        os.kill(int(pid_file.read_text()), signal.SIGKILL)
+        progress.update(f"[4/6] SIGKILLed the run worker of {killed_day}; reconciliation will redo it")
+
+        def settled() -> bool:
+            states = _lease_states(engine, days)
+            delivered = sum(1 for key, topic, _ in effects(receiver_engine) if topic == TOPIC)
+            unfinished = instance.get_runs(dg.RunsFilter(statuses=list(NOT_FINISHED_STATUSES)))
+            progress.update(
+                f"[5/6] {sum(1 for s in states.values() if s == 'SUCCESS')}/{partitions} partitions done, "
+                f"{delivered}/{partitions} delivered, {len(unfinished)} run(s) not finished"
+            )
+            return (
+                len(states) == partitions
+                and all(s == "SUCCESS" for s in states.values())
+                and delivered == partitions
+                and not unfinished
             )
 
-            def read() -> None:
-                assert proc.stdout is not None
-                for raw in proc.stdout:
-                    with lock:
-                        lines.append(json.loads(raw))
-                        done = len(lines)
-                        won = sum(1 for x in lines if x["outcome"] in ("won", "reclaimed"))
-                    progress.update(
-                        f"[3/5] daily_billing_job x{partitions} partitions, twice at once (backfill + "
-                        f"schedule): {done}/{2 * partitions} runs, {won} won, {done - won} skipped"
-                    )
+        _wait_for(settled, 180, "every partition to be done and delivered", work)
+        progress.update("[6/6] stopping the daemon")
+        _stop(daemon, group=True)
 
-            thread = threading.Thread(target=read, daemon=True)
-            thread.start()
-            return proc, thread
-
-        progress.update("[3/5] launching daily_billing_job twice at once (two processes)")
-        launched = [launch("backfill"), launch("schedule")]
-        procs += [p for p, _ in launched]
-        for proc, thread in launched:
-            if proc.wait(timeout=120) != 0:
-                raise click.ClickException(f"demo: a launcher process failed (see {work})")
-            thread.join(timeout=10)
-
-        progress.update("[4/5] dispatching; killing the dispatcher mid-delivery (SIGKILL)")
-        killed_at = max(1, partitions // 3)
-        dispatcher = subprocess.Popen(
-            [sys.executable, "-m", "dagster_joblease.dagster.demo", "_dispatch", joblease_url, billing_url],
-            stderr=(work / "dispatcher.log").open("w"),
-            env=env,
-        )
-        procs.append(dispatcher)
-        _wait_for(lambda: request_count(receiver_engine) >= killed_at, 30, "the first deliveries")
-        dispatcher.send_signal(signal.SIGKILL)
-        dispatcher.wait()
-        killed_after = request_count(receiver_engine)
-        progress.update(
-            f"[4/5] dispatcher killed after {killed_after} POSTs; waiting for its claims to expire"
-        )
-        _wait_for(
-            lambda: outbox.due_summary(engine).due == _outbox_counts(engine)[2], 30, "the claims to expire"
-        )
-
-        progress.update("[5/5] outbox_dispatch_job delivers the rest")
-        from dagster_joblease.dagster import demo_location
-
-        os.environ["BILLING_API_URL"] = billing_url
-        os.environ["JOBLEASE_DATABASE_URL"] = joblease_url
-        result = demo_location.defs.resolve_job_def("outbox_dispatch_job").execute_in_process(
-            instance=instance, run_config=QUIET, tags=demo_location.origin_tags("outbox_dispatch_job")
-        )
-        if not result.success:
-            raise click.ClickException("demo: outbox_dispatch_job failed")
-
-        runs = instance.get_runs(dg.RunsFilter(job_name=JOB_NAME))
+        runs = [
+            r
+            for r in instance.get_runs()
+            if r.job_name != DISPATCH_JOB and r.tags.get("dagster/partition") in days
+        ]
         outcomes = [r.tags.get("joblease/outcome", "") for r in runs]
-        rows, sent, _ = _outbox_counts(engine)
+        killed = sum(1 for r in runs if r.status == dg.DagsterRunStatus.FAILURE)
+        won = sum(1 for r, o in zip(runs, outcomes, strict=True) if o == "won" and r.is_success)
+        reclaimed = sum(1 for r, o in zip(runs, outcomes, strict=True) if o == "reclaimed" and r.is_success)
+        skipped = sum(
+            1 for r, o in zip(runs, outcomes, strict=True) if o.startswith("skipped") and r.is_success
+        )
         applied = {
             key: json.loads(payload) for key, topic, payload in effects(receiver_engine) if topic == TOPIC
         }
@@ -329,27 +463,27 @@ def run_demo(
         report = DemoReport(
             partitions=partitions,
             runs=len(runs),
-            winners=sum(1 for o in outcomes if o in ("won", "reclaimed")),
-            skips=sum(1 for o in outcomes if o.startswith("skipped")),
-            outbox_rows=rows,
-            sent=sent,
+            won=won,
+            reclaimed=reclaimed,
+            skipped=skipped,
+            killed=killed,
+            other=len(runs) - won - reclaimed - skipped - killed,
+            outbox_rows=_outbox_rows(engine),
             posts=request_count(receiver_engine),
             effects=effect_count(receiver_engine),
-            killed_after_posts=killed_after,
             partitions_with_one_effect=one_effect,
+            dispatcher_runs=len(instance.get_runs(dg.RunsFilter(job_name=DISPATCH_JOB))),
+            backfill_id=backfill_id,
+            overlap_day=overlap_day,
+            killed_day=killed_day,
             seconds=time.monotonic() - started,
             workdir=str(work),
         )
         progress.done(f"done in {report.seconds:.1f} s")
         return report
     finally:
-        for proc in procs:
-            if proc.poll() is None:
-                proc.terminate()
-                try:
-                    proc.wait(timeout=5)
-                except subprocess.TimeoutExpired:
-                    proc.kill()
+        for proc, group in reversed(procs):
+            _stop(proc, group=group)
         engine.dispose()
         receiver_engine.dispose()
         for key, value in saved_env.items():
@@ -361,24 +495,46 @@ def run_demo(
 
 def ui_commands(work: Path) -> str:
     """The two commands that show a kept demo in the UI: a receiver kept up (the location's dispatcher and
-    sensors deliver to it) and ``dagster dev`` on the packaged demo location, with this environment's
+    sensors deliver to it) and ``dg dev`` on the packaged demo location, with this environment's
     executables."""
     bin_dir = Path(sys.executable).parent
     receiver_db = f"sqlite:///{work / 'receiver.sqlite'}"
     return (
         f"  {bin_dir / 'joblease'} receiver --database-url {receiver_db} --port 8765 &\n"
         f"  DAGSTER_HOME={work / 'dagster_home'} JOBLEASE_DATABASE_URL=sqlite:///{work / 'joblease.sqlite'} "
-        f"{bin_dir / 'dagster'} dev -m dagster_joblease.dagster.demo_location"
+        f"{bin_dir / 'dg'} dev -m {LOCATION}"
+    )
+
+
+def explain(report: DemoReport) -> str:
+    """What the table's counts mean, and that they add up."""
+    return (
+        f"A backfill ({report.backfill_id}) ran {ASSET} for {report.partitions} days, one run each; the "
+        f"schedule's 02:00 tick asked for {report.overlap_day} again, so one of those two runs won and the "
+        f"other succeeded as a recorded skip. The run of {report.killed_day} was SIGKILLed inside its leased "
+        f"body; Dagster failed it and daily_invoice_reconcile relaunched the partition, which reclaimed the "
+        f"lease. Runs: {report.runs} = {report.won} won + {report.reclaimed} reclaimed + {report.skipped} "
+        f"skipped + {report.killed} killed; partitions done: {report.won} + {report.reclaimed} = "
+        f"{report.won + report.reclaimed}. outbox_dispatch_sensor requested {report.dispatcher_runs} "
+        f"dispatcher run(s): {report.outbox_rows} outbox rows, {report.posts} POSTs, {report.effects} "
+        "effects applied"
+        + (
+            " (a POST retried after a timeout carries the same Idempotency-Key: the receiver applied it once)"
+            if report.posts > report.effects
+            else ""
+        )
+        + f"; each partition's effect carries its own key and payload: "
+        f"{report.partitions_with_one_effect}/{report.partitions}."
     )
 
 
 @click.command("demo")
 @click.option(
     "--partitions",
-    type=click.IntRange(1, 366),
-    default=10,
+    type=click.IntRange(2, 31),
+    default=3,
     show_default=True,
-    help="Daily partitions to bill.",
+    help="Days to backfill (the last complete ones).",
 )
 @click.option(
     "--workdir",
@@ -386,37 +542,28 @@ def ui_commands(work: Path) -> str:
     default=None,
     help="Where the databases and the Dagster home go (default: a new temporary directory).",
 )
-@click.option(
-    "--keep/--no-keep", default=False, help="Keep the work directory (to open it in `dagster dev`)."
-)
+@click.option("--keep/--no-keep", default=False, help="Keep the work directory (to open it in `dg dev`).")
 def demo_command(partitions: int, workdir: Path | None, keep: bool) -> None:
-    """End-to-end demo: duplicate runs, a killed dispatcher, and still one effect per partition."""
+    """End-to-end demo with Dagster's daemon: a backfill, a schedule tick, a killed run, one effect each."""
     work = (workdir or Path(tempfile.mkdtemp(prefix="joblease-demo-"))).resolve()
     try:
         report = run_demo(partitions=partitions, workdir=work)
         click.echo()
         click.echo(report.table())
-        click.echo(
-            f"\nEvery partition ran twice (two launchers at once); the lease let one run win, the other "
-            "succeeded as a recorded skip. The dispatcher was SIGKILLed mid-delivery (the receiver had "
-            f"{report.killed_after_posts} POSTs by then) and its rows were redelivered: {report.posts} "
-            f"POSTs, {report.effects} effects applied "
-            "(the receiver deduplicated by Idempotency-Key). Each partition's effect carries its own key "
-            f"and payload: {report.partitions_with_one_effect}/{report.partitions}."
-        )
+        click.echo("\n" + explain(report))
         if report.ok:
             click.echo(f"OK: one effect per partition ({report.effects}/{report.partitions}).")
         else:
             raise click.ClickException(
-                f"invariant FAILED: expected {partitions} winners, outbox rows, sent rows and effects "
-                f"and {2 * partitions} runs; see {work}"
+                f"invariant FAILED: expected {partitions} partitions done (won + reclaimed), one killed run "
+                f"redone, {partitions} outbox rows and {partitions} effects; see {work}"
             )
         if keep:
             click.echo(f"\nKept {work}. To see the same runs in the Dagster UI, run:\n{ui_commands(work)}")
         else:
             click.echo(
                 "\nTo see these runs in the Dagster UI, run `joblease demo --keep --workdir DIR`: it prints "
-                "the receiver and `dagster dev` commands."
+                "the receiver and `dg dev` commands."
             )
     finally:
         if not keep:
@@ -424,10 +571,6 @@ def demo_command(partitions: int, workdir: Path | None, keep: bool) -> None:
 
 
 def _main(argv: Sequence[str]) -> int:
-    if argv and argv[0] == "_worker":
-        return _worker_main(argv[1:])
-    if argv and argv[0] == "_dispatch":
-        return _dispatcher_main(argv[1:])
     demo_command.main(args=list(argv), prog_name="joblease demo")
     return 0
 

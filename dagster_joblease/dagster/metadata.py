@@ -60,8 +60,10 @@ read-modify-write of the whole set).
 **Range runs** record every key's outcome in the step metadata: a per-key table up to
 :data:`TABLE_MAX_KEYS` keys; past that, counts plus the first :data:`FIRST_KEYS_SHOWN` keys of each outcome.
 
-The names in the *legacy* section at the end are the tag set before the diet; they are kept only while
-``ops.py`` moves to the set above (the range helper's work) and are removed then.
+Before the diet a step wrote eleven tags (``joblease/code``, ``run_key``, ``idempotency_key``, ``attempt``,
+``holder``, ``winner_run_id``, ``error``, ``outbox``, ``partitions``, ``outcomes``, ``outcome.<op>``);
+runs recorded then keep them, and a leased step never writes them again. ``joblease/code`` remains the *op*
+tag marking a leased op.
 """
 
 from __future__ import annotations
@@ -80,7 +82,6 @@ __all__ = [
     "FAILED",
     "FIRST_KEYS_SHOWN",
     "HELD",
-    "INHERITED_RECONCILE_TAGS",
     "LAUNCH_TAGS",
     "LOST",
     "META_ATTEMPT",
@@ -108,41 +109,31 @@ __all__ = [
     "OUTCOMES",
     "PENDING",
     "RECLAIMED",
-    "RESULT_TAGS",
     "SKIPPED_SUCCEEDED",
     "STEP_EVENT_MESSAGE",
     "STEP_TAGS",
     "TABLE_MAX_KEYS",
-    "TAG_ATTEMPT",
     "TAG_CODE",
-    "TAG_ERROR",
-    "TAG_HOLDER",
-    "TAG_IDEMPOTENCY_KEY",
-    "TAG_OUTBOX",
     "TAG_OUTCOME",
-    "TAG_OUTCOMES",
-    "TAG_PARTITIONS",
-    "TAG_RECONCILE",
     "TAG_RECONCILE_REASON",
     "TAG_RELAUNCH",
-    "TAG_RUN_KEY",
     "TAG_SENSOR_NAME",
     "TAG_WINNER",
-    "TAG_WINNER_RUN_ID",
     "TAG_WORK",
     "WON",
     "LeasedResult",
+    "bound_tag_text",
     "format_counts",
     "not_run_tags",
-    "op_error_tag",
-    "op_outcome_tag",
-    "output_metadata",
+    "outbox_label",
+    "outcome_counts",
     "parse_counts",
     "pending_run_tags",
-    "pending_tags",
-    "result_tags",
     "run_tags",
     "schedule_tags",
+    "step_metadata",
+    "winner_label",
+    "winner_of",
     "worst_outcome",
 ]
 
@@ -212,38 +203,8 @@ NONE = "none"  #: a tag that does not apply to this outcome
 MAX_ERROR_TAG_CHARS = 200
 MAX_TAG_VALUE_CHARS = 63
 
-# ---- Legacy tag set (before the tag diet); removed once ops.py writes STEP_TAGS only -------------------
-
-TAG_CODE = "joblease/code"  #: also the op tag that marks an op as leased (kept after the diet)
-TAG_RUN_KEY = "joblease/run_key"
-TAG_IDEMPOTENCY_KEY = "joblease/idempotency_key"
-TAG_ATTEMPT = "joblease/attempt"
-TAG_OUTBOX = "joblease/outbox"
-TAG_HOLDER = "joblease/holder"
-TAG_WINNER_RUN_ID = "joblease/winner_run_id"
-TAG_ERROR = "joblease/error"
-TAG_PARTITIONS = "joblease/partitions"
-TAG_OUTCOMES = "joblease/outcomes"
-#: Legacy: after the diet, which sensor launched a run is Dagster's ``dagster/sensor_name``.
-TAG_RECONCILE = "joblease/reconciled_by"
-
-#: Legacy: every tag a leased step (over)writes; a re-execution's copies of the parent's are all replaced.
-RESULT_TAGS = (
-    TAG_OUTCOME,
-    TAG_CODE,
-    TAG_RUN_KEY,
-    TAG_IDEMPOTENCY_KEY,
-    TAG_ATTEMPT,
-    TAG_HOLDER,
-    TAG_WINNER_RUN_ID,
-    TAG_ERROR,
-    TAG_OUTBOX,
-    TAG_PARTITIONS,
-    TAG_OUTCOMES,
-)
-#: Legacy: Dagster copies every parent tag into a re-execution or a run retry; these say the copy is not a
-#: relaunch.
-INHERITED_RECONCILE_TAGS = {TAG_RECONCILE: NONE, TAG_RELAUNCH: NONE, TAG_RECONCILE_REASON: NONE}
+#: The op tag (on the op definition, not the run) that marks an op as leased, valued with its lease code.
+TAG_CODE = "joblease/code"
 
 
 def format_counts(counts: Mapping[str, int]) -> str:
@@ -330,39 +291,20 @@ def worst_outcome(outcomes: Iterable[str]) -> str:
     return next((o for o in OUTCOMES if o in seen), PENDING)
 
 
-def op_outcome_tag(op_name: str) -> str:
-    """``joblease/outcome.<op name>``: one op's outcome in a job with several leased ops."""
-    return f"{TAG_OUTCOME}.{op_name}"[: len("joblease/") + 63]
-
-
-def op_error_tag(op_name: str) -> str:
-    """``joblease/error.<op name>``: one op's error in a job with several leased ops."""
-    return f"{TAG_ERROR}.{op_name}"[: len("joblease/") + 63]
-
-
-def _per_op(tags: dict[str, str], op_name: str) -> dict[str, str]:
-    """Several leased ops: this op's outcome and error move to op-scoped tags (the run's are aggregates)."""
-    tags[op_outcome_tag(op_name)] = tags.pop(TAG_OUTCOME)
-    tags[op_error_tag(op_name)] = tags[TAG_ERROR]
-    tags[TAG_ERROR] = MULTIPLE
-    return tags
-
-
 def bound_tag_text(text: str, limit: int = MAX_ERROR_TAG_CHARS) -> str:
-    """One line, at most ``limit`` characters: a tag is a label, the full text is in the logs."""
+    """One line, at most ``limit`` characters: a label; the full text is in the logs."""
     line = " ".join(text.split())
     return line if len(line) <= limit else line[: limit - 1] + "…"
 
 
 def schedule_tags(code: str, partition_key: str) -> dict[str, str]:
-    """Tags a schedule puts on a run request: the lease code, run key and idempotency key, and pending."""
-    job = identity.JobIdentity.schedule(code, partition_key)
-    return {
-        TAG_CODE: job.code,
-        TAG_RUN_KEY: partition_key,
-        TAG_IDEMPOTENCY_KEY: job.idempotency_key,
-        TAG_OUTCOME: PENDING,
-    }
+    """Tags a schedule (or the reconciliation sensor) puts on a run request: ``joblease/outcome=pending``.
+
+    ``code`` and ``partition_key`` are validated (they name the run's lease); the partition itself is
+    Dagster's ``dagster/partition``, the lease code is in the leased op's tags and the step's metadata.
+    """
+    identity.JobIdentity.schedule(code, partition_key)
+    return {TAG_OUTCOME: PENDING}
 
 
 def outbox_label(results: Sequence[bool]) -> str:
@@ -377,14 +319,6 @@ def outbox_label(results: Sequence[bool]) -> str:
     return f"{OUTBOX_INSERTED}:{inserted},{OUTBOX_ALREADY_PRESENT}:{len(results) - inserted}"
 
 
-def _counts(labels: Iterable[str]) -> str:
-    counts = collections.Counter(labels)
-    order = {o: i for i, o in enumerate(OUTCOMES)}
-    return ",".join(
-        f"{label}:{n}" for label, n in sorted(counts.items(), key=lambda kv: order.get(kv[0], 99))
-    )
-
-
 def _run_key_label(keys: Sequence[str | None]) -> str:
     if not keys:
         return NONE
@@ -393,69 +327,32 @@ def _run_key_label(keys: Sequence[str | None]) -> str:
     return f"{keys[0]}..{keys[-1]}"
 
 
-def pending_tags(
-    code: str, jobs: Sequence[identity.JobIdentity], *, several_ops: bool, op_name: str
-) -> dict[str, str]:
-    """The tags a leased step writes when it starts: what is known (code, keys), ``pending`` for the rest."""
-    single = len(jobs) == 1 and not several_ops
-    tags = {
-        TAG_OUTCOME: PENDING,
-        TAG_CODE: MULTIPLE if several_ops else code,
-        TAG_RUN_KEY: _run_key_label([j.run_key for j in jobs]),
-        TAG_IDEMPOTENCY_KEY: jobs[0].idempotency_key if single else MULTIPLE,
-        TAG_ATTEMPT: PENDING,
-        TAG_HOLDER: PENDING,
-        TAG_WINNER_RUN_ID: PENDING,
-        TAG_ERROR: NONE,
-        TAG_OUTBOX: PENDING,
-        TAG_PARTITIONS: str(len(jobs)),
-        TAG_OUTCOMES: f"{PENDING}:{len(jobs)}",
-    }
-    return _per_op(tags, op_name) if several_ops else tags
+def winner_of(result: LeasedResult) -> str | None:
+    """The run (or, for a winner outside Dagster, the holder) that did ``result``'s key; None if undone."""
+    if not result.done:
+        return None
+    return result.winner_run_id or result.holder
 
 
-def result_tags(
-    results: Sequence[LeasedResult],
-    *,
-    own_holder: str | None = None,
-    several_ops: bool = False,
-    op_name: str = "",
-) -> dict[str, str]:
-    """Run tags for a step's results (see the module docstring for a run over several keys or ops)."""
-    if not results:
-        return {}
-    single = len(results) == 1 and not several_ops
-    errors = [f"{r.partition_key}: {r.error}" if len(results) > 1 else r.error for r in results if r.error]
-    tags = {
-        TAG_OUTCOME: worst_outcome(r.outcome for r in results),
-        TAG_CODE: MULTIPLE if several_ops else results[0].code,
-        TAG_RUN_KEY: _run_key_label([r.partition_key for r in results]),
-        TAG_ERROR: bound_tag_text(errors[0]) if errors else NONE,
-        TAG_PARTITIONS: str(len(results)),
-        TAG_OUTCOMES: _counts(r.outcome for r in results),
-    }
-    if single:
-        (only,) = results
-        tags.update(
-            {
-                TAG_IDEMPOTENCY_KEY: only.idempotency_key,
-                TAG_ATTEMPT: str(only.attempt) if only.attempt is not None else NONE,
-                TAG_HOLDER: only.holder or NONE,
-                TAG_WINNER_RUN_ID: only.winner_run_id or NONE,
-                TAG_OUTBOX: only.outbox,
-            }
-        )
-    else:
-        tags.update(
-            {
-                TAG_IDEMPOTENCY_KEY: MULTIPLE,
-                TAG_ATTEMPT: MULTIPLE,
-                TAG_HOLDER: own_holder or MULTIPLE,
-                TAG_WINNER_RUN_ID: MULTIPLE,
-                TAG_OUTBOX: MULTIPLE if several_ops else _counts(r.outbox for r in results),
-            }
-        )
-    return _per_op(tags, op_name) if several_ops else tags
+def winner_label(results: Sequence[LeasedResult]) -> str | None:
+    """The winner of every done key when it is one run, :data:`MULTIPLE` for several, None for none."""
+    winners = {w for w in (winner_of(r) for r in results) if w}
+    if not winners:
+        return None
+    return winners.pop() if len(winners) == 1 else MULTIPLE
+
+
+def outcome_counts(results: Iterable[LeasedResult]) -> dict[str, int]:
+    """``{outcome: number of keys}`` over ``results``."""
+    return dict(collections.Counter(r.outcome for r in results))
+
+
+def _winner_value(winner: str | None, results: Sequence[LeasedResult]) -> dg.MetadataValue:
+    """A Dagster run is one click away (``MetadataValue.dagster_run``); anything else is text."""
+    run_ids = {r.winner_run_id for r in results if r.done}
+    if winner and run_ids == {winner}:
+        return dg.MetadataValue.dagster_run(winner)
+    return dg.MetadataValue.text(winner or NONE)
 
 
 def _table(results: Sequence[LeasedResult]) -> str:
@@ -465,22 +362,57 @@ def _table(results: Sequence[LeasedResult]) -> str:
     ]
     lines += [
         f"| {r.partition_key or '(initial)'} | {r.outcome} | {r.attempt or ''} | {r.outbox} | "
-        f"{r.winner_run_id or ''} | `{r.idempotency_key}` |"
+        f"{r.winner_run_id or (r.holder if r.done else '') or ''} | `{r.idempotency_key}` |"
         for r in results
     ]
     return "\n".join(lines)
 
 
-def output_metadata(results: Sequence[LeasedResult]) -> dict[str, dg.MetadataValue]:
-    """Op/asset output metadata: the same facts as the tags, plus a per-key table for a range run."""
+def step_metadata(
+    results: Sequence[LeasedResult], *, per_key_table: bool = True
+) -> dict[str, dg.MetadataValue]:
+    """A leased step's metadata: every fact the run tags leave out, and every key's outcome.
+
+    One key: its outcome, winner (a link to the winner's run), code, run key, idempotency key, attempt,
+    holder, outbox result and error. Several keys (a range): the worst outcome, the winner (or
+    ``multiple``), code, the range, the number of keys, the counts per outcome, the first error, and a
+    per-key table up to :data:`TABLE_MAX_KEYS` keys; past that (or with ``per_key_table=False``), the
+    first :data:`FIRST_KEYS_SHOWN` keys of each outcome instead.
+    """
+    if not results:
+        return {}
+    winner = winner_label(results)
+    errors_seen = [
+        f"{r.partition_key}: {r.error}" if len(results) > 1 else r.error for r in results if r.error
+    ]
     meta: dict[str, dg.MetadataValue] = {
-        key: dg.MetadataValue.text(value) for key, value in result_tags(results).items()
+        META_OUTCOME: dg.MetadataValue.text(worst_outcome(r.outcome for r in results)),
+        META_WINNER: _winner_value(winner, results),
+        META_CODE: dg.MetadataValue.text(results[0].code),
+        META_RUN_KEY: dg.MetadataValue.text(_run_key_label([r.partition_key for r in results])),
+        META_ERROR: dg.MetadataValue.text(bound_tag_text(errors_seen[0]) if errors_seen else NONE),
     }
-    if len(results) == 1 and results[0].attempt is not None:
-        meta[TAG_ATTEMPT] = dg.MetadataValue.int(results[0].attempt)
-    counts: Mapping[str, int] = collections.Counter(r.outcome for r in results)
-    meta["joblease/won"] = dg.MetadataValue.int(counts.get(WON, 0) + counts.get(RECLAIMED, 0))
-    meta["joblease/skipped"] = dg.MetadataValue.int(counts.get(SKIPPED_SUCCEEDED, 0))
-    if len(results) > 1:
-        meta["joblease/results"] = dg.MetadataValue.md(_table(results))
+    if len(results) == 1:
+        (only,) = results
+        meta[META_IDEMPOTENCY_KEY] = dg.MetadataValue.text(only.idempotency_key)
+        meta[META_ATTEMPT] = (
+            dg.MetadataValue.int(only.attempt) if only.attempt is not None else dg.MetadataValue.text(NONE)
+        )
+        meta[META_HOLDER] = dg.MetadataValue.text(only.holder or NONE)
+        meta[META_OUTBOX] = dg.MetadataValue.text(only.outbox)
+        return meta
+    meta[META_KEYS] = dg.MetadataValue.int(len(results))
+    meta[META_OUTCOMES] = dg.MetadataValue.json(outcome_counts(results))
+    meta[META_OUTBOX] = dg.MetadataValue.text(
+        ",".join(f"{k}:{n}" for k, n in sorted(collections.Counter(r.outbox for r in results).items()))
+    )
+    if per_key_table and len(results) <= TABLE_MAX_KEYS:
+        meta[META_RESULTS] = dg.MetadataValue.md(_table(results))
+    else:
+        first: dict[str, list[str]] = {}
+        for r in results:
+            shown = first.setdefault(r.outcome, [])
+            if len(shown) < FIRST_KEYS_SHOWN:
+                shown.append(r.partition_key or "(initial)")
+        meta[META_FIRST_KEYS] = dg.MetadataValue.json({o: first[o] for o in OUTCOMES if o in first})
     return meta

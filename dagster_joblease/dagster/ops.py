@@ -4,7 +4,7 @@ A schedule tick, a backfill of the same partition, a UI re-execution and a run r
 logical run and one idempotency key; exactly one of them runs the body at a time. The others mirror the
 truth instead of claiming success:
 
-- the partition already succeeded: a recorded skip (``skipped-succeeded``, tagged with the winner's run);
+- the partition already succeeded: a recorded skip (``skipped-succeeded``, naming the winner's run);
 - a live lease holds it: wait for the holder (bounded, ``held_wait_ms``), re-checking on the database
   clock. If the holder succeeds, skip; if it fails, or its lease expires, take over (``reclaimed``); if the
   holder's Dagster run is finished on this instance and its heartbeat is stale (older than twice the
@@ -14,6 +14,31 @@ truth instead of claiming success:
 
 The body writes its domain rows and its outbox row in one *fenced* transaction, which only commits while
 the lease is still this run's.
+
+**Range runs** (a single-run backfill: ``BackfillPolicy.single_run()``) cover many keys, each its own
+logical run (own lease, own idempotency key). Every key ends with an outcome from
+:mod:`dagster_joblease.dagster.metadata` (``won``, ``reclaimed``, ``skipped-succeeded``, ``held``,
+``failed``, ``lost``, ``not-attempted``), recorded in the step's metadata and counted in the run's tags.
+
+- *Per-key mode* (the default): the body is called once per key, as for a single partition. Every key is
+  tried once before any waiting; keys held by a live holder are then waited for together, within one
+  ``held_wait_ms``. A key whose body raises fails its own lease only: the range goes on, unless
+  ``max_failures_in_a_row`` keys (default :data:`DEFAULT_MAX_FAILURES_IN_A_ROW`) fail one after the other
+  (a broken body or an unreachable database would fail them all); the keys after that are
+  ``not-attempted``.
+- *Batch mode* (``batch=True``): the body is called with a :class:`LeasedBatch`, the keys this run won
+  (claimed in one statement, ``run.partition_keys``), and writes them in one fenced transaction
+  (``run.transaction()``, ``run.enqueue_many``); heartbeats and completion are one statement per set.
+  Keys already succeeded are skipped; keys held by a live holder are claimed again until the bounded
+  wait ends, and the keys won then are given to the body in a further call (each call its own set). A
+  failing call fails its whole set (retryable) and ends the range.
+
+Either way the step then succeeds only if every key is done (by this run, or provably by another); it
+fails otherwise, naming the keys not done, so the run never says green for undone work and the
+reconciliation sensor can redo them. Dagster's run termination (``DagsterExecutionInterruptedError``)
+stops the range at once: the current key's lease is released, the rest are ``not-attempted``, and what
+this run did is recorded (an asset's materializations yielded) before the interrupt is re-raised. A
+SIGKILL cannot be covered from inside the run: reconciliation repairs it from the lease table.
 """
 
 from __future__ import annotations
@@ -21,13 +46,15 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any, TypeVar
 
 import dagster as dg
 import sqlalchemy as sa
 from dagster import AssetExecutionContext, OpExecutionContext
+from dagster._core.events import EngineEventData  # the per-op truth: a step engine event with metadata
 
+from dagster_joblease import batch as batch_leases
 from dagster_joblease import errors, identity, lease, options, outbox, staleness
 from dagster_joblease.dagster import holders, metadata
 from dagster_joblease.dagster.resource import JobLeaseResource, check_held_wait_ms
@@ -35,14 +62,28 @@ from dagster_joblease.storage.clock import ms_until
 from dagster_joblease.storage.engine import translate_errors
 from dagster_joblease.storage.schema import lease_table
 
-__all__ = ["LeasedRun", "leased_asset", "leased_op", "run_leased"]
+__all__ = [
+    "DEFAULT_MAX_FAILURES_IN_A_ROW",
+    "LeasedBatch",
+    "LeasedRun",
+    "leased_asset",
+    "leased_op",
+    "run_leased",
+    "settle_run_tags",
+    "step_records",
+]
 
 DEFAULT_RESOURCE_KEY = "joblease"
+#: Per-key mode stops a range after this many keys failed one after the other (the rest: not-attempted).
+DEFAULT_MAX_FAILURES_IN_A_ROW = 3
 AnyContext = dg.OpExecutionContext | dg.AssetExecutionContext
 F = TypeVar("F", bound=Callable[..., Any])
 EPHEMERAL_RUN_ID = "EPHEMERAL"
 _FIRST_POLL_S = 0.05
 _MAX_POLL_S = 1.0
+#: A range logs one line per key up to this many keys, then a summary.
+_LOG_KEYS = 50
+_SETTLE_ROUNDS = 10
 
 
 class LeasedRun:
@@ -155,6 +196,61 @@ def _partition_keys(context: dg.OpExecutionContext, code: str, initial: bool) ->
     )
 
 
+def _partitions_def(context: AnyContext) -> dg.PartitionsDefinition | None:
+    op_context = _op_context(context)
+    try:
+        if op_context.has_assets_def:
+            return op_context.assets_def.partitions_def
+        return op_context.job_def.partitions_def
+    except Exception:  # direct invocation (build_op_context) has no job: nothing to check against
+        return None
+
+
+def _check_partition_keys(context: AnyContext, code: str, keys: Sequence[str | None]) -> None:
+    """Every key must be a partition of the job's or asset's partitions definition, before any lease.
+
+    Dynamic partitions are checked against this instance's keys. A run whose ``dagster/partition`` tag was
+    typed by hand (``dagster job execute --tags``) reaches the step unchecked by Dagster.
+    """
+    wanted = [k for k in keys if k is not None]
+    partitions_def = _partitions_def(context) if wanted else None
+    if partitions_def is None:
+        return
+    instance = _op_context(context).instance
+    try:
+        with dg.partition_loading_context(dynamic_partitions_store=instance):
+            missing = [k for k in wanted if not partitions_def.has_partition_key(k)]
+    except Exception as exc:  # e.g. a malformed key a time-window definition cannot parse
+        raise _invalid_keys(code, wanted[:1], partitions_def, exc) from exc
+    if missing:
+        raise _invalid_keys(code, missing, partitions_def, None)
+
+
+def _invalid_keys(
+    code: str, missing: Sequence[str], partitions_def: dg.PartitionsDefinition, cause: Exception | None
+) -> dg.Failure:
+    shown = ", ".join(repr(k) for k in missing[:5])
+    if len(missing) > 5:
+        shown += f" and {len(missing) - 5} more"
+    dynamic = isinstance(partitions_def, dg.DynamicPartitionsDefinition)
+    described = f"{type(partitions_def).__name__} ({str(partitions_def).rstrip('.')})"
+    why = f" ({type(cause).__name__}: {cause})" if cause is not None else ""
+    hint = (
+        "; add it to this instance first (instance.add_dynamic_partitions or a sensor's "
+        "dynamic_partitions_requests)"
+        if dynamic
+        else ""
+    )
+    return dg.Failure(
+        description=(
+            f"partition key {shown} of lease code {code!r} is not a partition of {described}{why}: "
+            f"nothing was leased or enqueued. Launch the run with a key of that partitions definition{hint}"
+        ),
+        metadata={"joblease/invalid_keys": dg.MetadataValue.json(list(missing[:100]))},
+        allow_retries=False,
+    )
+
+
 def _stored_run(context: dg.OpExecutionContext) -> dg.DagsterRun | None:
     # build_op_context runs are ephemeral: there is no stored run to tag.
     if context.run_id == EPHEMERAL_RUN_ID:
@@ -162,36 +258,103 @@ def _stored_run(context: dg.OpExecutionContext) -> dg.DagsterRun | None:
     return context.instance.get_run_by_id(context.run_id)
 
 
-def _set_run_tags(context: dg.OpExecutionContext, tags: dict[str, str]) -> None:
-    if tags and _stored_run(context) is not None:
-        context.instance.add_run_tags(context.run_id, tags)
-
-
-def _leased_op_names(context: dg.OpExecutionContext) -> list[str]:
-    """Names of the leased ops in this run's job (ops carrying the ``joblease/code`` op tag)."""
+def _step_key(context: dg.OpExecutionContext) -> str:
     try:
-        node_defs = context.job_def.all_node_defs
-    except Exception:  # direct invocation has no job
-        return []
-    return [d.name for d in node_defs if isinstance(d, dg.OpDefinition) and metadata.TAG_CODE in d.tags]
+        return context.get_step_execution_context().step.key
+    except Exception:
+        return context.op_def.name
 
 
-def _aggregate_op_outcomes(context: dg.OpExecutionContext) -> None:
-    """Several leased ops: ``joblease/outcome`` is the most severe of their ``joblease/outcome.<op>``.
+def _report_step(
+    context: dg.OpExecutionContext, results: Sequence[metadata.LeasedResult]
+) -> dg.DagsterRun | None:
+    """Log the step's own truth as an engine event of the step: its outcome counts, winner, every key.
 
-    Dagster rewrites a run's tags read-modify-write, so two steps finishing at once can overwrite each
-    other's aggregate; each step rewrites it until a re-read agrees, which leaves the last writer with
-    every op's outcome.
+    These events, not the run's tags, are what :func:`settle_run_tags` computes the tags from.
     """
-    prefix = metadata.TAG_OUTCOME + "."
-    for _ in range(5):
-        run = _stored_run(context)
-        if run is None:
-            return
-        worst = metadata.worst_outcome(v for k, v in run.tags.items() if k.startswith(prefix))
-        if run.tags.get(metadata.TAG_OUTCOME) == worst:
-            return
-        context.instance.add_run_tags(context.run_id, {metadata.TAG_OUTCOME: worst})
+    run = _stored_run(context)
+    if run is None:
+        return None
+    meta = metadata.step_metadata(results)
+    meta[metadata.META_OP] = dg.MetadataValue.text(context.op_def.name)
+    meta[metadata.META_OUTCOMES] = dg.MetadataValue.json(metadata.outcome_counts(results))
+    counts = metadata.format_counts(metadata.outcome_counts(results))
+    context.instance.report_engine_event(
+        f"{metadata.STEP_EVENT_MESSAGE}: {counts}",
+        run,
+        EngineEventData(metadata=meta),
+        step_key=_step_key(context),
+    )
+    return run
+
+
+def _plain(value: object) -> object:
+    """A metadata value as plain data (a run link as its run id)."""
+    if isinstance(value, dg.DagsterRunMetadataValue):
+        return value.run_id
+    return getattr(value, "value", value)
+
+
+def step_records(instance: dg.DagsterInstance, run_id: str) -> dict[str, dict[str, object]]:
+    """Each leased step's latest record in a run, by step key: its metadata as plain values.
+
+    Keys are the :data:`~dagster_joblease.dagster.metadata.META_OUTCOME`-style names (``joblease/outcome``,
+    ``joblease/winner`` as a run id, ``joblease/attempt``, ``joblease/outbox``, ``joblease/outcomes`` …).
+    This is the per-op truth the run's tags are computed from.
+    """
+    latest: dict[str, dict[str, object]] = {}
+    records = instance.get_records_for_run(run_id, of_type=dg.DagsterEventType.ENGINE_EVENT).records
+    for record in records:
+        event = record.event_log_entry.dagster_event
+        if event is None or not (event.message or "").startswith(metadata.STEP_EVENT_MESSAGE):
+            continue
+        data = event.engine_event_data.metadata if event.engine_event_data else {}
+        latest[event.step_key or ""] = {k: _plain(v) for k, v in data.items()}
+    return latest
+
+
+def _tags_from_events(instance: dg.DagsterInstance, run_id: str) -> dict[str, str] | None:
+    """The run's :data:`~metadata.STEP_TAGS` from its leased steps' engine events (latest per step)."""
+    steps = step_records(instance, run_id)
+    counts: dict[str, int] = {}
+    winners: set[str] = set()
+    seen = False
+    for record in steps.values():
+        outcomes = record.get(metadata.META_OUTCOMES)
+        if not isinstance(outcomes, dict):
+            continue
+        seen = True
+        for outcome, n in outcomes.items():
+            counts[str(outcome)] = counts.get(str(outcome), 0) + int(n)
+        winner = record.get(metadata.META_WINNER)
+        if isinstance(winner, str) and winner != metadata.NONE and counts:
+            winners.add(winner)
+    if not seen:
+        return None
+    winner_label = None if not winners else winners.pop() if len(winners) == 1 else metadata.MULTIPLE
+    return metadata.run_tags(counts, winner_label)
+
+
+def settle_run_tags(instance: dg.DagsterInstance, run_id: str) -> dict[str, str] | None:
+    """Write the run's ``joblease/*`` step tags from its leased steps' own records (the one place).
+
+    Each leased step records its outcome counts in an engine event before calling this, and the tags are
+    computed from all such events of the run, never from the tags themselves. ``add_run_tags`` is a
+    read-modify-write of the whole tag set, so two steps writing at once can overwrite each other: each
+    caller re-reads after its write and writes again until the stored tags are what the events say. The
+    last writer's re-read sees every step's event (each was logged before its step's first write), so the
+    stored tags end up complete. Returns the tags, or ``None`` when the run has no leased step's record.
+    """
+    wanted: dict[str, str] | None = None
+    for _ in range(_SETTLE_ROUNDS):
+        run = instance.get_run_by_id(run_id)
+        wanted = _tags_from_events(instance, run_id)
+        if run is None or wanted is None:
+            return wanted
+        if all(run.tags.get(k) == v for k, v in wanted.items()):
+            return wanted
+        instance.add_run_tags(run_id, wanted)
+    return wanted
 
 
 @dataclasses.dataclass
@@ -206,6 +369,9 @@ class _Step:
     held_wait_ms: int
     holder: str | None
     run_id: str | None
+    max_failures_in_a_row: int = DEFAULT_MAX_FAILURES_IN_A_ROW
+    #: the key an interrupt stopped, with its result (set just before the interrupt is re-raised)
+    interrupted: metadata.LeasedResult | None = None
 
     def stale_ms(self, row: _Row) -> int | None:
         """A finished run's holder is dead once its heartbeat is older than two of *its* intervals
@@ -220,30 +386,105 @@ def _winner_run_id(holder: str | None) -> str | None:
 
 
 def _tag_dead_holder_run(instance: dg.DagsterInstance, row: _Row, reason: str) -> None:
-    """A SIGKILLed run cannot tag itself: the run that took its lease says ``lost`` for it."""
+    """A SIGKILLed run cannot record its own end: the run that took its lease says ``lost`` for it.
+
+    It logs, in the dead run's event log, a step record for each of the dead run's leased steps that never
+    recorded an end (still ``pending``), saying ``lost`` (with the attempt, holder and reason; outbox
+    unknown: whether its fenced transaction committed is not known), and settles that run's tags from
+    them, as the run itself would have.
+    """
     run_id = _winner_run_id(row.holder)
-    if run_id is None or instance.get_run_by_id(run_id) is None:
+    if run_id is None:
         return
-    instance.add_run_tags(
-        run_id,
-        {
-            metadata.TAG_OUTCOME: metadata.LOST,
-            metadata.TAG_ATTEMPT: str(row.attempt),
-            metadata.TAG_ERROR: metadata.bound_tag_text(reason),
-            metadata.TAG_HOLDER: row.holder or metadata.NONE,
-            metadata.TAG_WINNER_RUN_ID: metadata.NONE,
-            # It died mid-step: whether its fenced transaction committed an outbox row is not known here.
-            metadata.TAG_OUTBOX: metadata.OUTBOX_UNKNOWN,
-        },
-    )
+    run = instance.get_run_by_id(run_id)
+    if run is None:
+        return
+    unfinished = {
+        step_key: record
+        for step_key, record in step_records(instance, run_id).items()
+        if record.get(metadata.META_OUTCOME) == metadata.PENDING
+    } or {"": {}}
+    for step_key, record in unfinished.items():
+        outcomes = record.get(metadata.META_OUTCOMES)
+        keys = sum(int(n) for n in outcomes.values()) if isinstance(outcomes, dict) else 1
+        instance.report_engine_event(
+            f"{metadata.STEP_EVENT_MESSAGE}: lost: {metadata.bound_tag_text(reason)}",
+            run,
+            EngineEventData(
+                metadata={
+                    metadata.META_OUTCOME: dg.MetadataValue.text(metadata.LOST),
+                    metadata.META_OUTCOMES: dg.MetadataValue.json({metadata.LOST: keys}),
+                    metadata.META_WINNER: dg.MetadataValue.text(metadata.NONE),
+                    metadata.META_ATTEMPT: dg.MetadataValue.int(row.attempt),
+                    metadata.META_HOLDER: dg.MetadataValue.text(row.holder or metadata.NONE),
+                    metadata.META_ERROR: dg.MetadataValue.text(metadata.bound_tag_text(reason)),
+                    metadata.META_OUTBOX: dg.MetadataValue.text(metadata.OUTBOX_UNKNOWN),
+                    metadata.META_OP: dg.MetadataValue.text(str(record.get(metadata.META_OP, step_key))),
+                }
+            ),
+            step_key=step_key or None,
+        )
+    settle_run_tags(instance, run_id)
 
 
 def _error_text(exc: BaseException) -> str:
     return f"{type(exc).__name__}: {exc}"
 
 
-def _run_key(step: _Step, job: identity.JobIdentity, results: list[metadata.LeasedResult]) -> None:
-    """Settle one key and append its result; re-raise the body's exception after recording it."""
+def _plain_result(
+    job: identity.JobIdentity, outcome: str, *, holder: str | None = None, error: str | None = None
+) -> metadata.LeasedResult:
+    return metadata.LeasedResult(
+        code=job.code,
+        partition_key=job.run_key,
+        idempotency_key=job.idempotency_key,
+        outcome=outcome,
+        attempt=None,
+        outbox=metadata.OUTBOX_NOT_ENQUEUED,
+        holder=holder,
+        error=error,
+    )
+
+
+def _take_over_if_dead(step: _Step, job: identity.JobIdentity, row: _Row) -> bool:
+    """A ``RUNNING`` row whose holder's Dagster run is finished and whose heartbeat is stale (by the
+    holder's own interval): fail it now so it can be reclaimed. True if the caller should claim again."""
+    stale_ms = step.stale_ms(row)
+    if not (
+        stale_ms is not None
+        and staleness.is_stale(row.heartbeat_age_ms, stale_ms)
+        and holders.holder_run_finished(step.context.instance, row.holder)
+    ):
+        return False
+    status = holders.holder_run_status(step.context.instance, row.holder)
+    reason = (
+        f"attempt {row.attempt}: holder {row.holder} is dead (its Dagster run is "
+        f"{status.value if status else 'finished'} and its last heartbeat was "
+        f"{row.heartbeat_age_ms} ms ago); taken over by run {step.run_id or step.holder}"
+    )
+    if step.service.fail_dead_holder(
+        job, attempt=row.attempt, owner_token=row.owner_token, stale_ms=stale_ms, reason=reason
+    ):
+        step.context.log.warning(f"joblease {job}: {reason}")
+        _tag_dead_holder_run(step.context.instance, row, reason)
+    return True  # reclaim it now (or see who did)
+
+
+def _held_error(step: _Step, job: identity.JobIdentity, row: _Row | None) -> str:
+    if row is None or row.status != lease.LeaseStatus.RUNNING.value:
+        return (
+            f"partition {job.run_key or '(initial)'} of code {job.code!r} could not be claimed "
+            f"within {step.held_wait_ms} ms; retry later"
+        )
+    return (
+        f"partition {job.run_key or '(initial)'} of code {job.code!r} is still held by "
+        f"{row.holder} (attempt {row.attempt}, {max(row.remaining_ms, 0)} ms left on its lease) "
+        f"after waiting {step.held_wait_ms} ms; retry later"
+    )
+
+
+def _run_key(step: _Step, job: identity.JobIdentity, deadline: float) -> metadata.LeasedResult:
+    """Settle one key: its result, or the body's exception (re-raised after :class:`_KeyError` records it)."""
     runs: list[LeasedRun] = []
 
     def body(held: lease.Lease) -> Any:
@@ -263,17 +504,19 @@ def _run_key(step: _Step, job: identity.JobIdentity, results: list[metadata.Leas
             **extra,
         )
 
+    def row_now() -> _Row | None:
+        try:
+            return _read_row(step.resource.engine, job.idempotency_key)
+        except errors.StorageError:
+            return None
+
     def attempt_so_far() -> int | None:
         if runs:
             return runs[0].lease.attempt
-        try:
-            row = _read_row(step.resource.engine, job.idempotency_key)
-        except errors.StorageError:
-            return None
+        row = row_now()
         return None if row is None else row.attempt
 
     log = step.context.log
-    deadline = time.monotonic() + step.held_wait_ms / 1000
     delay = _FIRST_POLL_S
     announced = False
     while True:
@@ -282,78 +525,58 @@ def _run_key(step: _Step, job: identity.JobIdentity, results: list[metadata.Leas
                 job, body, lease_ms=step.timing.lease_ms, heartbeat_ms=step.timing.heartbeat_ms
             )
         except errors.LostLeaseError as exc:
-            results.append(
-                result(metadata.LOST, attempt_so_far(), holder=step.holder, error=_error_text(exc))
-            )
-            raise
+            lost = result(metadata.LOST, attempt_so_far(), holder=step.holder, error=_error_text(exc))
+            raise _KeyError(lost) from exc
         except Exception as exc:
-            results.append(
-                result(metadata.FAILED, attempt_so_far(), holder=step.holder, error=_error_text(exc))
-            )
-            raise
+            failed = result(metadata.FAILED, attempt_so_far(), holder=step.holder, error=_error_text(exc))
+            raise _KeyError(failed) from exc
         except BaseException as exc:  # Dagster's run termination: run_exclusive released the lease
-            results.append(
-                result(
+            row = row_now()
+            if (
+                runs
+                and row is not None
+                and row.status == lease.LeaseStatus.SUCCESS.value
+                and (row.owner_token == runs[0].lease.owner_token)
+            ):
+                # The interrupt came after the lease was completed: this key is done.
+                done = result(
+                    metadata.RECLAIMED if runs[0].lease.reclaimed else metadata.WON,
+                    runs[0].lease.attempt,
+                    holder=step.holder,
+                    winner_run_id=step.run_id,
+                )
+            else:
+                done = result(
                     metadata.FAILED,
                     attempt_so_far(),
                     holder=step.holder,
                     error=f"interrupted by {type(exc).__name__}; the lease was released",
                 )
-            )
+            step.interrupted = done
             raise
         if outcome.lease is not None:
-            results.append(
-                result(
-                    metadata.RECLAIMED if outcome.lease.reclaimed else metadata.WON,
-                    outcome.lease.attempt,
-                    result=outcome.result,
-                    holder=step.holder,
-                    winner_run_id=step.run_id,
-                )
+            return result(
+                metadata.RECLAIMED if outcome.lease.reclaimed else metadata.WON,
+                outcome.lease.attempt,
+                result=outcome.result,
+                holder=step.holder,
+                winner_run_id=step.run_id,
             )
-            return
         row = _read_row(step.resource.engine, job.idempotency_key)
         if row is not None and row.status == lease.LeaseStatus.SUCCESS.value:
-            results.append(
-                result(
-                    metadata.SKIPPED_SUCCEEDED,
-                    row.attempt,
-                    holder=row.holder,
-                    winner_run_id=_winner_run_id(row.holder),
-                )
+            return result(
+                metadata.SKIPPED_SUCCEEDED,
+                row.attempt,
+                holder=row.holder,
+                winner_run_id=_winner_run_id(row.holder),
             )
-            return
         if row is not None and row.status == lease.LeaseStatus.RUNNING.value:
-            stale_ms = step.stale_ms(row)
-            if (
-                stale_ms is not None
-                and staleness.is_stale(row.heartbeat_age_ms, stale_ms)
-                and holders.holder_run_finished(step.context.instance, row.holder)
-            ):
-                status = holders.holder_run_status(step.context.instance, row.holder)
-                reason = (
-                    f"attempt {row.attempt}: holder {row.holder} is dead (its Dagster run is "
-                    f"{status.value if status else 'finished'} and its last heartbeat was "
-                    f"{row.heartbeat_age_ms} ms ago); taken over by run {step.run_id or step.holder}"
-                )
-                if step.service.fail_dead_holder(
-                    job,
-                    attempt=row.attempt,
-                    owner_token=row.owner_token,
-                    stale_ms=stale_ms,
-                    reason=reason,
-                ):
-                    log.warning(f"joblease {job}: {reason}")
-                    _tag_dead_holder_run(step.context.instance, row, reason)
+            if _take_over_if_dead(step, job, row):
                 continue  # reclaim it now (or see who did)
             if time.monotonic() >= deadline:
-                error = (
-                    f"partition {job.run_key or '(initial)'} of code {job.code!r} is still held by "
-                    f"{row.holder} (attempt {row.attempt}, {max(row.remaining_ms, 0)} ms left on its lease) "
-                    f"after waiting {step.held_wait_ms} ms; retry later"
+                return result(
+                    metadata.HELD, row.attempt, holder=row.holder, error=_held_error(step, job, row)
                 )
-                results.append(result(metadata.HELD, row.attempt, holder=row.holder, error=error))
-                return
             if not announced:
                 announced = True
                 log.info(
@@ -361,14 +584,423 @@ def _run_key(step: _Step, job: identity.JobIdentity, results: list[metadata.Leas
                     f"{step.held_wait_ms} ms for it to finish"
                 )
         elif time.monotonic() >= deadline:  # FAIL or gone, yet other claims kept winning the race
-            error = (
-                f"partition {job.run_key or '(initial)'} of code {job.code!r} could not be claimed "
-                f"within {step.held_wait_ms} ms; retry later"
-            )
-            results.append(result(metadata.HELD, row.attempt if row else None, error=error))
-            return
+            return result(metadata.HELD, row.attempt if row else None, error=_held_error(step, job, row))
         time.sleep(max(0.0, min(delay, deadline - time.monotonic())))
         delay = min(delay * 2, _MAX_POLL_S)
+
+
+class _KeyError(Exception):
+    """One key's body or lease handling raised; carries that key's recorded result (failed or lost)."""
+
+    def __init__(self, result: metadata.LeasedResult) -> None:
+        super().__init__(result.error)
+        self.result = result
+
+
+@dataclasses.dataclass
+class _Settled:
+    """Every key of a step with its result, in key order, and why the step stopped early (if it did)."""
+
+    results: list[metadata.LeasedResult]
+    #: the first exception a key raised (the body's, or the database's): the step failure's cause
+    error: BaseException | None = None
+    #: Dagster's run termination (or another interrupt): re-raised once what was done is recorded
+    interrupt: BaseException | None = None
+
+    @property
+    def not_done(self) -> list[metadata.LeasedResult]:
+        return [r for r in self.results if not r.done]
+
+
+def _settle_per_key(step: _Step, jobs: Sequence[identity.JobIdentity]) -> _Settled:
+    """Per-key mode: the body once per key; held keys waited for together at the end (one wait)."""
+    results: list[metadata.LeasedResult | None] = [None] * len(jobs)
+    settled = _Settled([])
+    in_a_row = 0
+    started = time.monotonic()
+
+    def attempt(i: int, deadline: float) -> bool:
+        """Try key ``i``; False when the range must stop (an interrupt, or failures repeating)."""
+        nonlocal in_a_row
+        job = jobs[i]
+        try:
+            results[i] = _run_key(step, job, deadline)
+        except _KeyError as exc:
+            results[i] = exc.result
+            settled.error = settled.error or exc.__cause__ or exc
+            in_a_row += 1
+        except Exception as exc:  # outside the body, e.g. the database went away while waiting
+            results[i] = _plain_result(job, metadata.FAILED, holder=step.holder, error=_error_text(exc))
+            settled.error = settled.error or exc
+            in_a_row += 1
+        except BaseException as exc:
+            interrupted = step.interrupted or _plain_result(
+                job, metadata.FAILED, holder=step.holder, error=f"interrupted by {type(exc).__name__}"
+            )
+            results[i] = interrupted
+            settled.interrupt = exc
+            return False
+        else:
+            if results[i] is not None and results[i].done:  # type: ignore[union-attr]
+                in_a_row = 0
+        if in_a_row >= step.max_failures_in_a_row:
+            step.context.log.error(
+                f"joblease: {in_a_row} keys failed one after the other (max_failures_in_a_row="
+                f"{step.max_failures_in_a_row}); the range stops here and the keys after "
+                f"{job.run_key} are not attempted"
+            )
+            return False
+        return True
+
+    go_on = True
+    for i in range(len(jobs)):
+        if not attempt(i, deadline=started):  # first pass: no waiting for live holders
+            go_on = False
+            break
+    if go_on and step.held_wait_ms > 0:
+        deadline = started + step.held_wait_ms / 1000
+        for i, r in enumerate(results):
+            if r is not None and r.outcome == metadata.HELD and not attempt(i, deadline):
+                break
+    settled.results = [
+        r if r is not None else _plain_result(job, metadata.NOT_ATTEMPTED)
+        for r, job in zip(results, jobs, strict=True)
+    ]
+    return settled
+
+
+class LeasedBatch:
+    """What a batch-mode body gets: the keys this call won, their leases, and one fenced transaction.
+
+    ``partition_keys`` are the keys of this call (in the range's order), each won by this run (a first
+    claim or a reclaim); the body does them all at once, e.g. one SQL statement over the range, then one
+    outbox row per key with :meth:`enqueue_many`, inside :meth:`transaction`. The same step may call the
+    body again with keys it won later (keys another holder had when the range started, freed during the
+    bounded wait); each call has its own set and its own transaction.
+    """
+
+    def __init__(
+        self,
+        context: dg.OpExecutionContext,
+        resource: JobLeaseResource,
+        service: lease.LeaseService,
+        leases: Sequence[lease.Lease],
+    ) -> None:
+        self.context = context
+        self.resource = resource
+        self.service = service
+        self.leases = tuple(leases)
+        self.partition_keys: list[str | None] = [x.identity.run_key for x in self.leases]
+        self.enqueued: dict[str, bool] = {}
+
+    @property
+    def idempotency_keys(self) -> dict[str | None, str]:
+        """Each partition key's idempotency key (the outbox row's key by default)."""
+        return {x.identity.run_key: x.idempotency_key for x in self.leases}
+
+    @property
+    def log(self) -> Any:
+        return self.context.log
+
+    @contextlib.contextmanager
+    def transaction(self) -> Iterator[sa.Connection]:
+        """One transaction for the whole set, committed only while every lease of the set is this run's.
+
+        If any lease of the set was lost, nothing of the block runs or commits, every lease of the set is
+        failed for a retry and :class:`~dagster_joblease.errors.LostBatchLeaseError` names the key.
+        """
+        with batch_leases.fenced_transaction_many(self.service, self.leases) as connection:
+            yield connection
+
+    def enqueue_many(
+        self, connection: sa.Connection, *, topic: str, payloads: Mapping[str | None, Any]
+    ) -> tuple[bool, ...]:
+        """One outbox row per partition key of ``payloads`` (keyed by that key's idempotency key), in one
+        multi-row statement; True per row if inserted, False if it was already there."""
+        keys = self.idempotency_keys
+        unknown = [k for k in payloads if k not in keys]
+        if unknown:
+            raise errors.ConfigurationError(
+                f"enqueue_many got partition keys {unknown[:5]!r} that are not this call's keys "
+                f"({len(keys)} keys: {self.partition_keys[:5]!r}…); give a payload per key of "
+                "run.partition_keys"
+            )
+        items = [outbox.OutboxItem(keys[k], topic, payload) for k, payload in payloads.items()]
+        inserted = outbox.enqueue_many(connection, items)
+        for item, was_inserted in zip(items, inserted, strict=True):
+            self.enqueued[item.idempotency_key] = was_inserted
+        return inserted
+
+
+def _batch_result(
+    step: _Step, held: lease.Lease, outcome: str, *, enqueued: Mapping[str, bool], **extra: Any
+) -> metadata.LeasedResult:
+    job = held.identity
+    flags = [enqueued[held.idempotency_key]] if held.idempotency_key in enqueued else []
+    return metadata.LeasedResult(
+        code=job.code,
+        partition_key=job.run_key,
+        idempotency_key=job.idempotency_key,
+        outcome=outcome,
+        attempt=held.attempt,
+        outbox=metadata.outbox_label(flags),
+        holder=step.holder,
+        **extra,
+    )
+
+
+def _call_batch(
+    step: _Step, won: Sequence[lease.Lease], results: dict[str, metadata.LeasedResult], settled: _Settled
+) -> bool:
+    """Call the body with the set ``won``; record every key of it. False when the range must stop."""
+    run = LeasedBatch(step.context, step.resource, step.service, won)
+    try:
+        with batch_leases.BatchHeartbeat(step.service, won, heartbeat_ms=step.timing.heartbeat_ms):
+            value = step.fn(run)  # type: ignore[arg-type]
+    except errors.LostLeaseError as exc:  # the set's fenced transaction refused (and failed the set)
+        for x in won:
+            results[x.idempotency_key] = _batch_result(
+                step, x, metadata.LOST, enqueued={}, error=_error_text(exc)
+            )
+        settled.error = settled.error or exc
+        return False
+    except Exception as exc:
+        try:
+            write = batch_leases.fail_many(step.service, won, exc)
+            lost = {x.idempotency_key for x in write.lost}
+        except errors.JobLeaseError as failure:  # the leases then expire; the body's error is the news
+            step.context.log.warning(
+                f"joblease: could not record the failure of {len(won)} leases: {failure}"
+            )
+            lost = set()
+        for x in won:
+            outcome = metadata.LOST if x.idempotency_key in lost else metadata.FAILED
+            results[x.idempotency_key] = _batch_result(
+                step, x, outcome, enqueued=run.enqueued, error=_error_text(exc)
+            )
+        settled.error = settled.error or exc
+        return False
+    except BaseException as exc:  # Dagster's run termination: give the set back for a retry at once
+        with contextlib.suppress(errors.JobLeaseError):
+            batch_leases.release_many(step.service, won, f"released: interrupted by {type(exc).__name__}")
+        for x in won:
+            results[x.idempotency_key] = _batch_result(
+                step,
+                x,
+                metadata.FAILED,
+                enqueued=run.enqueued,
+                error=f"interrupted by {type(exc).__name__}; the lease was released",
+            )
+        settled.interrupt = exc
+        return False
+    write = batch_leases.complete_many(step.service, won)
+    lost = {x.idempotency_key for x in write.lost}
+    for x in won:
+        if x.idempotency_key in lost:
+            results[x.idempotency_key] = _batch_result(
+                step,
+                x,
+                metadata.LOST,
+                enqueued=run.enqueued,
+                error="LostLeaseError: the lease was taken over before the set completed",
+            )
+        else:
+            results[x.idempotency_key] = _batch_result(
+                step,
+                x,
+                metadata.RECLAIMED if x.reclaimed else metadata.WON,
+                enqueued=run.enqueued,
+                result=value,
+                winner_run_id=step.run_id,
+            )
+    return True
+
+
+def _settle_batch(step: _Step, jobs: Sequence[identity.JobIdentity]) -> _Settled:
+    """Batch mode: claim every key in one statement, call the body once with the keys won; keys held by a
+    live holder are claimed again until the bounded wait ends, and the keys won then go to a further
+    call. Keys already succeeded are skipped. Ranges above the batch size are claimed in chunks."""
+    results: dict[str, metadata.LeasedResult] = {}
+    settled = _Settled([])
+    deadline = time.monotonic() + step.held_wait_ms / 1000
+    delay = _FIRST_POLL_S
+    pending = list(jobs)
+    announced = False
+    go_on = True
+    while pending and go_on:
+        waiting: list[identity.JobIdentity] = []
+        for start in range(0, len(pending), batch_leases.MAX_BATCH_KEYS):
+            chunk = pending[start : start + batch_leases.MAX_BATCH_KEYS]
+            claim = batch_leases.claim_many(
+                step.service, chunk, lease_ms=step.timing.lease_ms, heartbeat_ms=step.timing.heartbeat_ms
+            )
+            for refused in claim.refused:
+                job = refused.identity
+                if refused.reason is lease.NotAcquiredReason.SUCCEEDED:
+                    results[job.idempotency_key] = metadata.LeasedResult(
+                        code=job.code,
+                        partition_key=job.run_key,
+                        idempotency_key=job.idempotency_key,
+                        outcome=metadata.SKIPPED_SUCCEEDED,
+                        attempt=refused.attempt,
+                        outbox=metadata.OUTBOX_NOT_ENQUEUED,
+                        holder=refused.holder,
+                        winner_run_id=_winner_run_id(refused.holder),
+                    )
+                else:
+                    waiting.append(job)
+            if claim.leases and not _call_batch(step, claim.leases, results, settled):
+                go_on = False
+                break
+        if not go_on or not waiting:
+            pending = waiting
+            break
+        retry_now = False
+        for job in waiting:
+            row = _read_row(step.resource.engine, job.idempotency_key)
+            if row is not None and row.status == lease.LeaseStatus.RUNNING.value:
+                retry_now = _take_over_if_dead(step, job, row) or retry_now
+        pending = waiting
+        if time.monotonic() >= deadline and not retry_now:
+            break
+        if not announced:
+            announced = True
+            step.context.log.info(
+                f"joblease: {len(waiting)} keys are held by another holder; waiting up to "
+                f"{step.held_wait_ms} ms for them (the keys won then go to a further call)"
+            )
+        if not retry_now:
+            time.sleep(max(0.0, min(delay, deadline - time.monotonic())))
+            delay = min(delay * 2, _MAX_POLL_S)
+    for job in pending:
+        if job.idempotency_key in results:
+            continue
+        row = None
+        with contextlib.suppress(errors.StorageError):
+            row = _read_row(step.resource.engine, job.idempotency_key)
+        if go_on:
+            results[job.idempotency_key] = _plain_result(
+                job, metadata.HELD, holder=row.holder if row else None, error=_held_error(step, job, row)
+            )
+    settled.results = [
+        results.get(job.idempotency_key) or _plain_result(job, metadata.NOT_ATTEMPTED) for job in jobs
+    ]
+    return settled
+
+
+def _step_for(
+    context: AnyContext,
+    resource: JobLeaseResource,
+    code: str,
+    fn: Callable[[LeasedRun], Any],
+    lease_ms: int | None,
+    heartbeat_ms: int | None,
+    held_wait_ms: int | None,
+    max_failures_in_a_row: int,
+) -> _Step:
+    op_context = _op_context(context)
+    timing = options.resolve_timing(lease_ms, heartbeat_ms, defaults=resource.timing())
+    wait_ms = resource.resolved_held_wait_ms() if held_wait_ms is None else check_held_wait_ms(held_wait_ms)
+    run_id = None if op_context.run_id == EPHEMERAL_RUN_ID else op_context.run_id
+    holder = (
+        lease.default_holder()
+        if run_id is None
+        else holders.encode_holder(resource.resolved_deployment(op_context.instance), run_id)
+    )
+    service = lease.LeaseService(
+        resource.engine, lease_ms=timing.lease_ms, heartbeat_ms=timing.heartbeat_ms, holder=holder
+    )
+    return _Step(op_context, resource, service, fn, timing, wait_ms, holder, run_id, max_failures_in_a_row)
+
+
+def _log_results(step: _Step, results: Sequence[metadata.LeasedResult]) -> None:
+    log = step.context.log
+    for r in results[:_LOG_KEYS]:
+        log.info(
+            f"joblease {r.code}/{r.partition_key or '(initial)'}: {r.outcome} (attempt {r.attempt}, outbox "
+            f"{r.outbox}, holder {r.holder}, key {r.idempotency_key})"
+        )
+    if len(results) > _LOG_KEYS:
+        log.info(
+            f"joblease: {len(results)} keys: {metadata.format_counts(metadata.outcome_counts(results))} "
+            f"(the first {_LOG_KEYS} are logged above; every key is in the step's metadata)"
+        )
+
+
+def _settle(
+    context: AnyContext,
+    resource: JobLeaseResource,
+    code: str,
+    fn: Callable[[LeasedRun], Any],
+    initial: bool,
+    lease_ms: int | None,
+    heartbeat_ms: int | None,
+    held_wait_ms: int | None,
+    max_failures_in_a_row: int,
+    batch: bool = False,
+) -> _Settled:
+    """Settle every key of this step and record it (the step's engine event, the run's tags)."""
+    op_context = _op_context(context)
+    keys = _partition_keys(op_context, code, initial)
+    _check_partition_keys(context, code, keys)
+    jobs = [
+        identity.JobIdentity.initial(code) if k is None else identity.JobIdentity.schedule(code, k)
+        for k in keys
+    ]
+    step = _step_for(context, resource, code, fn, lease_ms, heartbeat_ms, held_wait_ms, max_failures_in_a_row)
+    settled = _Settled([_plain_result(job, metadata.PENDING) for job in jobs])
+    if _report_step(op_context, settled.results) is not None:
+        settle_run_tags(op_context.instance, op_context.run_id)
+    try:
+        settled = _settle_batch(step, jobs) if batch else _settle_per_key(step, jobs)
+    finally:
+        # Whatever happened (even an error of our own), the step says what each key came to.
+        _log_results(step, settled.results)
+        if _report_step(op_context, settled.results) is not None:
+            settle_run_tags(op_context.instance, op_context.run_id)
+    return settled
+
+
+def _not_done_failure(settled: _Settled, step_metadata: Mapping[str, Any]) -> dg.Failure:
+    """The step's failure: which keys are not done and why (retryable: a retry or relaunch redoes them)."""
+    not_done = settled.not_done
+    by_outcome: dict[str, list[metadata.LeasedResult]] = {}
+    for r in not_done:
+        by_outcome.setdefault(r.outcome, []).append(r)
+    parts = []
+    for outcome in metadata.OUTCOMES:
+        group = by_outcome.get(outcome)
+        if not group:
+            continue
+        shown = [
+            f"{r.partition_key or '(initial)'}" + (f" ({r.error})" if r.error and i < 3 else "")
+            for i, r in enumerate(group[:10])
+        ]
+        more = f" and {len(group) - 10} more" if len(group) > 10 else ""
+        parts.append(f"{outcome}: " + ", ".join(shown) + more)
+    total = len(settled.results)
+    head = (
+        f"{len(not_done)} of {total} keys not done"
+        if total > 1
+        else f"partition {not_done[0].partition_key or '(initial)'} not done"
+    )
+    return dg.Failure(
+        description=f"{head}: " + "; ".join(parts) + ". The run did not claim success: it can be retried "
+        "(Dagster run retries, a re-execution, or the reconciliation sensor).",
+        metadata=dict(step_metadata),
+        allow_retries=True,
+    )
+
+
+def _raise_not_done(settled: _Settled, step_metadata: Mapping[str, Any]) -> None:
+    if settled.interrupt is not None:
+        raise settled.interrupt
+    if not settled.not_done:
+        return
+    failure = _not_done_failure(settled, step_metadata)
+    if settled.error is not None:
+        raise failure from settled.error
+    raise failure
 
 
 def run_leased(
@@ -381,107 +1013,46 @@ def run_leased(
     lease_ms: int | None = None,
     heartbeat_ms: int | None = None,
     held_wait_ms: int | None = None,
+    max_failures_in_a_row: int = DEFAULT_MAX_FAILURES_IN_A_ROW,
+    batch: bool = False,
 ) -> list[metadata.LeasedResult]:
     """Run ``fn`` once per partition key of this run (one lease per key), or once for an INITIAL job.
 
-    Returns one :class:`LeasedResult` per key and tags the run with the outcome (``pending`` first, so
-    tags copied from a parent run never stand). A key that already succeeded is a recorded skip. A key
-    held by a live lease is waited for (``held_wait_ms``, default the resource's, 5 minutes); if it is
-    still held then, the step fails with :class:`dagster.Failure` (outcome ``held``; retryable). ``fn``'s
-    exception fails the lease (the next run or retry takes over with the same idempotency key) and
-    propagates; the other keys of a range are not attempted then.
+    Returns one :class:`LeasedResult` per key when every key is done, and tags the run with the outcome
+    (``pending`` first, so tags copied from a parent run never stand). A key that already succeeded is a
+    recorded skip. A key held by a live lease is waited for (``held_wait_ms``, default the resource's,
+    5 minutes). ``fn``'s exception fails that key's lease (the next run or retry takes over with the same
+    idempotency key); a range goes on with its other keys unless ``max_failures_in_a_row`` keys fail one
+    after the other. If any key is not done, :class:`dagster.Failure` (retryable) names them, with the
+    body's first exception as its cause; the step's metadata has every key's outcome.
+
+    ``batch=True``: ``fn`` gets a :class:`LeasedBatch` (the keys this run won, at once) instead; see
+    the module docstring.
     """
-    results: list[metadata.LeasedResult] = []
-    _settle(context, resource, code, fn, initial, lease_ms, heartbeat_ms, held_wait_ms, results)
-    _raise_if_held(results)
-    return results
-
-
-def _settle(
-    context: AnyContext,
-    resource: JobLeaseResource,
-    code: str,
-    fn: Callable[[LeasedRun], Any],
-    initial: bool,
-    lease_ms: int | None,
-    heartbeat_ms: int | None,
-    held_wait_ms: int | None,
-    results: list[metadata.LeasedResult],
-) -> None:
-    """Settle every key of this step into ``results`` and tag the run (see :func:`run_leased`)."""
-    op_context = _op_context(context)
-    keys = _partition_keys(op_context, code, initial)
-    jobs = [
-        identity.JobIdentity.initial(code) if k is None else identity.JobIdentity.schedule(code, k)
-        for k in keys
-    ]
-    timing = options.resolve_timing(lease_ms, heartbeat_ms, defaults=resource.timing())
-    wait_ms = resource.resolved_held_wait_ms() if held_wait_ms is None else check_held_wait_ms(held_wait_ms)
-    run_id = None if op_context.run_id == EPHEMERAL_RUN_ID else op_context.run_id
-    holder = (
-        lease.default_holder()
-        if run_id is None
-        else holders.encode_holder(resource.resolved_deployment(op_context.instance), run_id)
+    _check_max_failures(max_failures_in_a_row)
+    settled = _settle(
+        context,
+        resource,
+        code,
+        fn,
+        initial,
+        lease_ms,
+        heartbeat_ms,
+        held_wait_ms,
+        max_failures_in_a_row,
+        batch,
     )
-    service = lease.LeaseService(
-        resource.engine, lease_ms=timing.lease_ms, heartbeat_ms=timing.heartbeat_ms, holder=holder
-    )
-    op_name = op_context.op_def.name
-    several_ops = len(_leased_op_names(op_context)) > 1
-    step = _Step(op_context, resource, service, fn, timing, wait_ms, holder, run_id)
-    start_tags = metadata.pending_tags(code, jobs, several_ops=several_ops, op_name=op_name)
-    if run_id is not None and op_context.run.parent_run_id is not None:
-        start_tags.update(metadata.INHERITED_RECONCILE_TAGS)
-    _set_run_tags(op_context, start_tags)
-    if several_ops:
-        _aggregate_op_outcomes(op_context)
-    try:
-        for job in jobs:
-            settled = len(results)
-            try:
-                _run_key(step, job, results)
-            except BaseException as exc:
-                if len(results) == settled:
-                    # Failed outside the body (e.g. the database went away while waiting): still say so.
-                    results.append(
-                        metadata.LeasedResult(
-                            code=job.code,
-                            partition_key=job.run_key,
-                            idempotency_key=job.idempotency_key,
-                            outcome=metadata.FAILED,
-                            attempt=None,
-                            outbox=metadata.OUTBOX_NOT_ENQUEUED,
-                            holder=holder,
-                            error=_error_text(exc),
-                        )
-                    )
-                raise
-            last = results[-1]
-            op_context.log.info(
-                f"joblease {job}: {last.outcome} (attempt {last.attempt}, outbox {last.outbox}, "
-                f"holder {last.holder}, key {job.idempotency_key})"
-            )
-    finally:
-        tags = metadata.result_tags(results, own_holder=holder, several_ops=several_ops, op_name=op_name)
-        _set_run_tags(op_context, tags)
-        if several_ops:
-            _aggregate_op_outcomes(op_context)
+    _raise_not_done(settled, metadata.step_metadata(settled.results))
+    return settled.results
 
 
-def _raise_if_held(results: list[metadata.LeasedResult]) -> None:
-    """A key still held after the wait fails the step, retryably: the run must not claim success."""
-    held = [r for r in results if r.outcome == metadata.HELD]
-    if held:
-        raise dg.Failure(
-            description="; ".join(r.error or "" for r in held)
-            + ". The run did not claim success: it can be retried (Dagster run retries, a re-execution, "
-            "or the reconciliation sensor).",
-            metadata={
-                metadata.TAG_OUTCOME: metadata.HELD,
-                **{str(r.partition_key): r.holder or "" for r in held},
-            },
-            allow_retries=True,
+def _check_max_failures(value: object) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise errors.ConfigurationError(
+            f"max_failures_in_a_row={value!r} must be an int >= 1 (how many keys of a range may fail one "
+            f"after the other before the rest are not attempted; default {DEFAULT_MAX_FAILURES_IN_A_ROW})"
         )
+    return value
 
 
 def leased_op(
@@ -493,13 +1064,17 @@ def leased_op(
     lease_ms: int | None = None,
     heartbeat_ms: int | None = None,
     held_wait_ms: int | None = None,
+    max_failures_in_a_row: int = DEFAULT_MAX_FAILURES_IN_A_ROW,
+    batch: bool = False,
     **op_kwargs: Any,
-) -> Callable[[Callable[[LeasedRun], Any]], dg.OpDefinition]:
+) -> Callable[[Callable[[Any], Any]], dg.OpDefinition]:
     """Decorate ``fn(run: LeasedRun)`` into an op that runs it under the lease for each partition key.
 
-    The op's output is the list of :class:`LeasedResult` (with output metadata: outcome, idempotency
-    key, attempt, holder, winner run, outbox result). ``initial=True`` makes it a run-once (``INITIAL``)
-    op instead. ``held_wait_ms`` bounds the wait for a live holder (default: the resource's, 5 minutes).
+    The op's output is the list of :class:`LeasedResult` (with output metadata: outcome, winner run,
+    idempotency key, attempt, holder, outbox result; per key for a range). ``initial=True`` makes it a
+    run-once (``INITIAL``) op instead. ``held_wait_ms`` bounds the wait for a live holder (default: the
+    resource's, 5 minutes). When some key is not done the op fails (retryable) naming those keys, and
+    produces no output.
 
     Example::
 
@@ -509,12 +1084,13 @@ def leased_op(
                 conn.execute(invoices.insert().values(day=run.partition_key))
                 run.enqueue_once(conn, topic="billing.daily", payload={"billingDate": run.partition_key})
     """
-    identity.JobIdentity.initial(code)  # validate the code and the wait at definition time
+    identity.JobIdentity.initial(code)  # validate the code and the options at definition time
     if held_wait_ms is not None:
         check_held_wait_ms(held_wait_ms)
+    _check_max_failures(max_failures_in_a_row)
     tags = {metadata.TAG_CODE: code, **op_kwargs.pop("tags", {})}
 
-    def decorate(fn: Callable[[LeasedRun], Any]) -> dg.OpDefinition:
+    def decorate(fn: Callable[[Any], Any]) -> dg.OpDefinition:
         def _leased(context: OpExecutionContext) -> dg.Output[list[metadata.LeasedResult]]:
             results = run_leased(
                 context,
@@ -525,8 +1101,10 @@ def leased_op(
                 lease_ms=lease_ms,
                 heartbeat_ms=heartbeat_ms,
                 held_wait_ms=held_wait_ms,
+                max_failures_in_a_row=max_failures_in_a_row,
+                batch=batch,
             )
-            return dg.Output(results, metadata=metadata.output_metadata(results))
+            return dg.Output(results, metadata=metadata.step_metadata(results))
 
         op_def: dg.OpDefinition = dg.op(
             name=name or fn.__name__,
@@ -540,23 +1118,65 @@ def leased_op(
     return decorate
 
 
-def _has_materialization(instance: dg.DagsterInstance, key: dg.AssetKey, partition: str | None) -> bool:
-    records = instance.fetch_materializations(
-        dg.AssetRecordsFilter(asset_key=key, asset_partitions=None if partition is None else [partition]),
-        limit=1,
-    ).records
-    return bool(records)
+def _already_materialized(
+    context: AssetExecutionContext, results: Sequence[metadata.LeasedResult]
+) -> set[str]:
+    """The skipped keys this instance already has a materialization for: one query for the whole range."""
+    skipped = {r.partition_key for r in results if r.skipped and r.partition_key is not None}
+    if not skipped:
+        return set()
+    if context.assets_def.partitions_def is None:  # an unpartitioned (INITIAL) asset
+        has_one = context.instance.fetch_materializations(
+            dg.AssetRecordsFilter(asset_key=context.asset_key), limit=1
+        ).records
+        return skipped if has_one else set()
+    materialized: set[str] = context.instance.get_materialized_partitions(context.asset_key)
+    return skipped & materialized
 
 
-def _to_materialize(context: AssetExecutionContext, results: list[metadata.LeasedResult]) -> list[bool]:
-    """Per key: record a materialization here? Yes when this run did it; for a skip only when this
-    instance has none for the partition (the winner ran elsewhere), so automation sees it done once and
-    nothing downstream is triggered twice."""
-    return [
-        r.acquired
-        or (r.skipped and not _has_materialization(context.instance, context.asset_key, r.partition_key))
-        for r in results
-    ]
+def _downstream_in_run(context: AssetExecutionContext) -> bool:
+    """Does this run also execute an asset that depends on this one? (When unsure: yes.)"""
+    try:
+        graph = context.job_def.asset_layer.asset_graph
+        children = graph.get(context.asset_key).child_keys
+        selection = context.op_execution_context.run.asset_selection
+        # An empty or absent selection (dg.materialize, a whole asset job) means every asset of the job.
+        in_run = set(selection) if selection else set(graph.get_all_asset_keys())
+    except Exception:
+        return True
+    return bool(set(children) & in_run)
+
+
+def _asset_events(
+    context: AssetExecutionContext, settled: _Settled
+) -> Iterator[dg.MaterializeResult[Any] | dg.AssetMaterialization]:
+    """What the asset step yields: the output when every key is done, else one event per key it did.
+
+    Every key done: the output (a materialization for every key of the range, so downstream steps of this
+    run go ahead), unless every key was a skip this instance already has a materialization for and
+    nothing downstream runs here (nothing new to record). Otherwise no output: a materialization for each
+    key this run did, and for each skip this instance has none for (the winner ran elsewhere), pointing
+    at the winner.
+    """
+    results = settled.results
+    materialized = _already_materialized(context, results)
+    if not settled.not_done and settled.interrupt is None:
+        all_seen = all(r.skipped for r in results) and {r.partition_key for r in results} <= materialized
+        if (
+            all_seen
+            and not _downstream_in_run(context)
+            and not (context.assets_def.partitions_def is None and not materialized)
+        ):
+            return
+        yield dg.MaterializeResult(metadata=metadata.step_metadata(results, per_key_table=False))
+        return
+    for r in results:
+        if r.acquired or (r.skipped and r.partition_key not in materialized):
+            yield dg.AssetMaterialization(
+                asset_key=context.asset_key,
+                partition=r.partition_key,
+                metadata=metadata.step_metadata([r]),
+            )
 
 
 def leased_asset(
@@ -570,16 +1190,20 @@ def leased_asset(
     lease_ms: int | None = None,
     heartbeat_ms: int | None = None,
     held_wait_ms: int | None = None,
+    max_failures_in_a_row: int = DEFAULT_MAX_FAILURES_IN_A_ROW,
+    batch: bool = False,
     **asset_kwargs: Any,
-) -> Callable[[Callable[[LeasedRun], Any]], dg.AssetsDefinition]:
+) -> Callable[[Callable[[Any], Any]], dg.AssetsDefinition]:
     """Decorate ``fn(run: LeasedRun)`` into an asset that takes one lease per partition key.
 
-    A partition is materialized only by a run whose partition actually succeeded: a won or reclaimed
-    key materializes; a skip adds no second materialization where the winner's is already recorded on
-    this instance, and records one (pointing at the winner) where there is none, e.g. when another
-    deployment won it. When only some keys of the run materialize, each is recorded on its own and the
-    asset's output is not produced, so downstream steps of this run do not run on a skip. ``held`` and
-    failures materialize nothing.
+    When every key of the run is done (by this run, or already by another), the asset's output is produced:
+    Dagster records a materialization for every key (a skipped key's points at the winner in its metadata)
+    and downstream assets of the run go ahead for the whole range. A single partition that was a skip,
+    already materialized on this instance, with nothing downstream in the run, records nothing new (so
+    automation sees nothing new). When some key is not done, there is no output (downstream steps do not
+    run): a materialization is recorded for each key this run did (and each skip this instance has none
+    for, pointing at the winner), and the step fails naming the keys not done. ``held`` and failed keys
+    materialize nothing.
 
     With ``backfill_policy=BackfillPolicy.single_run()`` a backfill is one run over a partition range;
     each key in it is still its own logical run (its own lease and idempotency key).
@@ -587,42 +1211,29 @@ def leased_asset(
     identity.JobIdentity.initial(code)
     if held_wait_ms is not None:
         check_held_wait_ms(held_wait_ms)
+    _check_max_failures(max_failures_in_a_row)
     op_tags = {metadata.TAG_CODE: code, **asset_kwargs.pop("op_tags", {})}
 
-    def decorate(fn: Callable[[LeasedRun], Any]) -> dg.AssetsDefinition:
-        def _leased(context: AssetExecutionContext) -> Iterator[dg.MaterializeResult[Any]]:
-            results: list[metadata.LeasedResult] = []
-            failure: Exception | None = None
-            try:
-                _settle(
-                    context,
-                    getattr(context.resources, resource_key),
-                    code,
-                    fn,
-                    initial,
-                    lease_ms,
-                    heartbeat_ms,
-                    held_wait_ms,
-                    results,
-                )
-            except Exception as exc:  # record what the earlier keys of a range did, then fail
-                failure = exc
-            chosen = _to_materialize(context, results)
-            if failure is None and all(chosen):
-                yield dg.MaterializeResult(metadata=metadata.output_metadata(results))
-                return
-            for result, materialize in zip(results, chosen, strict=True):
-                if materialize:
-                    context.log_event(
-                        dg.AssetMaterialization(
-                            asset_key=context.asset_key,
-                            partition=result.partition_key,
-                            metadata=metadata.output_metadata([result]),
-                        )
-                    )
-            if failure is not None:
-                raise failure
-            _raise_if_held(results)
+    def decorate(fn: Callable[[Any], Any]) -> dg.AssetsDefinition:
+        def _leased(
+            context: AssetExecutionContext,
+        ) -> Iterator[dg.MaterializeResult[Any] | dg.AssetMaterialization]:
+            settled = _settle(
+                context,
+                getattr(context.resources, resource_key),
+                code,
+                fn,
+                initial,
+                lease_ms,
+                heartbeat_ms,
+                held_wait_ms,
+                max_failures_in_a_row,
+                batch,
+            )
+            # Yielded, not logged: events logged with log_event are flushed only when the step yields or
+            # ends, and a raise right after would drop them.
+            yield from _asset_events(context, settled)
+            _raise_not_done(settled, metadata.step_metadata(settled.results))
 
         asset_def: dg.AssetsDefinition = dg.asset(
             name=name or fn.__name__,
@@ -633,7 +1244,13 @@ def leased_asset(
             op_tags=op_tags,
             output_required=False,
             **asset_kwargs,
-        )(real_annotations(_leased, Iterator[dg.MaterializeResult[Any]], context=AssetExecutionContext))
+        )(
+            real_annotations(
+                _leased,
+                Iterator[dg.MaterializeResult[Any] | dg.AssetMaterialization],
+                context=AssetExecutionContext,
+            )
+        )
         return asset_def
 
     return decorate

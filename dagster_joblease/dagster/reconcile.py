@@ -47,7 +47,7 @@ __all__ = [
     "build_reconciliation_sensor",
 ]
 
-TAG_RECONCILE = metadata.TAG_RECONCILE
+TAG_RECONCILE = metadata.TAG_SENSOR_NAME  # Dagster's dagster/sensor_name: which sensor launched a run
 TAG_RELAUNCH = metadata.TAG_RELAUNCH
 TAG_RECONCILE_REASON = metadata.TAG_RECONCILE_REASON
 PARTITION_TAG = "dagster/partition"
@@ -275,7 +275,7 @@ def build_reconciliation_sensor(
             already launched (unless ``catch_up_from`` is set), and each relaunch is capped.
 
     Each request is ``RunRequest(partition_key=key)`` with run key
-    ``reconcile:<code>:<key>:attempt-<lease attempt>:relaunch-<n>`` and tags ``joblease/reconciled_by``
+    ``reconcile:<code>:<key>:attempt-<lease attempt>:relaunch-<n>`` and tags ``dagster/sensor_name``
     (this sensor), ``joblease/relaunch`` (``n/max``) and ``joblease/reconcile_reason``.
     """
     code = identity.JobIdentity.initial(code).code

@@ -12,7 +12,7 @@ from typing import Any
 import dagster as dg
 
 from dagster_joblease import errors
-from dagster_joblease.dagster import metadata
+from dagster_joblease.dagster import metadata, ops
 
 __all__ = ["PartitionRun", "run_partition_twice"]
 
@@ -26,7 +26,9 @@ class PartitionRun:
 
     ``outcome`` is the run's ``joblease/outcome`` tag (compare it with the constants in
     :mod:`dagster_joblease.dagster.metadata`; ``None`` if no leased op recorded one), ``tags`` all its
-    ``joblease/...`` tags, ``error`` the failure messages of a failed run.
+    ``joblease/...`` tags, ``error`` the failure messages of a failed run, ``steps`` each leased step's
+    record by step key (its metadata as plain values: ``joblease/outbox``, ``joblease/attempt``,
+    ``joblease/error`` …, see :func:`dagster_joblease.dagster.ops.step_records`).
     """
 
     launched_as: str  #: "backfill" or "schedule"
@@ -35,6 +37,12 @@ class PartitionRun:
     outcome: str | None
     tags: Mapping[str, str]
     error: str | None = None
+    steps: Mapping[str, Mapping[str, object]] = dataclasses.field(default_factory=dict)
+
+    @property
+    def record(self) -> Mapping[str, object]:
+        """The record of the run's leased step (the first one's if the job has several; empty if none)."""
+        return next(iter(self.steps.values()), {})
 
     @property
     def won(self) -> bool:
@@ -126,6 +134,7 @@ def run_partition_twice(
                     outcome=run_tags.get(metadata.TAG_OUTCOME),
                     tags={k: v for k, v in run_tags.items() if k.startswith(_JOBLEASE_TAG_PREFIX)},
                     error=None if result.success else "; ".join(failures) or "the run failed",
+                    steps=ops.step_records(instance, result.run_id),
                 )
         except BaseException as exc:
             raised[label] = exc

@@ -50,6 +50,7 @@ __all__ = [
     "MAX_BODY_BYTES",
     "Faults",
     "ReceiverServer",
+    "apply_function_state",
     "effect_count",
     "effect_table",
     "effects",
@@ -180,11 +181,10 @@ def _check_injection(n: object, fault: object, status: object, seconds: object) 
 #: transaction: the effect, the stored response and DONE commit together or not at all.
 APPLY_FUNCTION = "joblease_receiver_apply"
 _DONE = inbox.InboxStatus.DONE.value
-_APPLY_FUNCTION_SQL = f"""
-CREATE OR REPLACE FUNCTION {APPLY_FUNCTION}(
-    p_key text, p_sha256 text, p_topic text, p_payload text, p_status integer, p_body text
-) RETURNS TABLE(outcome text, response_status integer, response_body text, lock_left_ms bigint)
-LANGUAGE plpgsql AS $fn$
+_APPLY_SIGNATURE = f"{APPLY_FUNCTION}(text, text, text, text, integer, text)"
+#: The function's body as PostgreSQL stores it (``pg_proc.prosrc``): how a receiver tells this version's
+#: function from an older one it must not call.
+_APPLY_BODY = f"""
 DECLARE
     found_row record;
 BEGIN
@@ -221,24 +221,71 @@ BEGIN
         VALUES (p_key, p_sha256, '{_DONE}', p_status, p_body, clock_timestamp(), clock_timestamp());
     RETURN QUERY SELECT 'applied'::text, p_status, p_body, NULL::bigint;
 END
-$fn$
 """
+_APPLY_FUNCTION_SQL = f"""
+CREATE OR REPLACE FUNCTION {APPLY_FUNCTION}(
+    p_key text, p_sha256 text, p_topic text, p_payload text, p_status integer, p_body text
+) RETURNS TABLE(outcome text, response_status integer, response_body text, lock_left_ms bigint)
+LANGUAGE plpgsql AS $fn${_APPLY_BODY}$fn$
+"""
+#: The function's body if it exists (in the search path), else no row.
+_APPLY_LOOKUP = f"SELECT prosrc FROM pg_catalog.pg_proc WHERE oid = to_regprocedure('{_APPLY_SIGNATURE}')"
 _APPLY_CALL = (
     f"SELECT outcome, response_status, response_body, lock_left_ms FROM {APPLY_FUNCTION}"
     "(%s::text, %s::text, %s::text, %s::text, %s::integer, %s::text)"
 )
 
 
-def ensure_tables(engine: sa.Engine) -> None:
-    """Create the receiver's tables if missing (and on PostgreSQL its one-round-trip function).
+def ensure_tables(engine: sa.Engine, *, function: bool = True) -> None:
+    """The receiver's set-up: create its tables if missing and, on PostgreSQL with ``function``, its
+    one-round-trip function :data:`APPLY_FUNCTION` if it is missing or not this version's.
 
     Safe when several receivers start at once: on PostgreSQL they take turns under an advisory lock.
+    Creating the function needs the right to create functions in the schema (PostgreSQL 15 grants
+    nobody CREATE on ``public`` by default) and, to replace an older one, ownership of it; a role that
+    has neither leaves it as it is (logged), and the receiver then uses the generic inbox path (see
+    :attr:`ReceiverServer.fast_path`). Pass ``function=False`` to create tables only.
     """
     with translate_errors("create the receiver tables"), engine.begin() as conn:
         if conn.dialect.name == "postgresql":
             conn.execute(sa.text("SELECT pg_advisory_xact_lock(:id)"), {"id": _CREATE_LOCK_ID})
-            conn.exec_driver_sql(_APPLY_FUNCTION_SQL)
         receiver_metadata.create_all(conn, checkfirst=True)
+        if function and conn.dialect.name == "postgresql" and _function_state(conn) != "current":
+            try:
+                with conn.begin_nested():
+                    conn.exec_driver_sql(_APPLY_FUNCTION_SQL)
+            except sa.exc.DBAPIError as exc:
+                if not isinstance(exc.orig, psycopg.errors.InsufficientPrivilege):
+                    raise
+                logger.info("could not create %s: %s", APPLY_FUNCTION, str(exc.orig).strip().splitlines()[0])
+
+
+def _function_state(conn: sa.Connection) -> str:
+    """``current`` (this version's body), ``other`` (an older or foreign body) or ``missing``."""
+    found = conn.exec_driver_sql(_APPLY_LOOKUP).scalar_one_or_none()
+    if found is None:
+        return "missing"
+    return "current" if found == _APPLY_BODY else "other"
+
+
+def apply_function_state(engine: sa.Engine) -> str:
+    """Whether :data:`APPLY_FUNCTION` is usable here: ``current``, ``other`` (not this version's: never
+    called), ``missing``, or ``unsupported`` (not PostgreSQL with psycopg)."""
+    dialect = engine.dialect
+    if (dialect.name, dialect.driver) != ("postgresql", "psycopg"):
+        return "unsupported"
+    with translate_errors("look up the receiver's function"), engine.connect() as conn:
+        return _function_state(conn)
+
+
+def _warn_generic_path(state: str) -> None:
+    what = "is missing" if state == "missing" else "is not this version's (and was not replaced)"
+    logger.warning(
+        "%s %s: using the generic inbox path (3 round trips per POST); to create it, run the receiver "
+        "once with --migrate as a role that may create functions in its schema (and owns an older one)",
+        APPLY_FUNCTION,
+        what,
+    )
 
 
 def _has(conn: sa.Connection, table: sa.Table) -> bool:
@@ -511,17 +558,42 @@ class ReceiverServer(ThreadingHTTPServer):
         self.inbox = inbox.Inbox(engine, lock_ms=lock_ms)
         self.faults = faults or Faults()
         dialect = engine.dialect
-        #: One round trip per POST (:data:`APPLY_FUNCTION`) on PostgreSQL via psycopg. An effect delay
-        #: (a testing aid that stalls *inside* the transaction) keeps the generic inbox path, whose
-        #: stalled transaction dies with its session when the receiver is killed.
-        self.fast_path = (dialect.name, dialect.driver) == ("postgresql", "psycopg") and not (
-            self.faults.effect_delay_ms
-        )
+        # None: not looked up yet (see fast_path). An effect delay (a testing aid that stalls *inside*
+        # the transaction) keeps the generic path, whose stalled transaction dies with its session when
+        # the receiver is killed.
+        self._fast_path: bool | None = None
+        if (dialect.name, dialect.driver) != ("postgresql", "psycopg") or self.faults.effect_delay_ms:
+            self._fast_path = False
+        self._fast_path_lock = threading.Lock()
+        try:
+            self.fast_path  # noqa: B018 (looked up now, so POSTs need no pool connection for it)
+        except errors.StorageError as exc:
+            logger.warning("could not look up %s yet (will on the first POST): %s", APPLY_FUNCTION, exc)
         self._counter = 0
         self._counter_lock = threading.Lock()
         self._injected: collections.deque[_Injected] = collections.deque()
         super().__init__(address, _Handler)
         self.request_log = _RequestLog(engine)
+
+    @property
+    def fast_path(self) -> bool:
+        """One round trip per POST (:data:`APPLY_FUNCTION`) on PostgreSQL via psycopg, when this
+        version's function is there (:func:`ensure_tables` creates it); otherwise, after a one-line
+        warning, the generic inbox path. Looked up once, on first use (a database that cannot be
+        reached then raises StorageError, and the next use looks again).
+        """
+        if self._fast_path is None:
+            with self._fast_path_lock:
+                if self._fast_path is None:
+                    state = apply_function_state(self.engine)
+                    if state in ("missing", "other"):
+                        _warn_generic_path(state)
+                    self._fast_path = state == "current"
+        return self._fast_path
+
+    @fast_path.setter
+    def fast_path(self, value: bool) -> None:
+        self._fast_path = value
 
     @property
     def url(self) -> str:
@@ -579,13 +651,13 @@ class ReceiverServer(ThreadingHTTPServer):
                 outcome, status_code, stored_body, left_ms = self._call_apply(params)
             except errors.StorageError as exc:
                 cause = exc.__cause__
-                if attempt == 1 and isinstance(cause, psycopg.errors.UndefinedFunction):
-                    ensure_tables(self.engine)  # a database set up by an older receiver
-                    continue
+                if isinstance(cause, psycopg.errors.UndefinedFunction):
+                    # Dropped while we run (the receiver never creates it outside its set-up).
+                    self.fast_path = False
+                    _warn_generic_path("missing")
+                    return self.inbox.process(key, body, self._effect(key, topic, payload, response))
                 if attempt == 1 and isinstance(cause, psycopg.errors.UniqueViolation):
                     continue  # recorded meanwhile outside the key's lock: the next call sees the row
-                if attempt == 1 and isinstance(cause, psycopg.errors.InvalidSqlStatementName):
-                    continue  # the server forgot the prepared statement; that connection is gone
                 raise
             if outcome == "applied":
                 return inbox.InboxResult(status_code=status_code, body=stored_body, replayed=False)
@@ -664,7 +736,7 @@ class ReceiverServer(ThreadingHTTPServer):
         """Close the socket, then write what the request log still holds and stop its writer."""
         super().server_close()
         self.request_log.close()
-        if self.fast_path:
+        if self._fast_path:
             autocommit_connections(self.engine).close_idle()
 
 
@@ -924,6 +996,10 @@ class _Handler(BaseHTTPRequestHandler):
             return _problem_answer(
                 503, "Service Unavailable", "the receiver cannot reach its database; retry later", _RETRY_1
             )
+        except errors.ConfigurationError as exc:
+            # E.g. PgBouncer in transaction mode without ?prepare_threshold=none: say so in the log.
+            logger.error("the receiver is misconfigured (key %r): %s", key, exc)
+            return _problem_answer(500, "Internal Server Error", "the receiver is misconfigured; see its log")
         except Exception:
             logger.exception("the receiver's effect failed for key %r", key)
             return _problem_answer(500, "Internal Server Error", "the receiver failed; retry later")
@@ -959,7 +1035,9 @@ def serve(
     """Run the receiver until ``stop`` is set (or SIGTERM/SIGINT, when called from the main thread).
 
     ``database`` is a URL or an engine. With ``migrate`` the package's schema (the inbox table) is
-    installed or upgraded first; the receiver's own tables are always created if missing. ``on_ready``
+    installed or upgraded first and the receiver's function is created or replaced (:func:`ensure_tables`);
+    without it nothing is created but the receiver's tables when missing, and the function is used only
+    if it is there (else the generic inbox path, with a warning). ``on_ready``
     gets the base URL once the socket listens (port 0 picks a free port). ``max_connections``,
     ``idle_timeout_s`` and ``read_timeout_s`` bound what clients can hold: see :class:`ReceiverServer`.
     """
@@ -968,7 +1046,7 @@ def serve(
     try:
         if migrate:
             migrate_schema(engine)
-        ensure_tables(engine)
+        ensure_tables(engine, function=migrate)
         server = ReceiverServer(
             engine,
             (host, port),

@@ -76,7 +76,9 @@ _count = click.IntRange(min=0)
     "--migrate/--no-migrate",
     default=True,
     show_default=True,
-    help="Install or upgrade the joblease schema (the inbox table) at startup.",
+    help="Set up at startup: install or upgrade the joblease schema (the inbox table) and create the "
+    "receiver's PostgreSQL function if missing or outdated. --no-migrate creates nothing but the "
+    "receiver's tables when missing, and uses the function only if it is there.",
 )
 @click.option(
     "--fail-first", type=_count, default=0, help="[testing] The first N POSTs answer --fail-status."

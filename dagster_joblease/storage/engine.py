@@ -382,20 +382,49 @@ def _first_line(exc: BaseException) -> str:
     return (str(exc).strip().splitlines() or [type(exc).__name__])[0]
 
 
+#: What the server says when a session's prepared statements are not where the client left them.
+_PREPARED_STATEMENT_HINT = (
+    "the server session lacks a prepared statement this connection made, or already has one of that "
+    "name: the connection goes through a pooler in transaction mode (PgBouncer pool_mode = transaction), "
+    "which runs each transaction on any server connection. Add prepare_threshold=none to the database "
+    "URL (e.g. postgresql+psycopg://user@pgbouncer:6432/db?prepare_threshold=none; your own psycopg "
+    "connections take psycopg.connect(..., prepare_threshold=None)); see docs/operations.md section 2"
+)
+
+
+def _is_prepared_statement_error(exc: BaseException | None) -> bool:
+    """42P05 / 26000, or a Bind that met another client's statement of the same name (08P01)."""
+    if isinstance(exc, psycopg.errors.DuplicatePreparedStatement | psycopg.errors.InvalidSqlStatementName):
+        return True
+    return isinstance(exc, psycopg.errors.ProtocolViolation) and "prepared statement" in str(exc)
+
+
 @contextlib.contextmanager
 def translate_errors(action: str) -> Iterator[None]:
     """Re-raise driver errors as :class:`StorageError` naming the action, never the URL.
 
     Covers SQLAlchemy's wrapped errors and raw psycopg errors (the hot paths that run compiled SQL on
-    the pooled driver connection).
+    the pooled driver connection). A prepared statement missing or duplicated on the server (PgBouncer
+    in transaction mode without ``?prepare_threshold=none``) is a :class:`ConfigurationError` naming
+    the setting instead: retrying cannot fix it.
     """
     try:
         yield
     except sa.exc.DBAPIError as exc:
+        driver_error = exc.orig or exc
+        if _is_prepared_statement_error(driver_error):
+            raise errors.ConfigurationError(
+                f"database error while trying to {action}: {_first_line(driver_error)}; "
+                f"{_PREPARED_STATEMENT_HINT}"
+            ) from exc
         raise errors.StorageError(
-            f"database error while trying to {action}: {_first_line(exc.orig or exc)}"
+            f"database error while trying to {action}: {_first_line(driver_error)}"
         ) from exc
     except psycopg.Error as exc:
+        if _is_prepared_statement_error(exc):
+            raise errors.ConfigurationError(
+                f"database error while trying to {action}: {_first_line(exc)}; {_PREPARED_STATEMENT_HINT}"
+            ) from exc
         raise errors.StorageError(f"database error while trying to {action}: {_first_line(exc)}") from exc
     except sa.exc.SQLAlchemyError as exc:
         raise errors.StorageError(f"database error while trying to {action}: {type(exc).__name__}") from exc

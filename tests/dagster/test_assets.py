@@ -12,13 +12,8 @@ import uuid
 import dagster as dg
 
 from dagster_joblease import JobIdentity, LeaseService, create_engine
-from dagster_joblease.dagster import (
-    TAG_HOLDER,
-    TAG_OUTCOME,
-    TAG_WINNER_RUN_ID,
-    JobLeaseResource,
-    encode_holder,
-)
+from dagster_joblease.dagster import TAG_OUTCOME, TAG_WINNER, TAG_WORK, JobLeaseResource, encode_holder
+from dagster_joblease.dagster.metadata import META_HOLDER, META_OUTCOME, META_WINNER
 from tests.dagster import jobs
 from tests.dagster.conftest import DagsterPg
 
@@ -67,12 +62,12 @@ def test_a_partition_won_elsewhere_is_recorded_once_pointing_at_the_winner(dagst
     second = _materialize(dagster_pg, day)
     assert first.success and second.success
     (recorded,) = _materializations(dagster_pg.instance, day)  # once, not once per skip
-    assert recorded.metadata[TAG_OUTCOME] == dg.MetadataValue.text("skipped-succeeded")
-    assert recorded.metadata[TAG_WINNER_RUN_ID] == dg.MetadataValue.text(other_run)
-    assert recorded.metadata[TAG_HOLDER] == dg.MetadataValue.text(holder)
+    assert recorded.metadata[META_OUTCOME] == dg.MetadataValue.text("skipped-succeeded")
+    assert recorded.metadata[META_WINNER] == dg.MetadataValue.dagster_run(other_run)  # one click away
+    assert recorded.metadata[META_HOLDER] == dg.MetadataValue.text(holder)
     assert day in dagster_pg.instance.get_materialized_partitions(ASSET)
     for run in (first, second):
-        assert _tags(dagster_pg, run.run_id)[TAG_WINNER_RUN_ID] == other_run
+        assert _tags(dagster_pg, run.run_id)[TAG_WINNER] == other_run
 
 
 def test_a_skip_adds_no_second_materialization_to_the_winners(dagster_pg: DagsterPg) -> None:
@@ -81,10 +76,14 @@ def test_a_skip_adds_no_second_materialization_to_the_winners(dagster_pg: Dagste
     skip = _materialize(dagster_pg, day)
     assert winner.success and skip.success
     (recorded,) = _materializations(dagster_pg.instance, day)
-    assert recorded.metadata[TAG_OUTCOME] == dg.MetadataValue.text("won")
+    assert recorded.metadata[META_OUTCOME] == dg.MetadataValue.text("won")
     assert skip.asset_materializations_for_node("leased_daily_asset") == []
     tags = _tags(dagster_pg, skip.run_id)
-    assert (tags[TAG_OUTCOME], tags[TAG_WINNER_RUN_ID]) == ("skipped-succeeded", winner.run_id)
+    assert (tags[TAG_OUTCOME], tags[TAG_WINNER], tags[TAG_WORK]) == (
+        "skipped-succeeded",
+        winner.run_id,
+        "skipped-succeeded:1",
+    )
 
 
 def test_a_held_partition_fails_and_materializes_nothing(dagster_pg: DagsterPg) -> None:
@@ -102,7 +101,12 @@ def test_a_held_partition_fails_and_materializes_nothing(dagster_pg: DagsterPg) 
     assert _materializations(dagster_pg.instance, day) == []
     assert day not in dagster_pg.instance.get_materialized_partitions(ASSET)
     tags = _tags(dagster_pg, result.run_id)
-    assert (tags[TAG_OUTCOME], tags[TAG_HOLDER]) == ("held", "worker:7")
+    assert (tags[TAG_OUTCOME], tags[TAG_WINNER], tags[TAG_WORK]) == ("held", "none", "held:1")
+    (failure,) = [e for e in result.all_events if e.is_step_failure]
+    assert failure.step_failure_data.user_failure_data is not None
+    assert failure.step_failure_data.user_failure_data.metadata[META_HOLDER] == dg.MetadataValue.text(
+        "worker:7"
+    )
 
 
 def test_a_range_run_records_the_keys_it_did_even_when_one_is_held(dagster_pg: DagsterPg) -> None:
@@ -134,4 +138,4 @@ def test_a_range_run_records_the_keys_it_did_even_when_one_is_held(dagster_pg: D
         1,
     ]
     tags = _tags(dagster_pg, result.run_id)
-    assert (tags[TAG_OUTCOME], tags["joblease/outcomes"]) == ("held", "held:1,won:2")
+    assert (tags[TAG_OUTCOME], tags[TAG_WORK]) == ("held", "held:1,won:2")

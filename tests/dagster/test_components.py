@@ -203,3 +203,18 @@ def test_secrets_are_environment_variable_names_not_values() -> None:
     resource = JobLeaseResourceComponent(database_url_env="BILLING_DB_URL").build_resource()
     assert isinstance(resource.database_url, dg.EnvVar)
     assert resource.database_url.env_var_name == "BILLING_DB_URL"
+
+
+def test_route_options_pass_through_to_route() -> None:
+    from dagster_joblease.dagster.components import RouteSpec
+
+    route = RouteSpec(url="https://x.test/a", options={"max_in_flight": 2, "rate": 5}).build("billing")
+    assert (route.url, route.max_in_flight, route.rate) == ("https://x.test/a", 2, 5)
+    with pytest.raises(errors.ConfigurationError) as raised:
+        RouteSpec(url="https://x.test/a", options={"timeout_s": 3, "burst": 1}).build("billing")
+    message = str(raised.value)
+    assert message.startswith(
+        "JobLeaseDeliveryComponent route 'billing': options ['burst', 'timeout_s'] are not Route options; "
+        "allowed: ['"
+    )
+    assert message.endswith("(url, headers, secret_headers and timeout_s are attributes of their own)")

@@ -10,9 +10,8 @@ from pathlib import Path
 import dagster as dg
 import pytest
 from dagster._core.instance.ref import InstanceRef
-from dagster._core.storage.tags import PARTITION_SET_TAG, REPOSITORY_LABEL_TAG
 
-from dagster_joblease.dagster import demo_location
+from dagster_joblease.dagster.demo import demo_days
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -20,6 +19,7 @@ ROOT = Path(__file__).resolve().parents[2]
 NOISY = ("BetaWarning", "ExperimentalWarning", "PreviewWarning")
 
 
+@pytest.mark.timeout(900)
 def test_definitions_validate_and_the_demo_pass_in_subprocesses(tmp_path: Path) -> None:
     env = {k: v for k, v in os.environ.items() if k not in ("DAGSTER_HOME", "PYTHONWARNINGS")}
     dagster = Path(sys.executable).with_name("dagster")
@@ -58,7 +58,7 @@ def test_definitions_validate_and_the_demo_pass_in_subprocesses(tmp_path: Path) 
             "-m",
             "dagster_joblease.dagster.demo",
             "--partitions",
-            "4",
+            "3",
             "--keep",
             "--workdir",
             str(tmp_path / "demo"),
@@ -83,30 +83,45 @@ def test_definitions_validate_and_the_demo_pass_in_subprocesses(tmp_path: Path) 
         assert stored.status == dg.DagsterRunStatus.SUCCESS, run_out
         events = {e.dagster_event.event_type for e in instance.all_logs(stored.run_id) if e.dagster_event}
         assert {dg.DagsterEventType.STEP_SUCCESS, dg.DagsterEventType.RUN_SUCCESS} <= events, run_out
-    demo_out = demo.communicate(timeout=180)[0]
+    demo_out = demo.communicate(timeout=600)[0]
     assert demo.returncode == 0, demo_out
-    assert "OK: one effect per partition (4/4)." in demo_out
-    header = "| partitions | runs | winners | skips | outbox rows | POSTs | effects applied |"
+    assert "OK: one effect per partition (3/3)." in demo_out
+    header = (
+        "| partitions | runs | won | reclaimed | skipped | killed | outbox rows | POSTs | effects applied |"
+    )
     assert header in demo_out
     row = demo_out.splitlines()[demo_out.splitlines().index(header) + 2]
-    cells = [int(cell) for cell in row.strip("|").split("|")]
-    assert cells[:5] == [4, 8, 4, 4, 4] and cells[5] >= 4 and cells[6] == 4
+    partitions, runs, won, reclaimed, skipped, killed, rows, posts, effects = (
+        int(cell) for cell in row.strip("|").split("|")
+    )
+    assert (partitions, runs, killed, rows, effects) == (3, 5, 1, 3, 3)
+    assert won + reclaimed == 3 and reclaimed >= 1 and runs == won + reclaimed + skipped + killed
+    assert posts >= 3
     assert "joblease receiver --database-url sqlite:///" in demo_out
-    assert "dev -m dagster_joblease.dagster.demo_location" in demo_out
+    assert "dg dev -m dagster_joblease.dagster.demo_location" in demo_out
 
-    # What the job's Partitions tab reads (the same query the UI's GraphQL makes): the demo's runs are
-    # there under the packaged location's repository, one latest run per partition, all succeeded.
+    # What the UI shows afterwards is in the kept Dagster home: a real backfill (the daemon submitted its
+    # runs), a run the schedule's evaluation requested, the killed run and the sensor's relaunch.
+    days = demo_days(3)
     with dg.DagsterInstance.from_config(str(tmp_path / "demo" / "dagster_home")) as instance:
-        data = instance.run_storage.get_run_partition_data(
-            dg.RunsFilter(tags=demo_location.origin_tags("daily_billing_job"))
+        (backfill,) = instance.get_backfills()
+        runs_ = instance.get_runs()
+        by_backfill = [r for r in runs_ if r.tags.get("dagster/backfill") == backfill.backfill_id]
+        assert sorted(r.tags["dagster/partition"] for r in by_backfill) == days
+        scheduled = [r for r in runs_ if r.tags.get("dagster/schedule_name") == "daily_billing_schedule"]
+        assert [r.tags["dagster/partition"] for r in scheduled] == [days[-1]]
+        failed = [r for r in runs_ if r.status == dg.DagsterRunStatus.FAILURE]
+        assert [r.tags["dagster/partition"] for r in failed] == [days[1]]
+        assert failed[0].tags["joblease/outcome"] in ("lost", "pending")
+        relaunched = [r for r in runs_ if r.tags.get("dagster/sensor_name") == "daily_invoice_reconcile"]
+        assert [(r.tags["dagster/partition"], r.tags["joblease/outcome"]) for r in relaunched] == [
+            (days[1], "reclaimed")
+        ]
+        dispatchers = [r for r in runs_ if r.job_name == "outbox_dispatch_job"]
+        assert dispatchers and all(
+            r.tags.get("dagster/sensor_name") == "outbox_dispatch_sensor" for r in dispatchers
         )
-    assert {d.partition: d.status for d in data} == {
-        f"2024-01-0{i}": dg.DagsterRunStatus.SUCCESS for i in range(1, 5)
-    }
-    assert demo_location.origin_tags("x") == {
-        REPOSITORY_LABEL_TAG: f"__repository__@{demo_location.LOCATION_NAME}",
-        PARTITION_SET_TAG: "x_partition_set",
-    }
+        assert instance.get_materialized_partitions(dg.AssetKey("daily_invoice")) == set(days)
 
 
 def test_the_code_location_has_exactly_the_documented_names() -> None:

@@ -16,19 +16,22 @@ import sqlalchemy as sa
 from dagster_graphql.test.utils import define_out_of_process_context, execute_dagster_graphql
 
 from dagster_joblease import JobIdentity, LeaseService, create_engine, outbox
-from dagster_joblease.dagster import (
-    TAG_ATTEMPT,
-    TAG_CODE,
-    TAG_ERROR,
-    TAG_HOLDER,
-    TAG_IDEMPOTENCY_KEY,
-    TAG_OUTBOX,
-    TAG_OUTCOME,
-    TAG_RUN_KEY,
-    TAG_WINNER_RUN_ID,
-    JobLeaseResource,
-)
+from dagster_joblease.dagster import STEP_TAGS, TAG_OUTCOME, TAG_WINNER, TAG_WORK, JobLeaseResource
 from dagster_joblease.dagster.holders import default_deployment
+from dagster_joblease.dagster.metadata import (
+    META_ATTEMPT,
+    META_CODE,
+    META_ERROR,
+    META_HOLDER,
+    META_IDEMPOTENCY_KEY,
+    META_KEYS,
+    META_OUTBOX,
+    META_OUTCOME,
+    META_OUTCOMES,
+    META_RUN_KEY,
+    META_WINNER,
+)
+from dagster_joblease.dagster.ops import step_records
 from dagster_joblease.receiver import effect_count
 from dagster_joblease.storage.schema import lease_table, outbox_table
 from tests.conftest import wait_until
@@ -78,6 +81,12 @@ def _run_tags(dagster_pg: DagsterPg, run_id: str) -> dict[str, str]:
     return dict(run.tags)
 
 
+def _facts(dagster_pg: DagsterPg, run_id: str) -> dict[str, object]:
+    """The run's one leased step's record (its metadata: attempt, outbox, holder, error …)."""
+    (only,) = step_records(dagster_pg.instance, run_id).values()
+    return only
+
+
 def _key(code: str, day: str) -> str:
     return JobIdentity.schedule(code, day).idempotency_key
 
@@ -121,11 +130,12 @@ def test_two_concurrent_backfills_and_schedule_runs_give_one_effect_per_partitio
     assert {run.tags[TAG_OUTCOME] for run in losers} == {"skipped-succeeded"}
     winner_of = {run.tags["dagster/partition"]: run.run_id for run in winners}
     for run in losers:
-        assert run.tags[TAG_WINNER_RUN_ID] == winner_of[run.tags["dagster/partition"]]
-    assert {run.tags[TAG_OUTBOX] for run in losers} == {"not-enqueued"}
-    assert {run.tags[TAG_OUTBOX] for run in winners} == {"inserted"}
+        assert run.tags[TAG_WINNER] == winner_of[run.tags["dagster/partition"]]
+    assert {_facts(dagster_pg, run.run_id)[META_OUTBOX] for run in losers} == {"not-enqueued"}
+    assert {_facts(dagster_pg, run.run_id)[META_OUTBOX] for run in winners} == {"inserted"}
     for run in runs:
-        assert run.tags[TAG_IDEMPOTENCY_KEY] == _key("t-backfill", run.tags["dagster/partition"])
+        facts = _facts(dagster_pg, run.run_id)
+        assert facts[META_IDEMPOTENCY_KEY] == _key("t-backfill", run.tags["dagster/partition"])
 
     keys = [_key("t-backfill", day) for day in DAYS]
     assert _outbox_keys(dagster_pg.joblease_url, keys) == dict.fromkeys(keys, "PENDING")
@@ -171,8 +181,9 @@ def test_reexecution_of_a_successful_run_skips_without_a_new_effect(dagster_pg: 
     child = dagster_pg.instance.get_run_by_id(again.run_id)
     assert child is not None and child.parent_run_id == first.run_id
     assert child.tags[TAG_OUTCOME] == "skipped-succeeded"
-    assert child.tags[TAG_ATTEMPT] == "1" and child.tags[TAG_IDEMPOTENCY_KEY] == key
-    assert child.tags[TAG_WINNER_RUN_ID] == first.run_id
+    facts = _facts(dagster_pg, again.run_id)
+    assert facts[META_ATTEMPT] == 1 and facts[META_IDEMPOTENCY_KEY] == key
+    assert child.tags[TAG_WINNER] == first.run_id == facts[META_WINNER]
     assert _outbox_keys(dagster_pg.joblease_url, [key]) == {key: "PENDING"}
     assert _lease(dagster_pg.joblease_url, key).status == "SUCCESS"
 
@@ -190,13 +201,11 @@ def test_a_retry_of_a_failed_run_takes_over_with_the_same_key(dagster_pg: Dagste
             assert not failed.success
         assert _lease(dagster_pg.joblease_url, key).status == "FAIL"
         failed_tags = _run_tags(dagster_pg, failed.run_id)
-        assert (failed_tags[TAG_OUTCOME], failed_tags[TAG_ATTEMPT], failed_tags[TAG_IDEMPOTENCY_KEY]) == (
-            "failed",
-            "1",
-            key,
-        )
-        assert (failed_tags[TAG_CODE], failed_tags[TAG_RUN_KEY]) == ("t-retry", day)
-        assert failed_tags[TAG_ERROR] == "RuntimeError: failing once on purpose"
+        assert (failed_tags[TAG_OUTCOME], failed_tags[TAG_WINNER]) == ("failed", "none")
+        facts = _facts(dagster_pg, failed.run_id)
+        assert (facts[META_ATTEMPT], facts[META_IDEMPOTENCY_KEY]) == (1, key)
+        assert (facts[META_CODE], facts[META_RUN_KEY]) == ("t-retry", day)
+        assert facts[META_ERROR] == "RuntimeError: failing once on purpose"
         assert _outbox_keys(dagster_pg.joblease_url, [key]) == {}
         with dg.execute_job(
             job,
@@ -206,7 +215,7 @@ def test_a_retry_of_a_failed_run_takes_over_with_the_same_key(dagster_pg: Dagste
             tags={
                 "dagster/partition": day,
                 "dagster/retry_number": "1",
-                "joblease/reconciled_by": "t_retry_reconcile",
+                "dagster/sensor_name": "t_retry_reconcile",
                 "joblease/relaunch": "1/5",
                 "joblease/reconcile_reason": "lease FAIL",
             },
@@ -217,15 +226,17 @@ def test_a_retry_of_a_failed_run_takes_over_with_the_same_key(dagster_pg: Dagste
         os.environ.pop(jobs.FAIL_ONCE_ENV)
     run = dagster_pg.instance.get_run_by_id(retried.run_id)
     assert run is not None
-    assert run.tags[TAG_ERROR] == "none"  # the parent's error does not stand on the retry
-    # A retry is not a relaunch: the copied reconciliation tags are overwritten when the step starts.
-    assert {
-        run.tags[t] for t in ("joblease/reconciled_by", "joblease/relaunch", "joblease/reconcile_reason")
-    } == {"none"}
-    assert run.tags[TAG_OUTCOME] == "reclaimed"
-    assert run.tags[TAG_ATTEMPT] == "2"
-    assert run.tags[TAG_IDEMPOTENCY_KEY] == key
-    assert run.tags[TAG_OUTBOX] == "inserted"
+    assert (run.tags[TAG_OUTCOME], run.tags[TAG_WINNER], run.tags[TAG_WORK]) == (
+        "reclaimed",
+        retried.run_id,
+        "reclaimed:1",
+    )
+    facts = _facts(dagster_pg, retried.run_id)
+    assert facts[META_ERROR] == "none"  # the parent's error does not stand on the retry
+    assert (facts[META_ATTEMPT], facts[META_IDEMPOTENCY_KEY], facts[META_OUTBOX]) == (2, key, "inserted")
+    # The launch tags it copied say how its root run was launched (the relaunch cap counts only runs
+    # without a parent); the step writes only its own three.
+    assert run.tags["joblease/relaunch"] == "1/5" and run.parent_run_id == failed.run_id
     row = _lease(dagster_pg.joblease_url, key)
     assert (row.status, row.attempt) == ("SUCCESS", 2)
     assert _outbox_keys(dagster_pg.joblease_url, [key]) == {key: "PENDING"}
@@ -250,24 +261,22 @@ def test_single_run_backfill_of_a_partitioned_asset_takes_one_lease_per_key(dags
         },
     )
     assert ranged.success
-    # One materialization per partition this run did; none for the skip (the winner's stands).
+    # Every key is done (four by this run, one by the earlier run), so the output is produced: Dagster
+    # records a materialization for every key of the range and downstream steps would run for all of it.
     materialized = ranged.asset_materializations_for_node("leased_daily_asset")
-    assert sorted(m.partition or "" for m in materialized) == [
-        "2024-01-01",
-        "2024-01-02",
-        "2024-01-04",
-        "2024-01-05",
-    ]
+    assert sorted(m.partition or "" for m in materialized) == [f"2024-01-0{d}" for d in range(1, 6)]
     for m in materialized:
-        assert m.metadata[TAG_OUTCOME] == dg.MetadataValue.text("won")
+        assert m.metadata[META_OUTCOME] == dg.MetadataValue.text("won")  # the range's most severe
+        assert m.metadata[META_OUTCOMES] == dg.MetadataValue.json({"won": 4, "skipped-succeeded": 1})
     run = dagster_pg.instance.get_run_by_id(ranged.run_id)
     assert run is not None
     assert run.tags[TAG_OUTCOME] == "won"  # the most severe of the keys' outcomes
-    assert run.tags["joblease/outcomes"] == "won:4,skipped-succeeded:1"
-    assert run.tags["joblease/partitions"] == "5"
-    assert run.tags[TAG_RUN_KEY] == "2024-01-01..2024-01-05"
-    assert run.tags[TAG_IDEMPOTENCY_KEY] == run.tags[TAG_ATTEMPT] == "multiple"
-    assert run.tags[TAG_HOLDER] == f"dagster:{default_deployment(dagster_pg.instance)}/{ranged.run_id}"
+    assert run.tags[TAG_WORK] == "won:4,skipped-succeeded:1"
+    assert run.tags[TAG_WINNER] == "multiple"  # this run and the single-partition run
+    assert [k for k in run.tags if k.startswith("joblease/")] == sorted(STEP_TAGS)
+    facts = _facts(dagster_pg, ranged.run_id)
+    assert (facts[META_KEYS], facts[META_RUN_KEY]) == (5, "2024-01-01..2024-01-05")
+    assert "| 2024-01-03 | skipped-succeeded | 1 |" in str(facts["joblease/results"])
     keys = [_key("t-asset", f"2024-01-0{d}") for d in range(1, 6)]
     assert _outbox_keys(dagster_pg.joblease_url, keys) == dict.fromkeys(keys, "PENDING")
 
@@ -287,6 +296,7 @@ query RunQuery($runId: ID!) {
               label
               ... on TextMetadataEntry { text }
               ... on IntMetadataEntry { intValue }
+              ... on PipelineRunMetadataEntry { runId }
             }
           }
         }
@@ -307,35 +317,25 @@ def test_graphql_shows_the_lease_tags_and_metadata(dagster_pg: DagsterPg) -> Non
     run = response.data["runOrError"]
     assert run["__typename"] == "Run" and run["status"] == "SUCCESS"
     tags = {tag["key"]: tag["value"] for tag in run["tags"]}
-    assert tags[TAG_OUTCOME] == "won"
-    assert tags[TAG_ATTEMPT] == "1"
-    assert tags[TAG_IDEMPOTENCY_KEY] == _key("t-retry", day)
-    assert tags[TAG_OUTBOX] == "inserted"
-    assert tags[TAG_HOLDER] == f"dagster:{default_deployment(dagster_pg.instance)}/{result.run_id}"
-    assert tags[TAG_WINNER_RUN_ID] == result.run_id
+    assert (tags[TAG_OUTCOME], tags[TAG_WINNER], tags[TAG_WORK]) == ("won", result.run_id, "won:1")
+    assert [t["key"] for t in run["tags"] if t["key"].startswith("joblease/")] == list(STEP_TAGS)
     (output,) = [e for e in run["eventConnection"]["events"] if e["__typename"] == "ExecutionStepOutputEvent"]
     entries = {
-        entry["label"]: entry.get("text", entry.get("intValue")) for entry in output["metadataEntries"]
+        entry["label"]: entry.get("text", entry.get("intValue", entry.get("runId")))
+        for entry in output["metadataEntries"]
     }
-    assert entries[TAG_OUTCOME] == "won"
-    assert entries[TAG_ATTEMPT] == 1
-    assert entries[TAG_IDEMPOTENCY_KEY] == _key("t-retry", day)
-    assert entries[TAG_OUTBOX] == "inserted"
+    assert entries[META_OUTCOME] == "won"
+    assert entries[META_WINNER] == result.run_id  # a run link: one click to the winner
+    assert entries[META_ATTEMPT] == 1
+    assert entries[META_IDEMPOTENCY_KEY] == _key("t-retry", day)
+    assert entries[META_OUTBOX] == "inserted"
+    assert entries[META_HOLDER] == f"dagster:{default_deployment(dagster_pg.instance)}/{result.run_id}"
 
 
 def test_copied_parent_tags_are_overwritten_when_the_step_starts(dagster_pg: DagsterPg) -> None:
     """A UI re-execution copies its parent's tags; the leased step replaces every one, 'pending' first."""
     day = "2024-07-02"
-    parent = {
-        TAG_OUTCOME: "won",
-        TAG_OUTBOX: "inserted",
-        TAG_ATTEMPT: "7",
-        TAG_WINNER_RUN_ID: "parent-run",
-        TAG_HOLDER: "dagster:elsewhere/parent-run",
-        TAG_ERROR: "old error",
-        "joblease/partitions": "5",
-        "joblease/outcomes": "won:5",
-    }
+    parent = {TAG_OUTCOME: "won", TAG_WINNER: "parent-run", TAG_WORK: "won:5"}
     job = jobs.defs.resolve_job_def("tag_probe_job")
     result = job.execute_in_process(
         partition_key=day, instance=dagster_pg.instance, run_config=QUIET, tags=parent
@@ -343,22 +343,16 @@ def test_copied_parent_tags_are_overwritten_when_the_step_starts(dagster_pg: Dag
     assert result.success
     (probe,) = result.output_for_node("tag_probe_op")
     seen = probe.result  # the run's joblease tags while the body ran
-    assert seen[TAG_OUTCOME] == "pending"
-    assert {seen[t] for t in (TAG_OUTBOX, TAG_ATTEMPT, TAG_WINNER_RUN_ID, TAG_HOLDER)} == {"pending"}
-    assert seen[TAG_ERROR] == "none" and seen["joblease/partitions"] == "1"
-    assert (seen[TAG_CODE], seen[TAG_RUN_KEY], seen[TAG_IDEMPOTENCY_KEY]) == (
+    assert seen == {TAG_OUTCOME: "pending", TAG_WINNER: "none", TAG_WORK: "pending:1"}
+    tags = _run_tags(dagster_pg, result.run_id)
+    assert (tags[TAG_OUTCOME], tags[TAG_WINNER], tags[TAG_WORK]) == ("won", result.run_id, "won:1")
+    facts = _facts(dagster_pg, result.run_id)
+    assert (facts[META_OUTBOX], facts[META_ATTEMPT], facts[META_ERROR]) == ("inserted", 1, "none")
+    assert (facts[META_CODE], facts[META_RUN_KEY], facts[META_IDEMPOTENCY_KEY]) == (
         "t-tags",
         day,
         _key("t-tags", day),
     )
-    tags = _run_tags(dagster_pg, result.run_id)
-    assert (tags[TAG_OUTCOME], tags[TAG_OUTBOX], tags[TAG_ATTEMPT], tags[TAG_ERROR]) == (
-        "won",
-        "inserted",
-        "1",
-        "none",
-    )
-    assert tags[TAG_WINNER_RUN_ID] == result.run_id and tags["joblease/outcomes"] == "won:1"
 
 
 def test_a_run_that_lost_its_lease_says_lost(dagster_pg: DagsterPg) -> None:
@@ -369,29 +363,25 @@ def test_a_run_that_lost_its_lease_says_lost(dagster_pg: DagsterPg) -> None:
     )
     assert not result.success
     tags = _run_tags(dagster_pg, result.run_id)
-    assert (tags[TAG_OUTCOME], tags[TAG_ATTEMPT], tags[TAG_IDEMPOTENCY_KEY]) == (
-        "lost",
-        "1",
-        _key("t-lost", day),
-    )
-    assert tags[TAG_ERROR].startswith("LostLeaseError: cannot ") and "no longer owns it" in tags[TAG_ERROR]
-    assert len(tags[TAG_ERROR]) <= 200
+    assert (tags[TAG_OUTCOME], tags[TAG_WINNER], tags[TAG_WORK]) == ("lost", "none", "lost:1")
+    facts = _facts(dagster_pg, result.run_id)
+    assert (facts[META_ATTEMPT], facts[META_IDEMPOTENCY_KEY]) == (1, _key("t-lost", day))
+    error = str(facts[META_ERROR])
+    assert error.startswith("LostLeaseError: cannot ") and "no longer owns it" in error
+    assert len(error) <= 200
     assert _outbox_keys(dagster_pg.joblease_url, [_key("t-lost", day)]) == {}
 
 
-def test_a_job_with_two_leased_ops_tags_each_op_and_the_worst(dagster_pg: DagsterPg, tmp_path: Path) -> None:
+def test_a_job_with_two_leased_ops_tags_the_worst_and_keeps_each_ops_record(
+    dagster_pg: DagsterPg, tmp_path: Path
+) -> None:
     day = "2024-07-04"
     job = jobs.defs.resolve_job_def("two_leased_ops_job")
     first = job.execute_in_process(partition_key=day, instance=dagster_pg.instance, run_config=QUIET)
     tags = _run_tags(dagster_pg, first.run_id)
-    assert (tags["joblease/outcome.first_leased"], tags["joblease/outcome.second_leased"]) == ("won", "won")
-    assert (tags[TAG_OUTCOME], tags[TAG_CODE], tags[TAG_RUN_KEY], tags[TAG_ATTEMPT]) == (
-        "won",
-        "multiple",
-        day,
-        "multiple",
-    )
-    assert tags[TAG_ERROR] == "multiple" and tags["joblease/error.first_leased"] == "none"
+    assert (tags[TAG_OUTCOME], tags[TAG_WINNER], tags[TAG_WORK]) == ("won", first.run_id, "won:2")
+    records = step_records(dagster_pg.instance, first.run_id)
+    assert {k: r[META_OUTCOME] for k, r in records.items()} == {"first_leased": "won", "second_leased": "won"}
     # Next day: the first op's partition was already done elsewhere, the second op's body fails.
     day = "2024-07-05"
     engine = create_engine(dagster_pg.joblease_url)
@@ -412,7 +402,9 @@ def test_a_job_with_two_leased_ops_tags_each_op_and_the_worst(dagster_pg: Dagste
         os.environ.pop(jobs.FAIL_ONCE_ENV)
     assert not again.success
     tags = _run_tags(dagster_pg, again.run_id)
-    assert tags["joblease/outcome.first_leased"] == "skipped-succeeded"
-    assert tags["joblease/outcome.second_leased"] == "failed"
-    assert tags["joblease/error.second_leased"] == "RuntimeError: failing once on purpose"
-    assert tags[TAG_OUTCOME] == "failed"  # the most severe of the two
+    assert (tags[TAG_OUTCOME], tags[TAG_WORK]) == ("failed", "failed:1,skipped-succeeded:1")
+    assert tags[TAG_WINNER] == "worker:1"  # the one done key's winner (not a Dagster run: its holder)
+    records = step_records(dagster_pg.instance, again.run_id)
+    assert records["first_leased"][META_OUTCOME] == "skipped-succeeded"
+    assert records["second_leased"][META_OUTCOME] == "failed"
+    assert records["second_leased"][META_ERROR] == "RuntimeError: failing once on purpose"

@@ -22,16 +22,9 @@ import pytest
 import sqlalchemy as sa
 
 from dagster_joblease import JobIdentity, LeaseService, create_engine
-from dagster_joblease.dagster import (
-    TAG_ATTEMPT,
-    TAG_ERROR,
-    TAG_HOLDER,
-    TAG_OUTBOX,
-    TAG_OUTCOME,
-    TAG_WINNER_RUN_ID,
-    encode_holder,
-    holder_run_finished,
-)
+from dagster_joblease.dagster import TAG_OUTCOME, TAG_WINNER, TAG_WORK, encode_holder, holder_run_finished
+from dagster_joblease.dagster.metadata import META_ATTEMPT, META_ERROR, META_HOLDER, META_OUTBOX, META_WINNER
+from dagster_joblease.dagster.ops import step_records
 from dagster_joblease.storage.schema import lease_table
 from tests.conftest import wait_until
 from tests.dagster import jobs
@@ -104,17 +97,18 @@ def test_a_run_waits_for_a_live_holder_and_mirrors_how_it_ended(
         engine.dispose()
     assert result.success
     tags = _tags(dagster_pg.instance, result.run_id)
+    (facts,) = step_records(dagster_pg.instance, result.run_id).values()
     row = _row(dagster_pg.joblease_url, job)
     if holder_ends == "succeeds":
-        assert tags[TAG_OUTCOME] == "skipped-succeeded"
-        assert (tags[TAG_WINNER_RUN_ID], tags[TAG_HOLDER], tags[TAG_ATTEMPT]) == (other_run, holder, "1")
-        assert tags[TAG_OUTBOX] == "not-enqueued"
+        assert (tags[TAG_OUTCOME], tags[TAG_WINNER]) == ("skipped-succeeded", other_run)
+        assert (facts[META_WINNER], facts[META_HOLDER], facts[META_ATTEMPT]) == (other_run, holder, 1)
+        assert facts[META_OUTBOX] == "not-enqueued"
         assert (row.status, row.attempt, row.holder) == ("SUCCESS", 1, holder)
     else:
         own = f"dagster:tests/{result.run_id}"
-        assert tags[TAG_OUTCOME] == "reclaimed"
-        assert (tags[TAG_WINNER_RUN_ID], tags[TAG_HOLDER], tags[TAG_ATTEMPT]) == (result.run_id, own, "2")
-        assert tags[TAG_OUTBOX] == "inserted"
+        assert (tags[TAG_OUTCOME], tags[TAG_WINNER]) == ("reclaimed", result.run_id)
+        assert (facts[META_WINNER], facts[META_HOLDER], facts[META_ATTEMPT]) == (result.run_id, own, 2)
+        assert facts[META_OUTBOX] == "inserted"
         assert (row.status, row.attempt, row.holder) == ("SUCCESS", 2, own)
 
 
@@ -161,8 +155,9 @@ def test_a_killed_holder_is_taken_over_in_seconds_and_a_live_one_never(
         )
         assert not impatient.success
         tags = _tags(instance, impatient.run_id)
-        assert (tags[TAG_OUTCOME], tags[TAG_HOLDER], tags[TAG_ATTEMPT]) == ("held", holder, "1")
-        assert "still held by " + holder in tags[TAG_ERROR]
+        (facts,) = step_records(instance, impatient.run_id).values()
+        assert (tags[TAG_OUTCOME], facts[META_HOLDER], facts[META_ATTEMPT]) == ("held", holder, 1)
+        assert "still held by " + holder in str(facts[META_ERROR])
         assert (impatient.get_step_failure_events()[0].step_failure_data.error or "") != ""
         row = _row(dagster_pg.joblease_url, job)
         assert (row.status, row.attempt, row.holder) == ("RUNNING", 1, holder)
@@ -178,11 +173,8 @@ def test_a_killed_holder_is_taken_over_in_seconds_and_a_live_one_never(
         proc.communicate(timeout=60)
     assert result.success
     tags = _tags(instance, result.run_id)
-    assert (tags[TAG_OUTCOME], tags[TAG_ATTEMPT], tags[TAG_WINNER_RUN_ID]) == (
-        "reclaimed",
-        "2",
-        result.run_id,
-    )
+    (facts,) = step_records(instance, result.run_id).values()
+    assert (tags[TAG_OUTCOME], facts[META_ATTEMPT], tags[TAG_WINNER]) == ("reclaimed", 2, result.run_id)
     row = _row(dagster_pg.joblease_url, job)
     assert (row.status, row.attempt, row.holder) == ("SUCCESS", 2, f"dagster:tests/{result.run_id}")
     # The lease was 10 minutes long: only the dead-holder takeover can have freed it.
@@ -190,8 +182,9 @@ def test_a_killed_holder_is_taken_over_in_seconds_and_a_live_one_never(
     messages = [entry.user_message or "" for entry in instance.all_logs(result.run_id)]
     # The killed run could not tag itself; the run that took its lease over did.
     dead = _tags(instance, holder_run_id)
-    assert (dead[TAG_OUTCOME], dead[TAG_HOLDER], dead[TAG_ATTEMPT]) == ("lost", holder, "1")
-    assert (dead[TAG_WINNER_RUN_ID], dead["joblease/outbox"]) == ("none", "unknown")
-    assert dead[TAG_ERROR].startswith(f"attempt 1: holder {holder} is dead")
+    assert (dead[TAG_OUTCOME], dead[TAG_WINNER], dead[TAG_WORK]) == ("lost", "none", "lost:1")
+    (said,) = step_records(instance, holder_run_id).values()
+    assert (said[META_HOLDER], said[META_ATTEMPT], said[META_OUTBOX]) == (holder, 1, "unknown")
+    assert str(said[META_ERROR]).startswith(f"attempt 1: holder {holder} is dead")
     # CANCELED as reported, or FAILURE once the run worker saw its step process die.
     assert any(f"holder {holder} is dead (its Dagster run is " in m for m in messages), messages

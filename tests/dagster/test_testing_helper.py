@@ -41,8 +41,11 @@ def test_each_partition_has_one_winner_and_one_recorded_skip(db_url: str) -> Non
         assert all(run.success and run.error is None for run in runs)
         (winner,) = [run for run in runs if run.won]
         (loser,) = [run for run in runs if not run.won]
-        assert winner.outcome == metadata.WON and winner.tags[metadata.TAG_OUTBOX] == metadata.OUTBOX_INSERTED
-        assert loser.outcome is not None and loser.tags[metadata.TAG_OUTBOX] == metadata.OUTBOX_NOT_ENQUEUED
+        assert winner.outcome == metadata.WON
+        assert winner.record[metadata.META_OUTBOX] == metadata.OUTBOX_INSERTED
+        assert loser.outcome is not None
+        assert loser.record[metadata.META_OUTBOX] == metadata.OUTBOX_NOT_ENQUEUED
+        assert loser.tags[metadata.TAG_WINNER] == winner.run_id
         assert winner.run_id != loser.run_id
     engine = create_engine(db_url)
     try:
@@ -59,7 +62,7 @@ def test_failed_runs_are_reported_with_their_error(db_url: str) -> None:
     for run in runs:
         if not run.success:
             assert run.error is not None and "the body broke" in run.error
-            assert run.outcome == metadata.FAILED and "the body broke" in run.tags[metadata.TAG_ERROR]
+            assert run.outcome == metadata.FAILED and "the body broke" in str(run.record[metadata.META_ERROR])
     assert not all(run.success for run in runs)
 
 

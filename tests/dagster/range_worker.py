@@ -1,0 +1,41 @@
+"""A range run in its own process: ``python -m tests.dagster.range_worker ASSET START END``.
+
+It materializes ``START..END`` of the asset (one single-run backfill run) on the instance in
+``$DAGSTER_HOME`` and prints one JSON line: the run id and whether it succeeded. Exit 0 either way; a
+signal ends it as Dagster's run termination does.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+import warnings
+
+
+def main(argv: list[str]) -> int:
+    warnings.simplefilter("ignore")
+    import dagster as dg
+
+    from dagster_joblease.dagster import JobLeaseResource
+    from tests.dagster import range_assets
+
+    name, start, end = argv
+    asset = {
+        "range_asset": range_assets.range_asset,
+        "batch_asset": getattr(range_assets, "batch_asset", None),
+    }[name]
+    assert asset is not None, name
+    result = dg.materialize(
+        [asset],
+        instance=dg.DagsterInstance.get(),
+        resources={"joblease": JobLeaseResource()},  # $JOBLEASE_DATABASE_URL
+        run_config={"loggers": {"console": {"config": {"log_level": "ERROR"}}}},
+        tags={"dagster/asset_partition_range_start": start, "dagster/asset_partition_range_end": end},
+        raise_on_error=False,
+    )
+    print(json.dumps({"run_id": result.run_id, "ok": result.success}), flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

@@ -1,0 +1,192 @@
+"""Batch mode (``batch=True``): the body is called with the keys this run won, at once.
+
+Real Dagster runs on PostgreSQL: keys already succeeded are skipped, the keys won are one call (one claim
+statement, one fenced transaction, one multi-row outbox insert), keys held by a live holder are waited for
+and the keys won later go to a further call; a failing call fails its set; two overlapping batch range runs
+in two processes give one effect per key.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import threading
+from collections.abc import Iterator, Sequence
+from pathlib import Path
+
+import dagster as dg
+import pytest
+import sqlalchemy as sa
+
+from dagster_joblease import JobIdentity, LeaseService, create_engine
+from dagster_joblease.dagster import TAG_OUTCOME, TAG_WINNER, TAG_WORK, JobLeaseResource
+from dagster_joblease.dagster.metadata import META_OUTCOMES
+from dagster_joblease.dagster.ops import step_records
+from dagster_joblease.storage.schema import lease_table, outbox_table
+from tests.conftest import wait_until
+from tests.dagster import range_assets
+from tests.dagster.conftest import DagsterPg
+
+REPO = Path(__file__).resolve().parents[2]
+QUIET = {"loggers": {"console": {"config": {"log_level": "ERROR"}}}}
+ASSET = range_assets.batch_asset
+
+
+def _days(month: int, first: int, last: int) -> list[str]:
+    return [f"2024-{month:02d}-{d:02d}" for d in range(first, last + 1)]
+
+
+def _materialize(dagster_pg: DagsterPg, keys: Sequence[str], **resource: int) -> dg.ExecuteInProcessResult:
+    return dg.materialize(
+        [ASSET],
+        instance=dagster_pg.instance,
+        resources={"joblease": JobLeaseResource(**resource)},
+        run_config=QUIET,
+        raise_on_error=False,
+        tags={"dagster/asset_partition_range_start": keys[0], "dagster/asset_partition_range_end": keys[-1]},
+    )
+
+
+@pytest.fixture
+def engine(dagster_pg: DagsterPg) -> Iterator[sa.Engine]:
+    engine = create_engine(dagster_pg.joblease_url)
+    yield engine
+    engine.dispose()
+
+
+@pytest.fixture
+def calls(tmp_path: Path) -> Iterator[Path]:
+    """A file each body call appends its keys to."""
+    log = tmp_path / "calls"
+    os.environ[range_assets.LOG_ENV] = str(log)
+    yield log
+    os.environ.pop(range_assets.LOG_ENV, None)
+    os.environ.pop(range_assets.FAIL_ENV, None)
+
+
+def _calls(log: Path) -> list[list[str]]:
+    return [line.split(",") for line in log.read_text().splitlines()] if log.exists() else []
+
+
+def _leases(engine: sa.Engine, keys: Sequence[str]) -> dict[str, tuple[str, int]]:
+    ids = {JobIdentity.schedule("t-batch", k).idempotency_key: k for k in keys}
+    with engine.connect() as conn:
+        rows = conn.execute(
+            sa.select(lease_table.c.lock_key, lease_table.c.status, lease_table.c.attempt).where(
+                lease_table.c.lock_key.in_(ids)
+            )
+        ).all()
+    return {ids[key]: (status, attempt) for key, status, attempt in rows}
+
+
+def _outbox(engine: sa.Engine, keys: Sequence[str]) -> dict[str, int]:
+    ids = {JobIdentity.schedule("t-batch", k).idempotency_key: k for k in keys}
+    with engine.connect() as conn:
+        rows = conn.execute(
+            sa.select(outbox_table.c.idempotency_key, sa.func.count())
+            .where(outbox_table.c.idempotency_key.in_(ids))
+            .group_by(outbox_table.c.idempotency_key)
+        ).all()
+    return {ids[key]: int(n) for key, n in rows}
+
+
+def _tags(dagster_pg: DagsterPg, run_id: str) -> dict[str, str]:
+    run = dagster_pg.instance.get_run_by_id(run_id)
+    assert run is not None
+    return {k: v for k, v in run.tags.items() if k.startswith("joblease/")}
+
+
+def test_one_call_for_the_keys_won_succeeded_skipped_held_given_in_a_further_call(
+    dagster_pg: DagsterPg, engine: sa.Engine, calls: Path
+) -> None:
+    keys = _days(9, 1, 5)
+    done_elsewhere, held_key = keys[2], keys[3]
+    other = LeaseService(engine, holder="worker:5", lease_ms=600_000, heartbeat_ms=0)
+    finished = other.acquire(JobIdentity.schedule("t-batch", done_elsewhere))
+    assert finished is not None
+    other.complete(finished)
+    held = other.acquire(JobIdentity.schedule("t-batch", held_key))
+    assert held is not None
+
+    def give_up_after_the_first_call() -> None:
+        wait_until(lambda: len(_calls(calls)) == 1, timeout=120)
+        other.fail(held, "the other holder gave up")  # frees the key during the run's wait
+
+    releaser = threading.Thread(target=give_up_after_the_first_call)
+    releaser.start()
+    try:
+        result = _materialize(dagster_pg, keys, held_wait_ms=180_000)
+    finally:
+        releaser.join()
+
+    assert result.success
+    assert _calls(calls) == [[keys[0], keys[1], keys[4]], [held_key]]
+    assert _leases(engine, keys) == {
+        **{k: ("SUCCESS", 1) for k in keys if k != held_key},
+        held_key: ("SUCCESS", 2),
+    }
+    assert _outbox(engine, keys) == {k: 1 for k in keys if k != done_elsewhere}
+    assert _tags(dagster_pg, result.run_id) == {
+        TAG_OUTCOME: "reclaimed",
+        TAG_WINNER: "multiple",
+        TAG_WORK: "reclaimed:1,won:3,skipped-succeeded:1",
+    }
+    materialized = dagster_pg.instance.get_materialized_partitions(ASSET.key)
+    assert set(keys) <= materialized  # every key done: the output covers the range
+
+
+def test_a_failing_call_fails_its_whole_set_and_the_step_names_the_keys(
+    dagster_pg: DagsterPg, engine: sa.Engine, calls: Path
+) -> None:
+    keys = _days(9, 10, 12)
+    os.environ[range_assets.FAIL_ENV] = keys[1]
+    result = _materialize(dagster_pg, keys)
+    assert not result.success
+    assert _leases(engine, keys) == dict.fromkeys(keys, ("FAIL", 1))
+    assert _outbox(engine, keys) == {}
+    (record,) = step_records(dagster_pg.instance, result.run_id).values()
+    assert record[META_OUTCOMES] == {"failed": 3}
+    (failure,) = [e for e in result.all_events if e.is_step_failure]
+    message = failure.step_failure_data.error.message if failure.step_failure_data.error else ""
+    assert "3 of 3 keys not done: failed: 2024-09-10 (RuntimeError" in message
+    assert dagster_pg.instance.get_materialized_partitions(ASSET.key).isdisjoint(keys)
+
+    # A retry reclaims the set in one call.
+    os.environ.pop(range_assets.FAIL_ENV)
+    again = _materialize(dagster_pg, keys)
+    assert again.success
+    assert _leases(engine, keys) == dict.fromkeys(keys, ("SUCCESS", 2))
+    assert _tags(dagster_pg, again.run_id)[TAG_WORK] == "reclaimed:3"
+
+
+@pytest.mark.chaos
+def test_two_overlapping_batch_range_runs_race_with_one_effect_per_key(
+    dagster_pg: DagsterPg, engine: sa.Engine
+) -> None:
+    first, second = _days(10, 1, 20), _days(10, 10, 31)
+    procs = [
+        subprocess.Popen(
+            [sys.executable, "-m", "tests.dagster.range_worker", "batch_asset", keys[0], keys[-1]],
+            cwd=REPO,
+            env=dagster_pg.env(),
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        for keys in (first, second)
+    ]
+    outs = [proc.communicate(timeout=300) for proc in procs]
+    results = [json.loads(out.splitlines()[-1]) for out, _err in outs]
+    assert [r["ok"] for r in results] == [True, True], [err[-2000:] for _out, err in outs]
+    every = sorted(set(first) | set(second))
+    assert {k: s for k, (s, _a) in _leases(engine, every).items()} == dict.fromkeys(every, "SUCCESS")
+    assert _outbox(engine, every) == dict.fromkeys(every, 1)  # one effect per key
+    did = 0
+    for r in results:
+        (record,) = step_records(dagster_pg.instance, r["run_id"]).values()
+        outcomes = record[META_OUTCOMES]
+        assert isinstance(outcomes, dict)
+        did += outcomes.get("won", 0) + outcomes.get("reclaimed", 0)
+    assert did == len(every)
