@@ -7,8 +7,10 @@ machine's waiting is left out, unlike a throughput figure), the median per call,
 the sides; min-max over rounds beside it. Sides, each on one connection in this process:
 
 * ``identity``: ``JobIdentity.schedule(code, run_key)`` alone (validation, NFC, JSON, SHA-256);
-* ``claim`` floors (physical, same-table) and ``library claim`` (``try_acquire`` with the identity built
-  in the call), likewise for ``refused`` (a key held by a live lease);
+* ``claim`` floors (physical, same-table), ``claim library-sql`` (the library's own compiled claim SQL and
+  parameters, identity included, from a bare loop on the library's autocommit connection: the gap to
+  ``claim library`` is the library's Python around the statement) and ``claim library`` (``try_acquire``
+  with the identity built in the call), likewise for ``refused`` (a key held by a live lease);
 * ``enqueue`` floors (physical, same-table: ``json.dumps`` and, same-table, SHA-256 per row; commit) and
   the library's ``enqueue_once`` on a psycopg connection and inside ``engine.begin()``.
 
@@ -27,13 +29,18 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
+import httpx
+
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from benchmarks import dispatch, lease
 from benchmarks.harness import Stat, load
+from benchmarks.plain_receiver import start_plain_receiver_process
+from dagster_joblease.dispatch import Dispatcher, Route
 from dagster_joblease.identity import JobIdentity
-from dagster_joblease.lease import LeaseService
+from dagster_joblease.lease import LeaseService, psycopg_claim_sql
 from dagster_joblease.storage import create_engine
+from dagster_joblease.storage.autocommit import autocommit_connections
 
 
 def sides(url: str) -> dict[str, Callable[[int], object]]:
@@ -48,6 +55,26 @@ def sides(url: str) -> dict[str, Callable[[int], object]]:
             steps[f"{workload} {name}"] = step
     engine = create_engine(url)
     service = LeaseService(engine, lease_ms=lease.LEASE_MS)
+    insert, _ = psycopg_claim_sql()
+    handle = autocommit_connections(engine).acquire(engine)
+
+    def library_sql(i: int) -> object:
+        """The library's own claim SQL and parameters, from a bare loop on its own kind of connection."""
+        job = JobIdentity.schedule("bench", f"{tag}-sql-{i}")
+        params = {
+            "p_lock_key": job.idempotency_key,
+            "p_job_type": job.type.value,
+            "p_code": job.code,
+            "p_run_key": job.run_key,
+            "p_owner_token": secrets.token_hex(16),
+            "p_lease_ms": lease.LEASE_MS,
+            "p_heartbeat_ms": 30_000,
+            "p_holder": "bench",
+        }
+        handle.cursor.execute(insert.sql, insert.args(params), prepare=True)
+        return handle.cursor.fetchone()
+
+    steps["claim library-sql"] = library_sql
     steps["claim library"] = lambda i: service.try_acquire(JobIdentity.schedule("bench", f"{tag}-lib-{i}"))
     steps["refused library"] = lambda i: service.try_acquire(
         JobIdentity.schedule("bench-held", f"key-{i % lease.HELD_KEYS}")
@@ -79,6 +106,13 @@ def main(argv: list[str] | None = None) -> int:
         "--profile", action="append", default=[], help="side(s) to profile, e.g. 'claim library'"
     )
     parser.add_argument("--top", type=int, default=18, help="profile lines to print")
+    parser.add_argument(
+        "--profile-delivery",
+        type=int,
+        default=0,
+        metavar="ROWS",
+        help="also profile the dispatcher (concurrency 1, inline) and the bare httpx loop over ROWS rows",
+    )
     args = parser.parse_args(argv)
     (url,), drop = lease.databases(lease.server_url(), 1)
     try:
@@ -121,9 +155,50 @@ def main(argv: list[str] | None = None) -> int:
         for name in args.profile:
             profile(name, steps[name], offset, args.calls * 3, args.top)
             offset += args.calls * 3
+        if args.profile_delivery:
+            profile_delivery(url, args.profile_delivery, args.top)
     finally:
         drop()
     return 0
+
+
+def profile_delivery(url: str, rows: int, top: int) -> None:
+    """cProfile (thread CPU) of the dispatcher draining ``rows`` rows inline, then of the bare httpx loop
+    posting as many to the same plain receiver."""
+    base, stop, _pid = start_plain_receiver_process(url)
+    target = base + "/bench"
+    try:
+        dispatch._truncate(url)  # the enqueue sides above left pending rows of their own
+        dispatch._fill_pending(url, rows, "v2:prof-")
+        engine = create_engine(url)
+        with Dispatcher(engine, {"bench": Route(target)}, concurrency=1) as dispatcher:
+            dispatcher.dispatch(limit=10)  # warm the client's connection and the statements
+            prof = cProfile.Profile(time.thread_time)
+            prof.enable()
+            while dispatcher.dispatch(limit=100).claimed:
+                pass
+            prof.disable()
+        engine.dispose()
+        print(f"\nprofile of the dispatcher delivering {rows} rows inline (thread CPU; own time first):")
+        pstats.Stats(prof).sort_stats("tottime").print_stats(top)
+        print("the dispatcher's own functions, by cumulative time:")
+        pstats.Stats(prof).sort_stats("cumulative").print_stats("dagster_joblease", top)
+        bodies = [dispatch._text(i).encode() for i in range(rows)]
+        with httpx.Client() as client:
+            client.post(target, content=b"{}", headers={"Idempotency-Key": "v2:prof-warm"})
+            prof = cProfile.Profile(time.thread_time)
+            prof.enable()
+            for i, body in enumerate(bodies):
+                client.post(
+                    target,
+                    content=body,
+                    headers={"Content-Type": "application/json", "Idempotency-Key": f"v2:prof-floor-{i}"},
+                ).raise_for_status()
+            prof.disable()
+        print(f"\nprofile of the bare httpx loop posting {rows} rows (thread CPU; own time first):")
+        pstats.Stats(prof).sort_stats("tottime").print_stats(top)
+    finally:
+        stop()
 
 
 def profile(name: str, step: Callable[[int], object], start: int, calls: int, top: int) -> None:

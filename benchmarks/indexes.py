@@ -216,6 +216,7 @@ def _claim_args(i: int) -> tuple[Any, ...]:
             "p_run_key": job.run_key,
             "p_owner_token": secrets.token_hex(16),
             "p_lease_ms": LEASE_MS,
+            "p_heartbeat_ms": 30_000,
             "p_holder": "bench",
         }
     )

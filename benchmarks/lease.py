@@ -85,8 +85,8 @@ PHYSICAL_REFUSED = (
 
 _INSERT = (
     "INSERT INTO joblease_lease (lock_key, job_type, code, run_key, status, owner_token, attempt, lease_ms, "
-    "holder, created_at, acquired_at, heartbeat_at, expires_at) VALUES (%s, 'SCHEDULE', %s, %s, 'RUNNING', "
-    "%s, 1, %s, %s, clock_timestamp(), clock_timestamp(), clock_timestamp(), "
+    "heartbeat_ms, holder, created_at, acquired_at, heartbeat_at, expires_at) VALUES (%s, 'SCHEDULE', %s, "
+    "%s, 'RUNNING', %s, 1, %s, 30000, %s, clock_timestamp(), clock_timestamp(), clock_timestamp(), "
     "clock_timestamp() + %s * INTERVAL '1 millisecond') "
 )
 SAME_TABLE_CLAIM = _INSERT + "ON CONFLICT (lock_key) DO NOTHING RETURNING id"
@@ -237,6 +237,7 @@ def server_ms(url: str, reps: int = 60) -> float:
                 "p_run_key": job.run_key,
                 "p_owner_token": secrets.token_hex(16),
                 "p_lease_ms": LEASE_MS,
+                "p_heartbeat_ms": 30_000,
                 "p_holder": "bench",
             }
             row = conn.execute("EXPLAIN (ANALYZE, FORMAT JSON) " + insert.sql, insert.args(values)).fetchone()

@@ -45,6 +45,7 @@ __all__ = [
     "LostBatchLeaseError",
     "LostLeaseError",
     "NotFoundError",
+    "OutboxBackpressureError",
     "OutboxConflictError",
     "RetentionWindowError",
     "SchemaNotAtHeadError",
@@ -190,6 +191,27 @@ class OutboxConflictError(JobLeaseError):
             f"outbox key {idempotency_key!r} already holds {what}: one identity must mean one effect. "
             "Derive a distinct key per effect with effect_key(run_key, name), or keep the payload "
             "deterministic."
+        )
+
+
+class OutboxBackpressureError(JobLeaseError):
+    """``enqueue_once(..., max_pending=N)`` found N rows of the topic already pending; nothing was written.
+
+    Retryable: the producer (a leased op) should fail and try again later, once the downstream caught up,
+    rather than pile more work onto it. Roll back the transaction (its domain change too) and retry.
+    """
+
+    retryable = True
+
+    def __init__(self, *, topic: str, pending: int, max_pending: int) -> None:
+        self.topic = topic
+        self.pending = pending
+        self.max_pending = max_pending
+        super().__init__(
+            f"outbox topic {topic!r} already has {pending} pending row(s), the most "
+            f"max_pending={max_pending} "
+            "allows; nothing was written. Retry later (the downstream is behind: see `joblease outbox "
+            "status`), or raise max_pending"
         )
 
 

@@ -12,7 +12,7 @@ The state these functions judge lives in ``joblease_route_group`` (one row per g
 * **Rate: no burst.** Admissions are spaced ``(1 + RATE_SLACK) / rate`` seconds apart on the database
   clock, so any 1-second window holds at most ``rate`` of them. A request may start at most
   :data:`RATE_LATE_S` after its admission (a later one is given back, not sent), which leaves
-  ``RATE_SLACK - RATE_LATE_S`` seconds (30 ms) for the network's own jitter before a downstream could count
+  ``RATE_SLACK - RATE_LATE_S`` seconds (40 ms) for the network's own jitter before a downstream could count
   more than ``rate`` in one second. Admissions are handed out at most :data:`RATE_HORIZON_MS` ahead, so a
   dispatcher never reserves much of the future.
 """
@@ -37,10 +37,10 @@ __all__ = [
 
 #: How long a dispatcher's registered limit stays in force without a claim refreshing it (5 minutes).
 REGISTRATION_MS = 5 * 60_000
-#: Admissions are spaced (1 + RATE_SLACK) / rate seconds apart: 5% below the rate, room for late starts.
-RATE_SLACK = 0.05
+#: Admissions are spaced (1 + RATE_SLACK) / rate seconds apart: 8% below the rate, room for late starts.
+RATE_SLACK = 0.08
 #: Longest a rate-admitted request may start after its admission (seconds); a later one is given back.
-RATE_LATE_S = 0.02
+RATE_LATE_S = 0.04
 #: How far ahead of the database's now rate admissions are handed out.
 RATE_HORIZON_MS = 200
 
@@ -92,11 +92,15 @@ class RateAdmission:
         return self.start_ms + used * self.spacing_ms
 
 
-def admit_rate(rate: int, next_at: dt.datetime | None, now: dt.datetime, want: int) -> RateAdmission:
+def admit_rate(
+    rate: int, next_at: dt.datetime | None, now: dt.datetime, want: int, lead_ms: float = 0.0
+) -> RateAdmission:
     """Admit up to ``want`` requests of a group limited to ``rate``/s whose next free admission is
-    ``next_at`` (None: never used), at database time ``now``."""
+    ``next_at`` (None: never used), at database time ``now``. The first admission is at least ``lead_ms``
+    ahead: the time the claim still needs to commit and start the request, so it does not start late."""
     spacing = rate_spacing_ms(rate)
-    start = 0.0 if next_at is None else max(0.0, (next_at - now).total_seconds() * 1000.0)
+    ahead = 0.0 if next_at is None else (next_at - now).total_seconds() * 1000.0
+    start = max(ahead, min(lead_ms, RATE_HORIZON_MS / 2))
     if want <= 0 or start > RATE_HORIZON_MS:
         return RateAdmission(0, (), start, spacing, wait_ms=max(0.0, start - RATE_HORIZON_MS))
     count = min(want, int((RATE_HORIZON_MS - start) // spacing) + 1)

@@ -253,6 +253,7 @@ def enqueue_once(
     topic: str,
     payload: Any,
     max_payload_bytes: int = DEFAULT_MAX_PAYLOAD_BYTES,
+    max_pending: int | None = None,
 ) -> bool:
     """Add a pending outbox row inside the caller's transaction; True if inserted, False if already there.
 
@@ -267,6 +268,12 @@ def enqueue_once(
     identity downstream (the receiver deduplicates on ``Idempotency-Key``), so a second row under one key
     could never be delivered as a second effect: it would be swallowed as a replay. Invalid input raises
     :class:`InvalidPayloadError` before any SQL is sent.
+
+    ``max_pending`` (optional backlog bound): when the topic already has this many PENDING rows, raise
+    the retryable :class:`OutboxBackpressureError` and write nothing (a repeat of a row already there
+    still returns False). The count (at most ``max_pending`` rows read) runs only when the argument is
+    given. The bound is soft under concurrent writers: at READ COMMITTED two transactions can both see
+    N-1 pending rows and both insert, so the backlog can pass N by the number of concurrent producers.
 
     Example::
 
@@ -283,6 +290,8 @@ def enqueue_once(
     driver = target.driver
     params = _prepare_row(idempotency_key, topic, payload, _check_max_bytes(max_payload_bytes))
     fingerprint = params[3]
+    if max_pending is not None:
+        _check_backlog(target, params, _check_max_pending(max_pending))
     # Two rounds: a conflicting row can vanish between the INSERT and the read (a concurrent purge or a
     # rolled-back writer); the second INSERT then simply succeeds.
     for _ in range(2):
@@ -308,6 +317,46 @@ def enqueue_once(
     raise errors.StorageError(
         f"outbox key {idempotency_key!r} conflicted but could not be read back twice; retry the transaction"
     )
+
+
+def _check_max_pending(value: object) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise errors.InvalidPayloadError(
+            "max_pending", f"{value!r} must be an int >= 1 (pending rows of the topic), or None for no bound"
+        )
+    return value
+
+
+def _pending_statement(limit: int) -> sa.Select[Any]:
+    t = outbox_table
+    capped = (
+        sa.select(t.c.id)
+        .where(_PENDING, t.c.topic == sa.bindparam("topic", type_=sa.String()))
+        .limit(sa.literal_column(str(int(limit)), sa.Integer()))  # a literal: one parameter, the topic
+        .subquery()
+    )
+    return sa.select(sa.func.count()).select_from(capped)
+
+
+def _check_backlog(target: CallersTransaction, params: _Params, max_pending: int) -> None:
+    """Raise :class:`OutboxBackpressureError` when the topic has ``max_pending`` pending rows, unless this
+    very row is already there (a repeat stays a no-op)."""
+    key, topic = params[0], params[1]
+    with translate_errors("count pending outbox rows"):
+        if target.driver is not None:
+            dialect = psycopg_dialect.dialect(paramstyle="format")  # type: ignore[no-untyped-call]
+            count_sql = str(_pending_statement(max_pending).compile(dialect=dialect))
+            existing_sql = str(_EXISTING.compile(dialect=dialect))
+            with target.driver.cursor() as cursor:
+                pending = int(cursor.execute(count_sql, (topic,)).fetchone()[0])  # type: ignore[index]
+                exists = pending >= max_pending and cursor.execute(existing_sql, (key,)).fetchone()
+        else:
+            assert target.connection is not None
+            conn = target.connection
+            pending = int(conn.execute(_pending_statement(max_pending), {"topic": topic}).scalar_one())
+            exists = pending >= max_pending and conn.execute(_EXISTING, {"key": key}).first()
+    if pending >= max_pending and not exists:
+        raise errors.OutboxBackpressureError(topic=topic, pending=pending, max_pending=max_pending)
 
 
 # -- enqueue_many: one multi-row statement for a set of rows ----------------------------------------------

@@ -60,6 +60,17 @@ class GroupState:
     paused_until: dt.datetime | None = None
     pause_reason: str | None = None
     failures: int = 0
+    max_in_flight_until: dt.datetime | None = None
+    rate_until: dt.datetime | None = None
+
+    def registration_fresh(self, name: str, value: int | None) -> bool:
+        """Whether ``name`` (max_in_flight or rate) already holds ``value`` for more than half a
+        registration's life: refreshing it now would be a write for nothing."""
+        until = self.max_in_flight_until if name == "max_in_flight" else self.rate_until
+        stored = self.max_in_flight if name == "max_in_flight" else self.rate
+        if stored != value or until is None:
+            return False
+        return (until - self.now).total_seconds() * 1000 > limits.REGISTRATION_MS / 2
 
     @property
     def paused(self) -> bool:
@@ -109,6 +120,8 @@ def _state(row: Any) -> GroupState:
         paused_until=as_utc(row.paused_until),
         pause_reason=row.pause_reason,
         failures=int(row.failures or 0),
+        max_in_flight_until=mif_until,
+        rate_until=rate_until,
     )
 
 

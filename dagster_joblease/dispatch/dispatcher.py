@@ -17,7 +17,8 @@ One batch is three phases, and no transaction is open while HTTP is in flight:
    the batch, or sooner when deliveries are slow): one transaction, one UPDATE per kind of outcome, each
    fenced by ``id`` *and* claim token. A dispatcher whose claim expired and was re-claimed updates nothing
    (a *lost claim*), and the row's fate is decided by its new owner. Only the dispatching thread touches
-   the database, so a dispatcher needs one pooled connection whatever its concurrency.
+   the database (save a delivery thread writing a downstream's pause the moment it arrives), so a
+   dispatcher needs one pooled connection whatever its concurrency, and briefly a second during a pause.
 
 A dispatcher that dies leaves claims that expire and are claimed again; the receiver deduplicates the
 re-delivery by its ``Idempotency-Key``. That is at-least-once delivery with end-to-end deduplication.
@@ -373,6 +374,10 @@ class Dispatcher:
             totals = dispatcher.run(poll_interval_s=1.0)
     """
 
+    #: Read the limit groups' state (pauses, limits) at every claim. Off only in benchmarks/limits.py, to
+    #: measure what that read costs the unlimited path.
+    _group_state = True
+
     def __init__(
         self,
         engine: sa.Engine,
@@ -437,6 +442,10 @@ class Dispatcher:
                 self._windows.setdefault(window, []).append(topic)
         self._mismatch_logged: set[tuple[str, str, int | None]] = set()
         self._local_pause: dict[str, float] = {}
+        self._claim_s = 0.005
+        self._limited_seen: frozenset[str] = frozenset(
+            g for g, (mif, rate) in self._group_limits.items() if mif is not None or rate is not None
+        )
         longest_ms = max((int(r.timeout_s * 1000) for r in self.routes.values()), default=0)
         if longest_ms + _safety_ms(self.claim_ms) >= self.claim_ms:
             raise errors.ConfigurationError(
@@ -538,7 +547,7 @@ class Dispatcher:
             if finished and (urgent or not busy or now - flushed_at >= self._record_delay_s):
                 self._record(token, finished, report)
                 finished, flushed_at = [], time.monotonic()
-            if busy and time.monotonic() >= refresh_at:
+            if busy and self._group_state and time.monotonic() >= refresh_at:
                 # Rows still waiting to start: learn of pauses other dispatchers opened meanwhile.
                 self._refresh_pauses()
                 refresh_at = time.monotonic() + PAUSE_REFRESH_S
@@ -585,19 +594,27 @@ class Dispatcher:
         blocked: dict[str, float] = {}
         rows: list[_Claimed] = []
         with translate_errors("claim outbox rows"), self.engine.begin() as conn:
-            states = route_groups.read_states(conn, self.groups)
+            # A refill claims only limited groups, whose locked row tells their pause: no read before.
+            read = self._group_state and not limited_only
+            states = route_groups.read_states(conn, self.groups) if read else {}
             paused = {name for name, state in states.items() if state.paused}
             for name in paused:
                 state = states[name]
                 assert state.paused_until is not None
                 report.paused[name] = (state.paused_until.isoformat(), state.pause_reason or "")
                 self._local_pause[name] = started + state.pause_remaining_ms / 1000
-            limited = {
-                name
-                for name in self.groups - paused
-                if self._group_limits[name] != (None, None) or (name in states and states[name].limited)
-            }
+            if limited_only:
+                limited = set(self._limited_seen)
+            else:
+                limited = {
+                    name
+                    for name in self.groups - paused
+                    if self._group_limits[name] != (None, None) or (name in states and states[name].limited)
+                }
+                self._limited_seen = frozenset(limited)
             open_topics = [t for t in sorted(self.topics) if self._group_of[t] not in paused]
+            if limited_only:
+                open_topics = [t for t in open_topics if self._group_of[t] in limited]
             self._expire(conn, open_topics, report)
             plain = [t for t in open_topics if self._group_of[t] not in limited]
             if plain and not limited_only:
@@ -610,27 +627,41 @@ class Dispatcher:
                 left = min(budget - len(rows), workers)
                 if left <= 0:
                     break
-                taken, wait_s = self._claim_limited(conn, token, name, left, started)
+                taken, wait_s = self._claim_limited(conn, token, name, left, started, report)
                 rows.extend(taken)
                 workers -= len(taken)
                 if wait_s is not None:
                     blocked[name] = wait_s
+        # How long a claim takes here (smoothed): rate admissions start that much ahead (x2), so a request
+        # is not already late when its claim commits.
+        self._claim_s = 0.8 * self._claim_s + 0.2 * (time.monotonic() - started)
         rows.sort(key=lambda r: r.id)
         return rows, blocked
 
     def _claim_limited(
-        self, conn: sa.Connection, token: str, group: str, want: int, started: float
+        self,
+        conn: sa.Connection,
+        token: str,
+        group: str,
+        want: int,
+        started: float,
+        report: DispatchReport,
     ) -> tuple[list[_Claimed], float | None]:
         """Claim up to ``want`` rows of a limited group under its row lock; the wait hint is set when due
         rows had to stay behind for capacity."""
         state = route_groups.lock_group(conn, group)
         local_now = time.monotonic()
+        if state.paused:
+            assert state.paused_until is not None
+            report.paused[group] = (state.paused_until.isoformat(), state.pause_reason or "")
+            self._local_pause[group] = local_now + state.pause_remaining_ms / 1000
+            return [], None
         mine_mif, mine_rate = self._group_limits[group]
         mif = limits.applied_limit(mine_mif, state.max_in_flight, state.max_in_flight_live)
         rate = limits.applied_limit(mine_rate, state.rate, state.rate_live)
         values: dict[str, Any] = {}
         for name, applied, mine in (("max_in_flight", mif, mine_mif), ("rate", rate, mine_rate)):
-            if applied.register:
+            if applied.register and not state.registration_fresh(name, applied.value):
                 values[name] = applied.value
                 values[f"{name}_until"] = route_groups.registration_until()
             if applied.mismatch and (group, name, mine) not in self._mismatch_logged:
@@ -649,7 +680,9 @@ class Dispatcher:
             capacity = min(capacity, mif.value - route_groups.count_in_flight(conn, group))
         admission: limits.RateAdmission | None = None
         if rate.value is not None and capacity > 0:
-            admission = limits.admit_rate(rate.value, state.rate_next_at, state.now, capacity)
+            admission = limits.admit_rate(
+                rate.value, state.rate_next_at, state.now, capacity, lead_ms=2000 * self._claim_s
+            )
             capacity = admission.count
         rows: list[_Claimed] = []
         if capacity > 0:
@@ -764,10 +797,29 @@ class Dispatcher:
             max_deferrals=self.max_deferrals,
         )
         if decision.pause_ms:
-            # This dispatcher's other threads hold off at once; the pause reaches the others when recorded.
+            # This dispatcher's other threads hold off at once, and the pause is written now (not with the
+            # batch's outcomes) so other dispatchers' next claims see it as soon as possible.
             until = time.monotonic() + decision.pause_ms / 1000
             self._local_pause[group] = max(self._local_pause.get(group, 0.0), until)
+            self._write_pause_now(group, row, decision)
         return decision
+
+    def _write_pause_now(self, group: str, row: _Claimed, decision: policy.Decision) -> None:
+        """The one database write a delivery thread makes: a pause, in its own short transaction (the
+        outcome's transaction writes it again; a failure here only delays the pause until then)."""
+        assert decision.pause_ms is not None
+        try:
+            with translate_errors("record a route pause"), self.engine.begin() as conn:
+                route_groups.record_pause(conn, group, decision.pause_ms, self._pause_reason(row, decision))
+        except errors.StorageError as exc:
+            logger.info("could not record a pause at once: %s", exc, extra={"action": "pause_deferred"})
+
+    @staticmethod
+    def _pause_reason(row: _Claimed, decision: policy.Decision) -> str:
+        return (
+            f"HTTP {decision.status_code} with Retry-After from topic {row.topic} "
+            f"(outbox row {row.id}): {decision.reason}"
+        )
 
     def _post(self, row: _Claimed, route: Route, deadline: float) -> policy.Classification:
         headers = {**self._headers[row.topic], "Idempotency-Key": route.key_header(row.idempotency_key)}
@@ -927,10 +979,7 @@ class Dispatcher:
                 continue
             group = self._group_of[row.topic]
             if decision.pause_ms:
-                reason = (
-                    f"HTTP {decision.status_code} with Retry-After from topic {row.topic} "
-                    f"(outbox row {row.id}): {decision.reason}"
-                )
+                reason = self._pause_reason(row, decision)
                 if decision.pause_ms > pauses.get(group, (0, ""))[0]:
                     pauses[group] = (decision.pause_ms, reason)
             if self.routes[row.topic].pause_after_failures is not None:

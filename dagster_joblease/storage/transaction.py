@@ -25,9 +25,8 @@ row would commit on its own, apart from the domain change; an ``Engine`` or any 
 
 from __future__ import annotations
 
-import dataclasses
 import sqlite3
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 import psycopg
 import sqlalchemy as sa
@@ -53,9 +52,9 @@ _FIX_SQLALCHEMY = (
 )
 
 
-@dataclasses.dataclass(frozen=True, slots=True)
-class CallersTransaction:
-    """Where to write so the row commits with the caller's transaction.
+class CallersTransaction(NamedTuple):
+    """Where to write so the row commits with the caller's transaction (a tuple: it is built on every
+    enqueue, and a frozen dataclass costs more to build than the rest of the rule).
 
     ``connection``: the SQLAlchemy connection, its transaction begun (None for a plain psycopg connection).
     ``driver``: the psycopg connection to write on directly (the fast path; it is the same transaction as
@@ -93,7 +92,10 @@ def _from_sqlalchemy(connection: sa.Connection) -> CallersTransaction:
     dialect = connection.dialect
     if dialect.name == "postgresql" and dialect.driver == "psycopg":
         assert isinstance(raw, psycopg.Connection), type(raw)
-        return CallersTransaction(connection, _check_psycopg(raw, _FIX_SQLALCHEMY))
+        # Open, since SQLAlchemy's connection is; autocommit here is the engine's or dialect's setting.
+        if raw.autocommit and raw.info.transaction_status == _IDLE:
+            raise _refuse(_AUTOCOMMIT.format(fix=_FIX_SQLALCHEMY))
+        return CallersTransaction(connection, raw)
     if isinstance(raw, sqlite3.Connection) and (
         getattr(raw, "autocommit", None) is True or (raw.isolation_level is None and not raw.in_transaction)
     ):

@@ -6,8 +6,8 @@
     .venv/bin/python -m tests.dagster.demo_screenshots /tmp/jl-demo docs/img
 
 It starts ``dg dev`` on the demo's Dagster home (127.0.0.1 only, a free port), waits for the UI, and saves
-the runs page (``dagster-runs.png``), the backfill's page (``dagster-backfill.png``) and the page of a
-skipped run, whose step names its winner as a link (``dagster-skip.png``); then it stops ``dg dev``.
+the runs page (``demo-runs.png``), the backfill's page (``demo-backfill.png``) and the page of a
+skipped run, whose step names its winner as a link (``demo-skip.png``); then it stops ``dg dev``.
 """
 
 from __future__ import annotations
@@ -61,14 +61,14 @@ def main(work: Path, out: Path) -> int:
         wait_for("the UI", up, 300)
         screenshot(
             f"{url}/runs?view=runs",
-            out / "dagster-runs.png",
+            out / "demo-runs.png",
             shows=["skipped-succeeded", "reclaimed", "Failure"],
             local_storage=PREFS,
             height=1400,
         )
         screenshot(
             f"{url}/runs/b/{backfill.backfill_id}?tab=runs",
-            out / "dagster-backfill.png",
+            out / "demo-backfill.png",
             shows=["won"],
             local_storage=PREFS,
             height=1000,
@@ -76,7 +76,7 @@ def main(work: Path, out: Path) -> int:
         if skipped:
             screenshot(
                 f"{url}/runs/{skipped[0].run_id}",
-                out / "dagster-skip.png",
+                out / "demo-skip.png",
                 shows=["skipped-succeeded"],
                 local_storage=PREFS,
                 height=1000,
