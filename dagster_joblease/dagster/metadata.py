@@ -256,8 +256,9 @@ class LeasedResult:
 
     ``outcome`` is one of :data:`OUTCOMES`; ``attempt`` is the lease's attempt (for a skip or ``held``,
     the attempt that finished or holds it); ``outbox`` is ``inserted``, ``already-present`` or
-    ``not-enqueued``; ``holder`` and ``winner_run_id`` as in the ``joblease/holder`` and
-    ``joblease/winner_run_id`` tags; ``error`` for ``held``, ``failed`` and ``lost``.
+    ``not-enqueued``; ``holder`` the lease holder this outcome is about (this run's when it claimed, the
+    winner's on a skip, the live holder's on ``held``); ``winner_run_id`` the Dagster run that did the key
+    (``joblease/winner``); ``error`` for ``held``, ``failed`` and ``lost``.
     """
 
     code: str
