@@ -84,3 +84,23 @@ def test_dispatch_once_during_a_pause_says_so_and_status_shows_it(
         conn.execute(sa.update(outbox_table).values(next_attempt_at=db_now()))
     (group,) = json.loads(run(db_url, "outbox", "status", "--json").stdout)["groups"]
     assert group["paused_until"] is None
+
+
+def test_readmes_routes_example_loads_with_its_limits(tmp_path: Path) -> None:
+    import re
+
+    from dagster_joblease.dispatch import load_routes
+
+    readme = (Path(__file__).resolve().parent.parent / "README.md").read_text()
+    section = readme.split("### Delivery bounded by the downstream's capacity", 1)[1].split("\n## ", 1)[0]
+    (example,) = re.findall(r"```toml\n(.*?)```", section, flags=re.DOTALL)
+    path = tmp_path / "routes.toml"
+    path.write_text(example)
+    route = load_routes(path)["billing"]
+    assert (route.limit_group, route.max_in_flight, route.rate, route.max_pause_s) == (
+        "billing-api",
+        4,
+        50,
+        300,
+    )
+    assert route.dedupe_window_s == 86_400 and route.key_format == "bare"

@@ -284,3 +284,50 @@ def test_dispatcher_delivers_to_the_reference_receiver_process(
     assert sorted(k for k, _, _ in effects(direct)) == [f"v1:send-{i:03d}" for i in range(ROUNDS)]
     t = outbox_table
     assert _count(direct, t, t.c.status == "SENT") == ROUNDS
+
+
+def test_dispatchers_with_limits_and_a_pause_hold_through_pgbouncer(
+    engines: tuple[sa.Engine, sa.Engine], direct: sa.Engine
+) -> None:
+    """Two dispatchers through PgBouncer share one max_in_flight=2 group (row locks in short transactions,
+    no advisory locks, no prepared statements), and a 429 Retry-After pauses the group for both."""
+    from dagster_joblease.storage.schema import route_group_table
+    from tests.limit_server import serve
+
+    with engines[0].begin() as conn:
+        for i in range(40):
+            enqueue_once(conn, idempotency_key=f"v2:lim-{i:03d}", topic="work", payload={"i": i})
+
+    def respond(path: str, number: int) -> tuple[int, dict[str, str]]:
+        return (429, {"Retry-After": "3600"}) if number == 30 else (200, {})
+
+    with serve(latency_s=0.01, respond=respond) as server:
+        route = Route(server.url + "/work", max_in_flight=2, max_pause_s=3600)
+        dispatchers = [Dispatcher(engine, {"work": route}, concurrency=4) for engine in engines]
+        errors_seen: list[BaseException] = []
+
+        def work(dispatcher: Dispatcher) -> None:
+            try:
+                for _ in range(200):
+                    report = dispatcher.dispatch(limit=10)
+                    if report.paused:
+                        break
+            except BaseException as exc:  # reported below
+                errors_seen.append(exc)
+
+        threads = [threading.Thread(target=work, args=(d,)) for d in dispatchers]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join(120)
+        for dispatcher in dispatchers:
+            dispatcher.close()
+        assert errors_seen == []
+        assert server.max_in_flight <= 2
+        keys = [k for _, _, k, _ in server.requests]
+        # After the 429 (the 30th request) at most the other slot's request, already claimed, still went.
+        assert len(keys) == len(set(keys)) and 30 <= len(keys) <= 31
+    with direct.connect() as conn:
+        paused = conn.execute(sa.select(route_group_table.c.paused_until)).scalar_one()
+    assert paused is not None
+    assert _count(direct, outbox_table, outbox_table.c.status == "SENT") == len(keys) - 1
