@@ -24,6 +24,7 @@ __all__ = [
     "GroupState",
     "as_utc",
     "count_in_flight",
+    "database_now",
     "lock_group",
     "read_states",
     "record_answers",
@@ -152,6 +153,13 @@ def lock_group(conn: sa.Connection, group: str) -> GroupState:
         )
         row = conn.execute(locked).one()
     return _state(row)
+
+
+def database_now(conn: sa.Connection) -> dt.datetime:
+    """The database clock now (one cheap statement), as an aware UTC datetime."""
+    now = as_utc(conn.execute(sa.select(db_now())).scalar_one())
+    assert now is not None
+    return now
 
 
 def update_group(conn: sa.Connection, group: str, values: dict[str, Any]) -> None:

@@ -78,10 +78,14 @@ def drain(
     limit: int = 500,
     application_name: str | None = None,
 ) -> None:
-    """Dispatch until no row is PENDING (due or waiting out a backoff), then write the totals."""
+    """Dispatch until no row is PENDING (due or waiting out a backoff), then write the totals and the
+    moment (``time.monotonic()``, one clock for every process of the machine) each request was sent."""
     engine, counter = _setup(database_url, application_name)
     totals = DispatchReport()
+    sent_at: list[float] = []
     with Dispatcher(engine, _routes(routes), **options) as dispatcher:
+        # httpx calls request hooks just before the request goes to the transport.
+        dispatcher._client.event_hooks["request"].append(lambda _request: sent_at.append(time.monotonic()))
         started = time.time()
         while True:
             try:
@@ -95,7 +99,7 @@ def drain(
             if report.claimed == 0:
                 time.sleep(0.02)
         finished = time.time()
-    _write(result_path, totals, counter, started=started, finished=finished)
+    _write(result_path, totals, counter, started=started, finished=finished, sent_at=sent_at)
     engine.dispose()
 
 

@@ -155,6 +155,8 @@ class _Claimed:
     claimed_at: float = 0.0
     #: A rate admission: do not start before this local monotonic time (None: at once).
     not_before: float | None = None
+    #: A rate admission: do not start after this local monotonic time (given back instead).
+    send_by: float | None = None
 
 
 class _TooLate(Exception):
@@ -679,9 +681,17 @@ class Dispatcher:
         if mif.value is not None:
             capacity = min(capacity, mif.value - route_groups.count_in_flight(conn, group))
         admission: limits.RateAdmission | None = None
+        rate_now, asked, answered = state.now, local_now, local_now
         if rate.value is not None and capacity > 0:
+            # The database clock read once the group is locked, bracketed by local times: an admission's
+            # true local moment lies in [asked, answered] + its offset. A request starts no earlier than
+            # the latest and no later than the earliest + RATE_LATE_S, so every dispatcher's requests start
+            # within RATE_LATE_S of their admissions whatever a loaded machine does to this round trip.
+            asked = time.monotonic()
+            rate_now = route_groups.database_now(conn)
+            answered = time.monotonic()
             admission = limits.admit_rate(
-                rate.value, state.rate_next_at, state.now, capacity, lead_ms=2000 * self._claim_s
+                rate.value, state.rate_next_at, rate_now, capacity, lead_ms=2000 * self._claim_s
             )
             capacity = admission.count
         rows: list[_Claimed] = []
@@ -697,11 +707,17 @@ class Dispatcher:
             claimed = sorted(conn.execute(stmt), key=lambda r: r[0])
             offsets = admission.offsets_ms if admission is not None else ()
             for i, r in enumerate(claimed):
-                not_before = local_now + offsets[i] / 1000 if i < len(offsets) else None
-                rows.append(_claimed(r, group=group, claimed_at=started, not_before=not_before))
+                if i < len(offsets):
+                    not_before: float | None = answered + offsets[i] / 1000
+                    send_by: float | None = asked + offsets[i] / 1000 + limits.RATE_LATE_S
+                else:
+                    not_before = send_by = None
+                rows.append(
+                    _claimed(r, group=group, claimed_at=started, not_before=not_before, send_by=send_by)
+                )
             if admission is not None and rows:
                 next_ms = admission.next_after(len(rows))
-                values["rate_next_at"] = _as_stored(state.now + dt.timedelta(milliseconds=next_ms), conn)
+                values["rate_next_at"] = _as_stored(rate_now + dt.timedelta(milliseconds=next_ms), conn)
         route_groups.update_group(conn, group, values)
         wait_s: float | None = None
         if len(rows) < want and (capacity <= 0 or (admission is not None and len(rows) == capacity)):
@@ -830,7 +846,7 @@ class Dispatcher:
             headers=headers,
             timeout=self._timeouts[row.topic],
         )
-        if row.not_before is not None and time.monotonic() > row.not_before + limits.RATE_LATE_S:
+        if row.send_by is not None and time.monotonic() > row.send_by:
             raise _TooLate
         response = self._client.send(request, stream=True, follow_redirects=False)
         try:
