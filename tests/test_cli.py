@@ -434,7 +434,10 @@ def test_dispatch_once_delivers_and_parks_the_poison_row(pg_url: str, tmp_path: 
         result = run(
             pg_url, "dispatch", "--once", "--routes", str(routes), "--route", f"poison={receiver.url}/poison"
         )
-        assert result.exit_code == 0, result.output
+        # A pass that dead-lettered a row fails (exit 1), naming how many and how to requeue.
+        assert result.exit_code == 1, result.output
+        assert "1 row(s) were dead-lettered in this pass" in result.stderr
+        assert "joblease outbox requeue --all-dead" in result.stderr
         assert "batch 1: claimed 6 sent 5 retried 0 dead 1" in result.output
         assert "warning: outbox row" in result.stderr and "topic poison) is DEAD: HTTP 400" in result.stderr
         assert "DEAD" not in result.stdout
