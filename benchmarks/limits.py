@@ -65,6 +65,8 @@ class Receiver:
         self.in_flight = 0
         self.max_in_flight = 0
         self.arrivals: list[tuple[float, str]] = []
+        #: (arrival, path, Idempotency-Key) of every request
+        self.keyed: list[tuple[float, str, str]] = []
         self.counts: dict[str, int] = {}
         self.paused_answer_at: float | None = None
         receiver = self
@@ -83,6 +85,7 @@ class Receiver:
                     receiver.in_flight += 1
                     receiver.max_in_flight = max(receiver.max_in_flight, receiver.in_flight)
                     receiver.arrivals.append((now, self.path))
+                    receiver.keyed.append((now, self.path, self.headers.get("Idempotency-Key", "")))
                     n = receiver.counts[self.path] = receiver.counts.get(self.path, 0) + 1
                 if latency_s:
                     time.sleep(latency_s)
@@ -130,6 +133,18 @@ def _routes(spec: dict[str, dict[str, Any]]) -> dict[str, Route]:
     return {t: Route(r["url"], **{k: v for k, v in r.items() if k != "url"}) for t, r in spec.items()}
 
 
+class _PauseTimed(Dispatcher):
+    """The dispatcher as shipped, noting (time.time()) when each pause it writes at once has committed:
+    the moment other dispatchers' claims can see it."""
+
+    pause_committed: list[tuple[float, float]]
+
+    def _write_pause_now(self, group: str, row: Any, decision: Any) -> None:
+        learned = time.time()  # the 429 is judged; the write starts
+        super()._write_pause_now(group, row, decision)
+        self.pause_committed.append((learned, time.time()))
+
+
 def drain(
     url: str,
     routes: dict[str, dict[str, Any]],
@@ -139,8 +154,9 @@ def drain(
 ) -> None:
     """Dispatch until no row is pending or the deadline passes (a bounded loop); put the totals."""
     engine = create_engine(url)
-    totals = {"claimed": 0, "sent": 0, "released": 0, "retried": 0}
-    dispatcher = Dispatcher(engine, _routes(routes), concurrency=8, backoff_base_ms=10, backoff_max_ms=100)
+    totals: dict[str, Any] = {"claimed": 0, "sent": 0, "released": 0, "retried": 0}
+    dispatcher = _PauseTimed(engine, _routes(routes), concurrency=8, backoff_base_ms=10, backoff_max_ms=100)
+    dispatcher.pause_committed = []
     dispatcher._group_state = group_state
     ends = time.monotonic() + deadline_s
     with dispatcher:
@@ -153,6 +169,8 @@ def drain(
                     break
                 time.sleep(0.01)
     engine.dispose()
+    if dispatcher.pause_committed:
+        totals["pause_committed"] = dispatcher.pause_committed
     if results is not None:
         results.put(totals)
 
@@ -168,7 +186,7 @@ def _pending(engine: sa.Engine) -> int:
 
 def run_dispatchers(
     url: str, routes: dict[str, dict[str, Any]], count: int, deadline_s: float
-) -> dict[str, int]:
+) -> dict[str, Any]:
     """Run ``count`` dispatcher processes to the end; their summed totals (claimed, sent, released…)."""
     results = CTX.Queue()
     procs = [
@@ -177,10 +195,10 @@ def run_dispatchers(
     ]
     for p in procs:
         p.start()
-    totals: dict[str, int] = {}
+    totals: dict[str, Any] = {}
     for _ in procs:
         for key, value in results.get(timeout=deadline_s + 60).items():
-            totals[key] = totals.get(key, 0) + value
+            totals[key] = totals.get(key, [] if isinstance(value, list) else 0) + value
     for p in procs:
         p.join(30)
         if p.is_alive():
@@ -253,6 +271,22 @@ def scenario_rate(url: str, engine: sa.Engine, rows: int) -> dict[str, Any]:
     }
 
 
+def _claimed_at(engine: sa.Engine, keys: list[str]) -> dict[str, float]:
+    """Each key's first claim (``first_attempt_at``, the claim statement's database clock, as epoch
+    seconds: the database and this process share the machine's clock)."""
+    if not keys:
+        return {}
+    with engine.connect() as conn:
+        rows = conn.execute(
+            sa.text(
+                "SELECT idempotency_key, extract(epoch FROM first_attempt_at) FROM joblease_outbox "
+                "WHERE idempotency_key IN :keys"
+            ).bindparams(sa.bindparam("keys", expanding=True)),
+            {"keys": keys},
+        )
+        return {k: float(t) for k, t in rows}
+
+
 def scenario_pause(url: str, engine: sa.Engine, rows: int) -> dict[str, Any]:
     reset(engine)
     enqueue(engine, "a", rows)
@@ -262,18 +296,54 @@ def scenario_pause(url: str, engine: sa.Engine, rows: int) -> dict[str, Any]:
             "a": {"url": rx.url + "/a", "limit_group": "A", "max_in_flight": 4},
             "b": {"url": rx.url + "/b", "limit_group": "B", "max_in_flight": 4},
         }
-        run_dispatchers(url, routes, 3, 120)
+        totals = run_dispatchers(url, routes, 3, 120)
         answered = rx.paused_answer_at
         a_times, b_times = rx.times("/a"), rx.times("/b")
+        with rx.lock:
+            keyed = list(rx.keyed)
     if answered is None:
         return {"error": "route A never answered 429"}
+    writes = totals.get("pause_committed", [])
+    committed = min((c for _, c in writes), default=None)
+    learned = min((learned for learned, _ in writes), default=None)
     after = [t for t in a_times if t > answered]
     gap = (after[0] - answered) if after else None
     before_b = sum(1 for t in b_times if answered - 2 <= t < answered) / 2
     during_b = sum(1 for t in b_times if answered <= t < answered + 2) / 2
+    # The requests on A that started within the pause: when was each claimed, against the moment the pause
+    # committed? Claimed before it: no dispatcher could have known (the downstream's answer was still on
+    # its way, or being written). Claimed after it: a request the pause should have stopped.
+    leaked = [(t, k) for t, p, k in keyed if p == "/a" and answered < t < answered + 2]
+    claimed = _claimed_at(engine, [k for _, k in leaked])
+    detail = [
+        {
+            "arrived_after_429_ms": round((t - answered) * 1000, 1),
+            "claimed_vs_pause_commit_ms": None
+            if committed is None or k not in claimed
+            else round((claimed[k] - committed) * 1000, 1),
+        }
+        for t, k in sorted(leaked)
+    ]
     return {
         "gap_429_to_next_a_request_s": None if gap is None else round(gap, 3),
-        "a_requests_within_2s_after_429": sum(1 for t in after if t < answered + 2),
+        "a_requests_within_2s_after_429": len(leaked),
+        "429_judged_by_dispatcher_after_answer_ms": None
+        if learned is None
+        else round((learned - answered) * 1000, 1),
+        "pause_committed_after_answer_ms": None
+        if committed is None
+        else round((committed - answered) * 1000, 1),
+        "of_those_claimed_before_the_pause_committed": sum(
+            1
+            for d in detail
+            if d["claimed_vs_pause_commit_ms"] is not None and d["claimed_vs_pause_commit_ms"] < 0
+        ),
+        "of_those_claimed_after_the_pause_committed (must be 0)": sum(
+            1
+            for d in detail
+            if d["claimed_vs_pause_commit_ms"] is None or d["claimed_vs_pause_commit_ms"] >= 0
+        ),
+        "a_requests_in_the_pause": detail,
         "b_per_s_2s_before": before_b,
         "b_per_s_during_pause": during_b,
         "b_ratio_during_vs_before": round(during_b / before_b, 3) if before_b else None,

@@ -25,11 +25,13 @@ __all__ = [
     "as_utc",
     "count_in_flight",
     "database_now",
+    "in_flight_query",
     "lock_group",
     "read_states",
     "record_answers",
     "record_connection_failures",
     "record_pause",
+    "slots_left",
     "update_group",
 ]
 
@@ -173,10 +175,10 @@ def registration_until() -> sa.ColumnElement[Any]:
     return db_now_plus_ms(sa.literal(limits.REGISTRATION_MS, sa.BigInteger()))
 
 
-def count_in_flight(conn: sa.Connection, group: str) -> int:
-    """Requests of ``group`` in flight now: unexpired claims holding its capacity (any dispatcher)."""
+def in_flight_query(group: str) -> sa.Select[Any]:
+    """``SELECT count(*)`` of the claims holding ``group``'s capacity now (see :func:`count_in_flight`)."""
     o = outbox_table
-    stmt = (
+    return (
         sa.select(sa.func.count())
         .select_from(o)
         .where(
@@ -185,7 +187,25 @@ def count_in_flight(conn: sa.Connection, group: str) -> int:
             o.c.status == sa.literal_column("'PENDING'"),
         )
     )
-    return int(conn.execute(stmt).scalar_one())
+
+
+def count_in_flight(conn: sa.Connection, group: str) -> int:
+    """Requests of ``group`` in flight now: unexpired claims holding its capacity (any dispatcher)."""
+    return int(conn.execute(in_flight_query(group)).scalar_one())
+
+
+def slots_left(
+    dialect_name: str, group: str, max_in_flight: int, want: int | sa.ColumnElement[int]
+) -> sa.ColumnElement[int]:
+    """``min(want, max_in_flight - in flight now)``, at least 0, as an SQL expression: a claim's LIMIT, so
+    the count and the claim are one statement (under the group's lock, its snapshot sees every claim and
+    release committed before)."""
+    if isinstance(want, int):
+        want = sa.literal(want, sa.Integer())
+    left = sa.literal(max_in_flight, sa.Integer()) - in_flight_query(group).scalar_subquery()
+    if dialect_name == "postgresql":
+        return sa.func.greatest(0, sa.func.least(want, left), type_=sa.Integer())
+    return sa.func.max(0, sa.func.min(want, left), type_=sa.Integer())
 
 
 def _bound(text: str) -> str:

@@ -313,3 +313,36 @@ def test_applied_limit_keeps_the_smallest_live_value() -> None:
     assert limits.applied_limit(8, 4, False) == limits.Applied(8, register=True)
     assert limits.applied_limit(None, 4, True) == limits.Applied(4, register=False)
     assert limits.applied_limit(None, 4, False) == limits.Applied(None, register=False)
+
+
+def test_nothing_of_a_group_is_claimed_once_its_pause_is_known(pg_url: str) -> None:
+    """A 429 answered while another request of the group is in flight: the pause is in the database
+    before that request's answer comes back, and the slot it frees is not refilled (no row of the group
+    is claimed after the pause: a claim stamps first_attempt_at, which a give-back does not clear)."""
+    engine = create_engine(pg_url)
+    enqueue_many(engine, 8, topic="slow", prefix="v2:slow")
+    group = "slow-group"
+
+    def paused() -> bool:
+        row = _group(engine, group)
+        return row is not None and row.paused_until is not None
+
+    def respond(path: str, number: int) -> tuple[int, dict[str, str]]:
+        if number == 1:
+            return 429, {"Retry-After": "3600"}
+        wait_until(paused, timeout=60)  # the second request is answered only once the pause committed
+        return 200, {}
+
+    with serve(latency_s=0.01, respond=respond) as server:
+        route = Route(server.url + "/slow", limit_group=group, max_in_flight=2, max_pause_s=3600)
+        with Dispatcher(engine, {"slow": route}, concurrency=4, **FAST) as dispatcher:
+            report = dispatcher.dispatch()
+        assert len(server.arrivals("/slow")) == 2  # the two requests that held the slots
+    assert report.sent == 1 and report.deferred == 1 and report.claimed == 2
+    t = outbox_table
+    with engine.connect() as conn:
+        never = conn.execute(
+            sa.select(sa.func.count()).where(t.c.topic == "slow", t.c.first_attempt_at.is_(None))
+        ).scalar_one()
+    assert never == 6  # the slots the 429 and the 200 freed were not refilled during the pause
+    engine.dispose()

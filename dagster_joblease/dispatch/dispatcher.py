@@ -48,7 +48,7 @@ import time
 from collections.abc import Callable, Collection, Mapping
 from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
 from types import FrameType, TracebackType
-from typing import Any
+from typing import Any, TypeVar
 
 import httpcore
 import httpx
@@ -80,8 +80,13 @@ PAUSE_REFRESH_S = 0.05
 LIMIT_WAIT_S = 1.0
 #: Pause between two looks at a full in-flight limit held by other dispatchers.
 SLOT_POLL_S = 0.02
+#: How long a group's applied limits, read under its lock, are trusted for a lock-free look at its slots.
+APPLIED_TRUST_S = 1.0
 DEFAULT_MAX_DEFERRALS = 100
+#: A claim capacity the claim statement counts itself (max_in_flight alone: route_groups.slots_left).
+_SLOTS = object()
 _OutcomeLabel = str
+_T = TypeVar("_T")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -196,14 +201,15 @@ def _safety_ms(claim_ms: int) -> int:
 def claim_statement(
     dialect_name: str,
     *,
-    token: str,
-    limit: int,
+    token: str | sa.BindParameter[str],
+    limit: int | sa.ColumnElement[int],
     claim_ms: int,
     topics: Collection[str] | None = None,
     claim_group: str | None = None,
 ) -> sa.Update:
     """The claim as one statement: lock up to ``limit`` due rows (of ``topics`` only, when given), stamp
-    ``token``, an expiry and ``claim_group`` (the limit group whose capacity the claim holds), record the
+    ``token``, an expiry and ``claim_group`` (the limit group whose capacity the claim holds; ``limit`` may
+    then be an SQL expression, the slots it has left: see :func:`route_groups.slots_left`), record the
     first attempt's time if this is it, count the attempt, and return ``(id, idempotency_key, topic,
     attempts, payload as text, deferrals)``.
 
@@ -444,6 +450,10 @@ class Dispatcher:
                 self._windows.setdefault(window, []).append(topic)
         self._mismatch_logged: set[tuple[str, str, int | None]] = set()
         self._local_pause: dict[str, float] = {}
+        #: group → (max_in_flight, rate) applied at this dispatcher's last locked claim, trusted until.
+        self._applied: dict[str, tuple[int | None, int | None, float]] = {}
+        self._warm = False
+        self._statements_cache: dict[tuple[str, str, int | None], sa.Executable] = {}
         self._claim_s = 0.005
         self._limited_seen: frozenset[str] = frozenset(
             g for g, (mif, rate) in self._group_limits.items() if mif is not None or rate is not None
@@ -511,6 +521,8 @@ class Dispatcher:
         if not self.routes:
             return report
         token = secrets.token_hex(16)
+        if self._pool is not None and self._limited_seen and not self._warm:
+            self._warm_pause_connection()
         rows, blocked = self._claim(token, limit, self.concurrency, report, limited_only=False)
         report.claimed += len(rows)
         budget = limit - len(rows)
@@ -536,27 +548,46 @@ class Dispatcher:
                     row = queue.pop(0)
                     finished.append((row, self._deliver(row)))
             elif inflight:
-                timeout = PAUSE_REFRESH_S if len(inflight) > self.concurrency else None
+                timeout = PAUSE_REFRESH_S if self._unstarted(inflight) else None
                 if finished:
                     left = max(0.0, flushed_at + self._record_delay_s - time.monotonic())
                     timeout = left if timeout is None else min(timeout, left)
                 done, _ = wait(set(inflight), timeout=timeout, return_when=FIRST_COMPLETED)
                 finished.extend((inflight.pop(f), f.result()) for f in done)
             busy = bool(inflight or queue)
-            limited_done = any(row.group is not None for row, _ in finished)
-            urgent = limited_done or any(d is not None and d.pause_ms for _, d in finished)
-            now = time.monotonic()
-            if finished and (urgent or not busy or now - flushed_at >= self._record_delay_s):
-                self._record(token, finished, report)
+            freed = {row.group for row, _ in finished if row.group is not None}
+            urgent = bool(freed) or any(d is not None and d.pause_ms for _, d in finished)
+            free = self.concurrency - len(inflight) if self._pool is not None else (0 if queue else 1)
+            can_refill = budget > 0 and free > 0 and not self._stop.is_set()
+            refill: tuple[list[_Claimed], dict[str, float]] | None = None
+            if finished and (urgent or not busy or time.monotonic() - flushed_at >= self._record_delay_s):
+                if freed and can_refill and self._mergeable(finished):
+                    # The outcomes that freed slots and the claim that refills them: one transaction, one
+                    # commit (the slots never wait for another dispatcher's poll).
+                    merged = self._record(
+                        token,
+                        finished,
+                        report,
+                        then=self._refill_claim(token, budget, free, self._busy_groups(inflight)),
+                    )
+                    if merged is not None:
+                        more, blocked_now, sub = merged
+                        self._absorb(report, sub)
+                        refill = (more, blocked_now)
+                else:
+                    self._record(token, finished, report)
                 finished, flushed_at = [], time.monotonic()
             if busy and self._group_state and time.monotonic() >= refresh_at:
-                # Rows still waiting to start: learn of pauses other dispatchers opened meanwhile.
-                self._refresh_pauses()
+                if self._unstarted(inflight) or queue:
+                    # Rows still waiting to start: learn of pauses other dispatchers opened meanwhile.
+                    self._refresh_pauses()
                 refresh_at = time.monotonic() + PAUSE_REFRESH_S
-            free = self.concurrency - len(inflight) if self._pool is not None else (0 if queue else 1)
-            want_refill = budget > 0 and free > 0 and not self._stop.is_set() and (limited_done or blocked)
-            if want_refill and (limited_done or not busy):
-                more, blocked = self._claim(token, budget, free, report, limited_only=True)
+            if refill is None and can_refill and (freed or (blocked and not busy)):
+                refill = self._claim(
+                    token, budget, free, report, limited_only=True, busy=self._busy_groups(inflight)
+                )
+            if refill is not None:
+                more, blocked = refill
                 report.claimed += len(more)
                 budget -= len(more)
                 pending = sorted(more, key=lambda r: r.id)
@@ -585,55 +616,127 @@ class Dispatcher:
         )
         return report
 
+    @staticmethod
+    def _busy_groups(inflight: Mapping[Future[Any], _Claimed]) -> set[str]:
+        return {r.group for r in inflight.values() if r.group is not None}
+
+    def _unstarted(self, inflight: Mapping[Future[Any], _Claimed]) -> bool:
+        """Whether some submitted row has not started yet (queued behind busy workers, or waiting for its
+        rate admission): only those can still be stopped by a pause read from the database."""
+        if len(inflight) > self.concurrency:
+            return True
+        now = time.monotonic()
+        return any(r.not_before is not None and r.not_before > now for r in inflight.values())
+
+    def _mergeable(self, finished: list[_Finished]) -> bool:
+        """Whether ``finished``'s outcomes can share a transaction with a refill claim: not when they
+        write a group's row too (a pause, a failure streak), which would lock groups in another order
+        than the claim does."""
+        for row, decision in finished:
+            if decision is not None and decision.pause_ms:
+                return False
+            if self.routes[row.topic].pause_after_failures is not None:
+                return False
+        return True
+
+    def _refill_claim(
+        self, token: str, budget: int, free: int, busy: Collection[str]
+    ) -> Callable[[sa.Connection], tuple[list[_Claimed], dict[str, float], DispatchReport]]:
+        """The refill claim to run inside the outcomes' transaction. What it reports (pauses seen, rows
+        dead-lettered) goes to a report of its own, counted only once the transaction committed."""
+
+        def claim(conn: sa.Connection) -> tuple[list[_Claimed], dict[str, float], DispatchReport]:
+            sub = DispatchReport()
+            started = time.monotonic()
+            rows, blocked = self._claim_in(
+                conn, token, budget, free, sub, limited_only=True, started=started, busy=busy
+            )
+            return rows, blocked, sub
+
+        return claim
+
+    @staticmethod
+    def _absorb(report: DispatchReport, sub: DispatchReport) -> None:
+        """Count what a committed refill claim reported into the batch's report."""
+        report.paused.update(sub.paused)
+        report.dead += sub.dead
+        report.expired += sub.expired
+        report.rows.extend(sub.rows)
+
     def _claim(
-        self, token: str, budget: int, free: int, report: DispatchReport, *, limited_only: bool
+        self,
+        token: str,
+        budget: int,
+        free: int,
+        report: DispatchReport,
+        *,
+        limited_only: bool,
+        busy: Collection[str] = (),
     ) -> tuple[list[_Claimed], dict[str, float]]:
-        """One claim transaction: read the groups' state, dead-letter rows past their window, claim rows
-        of unlimited groups (up to ``budget``) and of limited groups (up to their capacity and ``free``
-        idle workers). Returns the rows and, per limited group whose due rows had to wait for capacity,
-        the seconds worth waiting before looking again."""
+        """One claim transaction (see :meth:`_claim_in`)."""
         started = time.monotonic()
+        with translate_errors("claim outbox rows"), self.engine.begin() as conn:
+            result = self._claim_in(
+                conn, token, budget, free, report, limited_only=limited_only, started=started, busy=busy
+            )
+        return result
+
+    def _claim_in(
+        self,
+        conn: sa.Connection,
+        token: str,
+        budget: int,
+        free: int,
+        report: DispatchReport,
+        *,
+        limited_only: bool,
+        started: float,
+        busy: Collection[str] = (),
+    ) -> tuple[list[_Claimed], dict[str, float]]:
+        """Read the groups' state, dead-letter rows past their window, claim rows of unlimited groups (up
+        to ``budget``) and of limited groups (up to their capacity and ``free`` idle workers). Returns the
+        rows and, per limited group whose due rows had to wait for capacity, the seconds worth waiting
+        before looking again."""
         blocked: dict[str, float] = {}
         rows: list[_Claimed] = []
-        with translate_errors("claim outbox rows"), self.engine.begin() as conn:
-            # A refill claims only limited groups, whose locked row tells their pause: no read before.
-            read = self._group_state and not limited_only
-            states = route_groups.read_states(conn, self.groups) if read else {}
-            paused = {name for name, state in states.items() if state.paused}
-            for name in paused:
-                state = states[name]
-                assert state.paused_until is not None
-                report.paused[name] = (state.paused_until.isoformat(), state.pause_reason or "")
-                self._local_pause[name] = started + state.pause_remaining_ms / 1000
-            if limited_only:
-                limited = set(self._limited_seen)
-            else:
-                limited = {
-                    name
-                    for name in self.groups - paused
-                    if self._group_limits[name] != (None, None) or (name in states and states[name].limited)
-                }
-                self._limited_seen = frozenset(limited)
-            open_topics = [t for t in sorted(self.topics) if self._group_of[t] not in paused]
-            if limited_only:
-                open_topics = [t for t in open_topics if self._group_of[t] in limited]
-            self._expire(conn, open_topics, report)
-            plain = [t for t in open_topics if self._group_of[t] not in limited]
-            if plain and not limited_only:
-                stmt = claim_statement(
-                    conn.dialect.name, token=token, limit=budget, claim_ms=self.claim_ms, topics=plain
-                )
-                rows = [_claimed(r, claimed_at=started) for r in conn.execute(stmt)]
-            workers = free - len(rows)
-            for name in sorted(limited):
-                left = min(budget - len(rows), workers)
-                if left <= 0:
-                    break
-                taken, wait_s = self._claim_limited(conn, token, name, left, started, report)
-                rows.extend(taken)
-                workers -= len(taken)
-                if wait_s is not None:
-                    blocked[name] = wait_s
+        # A refill claims only limited groups, whose locked row tells their pause: no read before.
+        read = self._group_state and not limited_only
+        states = route_groups.read_states(conn, self.groups) if read else {}
+        paused = {name for name, state in states.items() if state.paused}
+        for name in paused:
+            state = states[name]
+            assert state.paused_until is not None
+            report.paused[name] = (state.paused_until.isoformat(), state.pause_reason or "")
+            self._local_pause[name] = started + state.pause_remaining_ms / 1000
+        if limited_only:
+            limited = set(self._limited_seen)
+        else:
+            limited = {
+                name
+                for name in self.groups - paused
+                if self._group_limits[name] != (None, None) or (name in states and states[name].limited)
+            }
+            self._limited_seen = frozenset(limited)
+        open_topics = [t for t in sorted(self.topics) if self._group_of[t] not in paused]
+        if limited_only:
+            open_topics = [t for t in open_topics if self._group_of[t] in limited]
+        self._expire(conn, open_topics, report)
+        plain = [t for t in open_topics if self._group_of[t] not in limited]
+        if plain and not limited_only:
+            stmt = claim_statement(
+                conn.dialect.name, token=token, limit=budget, claim_ms=self.claim_ms, topics=plain
+            )
+            rows = [_claimed(r, claimed_at=started) for r in conn.execute(stmt)]
+        workers = free - len(rows)
+        for name in sorted(limited):
+            left = min(budget - len(rows), workers)
+            if left <= 0:
+                break
+            taken, wait_s = self._claim_limited(conn, token, name, left, started, report, name in busy)
+            rows.extend(taken)
+            workers -= len(taken)
+            if wait_s is not None:
+                blocked[name] = wait_s
         # How long a claim takes here (smoothed): rate admissions start that much ahead (x2), so a request
         # is not already late when its claim commits.
         self._claim_s = 0.8 * self._claim_s + 0.2 * (time.monotonic() - started)
@@ -648,9 +751,23 @@ class Dispatcher:
         want: int,
         started: float,
         report: DispatchReport,
+        busy: bool = False,
     ) -> tuple[list[_Claimed], float | None]:
         """Claim up to ``want`` rows of a limited group under its row lock; the wait hint is set when due
-        rows had to stay behind for capacity."""
+        rows had to stay behind for capacity (``busy``: this batch has requests of the group in flight)."""
+        local_now = time.monotonic()
+        if self._local_pause.get(group, 0.0) > local_now:
+            # A downstream's pause this dispatcher knows of, perhaps not committed yet (a delivery thread
+            # is writing it): nothing of the group is claimed, whatever its row says.
+            return [], None
+        known = self._applied.get(group)
+        if known is not None and known[0] is not None and known[1] is None and known[2] > local_now:
+            # Only max_in_flight, its value known a moment ago: a plain read tells whether a slot is free,
+            # so a dispatcher waiting for one does not queue for the group's row lock (which the holders'
+            # refills and a pause being written need) only to learn that the group is full.
+            in_flight, due = conn.execute(self._group_statement(group, "look", None)).one()
+            if in_flight >= known[0]:
+                return [], (SLOT_POLL_S if due else None)
         state = route_groups.lock_group(conn, group)
         local_now = time.monotonic()
         if state.paused:
@@ -661,6 +778,7 @@ class Dispatcher:
         mine_mif, mine_rate = self._group_limits[group]
         mif = limits.applied_limit(mine_mif, state.max_in_flight, state.max_in_flight_live)
         rate = limits.applied_limit(mine_rate, state.rate, state.rate_live)
+        self._applied[group] = (mif.value, rate.value, local_now + APPLIED_TRUST_S)
         values: dict[str, Any] = {}
         for name, applied, mine in (("max_in_flight", mif, mine_mif), ("rate", rate, mine_rate)):
             if applied.register and not state.registration_fresh(name, applied.value):
@@ -677,12 +795,17 @@ class Dispatcher:
                     applied.value,
                     extra={"action": "limit_mismatch"},
                 )
-        capacity = want
-        if mif.value is not None:
-            capacity = min(capacity, mif.value - route_groups.count_in_flight(conn, group))
+        # capacity: how many rows to claim; with max_in_flight alone, an SQL expression (the slots left,
+        # counted by the claim statement itself: its snapshot is taken under the lock).
+        capacity: int | object = want
         admission: limits.RateAdmission | None = None
         rate_now, asked, answered = state.now, local_now, local_now
-        if rate.value is not None and capacity > 0:
+        if mif.value is not None:
+            if rate.value is None:
+                capacity = _SLOTS  # the claim statement counts the slots left itself
+            else:
+                capacity = min(want, mif.value - route_groups.count_in_flight(conn, group))
+        if rate.value is not None and isinstance(capacity, int) and capacity > 0:
             # The database clock read once the group is locked, bracketed by local times: an admission's
             # true local moment lies in [asked, answered] + its offset. A request starts no earlier than
             # the latest and no later than the earliest + RATE_LATE_S, so every dispatcher's requests start
@@ -695,16 +818,16 @@ class Dispatcher:
             )
             capacity = admission.count
         rows: list[_Claimed] = []
-        if capacity > 0:
-            stmt = claim_statement(
-                conn.dialect.name,
-                token=token,
-                limit=capacity,
-                claim_ms=self.claim_ms,
-                topics=self._group_topics[group],
-                claim_group=group,
-            )
-            claimed = sorted(conn.execute(stmt), key=lambda r: r[0])
+        if not isinstance(capacity, int) or capacity > 0:
+            if isinstance(capacity, int):
+                stmt = self._group_statement(group, "claim", None)
+            else:
+                stmt = self._group_statement(group, "claim_slots", mif.value)
+            params = {
+                "joblease_token": token,
+                "joblease_want": want if not isinstance(capacity, int) else capacity,
+            }
+            claimed = sorted(conn.execute(stmt, params), key=lambda r: r[0])
             offsets = admission.offsets_ms if admission is not None else ()
             for i, r in enumerate(claimed):
                 if i < len(offsets):
@@ -720,18 +843,54 @@ class Dispatcher:
                 values["rate_next_at"] = _as_stored(rate_now + dt.timedelta(milliseconds=next_ms), conn)
         route_groups.update_group(conn, group, values)
         wait_s: float | None = None
-        if len(rows) < want and (capacity <= 0 or (admission is not None and len(rows) == capacity)):
-            if self._due_exists(conn, group):
-                if admission is not None and admission.count == 0:
-                    wait_s = max(admission.wait_ms / 1000, 0.001)
-                else:
-                    wait_s = SLOT_POLL_S
+        # Fewer rows than wanted, and the limit (not the backlog) is why: only if due rows stayed behind.
+        limit_bound = not isinstance(capacity, int) or capacity <= 0 or admission is not None
+        if len(rows) < want and limit_bound and (busy or self._due_exists(conn, group)):
+            # (busy: this batch has requests of the group in flight, whose completions claim again; the
+            # hint only says "look again", and costs no read.)
+            if admission is not None and admission.count == 0:
+                wait_s = max(admission.wait_ms / 1000, 0.001)
+            else:
+                wait_s = SLOT_POLL_S
         return rows, wait_s
 
-    def _due_exists(self, conn: sa.Connection, group: str) -> bool:
+    def _group_statement(self, group: str, kind: str, max_in_flight: int | None) -> sa.Executable:
+        """The statements a limited group's claims run, built once per group (building one costs more
+        than running it): ``look``, a lock-free look at its slots and due rows; ``claim`` (up to
+        ``joblease_want`` rows) and ``claim_slots`` (up to ``joblease_want`` and the slots left)."""
+        key = (group, kind, max_in_flight)
+        stmt = self._statements_cache.get(key)
+        if stmt is not None:
+            return stmt
+        dialect = self.engine.dialect.name
+        want = sa.bindparam("joblease_want", type_=sa.Integer())
+        token = sa.bindparam("joblease_token", type_=sa.String())
+        if kind == "look":
+            stmt = sa.select(
+                route_groups.in_flight_query(group).scalar_subquery(), self._due_query(group).exists()
+            )
+        else:
+            limit: sa.ColumnElement[int] = want
+            if kind == "claim_slots":
+                assert max_in_flight is not None
+                limit = route_groups.slots_left(dialect, group, max_in_flight, want)
+            stmt = claim_statement(
+                dialect,
+                token=token,
+                limit=limit,
+                claim_ms=self.claim_ms,
+                topics=self._group_topics[group],
+                claim_group=group,
+            )
+        self._statements_cache[key] = stmt
+        return stmt
+
+    def _due_query(self, group: str) -> sa.Select[Any]:
         t = outbox_table
-        stmt = sa.select(t.c.id).where(outbox.due_clause(), t.c.topic.in_(self._group_topics[group])).limit(1)
-        return conn.execute(stmt).first() is not None
+        return sa.select(t.c.id).where(outbox.due_clause(), t.c.topic.in_(self._group_topics[group])).limit(1)
+
+    def _due_exists(self, conn: sa.Connection, group: str) -> bool:
+        return conn.execute(self._due_query(group)).first() is not None
 
     def _expire(self, conn: sa.Connection, topics: list[str], report: DispatchReport) -> None:
         """Dead-letter due rows of ``topics`` whose route's dedupe_window has passed (one UPDATE per
@@ -764,6 +923,19 @@ class Dispatcher:
                     r.id,
                     extra={"action": "outbox_expired"},
                 )
+
+    def _warm_pause_connection(self) -> None:
+        """Keep a second connection in the pool, once: a delivery thread writing a downstream's pause need
+        not open one then (tens of ms on a busy machine, while other dispatchers keep claiming)."""
+        self._warm = True
+        pool = self.engine.pool
+        if not isinstance(pool, sa.pool.QueuePool) or pool.size() < 2:
+            return  # a pool this small would make the second checkout wait
+        try:
+            with translate_errors("open a connection"), self.engine.connect(), self.engine.connect():
+                pass
+        except errors.StorageError:
+            pass  # the pause write opens its own when it needs one
 
     def _refresh_pauses(self) -> None:
         """Re-read the groups' pauses (a cheap read, no transaction) so unstarted rows of a group another
@@ -863,10 +1035,20 @@ class Dispatcher:
 
     # -- recording outcomes ------------------------------------------------------------------------
 
-    def _record(self, token: str, finished: list[_Finished], report: DispatchReport) -> None:
-        """Store the outcomes of ``finished`` rows in one transaction and count them into ``report``."""
+    def _record(
+        self,
+        token: str,
+        finished: list[_Finished],
+        report: DispatchReport,
+        then: Callable[[sa.Connection], _T] | None = None,
+    ) -> _T | None:
+        """Store the outcomes of ``finished`` rows in one transaction and count them into ``report``.
+
+        ``then`` runs in the same transaction after the writes (a refill claim: one commit for both); its
+        result is returned, or None when it did not commit (the outcomes are then retried without it)."""
+        extra: list[_T] = []
         try:
-            matched = self._write_with_retry(token, finished)
+            matched = self._write_with_retry(token, finished, then, extra)
         except errors.StorageError as exc:
             for row, decision in finished:
                 if decision is None:
@@ -882,7 +1064,7 @@ class Dispatcher:
                     exc,
                     extra={"action": "outbox_unrecorded"},
                 )
-            return
+            return None
         for row, decision in finished:
             if decision is None:
                 report.released += 1
@@ -898,6 +1080,7 @@ class Dispatcher:
                 )
             else:
                 self._count(row, decision, report)
+        return extra[0] if extra else None
 
     @staticmethod
     def _count(row: _Claimed, decision: policy.Decision, report: DispatchReport) -> None:
@@ -1030,7 +1213,13 @@ class Dispatcher:
                 )
         return writes
 
-    def _write_with_retry(self, token: str, finished: list[_Finished]) -> set[int]:
+    def _write_with_retry(
+        self,
+        token: str,
+        finished: list[_Finished],
+        then: Callable[[sa.Connection], _T] | None = None,
+        extra: list[_T] | None = None,
+    ) -> set[int]:
         """Run the fenced UPDATEs in one transaction; returns the ids they matched. A dropped connection
         gets a few quick retries on a fresh one.
 
@@ -1051,8 +1240,13 @@ class Dispatcher:
                             matched.update(result.scalars())
                     for write in group_writes:
                         write(conn)
+                    if then is not None and extra is not None:
+                        extra.append(then(conn))
                 return matched
             except errors.StorageError as exc:
+                if extra:
+                    extra.clear()
+                then = None  # the outcomes are retried alone; the batch claims again on its own
                 if retries == len(RECORD_RETRY_PAUSES_S) or self._stop.is_set():
                     raise
                 logger.info(
