@@ -1,14 +1,15 @@
 """Every benchmark in one run, and README's Performance table regenerated from it.
 
-    .venv/bin/python -m benchmarks                 # lease, dispatch and receiver suites (a few minutes)
+    .venv/bin/python -m benchmarks                 # lease, dispatch, receiver and range suites (minutes)
     .venv/bin/python -m benchmarks --readme        # the same, then README.md's table between its markers
-    .venv/bin/python -m benchmarks --long --readme # 5 s windows, 7 rounds, 1,000,000-row scale tables
+    .venv/bin/python -m benchmarks --long --readme # 5 s windows, 7 rounds, 1,000,000-row scale tables,
+                                                   # and a 10,000-day range
 
 Each suite prints its own table as it finishes (``benchmarks/lease.py``, ``benchmarks/dispatch.py``,
-``benchmarks/receiver.py`` say what each side is). ``--readme`` rewrites only the part of README.md
-between ``<!-- benchmarks:begin -->`` and ``<!-- benchmarks:end -->``, with the date, the machine's
-description, its load before and after, and every figure's min / median / max and flags. Figures taken
-while the 1-minute load exceeded a quarter of the CPUs are labelled as taken under load.
+``benchmarks/receiver.py`` and ``benchmarks/range.py`` say what each side is). ``--readme`` rewrites only
+the part of README.md between ``<!-- benchmarks:begin -->`` and ``<!-- benchmarks:end -->``, with the
+date, the machine's description, how busy other work kept it, and every figure's min / median / max and
+flags. A run where other work kept more than a quarter of a CPU busy is labelled as taken under load.
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ import psycopg
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from benchmarks import dispatch, lease, receiver
+from benchmarks import range as range_bench
 from benchmarks.harness import (
     QUIET_BUSY_CPUS,
     SPREAD_LIMIT,
@@ -40,7 +42,7 @@ from benchmarks.report import dsn
 README = Path(__file__).resolve().parent.parent / "README.md"
 BEGIN = "<!-- benchmarks:begin -->"
 END = "<!-- benchmarks:end -->"
-SUITES = ("lease", "dispatch", "receiver")
+SUITES = ("lease", "dispatch", "receiver", "range")
 
 
 def _stat(s: Stat, unit: str) -> str:
@@ -171,6 +173,12 @@ def main(argv: list[str] | None = None) -> int:
         )
         busy.append(background_busy())
         print_figures("reference receiver", got, args.rounds, started, busy[-1])
+        figures += got
+    if "range" in only:
+        sizes = [100, 1_000, 10_000] if args.long else [100, 1_000]
+        got = range_bench.suite(server, rounds=args.rounds, sizes=sizes, loop_max=1_000)
+        busy.append(background_busy())
+        print_figures("range of partitions (batch leases)", got, args.rounds, started, busy[-1])
         figures += got
     after = _load()
     worst = max(busy)
