@@ -236,7 +236,7 @@ def claim_statement(
 @functools.lru_cache(maxsize=256)
 def _claim_template(
     dialect_name: str,
-    limit: int,
+    limit: int | sa.ColumnElement[int],
     claim_ms: int,
     topics: tuple[str, ...] | None,
     claim_group: str | None,
@@ -517,6 +517,7 @@ class Dispatcher:
         self._warm = False
         self._statements_cache: dict[tuple[str, str, int | None], sa.Executable] = {}
         self._claim_s = 0.005
+        self._claim_started = 0.0
         self._limited_seen: frozenset[str] = frozenset(
             g for g, (mif, rate) in self._group_limits.items() if mif is not None or rate is not None
         )
@@ -647,6 +648,7 @@ class Dispatcher:
                     )
                     if merged is not None:
                         more, blocked_now, sub = merged
+                        self._claim_took()
                         self._absorb(report, sub)
                         refill = (more, blocked_now)
                 else:
@@ -722,7 +724,7 @@ class Dispatcher:
 
         def claim(conn: sa.Connection) -> tuple[list[_Claimed], dict[str, float], DispatchReport]:
             sub = DispatchReport()
-            started = time.monotonic()
+            started = self._claim_started = time.monotonic()
             rows, blocked = self._claim_in(
                 conn, token, budget, free, sub, limited_only=True, started=started, busy=busy
             )
@@ -738,6 +740,11 @@ class Dispatcher:
         report.expired += sub.expired
         report.rows.extend(sub.rows)
 
+    def _claim_took(self) -> None:
+        """How long a claim takes here, to its commit (smoothed): rate admissions start that much ahead
+        (x2), so a request is not already late when its claim commits."""
+        self._claim_s = 0.8 * self._claim_s + 0.2 * (time.monotonic() - self._claim_started)
+
     def _claim(
         self,
         token: str,
@@ -751,9 +758,11 @@ class Dispatcher:
         """One claim transaction (see :meth:`_claim_in`)."""
         started = time.monotonic()
         with translate_errors("claim outbox rows"), self.engine.begin() as conn:
+            self._claim_started = started
             result = self._claim_in(
                 conn, token, budget, free, report, limited_only=limited_only, started=started, busy=busy
             )
+        self._claim_took()
         return result
 
     def _claim_in(
@@ -812,9 +821,6 @@ class Dispatcher:
             workers -= len(taken)
             if wait_s is not None:
                 blocked[name] = wait_s
-        # How long a claim takes here (smoothed): rate admissions start that much ahead (x2), so a request
-        # is not already late when its claim commits.
-        self._claim_s = 0.8 * self._claim_s + 0.2 * (time.monotonic() - started)
         rows.sort(key=lambda r: r.id)
         return rows, blocked
 
