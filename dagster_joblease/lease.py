@@ -667,10 +667,11 @@ class LeaseService:
                     won = cursor.fetchone()
                     if won is not None:
                         break  # a first claim: the common case, one round trip
-                cursor.execute(
+                second = handle.second_cursor
+                second.execute(
                     reclaim.sql, (token, lease_ms, heartbeat_ms, holder, lease_ms, key, key), prepare=True
                 )
-                found = cursor.fetchone()
+                found = second.fetchone()
                 if found is not None:
                     met = True
                     if found[4] is None:
