@@ -132,6 +132,15 @@ def payload_fingerprint(payload: Any) -> str:
 
 
 def _check_text(field: str, value: object, max_length: int, *, ascii_only: bool) -> str:
+    if (
+        type(value) is str
+        and 0 < len(value) <= max_length
+        and value.isascii()
+        and value.isprintable()  # printable ASCII: no control character, and space is its only blank
+        and value[0] != " "
+        and value[-1] != " "
+    ):
+        return value  # the common key or topic: every rule below holds
     if not isinstance(value, str):
         raise errors.InvalidPayloadError(field, f"must be a str, got {type(value).__name__}")
     if not value.strip():
