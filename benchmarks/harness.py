@@ -10,12 +10,16 @@ A figure a reader can trust needs four things, and this module gives each benchm
   per process, each from its own start).
 * **Rotated rounds.** :func:`rotate` runs every side once per round, the order rotated each round, so drift
   on a shared machine hits every side alike; each round's ratio pairs the sides of that round.
-* **Spread.** :class:`Stat` keeps min / median / max. A side whose (max - min) / median exceeds
-  :data:`SPREAD_LIMIT`, or a library faster than its floor by more than :data:`RATIO_LIMIT`, is flagged
-  ``SUSPECT``: the figure says more about the machine, or a broken floor, than about the code.
-* **The machine.** :func:`machine` describes it and :func:`load` reads ``os.getloadavg()`` beside the CPU
-  count; every table prints both, and a run whose 1-minute load exceeded a quarter of the CPUs is labelled
-  as taken under load.
+* **Spread.** :class:`Stat` keeps min / median / max. A figure whose per-round ratio has a (max - min) /
+  median above :data:`SPREAD_LIMIT`, or a library faster than its floor by more than :data:`RATIO_LIMIT`,
+  is flagged ``SUSPECT``: the figure says more about the machine, or a broken floor, than about the code.
+  A side whose own rate spreads that much is printed as ``noisy`` beside it (on this kind of machine the
+  disk's commit latency moves from round to round; both sides of a round see the same disk).
+* **The machine.** :func:`machine` describes it. :func:`background_busy` measures, while the benchmark
+  itself runs nothing, how many CPUs other work keeps busy (``/proc/stat`` over a few seconds); it is
+  taken before every suite and at the end, and a run where it exceeded a quarter of a CPU is labelled as
+  taken under load. The load averages are printed too, but they cannot judge the run: a 4-process
+  benchmark lifts its own 1-minute load above 2.
 """
 
 from __future__ import annotations
@@ -35,8 +39,9 @@ from typing import Any
 SPREAD_LIMIT = 0.10
 #: A library faster than its floor by more than this (ratio above it) flags the floor SUSPECT.
 RATIO_LIMIT = 1.05
-#: 1-minute load per CPU above which a run is labelled as taken under load.
-QUIET_LOAD_PER_CPU = 0.25
+#: CPUs' worth of other work (measured while the benchmark is idle) above which a run is labelled as taken
+#: under load.
+QUIET_BUSY_CPUS = 0.25
 #: How far ahead of the barrier the parent puts a window's start: every process is looping by then.
 LEAD_IN_S = 0.25
 
@@ -93,18 +98,30 @@ class Figure:
 
     @property
     def flags(self) -> list[str]:
+        """Why the figure itself (the per-round ratio) cannot be trusted: its own spread, or a library faster
+        than its floor. A side's spread alone is not a flag: the disk's commit latency moves both sides of
+        a round together, and the paired ratio cancels it (:attr:`noise` reports it)."""
         out = []
-        for name, stat in (("floor", self.floor), ("value", self.value)):
-            if stat.spread > SPREAD_LIMIT:
-                out.append(f"SUSPECT {name} spread {stat.spread:.0%}")
+        if self.ratio.spread > SPREAD_LIMIT:
+            out.append(f"SUSPECT ratio spread {self.ratio.spread:.0%}")
         if not self.lower_is_better and self.ratio.median > RATIO_LIMIT and not self.faster_because:
             out.append(f"SUSPECT ratio {self.ratio.median:.2f} > {RATIO_LIMIT}: faster than its floor")
         return out
 
     @property
+    def noise(self) -> list[str]:
+        """Sides whose absolute rate moved more than :data:`SPREAD_LIMIT` between rounds."""
+        return [
+            f"noisy {name} {stat.spread:.0%}"
+            for name, stat in (("floor", self.floor), ("measured", self.value))
+            if stat.spread > SPREAD_LIMIT
+        ]
+
+    @property
     def remarks(self) -> list[str]:
-        """The flags, then the notes (why a ratio above 1 is expected, what the CPU column holds)."""
-        out = list(self.flags)
+        """The flags, the noisy sides, then the notes (why a ratio above 1 is expected, what the CPU column
+        holds)."""
+        out = list(self.flags) + self.noise
         if self.faster_because and self.ratio.median > RATIO_LIMIT:
             out.append(f"above 1 by design: {self.faster_because}")
         if self.note:
@@ -281,9 +298,34 @@ def load() -> str:
     return f"load {one:.2f} / {five:.2f} / {fifteen:.2f} (1/5/15 min) on {os.cpu_count()} CPUs"
 
 
-def under_load() -> bool:
-    """True when the 1-minute load exceeds a quarter of the CPUs: the figures are not a quiet machine's."""
-    return os.getloadavg()[0] > QUIET_LOAD_PER_CPU * (os.cpu_count() or 1)
+def under_load(busy: float | None = None) -> bool:
+    """True when other work kept more than a quarter of a CPU busy (``busy`` from
+    :func:`background_busy`, measured now when not given)."""
+    return (background_busy() if busy is None else busy) > QUIET_BUSY_CPUS
+
+
+def _cpu_jiffies() -> tuple[int, int] | None:
+    """(busy, total) jiffies of all CPUs from ``/proc/stat``; None where there is none."""
+    try:
+        with open("/proc/stat") as f:
+            fields = [int(x) for x in f.readline().split()[1:]]
+    except (OSError, ValueError):
+        return None
+    total = sum(fields[:8])  # user nice system idle iowait irq softirq steal (guest is inside user)
+    idle = fields[3] + (fields[4] if len(fields) > 4 else 0)
+    return total - idle, total
+
+
+def background_busy(seconds: float = 3.0) -> float:
+    """How many CPUs' worth of work others did over ``seconds`` while this benchmark ran nothing (it only
+    sleeps here): 0.0 on a quiet machine, 2.0 with both cores of a 2-core machine busy. Falls back to the
+    1-minute load average where ``/proc/stat`` is missing."""
+    first = _cpu_jiffies()
+    time.sleep(seconds)
+    second = _cpu_jiffies()
+    if first is None or second is None or second[1] == first[1]:
+        return os.getloadavg()[0]
+    return (second[0] - first[0]) / (second[1] - first[1]) * (os.cpu_count() or 1)
 
 
 def machine(pg_settings: dict[str, str] | None = None) -> str:
@@ -358,12 +400,19 @@ def cells(fig: Figure) -> list[str]:
 HEADERS = ("path", "procs", "floor: median (min-max)", "measured", "ratio", "cpu us/call", "goal", "flags")
 
 
-def print_figures(title: str, figures: Sequence[Figure], rounds: int, started: float) -> None:
-    """An aligned table of the figures, with the rounds, the machine's load and the run's time."""
+def print_figures(
+    title: str, figures: Sequence[Figure], rounds: int, started: float, busy: float | None = None
+) -> None:
+    """An aligned table of the figures, with the rounds, the machine's load and the run's time; ``busy``
+    is other work's CPUs (:func:`background_busy`), measured now (3 s) when not given."""
     rows = [cells(f) for f in figures]
     widths = [max(len(h), *(len(r[i]) for r in rows)) for i, h in enumerate(HEADERS)]
-    print(f"\n{title}: medians (min-max) of {rounds} rotated rounds; {load()}")
-    if under_load():
+    busy = background_busy() if busy is None else busy
+    print(
+        f"\n{title}: medians (min-max) of {rounds} rotated rounds; other work {busy:.2f} CPUs "
+        f"(measured idle, after the suite); {load()}"
+    )
+    if under_load(busy):
         print("UNDER LOAD: the machine was busy; read ratios, not absolute rates, and rerun on a quiet one")
     print(" | ".join(h.ljust(w) for h, w in zip(HEADERS, widths, strict=True)))
     print("-+-".join("-" * w for w in widths))

@@ -475,6 +475,11 @@ class _Heartbeat(threading.Thread):
                 # A transient database failure: keep trying; the lease only dies if renewals stay
                 # impossible for the rest of its length, and then the next fenced write says so.
                 logger.warning("heartbeat for lease %d failed: %s", self._lease.id, exc)
+            except Exception:
+                # Anything else (a bug, a misconfigured engine): a thread that died here would let the
+                # lease expire silently while the work goes on. Say so loudly and keep renewing; if
+                # renewals never succeed, the lease expires and the next fenced write raises.
+                logger.exception("heartbeat for lease %d failed unexpectedly; still renewing", self._lease.id)
 
     def stop(self) -> None:
         self._stop_event.set()

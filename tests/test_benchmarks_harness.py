@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import multiprocessing
+import os
 import sys
 from pathlib import Path
 
@@ -10,7 +12,7 @@ import pytest
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from benchmarks.__main__ import BEGIN, END, markdown, write_readme
-from benchmarks.harness import Figure, Sample, Stat, figure, rotate, run_window
+from benchmarks.harness import Figure, Sample, Stat, background_busy, figure, rotate, run_window
 
 
 def _counter_setup() -> tuple[object, object]:
@@ -53,13 +55,17 @@ def test_spread_and_a_ratio_above_its_floor_are_flagged_suspect() -> None:
     noisy = [Sample(r, 1.0) for r in (80.0, 100.0, 100.0, 100.0, 120.0)]
     fast = [Sample(120.0, 1.0)] * 5
     assert figure("p", 1, "floor", steady, steady, goal=0.8).flags == []
-    assert any("value spread" in f for f in figure("p", 1, "floor", steady, noisy, goal=0.8).flags)
+    noisy_fig = figure("p", 1, "floor", steady, noisy, goal=0.8)
+    assert any("ratio spread" in f for f in noisy_fig.flags)
+    assert "noisy measured 40%" in noisy_fig.noise
     assert any("SUSPECT ratio" in f for f in figure("p", 1, "floor", steady, fast, goal=0.8).flags)
     explained = figure("p", 1, "floor", steady, fast, goal=0.8, faster_because="floor locks")
     assert explained.flags == []
     assert any("by design" in r for r in explained.remarks)
     paired = figure("p", 1, "floor", noisy, noisy, goal=0.8)
     assert paired.ratio == Stat(1.0, 1.0, 1.0)  # per-round ratios pair the sides of one round
+    assert paired.flags == []  # both sides drifted together: noisy, not suspect
+    assert paired.noise == ["noisy floor 40%", "noisy measured 40%"]
 
 
 def test_readme_block_is_written_between_the_markers_only(tmp_path: Path) -> None:
@@ -76,3 +82,21 @@ def test_readme_block_is_written_between_the_markers_only(tmp_path: Path) -> Non
     readme.write_text("no markers")
     with pytest.raises(SystemExit, match="markers"):
         write_readme("x", readme)
+
+
+def test_background_busy_sees_other_work_and_not_a_sleeping_benchmark() -> None:
+    idle = background_busy(0.5)
+    spinner = multiprocessing.get_context("spawn").Process(target=_spin, daemon=True)
+    spinner.start()
+    try:
+        busy = background_busy(1.0)
+    finally:
+        spinner.kill()
+        spinner.join()
+    assert 0.0 <= idle <= (os.cpu_count() or 1)
+    assert busy >= 0.5  # one process spinning on a core shows as (at least) half a CPU
+
+
+def _spin() -> None:
+    while True:
+        pass

@@ -274,3 +274,32 @@ def test_fn_error_wins_over_a_storage_error_while_recording_it(
         unreachable.dispose()
     assert info.value is boom
     assert row_of(engine).status == "RUNNING"  # not recorded; it expires and is reclaimed later
+
+
+def test_an_unexpected_heartbeat_error_is_logged_and_renewal_goes_on(
+    engine: sa.Engine, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A heartbeat that raises something other than a storage error must not end the heartbeat thread:
+    the lease would expire silently while the work goes on."""
+    calls: list[int] = []
+
+    class Flaky(LeaseService):
+        def heartbeat(self, lease: Lease) -> dt.datetime:
+            calls.append(1)
+            if len(calls) == 1:
+                raise ValueError("a bug in a renewal")
+            return super().heartbeat(lease)
+
+    service = Flaky(engine, lease_ms=60_000)
+    renewed: list[dt.datetime] = []
+
+    def work(lease: Lease) -> None:
+        first = row_of(engine).heartbeat_at
+        wait_until(lambda: len(calls) >= 3)  # the thread survived the error and renewed twice more
+        renewed.append(row_of(engine).heartbeat_at)
+        assert renewed[0] > first
+
+    with caplog.at_level("ERROR", logger="dagster_joblease"):
+        outcome = service.run_exclusive(JOB, work, heartbeat_ms=20)
+    assert outcome.acquired and row_of(engine).status == "SUCCESS"
+    assert any("failed unexpectedly; still renewing" in r.getMessage() for r in caplog.records)

@@ -17,7 +17,9 @@ still needs work; the lease table does. Each tick this sensor requests a run for
 tick), then continues a sweep through older rows by row id from where the last tick stopped (the sensor
 cursor), wrapping around at the end; every row in the lookback window is looked at within
 ``ceil(rows / SWEEP_ROWS_PER_TICK)`` ticks (plus one per ``max_requests_per_tick`` requests it defers).
-The skip message says how many rows are still to look at in the current sweep. A tick also stops
+The skip message says how many rows are still to look at in the current sweep. Runs that failed as
+``held`` are paged the same way: the newest :data:`HELD_RUNS_PER_PAGE` every tick, then one older page from
+the cursor (``held_before``), wrapping around. A tick also stops
 judging after :data:`TICK_BUDGET_S` seconds (Dagster's sensor timeout is 60 s) and resumes there.
 
 **Runs of a partition, whatever launched them.** Caps, backoff, a person's cancel and the in-flight check
@@ -99,8 +101,11 @@ SWEEP_ROWS_PER_TICK = 1_000
 KEYS_PER_RUN_QUERY = 100
 #: Runs fetched per key of a page; a page's answer that fills its limit is re-read key by key.
 RUNS_PER_KEY = 10
-#: Range runs (and ``held`` runs) inside the lookback looked at per tick, newest first.
+#: Range runs inside the lookback looked at per tick, newest first.
 RANGE_RUNS_PER_TICK = 500
+#: Runs that failed as ``held`` read per page: the newest page every tick, then one older page from the
+#: cursor (``held_before``), wrapping around, so every held run in the lookback is looked at in turn.
+HELD_RUNS_PER_PAGE = 500
 #: Keys of failed range runs checked for "never claimed" per tick.
 RANGE_KEYS_PER_TICK = 2_000
 #: A tick stops judging after this long and resumes there next tick (Dagster's sensor timeout: 60 s).
@@ -510,6 +515,38 @@ def _range_runs(
     return found, len(runs) >= RANGE_RUNS_PER_TICK
 
 
+def _held_runs(
+    instance: dg.DagsterInstance, job_name: str | None, since: dt.datetime, before: float | None
+) -> tuple[list[dg.DagsterRun], float | None]:
+    """Runs of ``job_name`` that failed as ``held`` since ``since``: the newest page, then the page older
+    than the cursor ``before`` (a creation timestamp; from the newest page's oldest run when unset or
+    newer). Returns the runs and the next cursor (None: the older pages are done, start over)."""
+    filters: dict[str, Any] = {
+        "job_name": job_name,
+        "statuses": [dg.DagsterRunStatus.FAILURE],
+        "tags": {metadata.TAG_OUTCOME: HELD_OUTCOME},
+        "created_after": since,
+    }
+    newest = instance.get_run_records(dg.RunsFilter(**filters), limit=HELD_RUNS_PER_PAGE)
+    runs = [record.dagster_run for record in newest]
+    if len(newest) < HELD_RUNS_PER_PAGE:
+        return runs, None
+    boundary = min(_utc(record.create_timestamp) for record in newest)
+    if before is not None and before < boundary.timestamp():
+        boundary = dt.datetime.fromtimestamp(before, dt.UTC)
+    older = instance.get_run_records(
+        dg.RunsFilter(**filters, created_before=boundary), limit=HELD_RUNS_PER_PAGE
+    )
+    runs += [record.dagster_run for record in older]
+    if len(older) < HELD_RUNS_PER_PAGE:
+        return runs, None
+    return runs, min(_utc(record.create_timestamp) for record in older).timestamp()
+
+
+def _utc(value: dt.datetime) -> dt.datetime:
+    return value if value.tzinfo is not None else value.replace(tzinfo=dt.UTC)
+
+
 def build_reconciliation_sensor(
     target: dg.JobDefinition | dg.AssetsDefinition,
     *,
@@ -673,14 +710,12 @@ def build_reconciliation_sensor(
             else:
                 candidates[key] = _Candidate(key, reason, row.attempt, row.idle_ms, row)
 
-        held_runs = instance.get_runs(
-            dg.RunsFilter(
-                job_name=query_job,
-                statuses=[dg.DagsterRunStatus.FAILURE],
-                tags={metadata.TAG_OUTCOME: HELD_OUTCOME},
-                created_after=now - lookback,
-            ),
-            limit=RANGE_RUNS_PER_TICK,
+        held_before = cursor.get("held_before")
+        held_runs, next_held_before = _held_runs(
+            instance,
+            query_job,
+            now - lookback,
+            float(held_before) if isinstance(held_before, int | float) else None,
         )
         live_keys = {k for k, r in rows.items() if r.live}
         for run in held_runs:
@@ -842,6 +877,7 @@ def build_reconciliation_sensor(
         new_cursor = {
             "checks_at": checks_at,
             "sweep_after": next_after,
+            "held_before": next_held_before,
             "capped": dict(sorted(verdicts.capped.items())[:SHOWN_IN_CURSOR]),
             "capped_count": len(verdicts.capped),
         }

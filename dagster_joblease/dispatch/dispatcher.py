@@ -53,6 +53,7 @@ from typing import Any
 import httpcore
 import httpx
 import sqlalchemy as sa
+from sqlalchemy.dialects import postgresql
 
 from dagster_joblease import errors, limits, outbox, route_groups
 from dagster_joblease.dispatch import policy
@@ -159,6 +160,15 @@ class _Claimed:
     send_by: float | None = None
 
 
+@dataclasses.dataclass(frozen=True, slots=True)
+class _Target:
+    """A route's request, prepared once for the dispatcher's own client."""
+
+    url: httpx.URL
+    headers: list[tuple[bytes, bytes]]
+    extensions: dict[str, Any]
+
+
 class _TooLate(Exception):
     """A rate-admitted request could not start within RATE_LATE_S of its admission."""
 
@@ -209,11 +219,26 @@ def claim_statement(
 
     The payload comes back as text (``jsonb::text`` on PostgreSQL) and is sent as-is: decoding it to
     Python only to encode it again would cost time and could change it.
+
+    The statement is built once per shape (dialect, limit, claim_ms, topics, group) and only the token
+    is set per call: building it afresh cost more client CPU (about 1.2 ms) than the claim's round trip.
     """
+    key = None if topics is None else tuple(sorted(topics))
+    return _claim_template(dialect_name, limit, claim_ms, key, claim_group).values(claim_token=token)
+
+
+@functools.lru_cache(maxsize=256)
+def _claim_template(
+    dialect_name: str,
+    limit: int,
+    claim_ms: int,
+    topics: tuple[str, ...] | None,
+    claim_group: str | None,
+) -> sa.Update:
     t = outbox_table
     due = sa.select(t.c.id).where(outbox.due_clause())
     if topics is not None:
-        due = due.where(t.c.topic.in_(sorted(topics)))
+        due = due.where(t.c.topic.in_(topics))
     due = due.order_by(t.c.next_attempt_at, t.c.id).limit(limit)
     payload: sa.ColumnElement[Any]
     if dialect_name == "postgresql":
@@ -226,13 +251,50 @@ def claim_statement(
         stmt = sa.update(t).where(t.c.id.in_(due.scalar_subquery()))
         payload = sa.type_coerce(t.c.payload, sa.Text())
     return stmt.values(
-        claim_token=token,
+        claim_token=None,
         claim_expires_at=db_now_plus_ms(sa.literal(claim_ms, sa.BigInteger())),
         claim_group=sa.literal(claim_group, sa.String()) if claim_group is not None else None,
         attempts=t.c.attempts + 1,
         first_attempt_at=sa.func.coalesce(t.c.first_attempt_at, db_now()),
         updated_at=db_now(),
     ).returning(t.c.id, t.c.idempotency_key, t.c.topic, t.c.attempts, payload, t.c.deferrals)
+
+
+@functools.cache
+def sent_statement(dialect_name: str) -> sa.Update:
+    """Mark claimed rows ``SENT``, fenced by claim token: one statement for a whole group of outcomes,
+    bound with ``ids`` (the rows), ``token`` (the claim token) and ``status_code``; returns the ids it
+    matched (a row whose claim was lost matches nothing).
+
+    Built once per dialect, so each group of outcomes costs only its parameters: on PostgreSQL the ids
+    travel as one array (``id = ANY(:ids)``), so the SQL text is the same whatever their number (no
+    per-call IN-list expansion, and the compiled statement and the driver's parsed query are reused).
+    """
+    t = outbox_table
+    ids: sa.ColumnElement[bool]
+    if dialect_name == "postgresql":
+        ids = t.c.id == sa.any_(sa.bindparam("ids", type_=postgresql.ARRAY(sa.BigInteger())))
+    else:
+        ids = t.c.id.in_(sa.bindparam("ids", expanding=True))
+    return (
+        sa.update(t)
+        .where(
+            ids,
+            t.c.claim_token == sa.bindparam("token", type_=sa.String()),
+            t.c.status == outbox.OutboxStatus.PENDING.value,
+        )
+        .values(
+            claim_token=None,
+            claim_expires_at=None,
+            claim_group=None,
+            updated_at=db_now(),
+            last_status=sa.bindparam("status_code", type_=sa.Integer()),
+            status=outbox.OutboxStatus.SENT.value,
+            sent_at=db_now(),
+            last_error=None,
+        )
+        .returning(t.c.id)
+    )
 
 
 def expire_statement(*, topics: Collection[str], window_ms: int, margin_ms: int) -> sa.Update:
@@ -459,12 +521,25 @@ class Dispatcher:
         http_limits = httpx.Limits(
             max_connections=self.concurrency, max_keepalive_connections=self.concurrency
         )
-        self._client = client or httpx.Client(
-            follow_redirects=False,
-            limits=http_limits,
-            timeout=httpx.Timeout(10.0),
-            transport=_DeadlineTransport(http_limits),
-        )
+        self._transport: _DeadlineTransport | None = None
+        if client is None:
+            self._transport = _DeadlineTransport(http_limits)
+            client = httpx.Client(
+                follow_redirects=False,
+                limits=http_limits,
+                timeout=httpx.Timeout(10.0),
+                transport=self._transport,
+            )
+        self._client = client
+        # The own client's requests go straight to its transport (see _post): each route's URL, headers
+        # (the client's defaults, then the route's) and timeout are prepared here once.
+        self._targets: dict[str, _Target] = {}
+        for topic, route in self.routes.items():
+            merged = httpx.Headers(client.headers)
+            merged.update(self._headers[topic])
+            self._targets[topic] = _Target(
+                httpx.URL(route.url), merged.raw, {"timeout": route.timeout.as_dict()}
+            )
         self._pool = (
             ThreadPoolExecutor(max_workers=self.concurrency, thread_name_prefix="joblease-dispatch")
             if self.concurrency > 1
@@ -838,17 +913,41 @@ class Dispatcher:
         )
 
     def _post(self, row: _Claimed, route: Route, deadline: float) -> policy.Classification:
-        headers = {**self._headers[row.topic], "Idempotency-Key": route.key_header(row.idempotency_key)}
-        request = self._client.build_request(
-            "POST",
-            route.url,
-            content=row.payload.encode("utf-8"),
-            headers=headers,
-            timeout=self._timeouts[row.topic],
-        )
-        if row.send_by is not None and time.monotonic() > row.send_by:
-            raise _TooLate
-        response = self._client.send(request, stream=True, follow_redirects=False)
+        key = route.key_header(row.idempotency_key)
+        hooks = self._client.event_hooks
+        if self._transport is None or hooks["request"] or hooks["response"]:
+            # A client of the caller's (its own auth, hooks and cookies apply), or event hooks added to
+            # the dispatcher's own client: the full httpx.Client path.
+            headers = {**self._headers[row.topic], "Idempotency-Key": key}
+            request = self._client.build_request(
+                "POST",
+                route.url,
+                content=row.payload.encode("utf-8"),
+                headers=headers,
+                timeout=self._timeouts[row.topic],
+            )
+            if row.send_by is not None and time.monotonic() > row.send_by:
+                raise _TooLate
+            response = self._client.send(request, stream=True, follow_redirects=False)
+        else:
+            # The dispatcher's own client has no auth and never follows a redirect, so (without event
+            # hooks) the request goes straight to its transport (the deadline-bounded pool): httpx.Client's
+            # per-request URL and header merging, auth and redirect flows and cookie jar cost about a
+            # third of a delivery's client CPU. Headers on the wire are the ones the client would send
+            # (its defaults, then the route's), minus cookies: a Set-Cookie from one row's answer is
+            # never carried into another row's request.
+            target = self._targets[row.topic]
+            request = httpx.Request(
+                "POST",
+                target.url,
+                content=row.payload.encode("utf-8"),
+                headers=[*target.headers, (b"Idempotency-Key", key.encode("ascii"))],
+                extensions=target.extensions,
+            )
+            if row.send_by is not None and time.monotonic() > row.send_by:
+                raise _TooLate
+            response = self._transport.handle_request(request)
+            response.request = request
         try:
             body = bytearray()
             for chunk in response.iter_bytes():
@@ -935,15 +1034,17 @@ class Dispatcher:
                 extra={"action": "outbox_dead"},
             )
 
-    def _statements(self, token: str, finished: list[_Finished]) -> list[tuple[sa.Executable, bool]]:
-        """The fenced UPDATEs for ``finished``: ``(statement, returns ids)``. Sent rows with one status
-        code share one statement (the usual case: the whole group in one); retries, dead rows and
-        released claims carry their own values."""
+    def _statements(
+        self, token: str, finished: list[_Finished]
+    ) -> list[tuple[sa.Executable, dict[str, Any] | None, bool]]:
+        """The fenced UPDATEs for ``finished``: ``(statement, parameters, returns ids)``. Sent rows with one
+        status code share one statement (the usual case: the whole group in one), built once per dialect
+        and bound per call; retries, dead rows and released claims carry their own values."""
         t = outbox_table
         fence = (t.c.claim_token == token, t.c.status == outbox.OutboxStatus.PENDING.value)
         cleared = {"claim_token": None, "claim_expires_at": None, "claim_group": None, "updated_at": db_now()}
         sent: dict[int | None, list[int]] = {}
-        statements: list[tuple[sa.Executable, bool]] = []
+        statements: list[tuple[sa.Executable, dict[str, Any] | None, bool]] = []
         released: list[int] = []
         for row, decision in finished:
             if decision is None:
@@ -963,25 +1064,15 @@ class Dispatcher:
                 else:
                     values.update(status=outbox.OutboxStatus.DEAD.value, last_error=decision.reason)
                 stmt = sa.update(t).where(t.c.id == row.id, *fence).values(**values).returning(t.c.id)
-                statements.append((stmt, True))
-        for status_code, ids in sent.items():
-            stmt = (
-                sa.update(t)
-                .where(t.c.id.in_(ids), *fence)
-                .values(
-                    **cleared,
-                    last_status=status_code,
-                    status=outbox.OutboxStatus.SENT.value,
-                    sent_at=db_now(),
-                    last_error=None,
-                )
-                .returning(t.c.id)
-            )
-            statements.append((stmt, True))
+                statements.append((stmt, None, True))
+        if sent:
+            mark_sent = sent_statement(self.engine.dialect.name)
+            for status_code, ids in sent.items():
+                statements.append((mark_sent, {"ids": ids, "token": token, "status_code": status_code}, True))
         if released:
             # Given back undelivered: the attempt the claim counted is taken back too.
             give_back = sa.update(t).where(t.c.id.in_(released), *fence)
-            statements.append((give_back.values(**cleared, attempts=t.c.attempts - 1), False))
+            statements.append((give_back.values(**cleared, attempts=t.c.attempts - 1), None, False))
         return statements
 
     def _group_writes(self, finished: list[_Finished]) -> list[Callable[[sa.Connection], object]]:
@@ -1045,8 +1136,8 @@ class Dispatcher:
             try:
                 matched: set[int] = set()
                 with translate_errors("record delivery outcomes"), self.engine.begin() as conn:
-                    for stmt, returns_ids in statements:
-                        result = conn.execute(stmt)
+                    for stmt, params, returns_ids in statements:
+                        result = conn.execute(stmt, params)
                         if returns_ids:
                             matched.update(result.scalars())
                     for write in group_writes:

@@ -21,8 +21,10 @@ from __future__ import annotations
 import collections
 import dataclasses
 import email.utils
+import functools
 import io
 import json
+import json.encoder
 import logging
 import math
 import re
@@ -39,7 +41,7 @@ import psycopg
 import sqlalchemy as sa
 
 from dagster_joblease import errors, inbox
-from dagster_joblease.storage.autocommit import autocommit_connections
+from dagster_joblease.storage.autocommit import AutocommitConnections, autocommit_connections
 from dagster_joblease.storage.clock import db_now
 from dagster_joblease.storage.engine import create_engine, translate_errors
 from dagster_joblease.storage.migrate import migrate as migrate_schema
@@ -371,10 +373,11 @@ class _RequestLog:
     """The request log, written off the request path by one thread in batches.
 
     It is a debugging and testing aid, not part of the receiver's guarantees: a batch is one transaction
-    (on PostgreSQL with ``synchronous_commit`` off), so a POST costs no log round trip or commit of its
-    own, and the last moments before a crash may be missing. Arrival order is kept (row ids follow it).
-    A status known when the row is first written goes in with it; a later one is an UPDATE in a later
-    batch. :meth:`flush` writes everything pending now, for readers that need exact counts.
+    (on PostgreSQL one statement on an autocommit connection, with ``synchronous_commit`` off; late
+    statuses are a second one), so a POST costs no log round trip or commit of its own, and the last
+    moments before a crash may be missing. Arrival order is kept (row ids follow it). A status known
+    when the row is first written goes in with it; a later one is an UPDATE in a later batch.
+    :meth:`flush` writes everything pending now, for readers that need exact counts.
     """
 
     #: How long the writer waits for more entries before writing a batch.
@@ -384,6 +387,8 @@ class _RequestLog:
 
     def __init__(self, engine: sa.Engine) -> None:
         self._engine = engine
+        dialect = engine.dialect
+        self._raw_pg = (dialect.name, dialect.driver) == ("postgresql", "psycopg")
         self._lock = threading.Lock()
         self._write_lock = threading.Lock()
         self._new: list[_LogEntry] = []
@@ -418,13 +423,12 @@ class _RequestLog:
             with self._lock:
                 new, self._new = self._new, []
                 updates, self._updates = self._updates, []
-                rows = [{"idempotency_key": e.key, "topic": e.topic, "status_code": e.status} for e in new]
                 for entry in new:
                     entry.written = True
             if not new and not updates:
                 return
             try:
-                self._write(new, rows, updates)
+                self._write(new, updates)
             except BaseException:
                 with self._lock:
                     for entry in new:
@@ -433,33 +437,40 @@ class _RequestLog:
                     self._updates[:0] = updates
                 raise
 
-    def _write(self, new: list[_LogEntry], rows: list[dict[str, Any]], updates: list[_LogEntry]) -> None:
+    def _write(self, new: list[_LogEntry], updates: list[_LogEntry]) -> None:
+        if self._raw_pg:
+            self._write_pg(new, updates)
+            return
         t = request_table
         with translate_errors("write the receiver's request log"), self._engine.begin() as conn:
-            if conn.dialect.name == "postgresql":
-                conn.exec_driver_sql("SET LOCAL synchronous_commit = off")
-                self._write_pg(conn, new, updates)
-                return
-            if rows:
+            if new:
+                rows = [{"idempotency_key": e.key, "topic": e.topic, "status_code": e.status} for e in new]
                 ids = conn.execute(_LOG_INSERT.returning(t.c.id, sort_by_parameter_order=True), rows)
                 for entry, row_id in zip(new, ids.scalars(), strict=True):
                     entry.row_id = row_id
             if updates:
                 conn.execute(_LOG_UPDATE, [{"row_id": e.row_id, "new_status": e.status} for e in updates])
 
-    @staticmethod
-    def _write_pg(conn: sa.Connection, new: list[_LogEntry], updates: list[_LogEntry]) -> None:
-        """A batch as two fixed statements over arrays: no per-row SQL to build, plan or parse."""
-        if new:
-            ids = conn.exec_driver_sql(
-                _PG_LOG_INSERT,
-                ([e.key for e in new], [e.topic for e in new], [e.status for e in new]),
-            ).scalars()
-            # Identity values are drawn row by row in the SELECT's order, so sorted ids follow arrival.
-            for entry, row_id in zip(new, sorted(ids), strict=True):
-                entry.row_id = row_id
-        if updates:
-            conn.exec_driver_sql(_PG_LOG_UPDATE, ([e.row_id for e in updates], [e.status for e in updates]))
+    def _write_pg(self, new: list[_LogEntry], updates: list[_LogEntry]) -> None:
+        """A batch as (at most) two fixed statements over arrays on an autocommit connection: no per-row
+        SQL to build, plan or parse, no pool checkout, one round trip and one (asynchronous) commit each.
+
+        The statuses go first: re-sent after a failure they only set the same status again, whereas
+        rows inserted before a failure would be inserted twice (the rows go back to the queue).
+        """
+        connections = autocommit_connections(self._engine)
+        with translate_errors("write the receiver's request log"), connections.connection(self._engine) as h:
+            cursor = h.cursor
+            if updates:
+                params = ([e.row_id for e in updates], [e.status for e in updates])
+                cursor.execute(_PG_LOG_UPDATE, params, prepare=True)
+            if new:
+                params3 = ([e.key for e in new], [e.topic for e in new], [e.status for e in new])
+                cursor.execute(_PG_LOG_INSERT, params3, prepare=True)
+                # Identity values are drawn row by row in the SELECT's order, so sorted ids follow arrival.
+                ids = sorted(row[0] for row in cursor.fetchall())
+                for entry, row_id in zip(new, ids, strict=True):
+                    entry.row_id = row_id
 
     def _run(self) -> None:
         while not self._closed.is_set():
@@ -483,15 +494,19 @@ class _RequestLog:
             logger.warning("could not write the receiver's request log at shutdown: %s", exc)
 
 
+#: Each its own transaction (autocommit); ``set_config(..., true)`` is ``SET LOCAL``: the log's commits do
+#: not wait for the WAL flush (losing the last moments of a debugging log in a crash is acceptable).
 _PG_LOG_INSERT = (
     "INSERT INTO joblease_receiver_request (idempotency_key, topic, received_at, status_code)"
     " SELECT u.k, u.t, clock_timestamp(), u.s"
-    " FROM unnest(%s::text[], %s::text[], %s::integer[]) WITH ORDINALITY AS u(k, t, s, n) ORDER BY u.n"
+    " FROM (SELECT set_config('synchronous_commit', 'off', true)) AS c,"
+    " unnest(%s::text[], %s::text[], %s::integer[]) WITH ORDINALITY AS u(k, t, s, n) ORDER BY u.n"
     " RETURNING id"
 )
 _PG_LOG_UPDATE = (
     "UPDATE joblease_receiver_request AS r SET status_code = u.s"
-    " FROM unnest(%s::bigint[], %s::integer[]) AS u(i, s) WHERE r.id = u.i"
+    " FROM (SELECT set_config('synchronous_commit', 'off', true)) AS c,"
+    " unnest(%s::bigint[], %s::integer[]) AS u(i, s) WHERE r.id = u.i"
 )
 _LOG_INSERT = request_table.insert().values(received_at=db_now())
 _LOG_UPDATE = (
@@ -569,6 +584,7 @@ class ReceiverServer(ThreadingHTTPServer):
             self.fast_path  # noqa: B018 (looked up now, so POSTs need no pool connection for it)
         except errors.StorageError as exc:
             logger.warning("could not look up %s yet (will on the first POST): %s", APPLY_FUNCTION, exc)
+        self._connections: AutocommitConnections | None = None
         self._counter = 0
         self._counter_lock = threading.Lock()
         self._injected: collections.deque[_Injected] = collections.deque()
@@ -642,7 +658,8 @@ class ReceiverServer(ThreadingHTTPServer):
         StorageError); on PostgreSQL it is one call of :data:`APPLY_FUNCTION` in autocommit.
         """
         payload = body.decode("utf-8", "replace").replace("\x00", "\ufffd")
-        response = json.dumps({"applied": True, "key": key, "topic": topic})
+        # json.dumps({"applied": True, "key": key, "topic": topic}), without the encoder's set-up.
+        response = f'{{"applied": true, "key": {_json_str(key)}, "topic": {_json_str(topic)}}}'
         if not self.fast_path:
             return self.inbox.process(key, body, self._effect(key, topic, payload, response))
         params = (key, inbox.request_fingerprint(body), topic, payload, 200, response)
@@ -677,10 +694,27 @@ class ReceiverServer(ThreadingHTTPServer):
         where a prepared statement may be on another server session); a connection that saw an error
         is closed, so a retry runs on another.
         """
-        connections = autocommit_connections(self.engine)
-        with translate_errors("apply a receiver effect"), connections.connection(self.engine) as handle:
-            handle.cursor.execute(_APPLY_CALL, params, prepare=True)
-            row = handle.cursor.fetchone()
+        connections = self._connections
+        if connections is None:
+            connections = self._connections = autocommit_connections(self.engine)
+        # The context managers (translate_errors, connections.connection) cost more than the rest of
+        # this call's Python: the same handling, spelt out.
+        try:
+            handle = connections.acquire(self.engine)
+        except BaseException:
+            with translate_errors("apply a receiver effect"):
+                raise
+            raise  # not reached: translate_errors re-raises, translated or as it is
+        try:
+            cursor = handle.cursor
+            cursor.execute(_APPLY_CALL, params, prepare=True)
+            row = cursor.fetchone()
+        except BaseException:
+            connections.release(handle, discard=True)
+            with translate_errors("apply a receiver effect"):
+                raise
+            raise  # not reached
+        connections.release(handle)
         assert row is not None, f"{APPLY_FUNCTION} returned no row"
         return row[0], row[1], row[2], row[3]
 
@@ -750,21 +784,30 @@ _BUSY = (
     b"Retry-After: 1\r\nConnection: close\r\nContent-Length: %d\r\n\r\n" % len(_BUSY_BODY)
 ) + _BUSY_BODY
 _RETRY_1 = {"Retry-After": "1"}
+_json_str = json.encoder.encode_basestring_ascii  # what json.dumps uses for a str
 _LENGTH = re.compile(r"[0-9]+", re.ASCII)
 
 
-_date_cache: tuple[int, str] = (0, "")
+#: (second, server string, its ``Server:`` and ``Date:`` lines): formatting the date costs more than the
+#: rest of a head, so it is done once per second.
+_head_cache: tuple[int, str, str] = (0, "", "")
 
 
-def _http_date() -> str:
-    """The Date header, formatted once per second (formatting it costs more than the rest of a head)."""
-    global _date_cache
+def _date_lines(server: str) -> str:
+    """The ``Server:`` and ``Date:`` header lines, built at most once per second."""
+    global _head_cache
     now = int(time.time())
-    second, text = _date_cache
-    if second != now:
-        text = email.utils.formatdate(now, usegmt=True)
-        _date_cache = (now, text)
-    return text
+    second, cached_server, lines = _head_cache
+    if second != now or cached_server != server:
+        lines = f"Server: {server}\r\nDate: {email.utils.formatdate(now, usegmt=True)}\r\n"
+        _head_cache = (now, server, lines)
+    return lines
+
+
+@functools.cache
+def _status_line(status: int) -> str:
+    phrase = BaseHTTPRequestHandler.responses.get(status, ("",))[0]
+    return f"HTTP/1.1 {status} {phrase}\r\n"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -788,6 +831,8 @@ class _Handler(BaseHTTPRequestHandler):
     # for a delayed ACK on every request.
     disable_nagle_algorithm = True
     server: ReceiverServer
+    #: Set by :meth:`_read_fields`: whether Transfer-Encoding is present, and the Content-Length values.
+    _framing: tuple[bool, list[str]]
 
     def log_message(self, format: str, *args: Any) -> None:
         logger.debug("%s " + format, self.address_string(), *args)
@@ -817,18 +862,14 @@ class _Handler(BaseHTTPRequestHandler):
         # One write for head and body (two writes cost a delayed-ACK round trip on keep-alive clients).
         if logger.isEnabledFor(logging.DEBUG):
             self.log_request(status, len(body))
-        phrase = self.responses.get(status, ("",))[0]
-        head = [
-            f"{self.protocol_version} {status} {phrase}\r\n",
-            f"Server: {self.version_string()}\r\nDate: {_http_date()}\r\n",
-            f"Content-Type: {content_type}\r\nContent-Length: {len(body)}\r\n",
-        ]
-        head.extend(f"{name}: {value}\r\n" for name, value in (headers or {}).items())
+        head = _status_line(status) + _date_lines(self.version_string())
+        head += f"Content-Type: {content_type}\r\nContent-Length: {len(body)}\r\n"
+        if headers:
+            head += "".join(f"{name}: {value}\r\n" for name, value in headers.items())
         if self.close_connection:
-            head.append("Connection: close\r\n")
-        head.append("\r\n")
+            head += "Connection: close\r\n"
         try:
-            self.wfile.write("".join(head).encode("latin-1") + body)
+            self.wfile.write((head + "\r\n").encode("latin-1") + body)
         except (ConnectionError, TimeoutError):
             # The client gave up (a timeout) before the answer; the request log still records it.
             self.close_connection = True
@@ -852,10 +893,10 @@ class _Handler(BaseHTTPRequestHandler):
 
     def _content_length(self) -> int | None:
         """The body's length from the headers, or None after answering 400/411/413 (never an exception)."""
-        if self.headers.get("Transfer-Encoding") is not None:
+        chunked, values = self._framing
+        if chunked:
             self._refuse(411, "Length Required", "send the body with a Content-Length header, not chunked")
             return None
-        values = self.headers.get_all("Content-Length") or []
         if not values:
             self._refuse(411, "Length Required", "send the body with a Content-Length header")
             return None
@@ -873,15 +914,21 @@ class _Handler(BaseHTTPRequestHandler):
 
     def _read_body(self, length: int) -> bytes | None:
         """Exactly ``length`` bytes within the read timeout, or None (answered 400/408, closing)."""
-        deadline = time.monotonic() + self.server.read_timeout_s
+        read_timeout_s = self.server.read_timeout_s
+        deadline = time.monotonic() + read_timeout_s
         chunks: list[bytes] = []
         missing = length
+        # The first read runs under the socket's timeout, which is the read timeout (handle_one_request):
+        # it ends by the deadline. Only a body that needs more reads sets a shorter timeout for each.
+        shortened = False
         try:
             while missing:
-                left = deadline - time.monotonic()
-                if left <= 0:
-                    raise TimeoutError
-                self.connection.settimeout(left)
+                if chunks:
+                    left = deadline - time.monotonic()
+                    if left <= 0:
+                        raise TimeoutError
+                    self.connection.settimeout(left)
+                    shortened = True
                 chunk = self.rfile.read1(missing)
                 if not chunk:
                     # The client closed its side mid-body: a truncated body never reaches the effect.
@@ -899,10 +946,31 @@ class _Handler(BaseHTTPRequestHandler):
         except ConnectionError:
             self.close_connection = True
             return None
-        self.connection.settimeout(self.server.read_timeout_s)
-        return b"".join(chunks)
+        if shortened:
+            self.connection.settimeout(read_timeout_s)
+        return chunks[0] if len(chunks) == 1 else b"".join(chunks)
+
+    def _read_fields(self) -> str | None:
+        """One pass over the head's fields (each ``headers.get`` is a pass of its own): sets
+        :attr:`_framing` (whether Transfer-Encoding is present, the Content-Length values) and returns
+        the first Idempotency-Key value, as ``headers.get`` would (http.client decodes the head as
+        Latin-1, so no field needs the policy's fetch-time sanitizing)."""
+        chunked = False
+        lengths: list[str] = []
+        key: str | None = None
+        for name, value in self.headers.raw_items():
+            lowered = name.lower()
+            if lowered == "content-length":
+                lengths.append(value)
+            elif lowered == "transfer-encoding":
+                chunked = True
+            elif lowered == "idempotency-key" and key is None:
+                key = value
+        self._framing = (chunked, lengths)
+        return key
 
     def do_POST(self) -> None:
+        raw_key = self._read_fields()
         length = self._content_length()
         if length is None:
             return
@@ -910,7 +978,6 @@ class _Handler(BaseHTTPRequestHandler):
         if body is None:
             return
         topic = urlsplit(self.path).path.lstrip("/")
-        raw_key = self.headers.get("Idempotency-Key")
         ordinal, injected = self.server.next_ordinal()
         entry = self.server.request_log.received(raw_key, topic)
         status = self._respond(ordinal, injected, topic, raw_key, body)

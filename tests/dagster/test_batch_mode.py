@@ -8,10 +8,7 @@ in two processes give one effect per key.
 
 from __future__ import annotations
 
-import json
 import os
-import subprocess
-import sys
 import threading
 from collections.abc import Iterator, Sequence
 from pathlib import Path
@@ -26,10 +23,9 @@ from dagster_joblease.dagster.metadata import META_OUTCOMES
 from dagster_joblease.dagster.ops import step_records
 from dagster_joblease.storage.schema import lease_table, outbox_table
 from tests.conftest import wait_until
-from tests.dagster import range_assets
+from tests.dagster import range_assets, range_worker
 from tests.dagster.conftest import DagsterPg
 
-REPO = Path(__file__).resolve().parents[2]
 QUIET = {"loggers": {"console": {"config": {"log_level": "ERROR"}}}}
 ASSET = range_assets.batch_asset
 
@@ -166,20 +162,7 @@ def test_two_overlapping_batch_range_runs_race_with_one_effect_per_key(
     dagster_pg: DagsterPg, engine: sa.Engine
 ) -> None:
     first, second = _days(10, 1, 20), _days(10, 10, 31)
-    procs = [
-        subprocess.Popen(
-            [sys.executable, "-m", "tests.dagster.range_worker", "batch_asset", keys[0], keys[-1]],
-            cwd=REPO,
-            env=dagster_pg.env(),
-            stdout=subprocess.PIPE,
-            stderr=subprocess.PIPE,
-            text=True,
-        )
-        for keys in (first, second)
-    ]
-    outs = [proc.communicate(timeout=300) for proc in procs]
-    results = [json.loads(out.splitlines()[-1]) for out, _err in outs]
-    assert [r["ok"] for r in results] == [True, True], [err[-2000:] for _out, err in outs]
+    results = range_worker.race("batch_asset", (first, second), dagster_pg.env())
     every = sorted(set(first) | set(second))
     assert {k: s for k, (s, _a) in _leases(engine, every).items()} == dict.fromkeys(every, "SUCCESS")
     assert _outbox(engine, every) == dict.fromkeys(every, 1)  # one effect per key

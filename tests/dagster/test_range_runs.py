@@ -36,7 +36,7 @@ from dagster_joblease.dagster.metadata import META_FIRST_KEYS, META_OUTCOME, MET
 from dagster_joblease.dagster.ops import step_records
 from dagster_joblease.storage.schema import lease_table, outbox_table
 from tests.conftest import wait_until
-from tests.dagster import range_assets
+from tests.dagster import range_assets, range_worker
 from tests.dagster.conftest import DagsterPg
 
 REPO = Path(__file__).resolve().parents[2]
@@ -345,20 +345,7 @@ def test_two_overlapping_range_runs_race_with_one_effect_per_key(
     dagster_pg: DagsterPg, engine: sa.Engine
 ) -> None:
     first, second = _days(5, 1, 20), _days(5, 10, 31)
-    procs = [
-        subprocess.Popen(
-            [sys.executable, "-m", "tests.dagster.range_worker", "range_asset", keys[0], keys[-1]],
-            cwd=REPO,
-            env=dagster_pg.env(),
-            stdout=subprocess.PIPE,
-            stderr=subprocess.PIPE,
-            text=True,
-        )
-        for keys in (first, second)
-    ]
-    outs = [proc.communicate(timeout=300) for proc in procs]
-    results = [json.loads(out.splitlines()[-1]) for out, _err in outs]
-    assert [r["ok"] for r in results] == [True, True], [err[-2000:] for _out, err in outs]
+    results = range_worker.race("range_asset", (first, second), dagster_pg.env())
     every = sorted(set(first) | set(second))
     assert _leases(engine, "t-range", every) == dict.fromkeys(every, "SUCCESS")
     assert _outbox(engine, "t-range", every) == dict.fromkeys(every, 1)  # one effect per key

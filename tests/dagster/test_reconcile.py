@@ -398,3 +398,36 @@ def test_re_executions_and_retries_of_a_relaunch_do_not_count_as_relaunches(
     (second,) = _tick(dagster_pg, sensor)[0]
     assert second.tags[TAG_RELAUNCH] == "2/2"
     assert second.run_key.endswith(":relaunch-2")
+
+
+def test_held_runs_beyond_one_page_are_all_reached_in_turn(
+    dagster_pg: DagsterPg,
+    engine: sa.Engine,
+    case: tuple[str, dg.JobDefinition],
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """More runs failed as held than one page holds: the newest page is read every tick and the older
+    ones in turn from the cursor, so the oldest held partition is not starved (it was: only the newest
+    500 were ever read)."""
+    from dagster_joblease.dagster import reconcile
+
+    monkeypatch.setattr(reconcile, "HELD_RUNS_PER_PAGE", 2)
+    code, job = case
+    for day in DAYS:  # oldest first: DAYS[0]'s held run is the oldest
+        _run(dagster_pg, job, day, dg.DagsterRunStatus.FAILURE, {TAG_OUTCOME: "held"})
+    sensor = build_reconciliation_sensor(job, code=code)
+    requested: list[str] = []
+    cursor: str | None = None
+    for _ in range(len(DAYS)):
+        requests, _, new_cursor, _ = _tick(dagster_pg, sensor, cursor)
+        cursor = json.dumps(new_cursor)
+        for request in requests:
+            assert request.partition_key is not None
+            requested.append(request.partition_key)
+            # the relaunch ran and succeeded: that partition is settled from now on
+            _run(
+                dagster_pg, job, request.partition_key, dg.DagsterRunStatus.SUCCESS, launched(sensor, request)
+            )
+        if set(requested) == set(DAYS):
+            break
+    assert sorted(requested) == sorted(DAYS)  # each once, the oldest included
