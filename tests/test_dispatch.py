@@ -199,6 +199,36 @@ def test_headers_body_and_destination_come_from_the_route(
     assert row.sent_at is not None
 
 
+def test_own_client_sends_its_default_headers_and_never_replays_a_cookie(engine: sa.Engine) -> None:
+    """The dispatcher's own client sends straight through its transport: the headers an httpx.Client
+    would send (Host, Content-Length, User-Agent, Accept...), the key in the route's format, and no
+    Cookie a downstream set while answering another row."""
+    cookies = Recorder(lambda path: (200, {"Set-Cookie": "session=from-row-1; Path=/"}))
+    seen: list[str] = []
+    try:
+        with engine.begin() as conn:
+            for i in range(3):
+                outbox.enqueue_once(conn, idempotency_key=f"v2:ck-{i}", topic="t", payload={"i": i})
+        route = Route(cookies.url + "/hook", key_format="sf-string")
+        with Dispatcher(engine, {"t": route}, concurrency=1) as dispatcher:
+            assert dispatcher.dispatch(limit=2).sent == 2
+            # Event hooks added to the own client see every request (the full httpx.Client path).
+            dispatcher._client.event_hooks["request"].append(lambda request: seen.append(request.url.path))
+            assert dispatcher.dispatch().sent == 1
+    finally:
+        cookies.close()
+    assert seen == ["/hook"]
+    sent = [{k.lower(): v for k, v in r["headers"].items()} for r in cookies.requests]
+    assert [h["idempotency-key"] for h in sent] == ['"v2:ck-0"', '"v2:ck-1"', '"v2:ck-2"']
+    for headers, request in zip(sent, cookies.requests, strict=True):
+        assert "cookie" not in headers
+        assert headers["host"] == cookies.url.removeprefix("http://")
+        assert headers["content-length"] == str(len(request["body"]))
+        assert headers["content-type"] == "application/json"
+        assert headers["user-agent"].startswith("python-httpx/")
+        assert headers["accept"] == "*/*"
+
+
 def test_redirects_are_not_followed_and_secrets_stay_home(
     engine: sa.Engine, recorder: Recorder, monkeypatch: pytest.MonkeyPatch
 ) -> None:

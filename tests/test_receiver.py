@@ -657,8 +657,8 @@ def test_postgres_fast_path_prepares_only_when_allowed(
 def test_postgres_fast_path_closes_its_connections_when_closed(
     pg_engine: sa.Engine, client: httpx.Client
 ) -> None:
-    """POSTs run on autocommit connections kept beside the pool (which they never check out: only the
-    request log's writer thread does), closed at server_close."""
+    """POSTs and the request log's writer run on autocommit connections kept beside the pool (which
+    nothing checks out), closed at server_close."""
     ensure_tables(pg_engine)
     server = ReceiverServer(pg_engine, ("127.0.0.1", 0))
     checkouts: list[str] = []
@@ -676,8 +676,10 @@ def test_postgres_fast_path_closes_its_connections_when_closed(
         sa.event.listen(pg_engine, "checkout", _on_checkout)
         for n in range(1, 3):
             assert _post(client, f"{server.url}/mail", {"v": n}, f"c-{n}").status_code == 200
-        assert len(connections._idle) == 1
-        assert [name for name in checkouts if name != "joblease-receiver-log"] == []
+        server.flush_log()
+        # One for the POSTs (one at a time here), and one more if the writer wrote while a POST ran.
+        assert 1 <= len(connections._idle) <= 2
+        assert checkouts == []
     finally:
         if sa.event.contains(pg_engine, "checkout", _on_checkout):
             sa.event.remove(pg_engine, "checkout", _on_checkout)

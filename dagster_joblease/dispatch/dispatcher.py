@@ -425,7 +425,8 @@ class Dispatcher:
         backoff_base_ms, backoff_max_ms: full-jitter exponential backoff between attempts.
         client: an ``httpx.Client`` to use instead of the dispatcher's own (redirects are never followed,
             whatever the client's default). The dispatcher's own client bounds each request by a total
-            deadline at the socket level; with a client of yours the deadline is checked between body
+            deadline at the socket level and keeps no cookies (a downstream's ``Set-Cookie`` is never
+            sent back with another row); with a client of yours the deadline is checked between body
             chunks and caps each phase's timeout, but a downstream that dribbles its headers is bounded
             only by your client's own timeouts.
 
