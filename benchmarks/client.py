@@ -11,8 +11,12 @@ the sides; min-max over rounds beside it. Sides, each on one connection in this 
   parameters, identity included, from a bare loop on the library's autocommit connection: the gap to
   ``claim library`` is the library's Python around the statement) and ``claim library`` (``try_acquire``
   with the identity built in the call), likewise for ``refused`` (a key held by a live lease);
-* ``enqueue`` floors (physical, same-table: ``json.dumps`` and, same-table, SHA-256 per row; commit) and
-  the library's ``enqueue_once`` on a psycopg connection and inside ``engine.begin()``.
+  ``refused library first`` refuses keys the service has never met (held by another service), so its
+  claim inserts first and then reads the status: two statements, where a repeat is one;
+* ``enqueue`` floors (physical, same-table: ``json.dumps`` and, same-table, SHA-256 per row; commit),
+  the library's ``enqueue_once`` on a psycopg connection and inside ``engine.begin()`` (``library``),
+  and ``sqlalchemy``: the same-table INSERT on the driver inside ``engine.begin()``, i.e. SQLAlchemy's own
+  begin and commit (``library`` minus ``sqlalchemy`` is what the library adds there).
 
 ``--profile NAME`` then runs that side under cProfile and prints the functions with the most own time.
 """
@@ -43,8 +47,11 @@ from dagster_joblease.storage import create_engine
 from dagster_joblease.storage.autocommit import autocommit_connections
 
 
-def sides(url: str) -> dict[str, Callable[[int], object]]:
-    """Each side as ``step(i)`` on its own connection (opened here, closed with the process)."""
+def sides(url: str, first_refusals: int) -> dict[str, Callable[[int], object]]:
+    """Each side as ``step(i)`` on its own connection (opened here, closed with the process).
+
+    ``first_refusals``: how many keys to hold for ``refused library first`` (each refused once).
+    """
     tag = secrets.token_hex(4)
     steps: dict[str, Callable[[int], object]] = {
         "identity": lambda i: JobIdentity.schedule("bench", f"{tag}-id-{i}"),
@@ -79,7 +86,17 @@ def sides(url: str) -> dict[str, Callable[[int], object]]:
     steps["refused library"] = lambda i: service.try_acquire(
         JobIdentity.schedule("bench-held", f"key-{i % lease.HELD_KEYS}")
     )
-    for kind in ("physical", "same-table", "psycopg", "library"):
+    # A key this service has never met: its claim inserts first, meets the row, then reads its status
+    # (two statements; a repeat of the key is one, as in ``refused library``).
+    holder = LeaseService(engine, lease_ms=lease.LEASE_MS)
+    fresh = [JobIdentity.schedule("bench-first", f"{tag}-{n}") for n in range(first_refusals)]
+    for job in fresh:
+        holder.acquire(job)
+    unmet = iter(fresh)
+    steps["refused library first"] = lambda i: service.try_acquire(
+        JobIdentity.schedule("bench-first", next(unmet).run_key or "")
+    )
+    for kind in ("physical", "same-table", "psycopg", "library", "sqlalchemy"):
         step, _ = dispatch.enqueue_side(kind, url)()
         steps[f"enqueue {kind}"] = step
     return steps
@@ -119,7 +136,7 @@ def main(argv: list[str] | None = None) -> int:
         lease.prepare(url)
         dispatch.prepare(url)
         lease.reset(url)
-        steps = sides(url)
+        steps = sides(url, first_refusals=20 + args.calls * (args.rounds + 3 * len(args.profile)))
         names = list(steps)
         got: dict[str, list[float]] = {n: [] for n in names}
         offset = 0
@@ -140,7 +157,7 @@ def main(argv: list[str] | None = None) -> int:
             s = Stat.of(got[name])
             extra = ""
             workload = name.split()[0]
-            if name.endswith("library") or name.endswith("psycopg"):
+            if " library" in name or name.endswith("psycopg"):
                 floor = statistics.median(got[f"{workload} physical"])
                 target = floor + (ident if workload != "enqueue" else 0.0)
                 extra = (

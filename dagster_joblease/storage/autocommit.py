@@ -38,14 +38,20 @@ _IDLE = TransactionStatus.IDLE
 
 
 class AutocommitConnection:
-    """One driver connection in autocommit, with a cursor kept for reuse (a cursor per call costs more
-    than the statement's parameters)."""
+    """One driver connection in autocommit, with cursors kept for reuse (a cursor per call costs more
+    than the statement's parameters).
 
-    __slots__ = ("connection", "cursor", "generation")
+    ``cursor`` for a caller's statement; ``second_cursor`` for a caller that alternates two statements
+    (a claim that meets a row): psycopg keeps a cursor's result loaders only while the cursor runs the
+    same query again, so one cursor per statement spares rebuilding them on every switch.
+    """
+
+    __slots__ = ("connection", "cursor", "generation", "second_cursor")
 
     def __init__(self, connection: psycopg.Connection[Any], generation: int) -> None:
         self.connection = connection
         self.cursor = connection.cursor()
+        self.second_cursor = connection.cursor()
         self.generation = generation
 
 
