@@ -37,10 +37,10 @@ __all__ = [
 
 #: How long a dispatcher's registered limit stays in force without a claim refreshing it (5 minutes).
 REGISTRATION_MS = 5 * 60_000
-#: Admissions are spaced (1 + RATE_SLACK) / rate seconds apart: 8% below the rate, room for late starts.
-RATE_SLACK = 0.08
+#: Admissions are spaced (1 + RATE_SLACK) / rate seconds apart: 6% below the rate, room for late starts.
+RATE_SLACK = 0.06
 #: Longest a rate-admitted request may start after its admission (seconds); a later one is given back.
-RATE_LATE_S = 0.04
+RATE_LATE_S = 0.02
 #: How far ahead of the database's now rate admissions are handed out.
 RATE_HORIZON_MS = 200
 

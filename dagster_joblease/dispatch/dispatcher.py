@@ -40,13 +40,14 @@ import dataclasses
 import datetime as dt
 import functools
 import logging
+import queue as queue_mod
 import random
 import secrets
 import signal
 import threading
 import time
 from collections.abc import Callable, Collection, Mapping
-from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
+from concurrent.futures import Future, ThreadPoolExecutor
 from types import FrameType, TracebackType
 from typing import Any, TypeVar
 
@@ -606,6 +607,9 @@ class Dispatcher:
         if not rows and not blocked:
             return report
         inflight: dict[Future[policy.Decision | None], _Claimed] = {}
+        # Each delivery's future puts itself here when done: the loop reads one queue instead of
+        # installing a waiter on every in-flight future each turn (concurrent.futures.wait's cost).
+        done_q: queue_mod.SimpleQueue[Future[policy.Decision | None]] = queue_mod.SimpleQueue()
         queue: list[_Claimed] = []
         finished: list[_Finished] = []
         waited = 0.0
@@ -618,7 +622,9 @@ class Dispatcher:
                 if self._pool is None:
                     queue.append(row)
                 else:
-                    inflight[self._pool.submit(self._deliver, row)] = row
+                    future = self._pool.submit(self._deliver, row)
+                    inflight[future] = row
+                    future.add_done_callback(done_q.put)
             pending = []
             if self._pool is None:
                 if queue:
@@ -629,8 +635,14 @@ class Dispatcher:
                 if finished:
                     left = max(0.0, flushed_at + self._record_delay_s - time.monotonic())
                     timeout = left if timeout is None else min(timeout, left)
-                done, _ = wait(set(inflight), timeout=timeout, return_when=FIRST_COMPLETED)
-                finished.extend((inflight.pop(f), f.result()) for f in done)
+                done: list[Future[policy.Decision | None]] = []
+                try:
+                    done.append(done_q.get(timeout=timeout))
+                    while True:
+                        done.append(done_q.get_nowait())
+                except queue_mod.Empty:
+                    pass  # the timeout passed with nothing done, or every done delivery is taken
+                finished.extend((inflight.pop(f), f.result()) for f in done if f in inflight)
             busy = bool(inflight or queue)
             freed = {row.group for row, _ in finished if row.group is not None}
             urgent = bool(freed) or any(d is not None and d.pause_ms for _, d in finished)
