@@ -531,7 +531,7 @@ def _held_runs(
     runs = [record.dagster_run for record in newest]
     if len(newest) < HELD_RUNS_PER_PAGE:
         return runs, None
-    boundary = min(_utc(record.create_timestamp) for record in newest)
+    boundary = min(record.create_timestamp for record in newest)  # Dagster's are aware, in UTC
     if before is not None and before < boundary.timestamp():
         boundary = dt.datetime.fromtimestamp(before, dt.UTC)
     older = instance.get_run_records(
@@ -540,11 +540,7 @@ def _held_runs(
     runs += [record.dagster_run for record in older]
     if len(older) < HELD_RUNS_PER_PAGE:
         return runs, None
-    return runs, min(_utc(record.create_timestamp) for record in older).timestamp()
-
-
-def _utc(value: dt.datetime) -> dt.datetime:
-    return value if value.tzinfo is not None else value.replace(tzinfo=dt.UTC)
+    return runs, min(record.create_timestamp for record in older).timestamp()
 
 
 def build_reconciliation_sensor(
