@@ -642,7 +642,7 @@ class Dispatcher:
                         done.append(done_q.get_nowait())
                 except queue_mod.Empty:
                     pass  # the timeout passed with nothing done, or every done delivery is taken
-                finished.extend((inflight.pop(f), f.result()) for f in done if f in inflight)
+                finished.extend((inflight.pop(f), f.result()) for f in done)  # each future comes once
             busy = bool(inflight or queue)
             freed = {row.group for row, _ in finished if row.group is not None}
             urgent = bool(freed) or any(d is not None and d.pause_ms for _, d in finished)
