@@ -225,3 +225,55 @@ def test_forks_racing_first_claims_on_new_engines_never_hang(pg_url: str) -> Non
             thread.join(30)
         for engine in engines:
             engine.dispose()
+
+
+def test_a_child_forked_while_the_parent_initializes_the_dialect_initializes_its_own(pg_url: str) -> None:
+    """A thread of the parent is inside SQLAlchemy's one-time dialect initialization (the engine's very
+    first connect) at the moment of the fork. SQLAlchemy's once-only wrapper is used up before it runs, so
+    the child inherits a half-initialized dialect that nothing would ever finish: its first claim must
+    initialize the dialect itself and succeed (it failed with ``'PGDialect_psycopg' object has no
+    attribute 'default_isolation_level'``)."""
+    engine = create_engine(pg_url, pool_size=2)
+    entered, gate = threading.Event(), threading.Event()
+    parent = os.getpid()
+    real_initialize = engine.dialect.initialize
+
+    def slow_initialize(connection: sa.Connection) -> None:
+        if os.getpid() == parent:
+            entered.set()
+            gate.wait(30)  # the fork happens here, before any of the dialect's attributes are set
+        real_initialize(connection)
+
+    engine.dialect.initialize = slow_initialize  # type: ignore[method-assign]
+    service = LeaseService(engine, lease_ms=60_000)
+    thread = threading.Thread(target=service.acquire, args=(JobIdentity.schedule("fork-init", "parent"),))
+    results = FORK.Queue()
+    try:
+        thread.start()
+        assert entered.wait(30)
+        assert not hasattr(engine.dialect, "default_isolation_level")
+        child = _fork(engine, "init", results)
+        gate.set()
+        (got,) = _collect([child], results, 1)
+        assert got[0] == "ok", got
+        thread.join(30)
+        assert engine.dialect.default_isolation_level  # the parent finished its own initialization
+    finally:
+        gate.set()
+        thread.join(30)
+        engine.dispose()
+
+
+def test_a_child_of_an_engine_made_fork_safe_after_its_first_connect_works(pg_url: str) -> None:
+    """An engine of the user's own, connected before the library made it fork-safe: the child cannot
+    know its dialect's initialization finished, initializes it again, and claims and queries."""
+    engine = sa.create_engine(pg_url.replace("postgresql://", "postgresql+psycopg://", 1))
+    try:
+        with engine.connect() as conn:
+            conn.execute(sa.text("SELECT 1"))
+        LeaseService(engine, lease_ms=60_000)  # applies fork_safe to an engine already initialized
+        results = FORK.Queue()
+        (got,) = _collect([_fork(engine, "late", results)], results, 1)
+        assert got[0] == "ok", got
+    finally:
+        engine.dispose()

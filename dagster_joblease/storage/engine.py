@@ -17,6 +17,8 @@ import psycopg
 import sqlalchemy as sa
 from sqlalchemy import event
 from sqlalchemy.engine import URL, make_url
+from sqlalchemy.pool.base import _AdhocProxiedConnection
+from sqlalchemy.util import immutabledict
 
 from dagster_joblease import errors
 
@@ -340,13 +342,16 @@ def fork_safe(engine: sa.Engine) -> sa.Engine:
     SQLAlchemy's two recipes ("Using Connection Pools with Multiprocessing or os.fork()"): at a fork the
     child replaces the engine's pool by an empty one (``engine.dispose(close=False)``: the parent's
     connections are neither used nor closed by the child), and a connection checked out in another
-    process than the one that opened it is discarded unclosed, the pool then opening a new one. The
-    engine is held weakly and the listeners hold nothing of it.
+    process than the one that opened it is discarded unclosed, the pool then opening a new one. A third
+    guard covers what the recipes do not: a fork while a thread of the parent is inside the engine's
+    one-time dialect initialization (see :class:`_DialectGuard`). The engine is held weakly and the
+    listeners hold nothing of it but a weak reference.
     """
     if engine not in _FORK_SAFE:
         if not event.contains(engine, "checkout", _refuse_other_process):
             event.listen(engine, "connect", _record_process)
             event.listen(engine, "checkout", _refuse_other_process)
+            event.listen(engine, "connect", _DialectGuard(engine))
         _FORK_SAFE.add(engine)
     return engine
 
@@ -367,9 +372,63 @@ def _refuse_other_process(_dbapi_connection: Any, record: Any, proxy: Any) -> No
         raise sa.exc.DisconnectionError(f"connection belongs to process {owner}, not {pid}")
 
 
+#: Dialects whose one-time initialization is known to have finished (in this process, or in the
+#: parent before the fork that made it).
+_DIALECT_READY: weakref.WeakSet[sa.Dialect] = weakref.WeakSet()
+#: In a forked child: dialects the parent may have been initializing at the fork.
+_DIALECT_UNSURE: weakref.WeakSet[sa.Dialect] = weakref.WeakSet()
+
+
+class _DialectGuard:
+    """A connect listener, after SQLAlchemy's own: notes that the dialect's initialization finished,
+    and in a forked child finishes it if the parent may have been inside it at the fork.
+
+    SQLAlchemy initializes an engine's dialect (server version, default isolation level, ...) once,
+    from the pool's first connect, through a once-only wrapper that is used up *before* the
+    initialization runs. A child forked while a thread of its parent is inside it inherits a
+    half-initialized dialect and a used-up wrapper: nothing would ever finish it, and the child's first
+    checkin fails (``'PGDialect_psycopg' object has no attribute 'default_isolation_level'``). The
+    child's pool runs its first connect's listeners under a lock of its own, so this runs once there.
+    """
+
+    __slots__ = ("__weakref__", "engine")  # SQLAlchemy keeps listeners by weak reference too
+
+    def __init__(self, engine: sa.Engine) -> None:
+        self.engine = weakref.ref(engine)
+
+    def __call__(self, dbapi_connection: Any, record: Any) -> None:
+        engine = self.engine()
+        if engine is None:  # pragma: no cover - a pool outliving its engine
+            return
+        dialect = engine.dialect
+        if dialect in _DIALECT_UNSURE:
+            _initialize_dialect(engine, dbapi_connection, record)
+            _DIALECT_UNSURE.discard(dialect)
+        _DIALECT_READY.add(dialect)
+
+
+def _initialize_dialect(engine: sa.Engine, dbapi_connection: Any, record: Any) -> None:
+    """What ``sqlalchemy.create_engine``'s first connect does: ``dialect.initialize`` on a bare
+    connection, then a rollback of what its queries began. Running it on a dialect that was in fact
+    initialized only repeats the same queries and assignments."""
+    connection = sa.Connection(
+        engine,
+        connection=_AdhocProxiedConnection(dbapi_connection, record),
+        _has_events=False,
+        _allow_revalidate=False,
+        _allow_autobegin=False,
+    )
+    connection._execution_options = immutabledict()
+    engine.dialect.initialize(connection)
+    if not connection.invalidated and not connection.closed:
+        engine.dialect.do_rollback(connection.connection)
+
+
 def _after_fork_in_child() -> None:
     for engine in list(_FORK_SAFE):
         try:
+            if engine.dialect not in _DIALECT_READY:
+                _DIALECT_UNSURE.add(engine.dialect)
             engine.dispose(close=False)
         except Exception:  # pragma: no cover - never break the child's start; the pid guard still holds
             pass
