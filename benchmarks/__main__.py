@@ -4,6 +4,8 @@
     .venv/bin/python -m benchmarks --readme        # the same, then README.md's table between its markers
     .venv/bin/python -m benchmarks --long --readme # 5 s windows, 7 rounds, 1,000,000-row scale tables,
                                                    # and a 10,000-day range
+    .venv/bin/python -m benchmarks --save a.json   # keep this run's figures
+    .venv/bin/python -m benchmarks --agree-with a.json --readme  # compare with it (benchmarks/agreement.py)
 
 Each suite prints its own table as it finishes (``benchmarks/lease.py``, ``benchmarks/dispatch.py``,
 ``benchmarks/receiver.py`` and ``benchmarks/range.py`` say what each side is). ``--readme`` rewrites only
@@ -25,7 +27,7 @@ import psycopg
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from benchmarks import dispatch, lease, receiver
+from benchmarks import agreement, dispatch, lease, receiver
 from benchmarks import range as range_bench
 from benchmarks.harness import (
     QUIET_BUSY_CPUS,
@@ -117,7 +119,16 @@ def main(argv: list[str] | None = None) -> int:
         "--only", default=",".join(SUITES), help=f"suites to run (default {','.join(SUITES)})"
     )
     parser.add_argument("--readme", action="store_true", help="rewrite README.md's table from this run")
+    parser.add_argument("--save", type=Path, metavar="FILE", help="write this run's figures to FILE (JSON)")
+    parser.add_argument(
+        "--agree-with",
+        type=Path,
+        metavar="FILE",
+        help="compare this run with one saved by --save: each figure agrees when each run's median ratio "
+        "lies inside the other's min-max (the count goes into README's header with --readme)",
+    )
     args = parser.parse_args(argv)
+    earlier = agreement.load(args.agree_with) if args.agree_with else None
     if args.long:
         args.seconds, args.rounds = max(args.seconds, 5.0), max(args.rounds, 7)
     only = [s.strip() for s in args.only.split(",") if s.strip()]
@@ -199,6 +210,18 @@ def main(argv: list[str] | None = None) -> int:
         f"{SPREAD_LIMIT:.0%} or it beats its floor; `noisy` names a side whose own rate spread over "
         f"{SPREAD_LIMIT:.0%} while the paired ratio held. Total {time.perf_counter() - started:.0f} s."
     )
+    if args.save:
+        agreement.dump(figures, when, args.save)
+        print(f"\nsaved {len(figures)} figures to {args.save}")
+    if earlier is not None:
+        comparison = agreement.compare(figures, earlier)
+        print(f"\nagainst the run of {earlier.taken} ({args.agree_with}):")
+        print("\n".join(comparison.lines))
+        print(comparison.summary)
+        header += (
+            f" Against a run of {earlier.taken}: {comparison.summary} (a figure agrees when each run's "
+            "median ratio lies inside the other's min-max; `benchmarks/agreement.py`)."
+        )
     if args.readme:
         write_readme(markdown(figures, header))
         print(f"\nwrote {len(figures)} figures to {README}")

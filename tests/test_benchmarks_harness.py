@@ -100,3 +100,43 @@ def test_background_busy_sees_other_work_and_not_a_sleeping_benchmark() -> None:
 def _spin() -> None:
     while True:
         pass
+
+
+def _ratio_figure(path: str, low: float, median: float, high: float) -> Figure:
+    stat = Stat(low, median, high)
+    return Figure(path=path, procs="1", floor_name="physical", floor=stat, value=stat, ratio=stat)
+
+
+def test_two_saved_runs_agree_only_where_each_median_lies_in_the_others_range(tmp_path: Path) -> None:
+    from benchmarks import agreement
+
+    first = [
+        _ratio_figure("claim", 0.70, 0.74, 0.78),
+        _ratio_figure("enqueue", 0.80, 0.82, 0.84),
+        _ratio_figure("refused", 1.40, 1.45, 1.50),
+        _ratio_figure("gone", 1.0, 1.0, 1.0),
+    ]
+    saved = tmp_path / "a.json"
+    agreement.dump(first, "2026-12-01 15:00 UTC", saved)
+    second = [
+        _ratio_figure("claim", 0.72, 0.76, 0.80),  # each median inside the other's range
+        _ratio_figure("enqueue", 0.83, 0.86, 0.90),  # ranges meet, 0.86 is outside 0.80-0.84
+        _ratio_figure("refused", 1.60, 1.70, 1.80),  # ranges apart
+        _ratio_figure("new", 1.0, 1.0, 1.0),
+    ]
+    got = agreement.compare(second, agreement.load(saved))
+    assert (got.agree, got.compared, got.only_one) == (1, 3, 2)
+    assert [line.split()[0] for line in got.lines[:3]] == ["agree", "overlap", "apart"]
+    assert got.summary == "1 of 3 figures agree (2 in only one run)"
+    assert any("only in the saved run: gone" in line for line in got.lines)
+
+
+def test_agree_with_a_file_that_is_not_a_saved_run_says_so(tmp_path: Path) -> None:
+    from benchmarks import agreement
+
+    bad = tmp_path / "b.json"
+    bad.write_text('{"figures": []}')
+    with pytest.raises(SystemExit, match="not a run saved by --save"):
+        agreement.load(bad)
+    with pytest.raises(SystemExit, match="cannot read"):
+        agreement.load(tmp_path / "missing.json")
