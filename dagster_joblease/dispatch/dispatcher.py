@@ -49,7 +49,7 @@ import time
 from collections.abc import Callable, Collection, Mapping
 from concurrent.futures import Future, ThreadPoolExecutor
 from types import FrameType, TracebackType
-from typing import Any, TypeVar
+from typing import Any
 
 import httpcore
 import httpx
@@ -62,7 +62,7 @@ from dagster_joblease.dispatch.routes import Route
 from dagster_joblease.options import MAX_DURATION_MS
 from dagster_joblease.storage.clock import db_now, db_now_plus_ms
 from dagster_joblease.storage.engine import translate_errors
-from dagster_joblease.storage.schema import outbox_table
+from dagster_joblease.storage.schema import outbox_table, route_group_table
 
 __all__ = ["DispatchReport", "Dispatcher", "RowOutcome", "claim_statement"]
 
@@ -88,7 +88,6 @@ DEFAULT_MAX_DEFERRALS = 100
 #: A claim capacity the claim statement counts itself (max_in_flight alone: route_groups.slots_left).
 _SLOTS = object()
 _OutcomeLabel = str
-_T = TypeVar("_T")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -177,6 +176,15 @@ class _Target:
 
 class _TooLate(Exception):
     """A rate-admitted request could not start within RATE_LATE_S of its admission."""
+
+
+@dataclasses.dataclass(frozen=True)
+class _Refill:
+    """A refill claim inside an outcomes' transaction: ``swap`` runs before the outcomes are written,
+    ``claim`` after them (with the ids the outcomes matched)."""
+
+    swap: Callable[[sa.Connection], None]
+    claim: Callable[[sa.Connection, set[int]], tuple[list[_Claimed], dict[str, float], DispatchReport]]
 
 
 def _claimed(r: Any, **extra: Any) -> _Claimed:
@@ -657,7 +665,9 @@ class Dispatcher:
                         token,
                         finished,
                         report,
-                        then=self._refill_claim(token, budget, free, self._busy_groups(inflight)),
+                        then=self._refill_claim(
+                            token, budget, free, self._busy_groups(inflight), self._handoffs(finished)
+                        ),
                     )
                     if merged is not None:
                         more, blocked_now, sub = merged
@@ -729,21 +739,143 @@ class Dispatcher:
                 return False
         return True
 
-    def _refill_claim(
-        self, token: str, budget: int, free: int, busy: Collection[str]
-    ) -> Callable[[sa.Connection], tuple[list[_Claimed], dict[str, float], DispatchReport]]:
-        """The refill claim to run inside the outcomes' transaction. What it reports (pauses seen, rows
-        dead-lettered) goes to a report of its own, counted only once the transaction committed."""
+    def _handoffs(self, finished: list[_Finished]) -> dict[str, list[int]]:
+        """Per limit group, the finished rows whose slots a swap may hand on (see :meth:`_swap`): rows with
+        an outcome (a claim given back undelivered is not among them) of groups limited by
+        ``max_in_flight`` alone, on PostgreSQL, and with no ``dedupe_window`` on the group's routes (the
+        swap skips the refill's dead-lettering of rows past their window)."""
+        if self.engine.dialect.name != "postgresql" or not self._group_state:
+            return {}
+        handed: dict[str, list[int]] = {}
+        now = time.monotonic()
+        for row, decision in finished:
+            group = row.group
+            if group is None or decision is None or self._local_pause.get(group, 0.0) > now:
+                continue
+            mine_mif, mine_rate = self._group_limits[group]
+            if mine_mif is None or mine_rate is not None:
+                continue
+            if any(self.routes[t].dedupe_window_s is not None for t in self._group_topics[group]):
+                continue
+            handed.setdefault(group, []).append(row.id)
+        return handed
 
-        def claim(conn: sa.Connection) -> tuple[list[_Claimed], dict[str, float], DispatchReport]:
+    def _refill_claim(
+        self,
+        token: str,
+        budget: int,
+        free: int,
+        busy: Collection[str],
+        handed: Mapping[str, list[int]] | None = None,
+    ) -> _Refill:
+        """The refill claim to run inside the outcomes' transaction: first the swaps of ``handed`` rows'
+        slots (before the outcomes are written: a swap reads their claims), then the claim of whatever
+        capacity is left. What it reports (pauses seen, rows dead-lettered) goes to a report of its own,
+        counted only once the transaction committed."""
+        swapped: dict[str, tuple[list[Any], int | None]] = {}
+        handed = dict(handed or {})
+
+        def swap(conn: sa.Connection) -> None:
+            self._claim_started = time.monotonic()
+            swapped.clear()
+            workers = min(budget, free)
+            for group, ids in sorted(handed.items()):
+                want = min(len(ids), workers)
+                if want <= 0:
+                    break
+                result = conn.execute(
+                    self._swap_statement(group), {"ids": ids, "joblease_token": token, "joblease_want": want}
+                ).all()
+                swapped[group] = ([r[:6] for r in result], result[0][6] if result else None)
+                workers -= len(result)
+
+        def claim(
+            conn: sa.Connection, matched: set[int]
+        ) -> tuple[list[_Claimed], dict[str, float], DispatchReport]:
+            for group, (taken, _) in swapped.items():
+                # Never more slots handed on than the group's finished rows whose outcomes were recorded
+                # now (a claim lost between the swap and the outcome's write would otherwise leave its
+                # slot counted twice): roll the whole transaction back, the outcomes are retried alone.
+                if len(taken) > len(matched.intersection(handed[group])):
+                    raise errors.StorageError(f"limit group {group}: a swap outran its recorded outcomes")
             sub = DispatchReport()
-            started = self._claim_started = time.monotonic()
+            started = self._claim_started
             rows, blocked = self._claim_in(
-                conn, token, budget, free, sub, limited_only=True, started=started, busy=busy
+                conn, token, budget, free, sub, limited_only=True, started=started, busy=busy, swapped=swapped
             )
             return rows, blocked, sub
 
-        return claim
+        return _Refill(swap, claim)
+
+    def _swap_statement(self, group: str) -> sa.Executable:
+        """A swap (PostgreSQL): claim up to ``joblease_want`` due rows of ``group``, and never more than
+        the rows of ``ids`` that still hold its capacity under this claim ``joblease_token`` with at least
+        half a claim left on the database clock, without the group's row lock. Run in the transaction
+        that records those rows' outcomes, it leaves the group's count of requests in flight unchanged
+        (or lower), so a counter under the lock sees the same count before and after its commit.
+
+        Only while the group's row says: not paused, no rate in force, a ``max_in_flight`` in force no
+        larger than this dispatcher's and registered for more than half a registration (else the locked
+        claim runs, which refreshes it); and no more than that limit leaves beside the group's other
+        requests in flight (a lowered limit is reached as requests finish). Returns the claim's columns
+        and the group's ``max_in_flight``."""
+        key = (group, "swap", None)
+        stmt = self._statements_cache.get(key)
+        if stmt is not None:
+            return stmt
+        t, g = outbox_table, route_group_table
+        ids = sa.bindparam("ids", type_=postgresql.ARRAY(sa.BigInteger()))
+        token = sa.bindparam("joblease_token", type_=sa.String())
+        want = sa.bindparam("joblease_want", type_=sa.Integer())
+        mine = self._group_limits[group][0]
+        assert mine is not None
+        pending = t.c.status == sa.literal_column("'PENDING'")
+        handed = (
+            sa.select(sa.func.count())
+            .select_from(t)
+            .where(
+                t.c.id == sa.any_(ids),
+                t.c.claim_token == token,
+                pending,
+                t.c.claim_group == group,
+                t.c.claim_expires_at > db_now_plus_ms(sa.literal(self.claim_ms // 2, sa.BigInteger())),
+            )
+            .scalar_subquery()
+        )
+        others = (
+            sa.select(sa.func.count())
+            .select_from(t)
+            .where(
+                t.c.claim_group == group, t.c.claim_expires_at > db_now(), pending, ~(t.c.id == sa.any_(ids))
+            )
+            .scalar_subquery()
+        )
+        fresh_ms = sa.literal(limits.REGISTRATION_MS // 2, sa.BigInteger())
+        applied = (
+            sa.select(g.c.max_in_flight)
+            .where(
+                g.c.limit_group == group,
+                sa.or_(g.c.paused_until.is_(None), g.c.paused_until <= db_now()),
+                sa.or_(g.c.rate.is_(None), g.c.rate_until.is_(None), g.c.rate_until <= db_now()),
+                g.c.max_in_flight.is_not(None),
+                g.c.max_in_flight <= mine,
+                g.c.max_in_flight_until > db_now_plus_ms(fresh_ms),
+            )
+            .scalar_subquery()
+        )
+        limit = sa.func.greatest(
+            0, sa.func.least(want, handed, sa.func.coalesce(applied, 0) - others), type_=sa.Integer()
+        )
+        stmt = claim_statement(
+            "postgresql",
+            token=token,
+            limit=limit,
+            claim_ms=self.claim_ms,
+            topics=self._group_topics[group],
+            claim_group=group,
+        ).returning(sa.select(g.c.max_in_flight).where(g.c.limit_group == group).scalar_subquery())
+        self._statements_cache[key] = stmt
+        return stmt
 
     @staticmethod
     def _absorb(report: DispatchReport, sub: DispatchReport) -> None:
@@ -789,11 +921,13 @@ class Dispatcher:
         limited_only: bool,
         started: float,
         busy: Collection[str] = (),
+        swapped: Mapping[str, tuple[list[Any], int | None]] | None = None,
     ) -> tuple[list[_Claimed], dict[str, float]]:
         """Read the groups' state, dead-letter rows past their window, claim rows of unlimited groups (up
         to ``budget``) and of limited groups (up to their capacity and ``free`` idle workers). Returns the
         rows and, per limited group whose due rows had to wait for capacity, the seconds worth waiting
-        before looking again."""
+        before looking again. ``swapped``: rows a swap already claimed in this transaction, per group
+        (with the group's max_in_flight the swap read); they count against budget and workers."""
         blocked: dict[str, float] = {}
         rows: list[_Claimed] = []
         # A refill claims only limited groups, whose locked row tells their pause: no read before.
@@ -825,6 +959,13 @@ class Dispatcher:
             )
             rows = [_claimed(r, claimed_at=started) for r in conn.execute(stmt)]
         workers = free - len(rows)
+        for name, (taken, applied) in sorted((swapped or {}).items()):
+            rows.extend(_claimed(r, group=name, claimed_at=started) for r in taken)
+            workers -= len(taken)
+            if taken:
+                # The swap read the group's row: its max_in_flight alone is in force, so the look below
+                # (no lock) tells whether a slot is left beside the handed-on ones.
+                self._applied[name] = (applied, None, time.monotonic() + APPLIED_TRUST_S)
         for name in sorted(limited):
             left = min(budget - len(rows), workers)
             if left <= 0:
@@ -1158,13 +1299,14 @@ class Dispatcher:
         token: str,
         finished: list[_Finished],
         report: DispatchReport,
-        then: Callable[[sa.Connection], _T] | None = None,
-    ) -> _T | None:
+        then: _Refill | None = None,
+    ) -> tuple[list[_Claimed], dict[str, float], DispatchReport] | None:
         """Store the outcomes of ``finished`` rows in one transaction and count them into ``report``.
 
-        ``then`` runs in the same transaction after the writes (a refill claim: one commit for both); its
-        result is returned, or None when it did not commit (the outcomes are then retried without it)."""
-        extra: list[_T] = []
+        ``then`` runs in the same transaction (a refill claim: one commit for both), its swaps before the
+        writes and its claim after them; the claim's result is returned, or None when it did not commit
+        (the outcomes are then retried without it)."""
+        extra: list[tuple[list[_Claimed], dict[str, float], DispatchReport]] = []
         try:
             matched = self._write_with_retry(token, finished, then, extra)
         except errors.StorageError as exc:
@@ -1327,8 +1469,8 @@ class Dispatcher:
         self,
         token: str,
         finished: list[_Finished],
-        then: Callable[[sa.Connection], _T] | None = None,
-        extra: list[_T] | None = None,
+        then: _Refill | None = None,
+        extra: list[tuple[list[_Claimed], dict[str, float], DispatchReport]] | None = None,
     ) -> set[int]:
         """Run the fenced UPDATEs in one transaction; returns the ids they matched. A dropped connection
         gets a few quick retries on a fresh one.
@@ -1344,6 +1486,8 @@ class Dispatcher:
             try:
                 matched: set[int] = set()
                 with translate_errors("record delivery outcomes"), self.engine.begin() as conn:
+                    if then is not None:
+                        then.swap(conn)
                     for stmt, params, returns_ids in statements:
                         result = conn.execute(stmt, params)
                         if returns_ids:
@@ -1351,7 +1495,7 @@ class Dispatcher:
                     for write in group_writes:
                         write(conn)
                     if then is not None and extra is not None:
-                        extra.append(then(conn))
+                        extra.append(then.claim(conn, matched))
                 return matched
             except errors.StorageError as exc:
                 if extra:
