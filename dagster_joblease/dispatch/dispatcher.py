@@ -29,7 +29,11 @@ Rows of a paused group are not claimed. Rows of a limited group are claimed, und
 only as far as its global ``max_in_flight`` (unexpired claims holding the group's capacity, whichever
 dispatcher made them) and ``rate`` (evenly spaced admissions) allow, and no further than this dispatcher has
 idle workers, so a claimed row starts at once; its outcome is recorded as soon as it is known, which frees
-the slot, and the batch claims again while it has budget. A ``429``/``503`` with ``Retry-After`` pauses the
+the slot, and the batch claims again while it has budget. A freed slot of a group limited by
+``max_in_flight`` alone is handed on by a *swap* (PostgreSQL): the statement or transaction that records
+the finished rows claims no more due rows than those still held slots, so the count never grows and needs
+no exclusive lock of the group's row (only a ``FOR SHARE`` read, which a pause being written waits for);
+growth of the count is claimed under the lock. A ``429``/``503`` with ``Retry-After`` pauses the
 group in the database for every dispatcher (and at once for this one's other threads).
 A row whose route has a ``dedupe_window`` and whose first attempt is older is not sent but dead-lettered.
 """
@@ -660,20 +664,24 @@ class Dispatcher:
             if finished and (urgent or not busy or time.monotonic() - flushed_at >= self._record_delay_s):
                 if freed and can_refill and self._mergeable(finished):
                     # The outcomes that freed slots and the claim that refills them: one transaction, one
-                    # commit (the slots never wait for another dispatcher's poll).
-                    merged = self._record(
-                        token,
-                        finished,
-                        report,
-                        then=self._refill_claim(
-                            token, budget, free, self._busy_groups(inflight), self._handoffs(finished)
-                        ),
-                    )
-                    if merged is not None:
-                        more, blocked_now, sub = merged
-                        self._claim_took()
-                        self._absorb(report, sub)
-                        refill = (more, blocked_now)
+                    # commit (the slots never wait for another dispatcher's poll); in the usual case one
+                    # statement that hands the slots on (a swap), else one transaction.
+                    busy_groups = self._busy_groups(inflight)
+                    refill = self._swap_alone(token, finished, budget, free, report, busy_groups)
+                    if refill is None:
+                        merged = self._record(
+                            token,
+                            finished,
+                            report,
+                            then=self._refill_claim(
+                                token, budget, free, busy_groups, self._handoffs(finished)
+                            ),
+                        )
+                        if merged is not None:
+                            more, blocked_now, sub = merged
+                            self._claim_took()
+                            self._absorb(report, sub)
+                            refill = (more, blocked_now)
                 else:
                     self._record(token, finished, report)
                 finished, flushed_at = [], time.monotonic()
@@ -753,12 +761,152 @@ class Dispatcher:
             if group is None or decision is None or self._local_pause.get(group, 0.0) > now:
                 continue
             mine_mif, mine_rate = self._group_limits[group]
-            if mine_mif is None or mine_rate is not None:
-                continue
+            known = self._applied.get(group)
+            if mine_mif is None or mine_rate is not None or (known is not None and known[1] is not None):
+                continue  # (a rate another dispatcher registered applies too: the locked claim admits)
             if any(self.routes[t].dedupe_window_s is not None for t in self._group_topics[group]):
                 continue
             handed.setdefault(group, []).append(row.id)
         return handed
+
+    def _swap_alone(
+        self,
+        token: str,
+        finished: list[_Finished],
+        budget: int,
+        free: int,
+        report: DispatchReport,
+        busy: Collection[str],
+    ) -> tuple[list[_Claimed], dict[str, float]] | None:
+        """The usual completion of a full group as one autocommit statement (PostgreSQL): ``finished`` are
+        rows of one group limited by max_in_flight alone, all sent with one status code; they are marked
+        SENT and their slots handed on (see :meth:`_swap_statement`: the same bounds) in one round trip, no
+        BEGIN, no COMMIT, no group row lock. Slots it could not hand on, and room the group has beside
+        them, are claimed after it by the usual refill. None: not applicable, or the statement failed (it is
+        atomic: nothing was written, the caller records the outcomes as usual)."""
+        handed = self._handoffs(finished)
+        if len(handed) != 1:
+            return None
+        ((group, ids),) = handed.items()
+        if len(ids) != len(finished):
+            return None
+        codes = {d.status_code for _, d in finished if d is not None and d.outcome is policy.Outcome.SENT}
+        if len(codes) != 1 or any(d is None or d.outcome is not policy.Outcome.SENT for _, d in finished):
+            return None
+        want = min(len(ids), budget, free)
+        params = {
+            "ids": ids,
+            "token": token,
+            "status_code": codes.pop(),
+            "want": want,
+            "topics": list(self._group_topics[group]),
+        }
+        started = self._claim_started = time.monotonic()
+        try:
+            with translate_errors("record outcomes and hand on their slots"), self.engine.connect() as conn:
+                result = conn.execution_options(isolation_level="AUTOCOMMIT").execute(
+                    self._swap_alone_statement(group), params
+                )
+                rows = result.all()
+        except errors.StorageError as exc:
+            logger.info(
+                "a swap failed, recording the outcomes as usual: %s",
+                exc,
+                extra={"action": "outbox_swap_retry"},
+            )
+            return None
+        self._claim_took()
+        matched = {int(r.id) for r in rows if r.kind == "done"}
+        taken = [_claimed(r[1:7], group=group, claimed_at=started) for r in rows if r.kind == "claim"]
+        summary = next(r for r in rows if r.kind == "group")
+        assert len(taken) <= len(matched), "a swap claimed more rows than it recorded"
+        self._tally(finished, matched, report)
+        blocked: dict[str, float] = {}
+        if summary.mif is not None:
+            self._applied[group] = (int(summary.mif), None, time.monotonic() + APPLIED_TRUST_S)
+            room = int(summary.mif) - int(summary.others) - len(taken)
+        else:
+            room = 1  # the group's row did not allow a swap (paused, a rate, a stale registration): look
+        budget, free = budget - len(taken), free - len(taken)
+        if len(taken) < len(ids) or room > 0:
+            if budget > 0 and free > 0:
+                more, blocked = self._claim(token, budget, free, report, limited_only=True, busy=busy)
+                taken.extend(more)
+        elif taken:
+            blocked[group] = SLOT_POLL_S  # full again: its next completion (or a poll) claims the next
+        return sorted(taken, key=lambda r: r.id), blocked
+
+    def _swap_alone_statement(self, group: str) -> sa.Executable:
+        """The statement of :meth:`_swap_alone`: ``handed``, the rows still holding the group's capacity
+        under this claim with half a claim left (read from the snapshot, before ``done`` writes them);
+        ``done``, their outcome, fenced like :func:`sent_statement`; then a claim of no more due rows than
+        ``done`` and ``handed`` share, nor than the group's row allows (as :meth:`_swap_statement`). Returns
+        the claimed rows (kind ``claim``), the recorded ids (``done``) and one ``group`` row: the group's
+        max_in_flight if a swap was allowed, and its other requests in flight."""
+        key = (group, "swap_alone", None)
+        cached = self._statements_cache.get(key)
+        if cached is not None:
+            return cached
+        mine = self._group_limits[group][0]
+        assert mine is not None
+        o, g = outbox_table.name, route_group_table.name
+        pending = "status = 'PENDING'"
+        now = "clock_timestamp()"
+        sql = f"""
+WITH handed AS (
+    SELECT id FROM {o}
+    WHERE id = ANY(:ids) AND claim_token = :token AND {pending} AND claim_group = :grp
+      AND claim_expires_at > {now} + :margin_ms * INTERVAL '1 millisecond'
+), done AS (
+    UPDATE {o} SET claim_token = NULL, claim_expires_at = NULL, claim_group = NULL, updated_at = {now},
+        last_status = :status_code, status = 'SENT', sent_at = {now}, last_error = NULL
+    WHERE id = ANY(:ids) AND claim_token = :token AND {pending}
+    RETURNING id
+), others AS (
+    SELECT count(*) AS n FROM {o}
+    WHERE claim_group = :grp AND claim_expires_at > {now} AND {pending} AND NOT (id = ANY(:ids))
+), grp AS (
+    SELECT max_in_flight AS mif FROM {g}
+    WHERE limit_group = :grp AND (paused_until IS NULL OR paused_until <= {now})
+      AND (rate IS NULL OR rate_until IS NULL OR rate_until <= {now})
+      AND max_in_flight IS NOT NULL AND max_in_flight <= :mine
+      AND max_in_flight_until > {now} + :fresh_ms * INTERVAL '1 millisecond'
+    FOR SHARE
+), due AS (
+    SELECT id FROM {o}
+    WHERE {pending} AND next_attempt_at <= {now}
+      AND (claim_expires_at IS NULL OR claim_expires_at < {now}) AND topic = ANY(:topics)
+    ORDER BY next_attempt_at, id
+    LIMIT greatest(0, least(
+        :want,
+        (SELECT count(*) FROM done JOIN handed USING (id)),
+        coalesce((SELECT mif FROM grp), 0) - (SELECT n FROM others)))
+    FOR UPDATE SKIP LOCKED
+), claimed AS (
+    UPDATE {o} AS t SET claim_token = :token,
+        claim_expires_at = {now} + :claim_ms * INTERVAL '1 millisecond', claim_group = :grp,
+        attempts = t.attempts + 1, first_attempt_at = coalesce(t.first_attempt_at, {now}), updated_at = {now}
+    FROM due WHERE t.id = due.id
+    RETURNING t.id, t.idempotency_key, t.topic, t.attempts, t.payload::text AS payload, t.deferrals
+)
+SELECT 'claim' AS kind, id, idempotency_key, topic, attempts, payload, deferrals,
+    NULL::integer AS mif, NULL::bigint AS others FROM claimed
+UNION ALL
+SELECT 'done', id, NULL, NULL, NULL, NULL, NULL, NULL, NULL FROM done
+UNION ALL
+SELECT 'group', NULL, NULL, NULL, NULL, NULL, NULL, (SELECT mif FROM grp), (SELECT n FROM others)
+"""
+        stmt = sa.text(sql).bindparams(
+            sa.bindparam("ids", type_=postgresql.ARRAY(sa.BigInteger())),
+            sa.bindparam("topics", type_=postgresql.ARRAY(sa.String())),
+            grp=group,
+            mine=mine,
+            margin_ms=self.claim_ms // 2,
+            fresh_ms=limits.REGISTRATION_MS // 2,
+            claim_ms=self.claim_ms,
+        )
+        self._statements_cache[key] = stmt
+        return stmt
 
     def _refill_claim(
         self,
@@ -810,7 +958,8 @@ class Dispatcher:
     def _swap_statement(self, group: str) -> sa.Executable:
         """A swap (PostgreSQL): claim up to ``joblease_want`` due rows of ``group``, and never more than
         the rows of ``ids`` that still hold its capacity under this claim ``joblease_token`` with at least
-        half a claim left on the database clock, without the group's row lock. Run in the transaction
+        half a claim left on the database clock, reading the group's row ``FOR SHARE`` (swaps do not wait
+        for each other; a pause or a locked claim being written does wait). Run in the transaction
         that records those rows' outcomes, it leaves the group's count of requests in flight unchanged
         (or lower), so a counter under the lock sees the same count before and after its commit.
 
@@ -818,7 +967,11 @@ class Dispatcher:
         larger than this dispatcher's and registered for more than half a registration (else the locked
         claim runs, which refreshes it); and no more than that limit leaves beside the group's other
         requests in flight (a lowered limit is reached as requests finish). Returns the claim's columns
-        and the group's ``max_in_flight``."""
+        and the group's ``max_in_flight``.
+
+        Half a claim left, not just some: a finished row's slot counts as free for everyone once its claim
+        expires, so a swap must commit before that; the margin covers a dispatcher stalled between the
+        swap's statement and its commit (or a commit waiting on the disk) for up to ``claim_ms / 2``."""
         key = (group, "swap", None)
         stmt = self._statements_cache.get(key)
         if stmt is not None:
@@ -861,6 +1014,7 @@ class Dispatcher:
                 g.c.max_in_flight <= mine,
                 g.c.max_in_flight_until > db_now_plus_ms(fresh_ms),
             )
+            .with_for_update(read=True)
             .scalar_subquery()
         )
         limit = sa.func.greatest(
@@ -1325,6 +1479,11 @@ class Dispatcher:
                     extra={"action": "outbox_unrecorded"},
                 )
             return None
+        self._tally(finished, matched, report)
+        return extra[0] if extra else None
+
+    def _tally(self, finished: list[_Finished], matched: set[int], report: DispatchReport) -> None:
+        """Count recorded outcomes into ``report`` (a fenced write that matched nothing: a lost claim)."""
         for row, decision in finished:
             if decision is None:
                 report.released += 1
@@ -1340,7 +1499,6 @@ class Dispatcher:
                 )
             else:
                 self._count(row, decision, report)
-        return extra[0] if extra else None
 
     @staticmethod
     def _count(row: _Claimed, decision: policy.Decision, report: DispatchReport) -> None:
