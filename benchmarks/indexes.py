@@ -5,7 +5,8 @@
 Two parts, on scratch databases dropped at the end:
 
 1. **Plans.** Two databases hold the same rows (finished leases and sent outbox rows, plus a few running,
-   failed, pending and dead ones): one at the revision before the index audit (0002), one at head. Each
+   failed, pending and dead ones): one at an earlier revision (``--before``: 0004, before the claim
+   indexes of 0005; 0002 is the one before the first index audit, 0003), one at head. Each
    query the library runs on these tables (listing, show, purge, reconciliation, outbox stats and listing,
    delivery health, the dispatcher's claim) is captured from the library's own call (a SQLAlchemy
    cursor event) and run again under ``EXPLAIN ANALYZE`` in a rolled-back transaction on both; the table
@@ -18,6 +19,8 @@ Two parts, on scratch databases dropped at the end:
    depend on the machine's load (the time does; the commit flush and the round trip, which dominate a
    busy machine and hide an index's share, are left out). The primary keys are measured too, for scale;
    the unique indexes that ``ON CONFLICT`` needs cannot be left out.
+
+    .venv/bin/python benchmarks/indexes.py --before 0002   # against the schema before the first audit
 """
 
 from __future__ import annotations
@@ -47,8 +50,9 @@ from dagster_joblease.lease import psycopg_claim_sql
 from dagster_joblease.storage import create_engine, migrate
 
 TABLES = ("joblease_lease", "joblease_outbox")
-#: The revision just before the index audit (0003): the "before" side of every comparison.
-BEFORE_AUDIT = "0002"
+#: The "before" side of every comparison unless ``--before`` says otherwise: the revision just before the
+#: claim indexes (0005), whose full (code, run_key) index every claim wrote.
+BEFORE_AUDIT = "0004"
 
 
 # -- data ---------------------------------------------------------------------------------------------
@@ -98,6 +102,7 @@ def _queries() -> list[tuple[str, Callable[[sa.Engine], object]]]:
         ("leases list --expired", lambda e: admin.list_leases(e, expired_only=True)),
         ("leases list --code", lambda e: admin.list_leases(e, code="code-3")),
         ("leases show CODE (count of its SCHEDULE rows)", lambda e: _show(e)),
+        ("leases show CODE RUN_KEY (near-match hint)", lambda e: _show(e, "run-nope")),
         (
             "leases purge --finished-before 7d (count)",
             lambda e: admin.purge_leases(e, finished_before_ms=week, min_replay_window_ms=day, dry_run=True),
@@ -120,7 +125,14 @@ def _queries() -> list[tuple[str, Callable[[sa.Engine], object]]]:
         out.append(
             (
                 "reconciliation: FAIL/RUNNING rows of a code",
-                lambda e: reconcile._lease_candidates(e, None, "code-3", 7 * day, 10**12, None),  # type: ignore[arg-type]
+                lambda e: reconcile._read_pages(e, "code-3", 7 * day, ["FAIL", "RUNNING"], 0),
+            )
+        )
+        keys = [f"run-{g}" for g in range(3, 3 + 20 * 200, 20)]  # 200 run keys of code-3, 10 of them live
+        out.append(
+            (
+                "reconciliation catch-up: which of 200 run keys of a code have a row",
+                lambda e: reconcile._existing_keys(e, "code-3", keys),
             )
         )
     except (ImportError, AttributeError):
@@ -136,9 +148,9 @@ def _claim(engine: sa.Engine) -> None:
         tx.rollback()
 
 
-def _show(engine: sa.Engine) -> None:
+def _show(engine: sa.Engine, run_key: str | None = None) -> None:
     try:
-        admin.show_lease(engine, "code-3")
+        admin.show_lease(engine, "code-3", run_key)
     except Exception:  # not found: the count of that code's SCHEDULE rows ran, which is what we want
         pass
 
@@ -330,6 +342,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--reps", type=int, default=150, help="statements timed per round (default 150)")
     parser.add_argument("--long", action="store_true", help="1,000,000 rows, 7 rounds, 400 statements")
     parser.add_argument("--skip-plans", action="store_true", help="only the per-index insert cost")
+    parser.add_argument(
+        "--before", default=BEFORE_AUDIT, help=f"the revision to compare head with (default {BEFORE_AUDIT})"
+    )
     parser.add_argument("--plans-only", action="store_true", help="only the plans")
     args = parser.parse_args(argv)
     if args.long:
@@ -339,9 +354,9 @@ def main(argv: list[str] | None = None) -> int:
     print(load(), flush=True)
     try:
         for url, revision in (
-            (old_url, BEFORE_AUDIT),
+            (old_url, args.before),
             (new_url, "head"),
-            (scratch_old, BEFORE_AUDIT),
+            (scratch_old, args.before),
             (scratch_new, "head"),
         ):
             engine = create_engine(url, poolclass=sa.pool.NullPool)
@@ -355,8 +370,8 @@ def main(argv: list[str] | None = None) -> int:
             print(f"\nplans with {args.rows:,} finished leases and sent rows: indexes used, seq scans, time")
             width = max(len(r[0]) for r in rows)
             for name, before, after in rows:
-                print(f"{name.ljust(width)} | {BEFORE_AUDIT}: {before}\n{' ' * width} | head: {after}")
-        for label, url in () if args.plans_only else (("head", scratch_new), (BEFORE_AUDIT, scratch_old)):
+                print(f"{name.ljust(width)} | {args.before}: {before}\n{' ' * width} | head: {after}")
+        for label, url in () if args.plans_only else (("head", scratch_new), (args.before, scratch_old)):
             print(
                 f"\ncost of each index on the hot insert at {label} ({args.rounds} alternating rounds with "
                 f"and without it, medians of {args.reps} statements; time is under load, WAL and buffers "

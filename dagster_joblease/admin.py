@@ -33,7 +33,7 @@ from dagster_joblease.lease import LeaseStatus, bound_error
 from dagster_joblease.options import MAX_DURATION_MS, default_heartbeat_ms
 from dagster_joblease.storage.clock import db_now, db_now_plus_ms, ms_until, readable_ts
 from dagster_joblease.storage.engine import translate_errors
-from dagster_joblease.storage.schema import lease_table, outbox_table
+from dagster_joblease.storage.schema import any_status, lease_table, outbox_table
 
 __all__ = [
     "ADMIN_RESET_PREFIX",
@@ -376,7 +376,7 @@ def list_leases(
     limit = _check_limit(limit)
     stmt = _lease_select()
     if code is not None:
-        stmt = stmt.where(t.c.code == _check_text("code", code))
+        stmt = stmt.where(t.c.code == _check_text("code", code), any_status())
     if wanted is not None:
         stmt = stmt.where(t.c.status == wanted)
     if older_than_ms is not None:
@@ -432,7 +432,7 @@ def show_lease(engine: sa.Engine, key_or_code: str | int, run_key: str | None = 
             schedules = conn.execute(
                 sa.select(sa.func.count())
                 .select_from(t)
-                .where(t.c.code == job.code, t.c.job_type == "SCHEDULE")
+                .where(t.c.code == job.code, t.c.job_type == "SCHEDULE", any_status())
             ).scalar_one()
         if found is None and job is not None and not schedules:
             close = near_matches(conn, job.code, job.run_key)
@@ -464,7 +464,7 @@ def near_matches(conn: sa.Connection, code: str, run_key: str | None, *, limit: 
             str(k)
             for (k,) in conn.execute(
                 sa.select(t.c.run_key)
-                .where(t.c.code == code, t.c.job_type == "SCHEDULE")
+                .where(t.c.code == code, t.c.job_type == "SCHEDULE", any_status())
                 .order_by(t.c.id.desc())
                 .limit(NEAR_MATCH_SCAN)
             )

@@ -6,6 +6,7 @@ import multiprocessing
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 import sqlalchemy as sa
@@ -233,5 +234,90 @@ def test_index_audit_downgrades_to_the_previous_indexes(empty_engine: sa.Engine)
     assert "ix_joblease_outbox_status_topic" in _index_names(empty_engine, "joblease_outbox")
     assert "ix_joblease_outbox_dead" not in _index_names(empty_engine, "joblease_outbox")
     assert "ix_joblease_lease_live" not in _index_names(empty_engine, "joblease_lease")
+    migrate(empty_engine)
+    assert check_schema(empty_engine).ok
+
+
+def _lease_plan_indexes(engine: sa.Engine, stmt: sa.Select[Any]) -> set[str]:
+    """The indexes PostgreSQL's plan of ``stmt`` reads, with sequential scans disabled for the sample."""
+    compiled = stmt.compile(engine, compile_kwargs={"literal_binds": True})
+    with engine.connect() as conn:
+        conn.execute(sa.text("SET enable_seqscan = off"))
+        plan = "\n".join(conn.execute(sa.text(f"EXPLAIN {compiled}")).scalars())
+    assert "Seq Scan" not in plan, plan
+    return {name for name in _index_names(engine, "joblease_lease") if name in plan}
+
+
+def test_claim_indexes_upgrade_a_0004_database_with_rows_in_place(empty_engine: sa.Engine) -> None:
+    """0005: the full (code, run_key) index becomes the succeeded rows' one; a code's rows of every status
+    are still found (through the live and succeeded indexes), and the downgrade restores the full index."""
+    from alembic import command
+
+    from dagster_joblease import admin
+    from dagster_joblease.dagster import reconcile
+    from dagster_joblease.identity import JobIdentity
+    from dagster_joblease.lease import LeaseService
+    from dagster_joblease.storage.migrate import _config
+    from dagster_joblease.storage.schema import any_status, lease_table
+
+    migrate(empty_engine, "0004")
+    assert "ix_joblease_lease_code_run_key" in _index_names(empty_engine, "joblease_lease")
+    service = LeaseService(empty_engine)
+    jobs = {
+        status: JobIdentity.schedule("claims", status.lower()) for status in ("RUNNING", "FAIL", "SUCCESS")
+    }
+    for status, job in jobs.items():  # written by 0004-era code, before the migration
+        lease = service.acquire(job)
+        assert lease is not None
+        if status == "FAIL":
+            service.fail(lease, "boom")
+        elif status == "SUCCESS":
+            service.complete(lease)
+    service.acquire(JobIdentity.initial("solo"))
+
+    def found() -> None:
+        listed = admin.list_leases(empty_engine, code="claims")
+        assert sorted((r.run_key or "", r.status) for r in listed) == [
+            ("fail", "FAIL"),
+            ("running", "RUNNING"),
+            ("success", "SUCCESS"),
+        ]
+        assert [r.status for r in admin.list_leases(empty_engine, code="claims", status="success")] == [
+            "SUCCESS"
+        ]
+        keys = ["fail", "running", "success", "never"]
+        assert reconcile._existing_keys(empty_engine, "claims", keys) == {"fail", "running", "success"}
+        with pytest.raises(errors.NotFoundError, match="3 SCHEDULE run"):
+            admin.show_lease(empty_engine, "claims")  # no INITIAL run: the count of its SCHEDULE rows
+        with pytest.raises(errors.NotFoundError, match="--code claims --run-key success"):
+            admin.show_lease(empty_engine, "claims", "succes")  # the near-match hint reads them too
+        assert admin.show_lease(empty_engine, "solo").run_key is None
+
+    migrate(empty_engine)
+    assert current_revision(empty_engine) == head_revision() == "0005"
+    assert check_schema(empty_engine).ok
+    lease_ix = _index_names(empty_engine, "joblease_lease")
+    assert "ix_joblease_lease_code_run_key" not in lease_ix
+    assert {"ix_joblease_lease_succeeded", "ix_joblease_lease_live"} <= lease_ix
+    found()
+    t = lease_table
+    if empty_engine.dialect.name == "postgresql":
+        by_code = sa.select(t.c.id).where(t.c.code == "claims", any_status())
+        assert _lease_plan_indexes(empty_engine, by_code) == {
+            "ix_joblease_lease_live",
+            "ix_joblease_lease_succeeded",
+        }
+    # A claim and a reclaim go on; the reclaimed FAIL row leaves no entry in the succeeded index.
+    assert service.try_acquire(jobs["FAIL"]).lease is not None
+    assert service.try_acquire(JobIdentity.schedule("claims", "fresh")).acquired
+    assert reconcile._existing_keys(empty_engine, "claims", ["fresh", "fail"]) == {"fresh", "fail"}
+
+    with empty_engine.begin() as conn:
+        command.downgrade(_config(conn), "0004")
+    lease_ix = _index_names(empty_engine, "joblease_lease")
+    assert "ix_joblease_lease_code_run_key" in lease_ix
+    assert "ix_joblease_lease_succeeded" not in lease_ix
+    assert current_revision(empty_engine) == "0004"
+    assert len(admin.list_leases(empty_engine, code="claims")) == 4
     migrate(empty_engine)
     assert check_schema(empty_engine).ok

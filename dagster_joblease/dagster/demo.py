@@ -45,7 +45,7 @@ import sqlalchemy as sa
 
 from dagster_joblease import identity
 from dagster_joblease.storage import create_engine, migrate
-from dagster_joblease.storage.schema import lease_table, outbox_table
+from dagster_joblease.storage.schema import any_status, lease_table, outbox_table
 
 __all__ = ["DemoReport", "demo_command", "run_demo", "ui_commands"]
 
@@ -344,7 +344,9 @@ def _lease_states(engine: sa.Engine, days: Sequence[str]) -> dict[str, str]:
     t = lease_table
     with engine.connect() as conn:
         rows = conn.execute(
-            sa.select(t.c.run_key, t.c.status).where(t.c.code == BILLING_CODE, t.c.run_key.in_(days))
+            sa.select(t.c.run_key, t.c.status).where(
+                t.c.code == BILLING_CODE, t.c.run_key.in_(days), any_status()
+            )
         ).all()
     return {str(k): str(s) for k, s in rows}
 

@@ -73,7 +73,7 @@ from dagster_joblease.dagster.resource import JobLeaseResource
 from dagster_joblease.dagster.sensors import NOT_FINISHED_STATUSES, db_clock
 from dagster_joblease.storage.clock import ms_until
 from dagster_joblease.storage.engine import translate_errors
-from dagster_joblease.storage.schema import lease_table
+from dagster_joblease.storage.schema import any_status, lease_table
 
 __all__ = [
     "TAG_RECONCILE",
@@ -308,6 +308,7 @@ def _existing_keys(engine: sa.Engine, code: str, keys: Sequence[str]) -> set[str
                         t.c.code == code,
                         t.c.job_type == identity.JobType.SCHEDULE.value,
                         t.c.run_key.in_(chunk),
+                        any_status(),  # read through the live and succeeded indexes
                     )
                 ).scalars()
             )

@@ -13,6 +13,7 @@ from sqlalchemy.dialects import postgresql
 __all__ = [
     "HEAD_REVISION",
     "VERSION_TABLE",
+    "any_status",
     "inbox_table",
     "lease_table",
     "metadata",
@@ -23,7 +24,7 @@ __all__ = [
 #: Alembic's version table for this package, distinct from Dagster's and the host's ``alembic_version``.
 VERSION_TABLE = "joblease_alembic_version"
 #: The newest migration; ``db check`` compares the database against it.
-HEAD_REVISION = "0004"
+HEAD_REVISION = "0005"
 
 metadata = sa.MetaData(
     naming_convention={
@@ -74,16 +75,24 @@ lease_table = sa.Table(
     # benchmarks/indexes.py measures each one's cost on the claim and shows the plan of each query below.
     # The primary key: heartbeat, release, finish, takeover and `leases show ID` address a lease by id.
     # uq(lock_key): the claim's ON CONFLICT (lock_key) and every lookup by key.
-    # (code, run_key): reconciliation's catch-up ("which run keys of this code have a row", any status),
-    # `leases list --code`, `leases show CODE`.
-    sa.Index("ix_joblease_lease_code_run_key", "code", "run_key"),
     # Live rows only (RUNNING or FAIL: a few, however many finished): reconciliation (a code's FAIL/RUNNING
-    # rows), `leases list --status running|fail`, `leases list --expired`. Claims write it; it stays small.
+    # rows), `leases list --status running|fail`, `leases list --expired`, and the live half of every read
+    # of a code's rows of any status (see `any_status`). The one secondary index a claim writes.
     sa.Index(
         "ix_joblease_lease_live",
         "code",
         postgresql_where=sa.text("status IN ('RUNNING', 'FAIL')"),
         sqlite_where=sa.text("status IN ('RUNNING', 'FAIL')"),
+    ),
+    # Succeeded rows only, by (code, run_key): the other half of a read of a code's rows of any status:
+    # reconciliation's catch-up ("which run keys of this code have a row"), `leases list --code`,
+    # `leases show CODE`, the near-match hint. Written when a lease succeeds, never by a claim (0005).
+    sa.Index(
+        "ix_joblease_lease_succeeded",
+        "code",
+        "run_key",
+        postgresql_where=sa.text("status = 'SUCCESS'"),
+        sqlite_where=sa.text("status = 'SUCCESS'"),
     ),
     # Finished rows only: `leases purge` (finished_at < cutoff). A claim leaves finished_at NULL, so the
     # claim never writes this index; a finish does.
@@ -94,6 +103,23 @@ lease_table = sa.Table(
         sqlite_where=sa.text("finished_at IS NOT NULL"),
     ),
 )
+
+
+def any_status() -> sa.ColumnElement[bool]:
+    """``status IN ('RUNNING', 'FAIL') OR status = 'SUCCESS'``: true of every lease row (the status CHECK),
+    spelled as the predicates of the two partial indexes that hold a code's rows between them.
+
+    Add it beside ``code = …`` to read a code's rows of any status: PostgreSQL then reads them as a
+    BitmapOr of ``ix_joblease_lease_live`` and ``ix_joblease_lease_succeeded`` instead of the table (no
+    full index on ``code`` exists, so that a claim writes one secondary index only). The constants are
+    written into the SQL, not bound, so a generic (prepared) plan can prove the predicates too.
+    """
+    status = lease_table.c.status
+    return sa.or_(
+        status.in_([sa.literal_column("'RUNNING'"), sa.literal_column("'FAIL'")]),
+        status == sa.literal_column("'SUCCESS'"),
+    )
+
 
 outbox_table = sa.Table(
     "joblease_outbox",
