@@ -29,7 +29,7 @@ from sqlalchemy.dialects import postgresql, sqlite
 from sqlalchemy.dialects.postgresql import psycopg as psycopg_dialect
 
 from dagster_joblease import errors, identity, options
-from dagster_joblease.storage.autocommit import autocommit_connections
+from dagster_joblease.storage.autocommit import AutocommitConnections, autocommit_connections
 from dagster_joblease.storage.clock import db_now, db_now_plus_ms, ms_until
 from dagster_joblease.storage.engine import fork_safe, translate_errors
 from dagster_joblease.storage.schema import lease_table
@@ -523,6 +523,10 @@ class LeaseService:
         self.holder = None if holder is None else validate_holder(holder)
         #: Lock keys whose row this service has met (see :data:`KNOWN_KEYS`).
         self._known: set[str] = set()
+        #: The engine claims last went to and its autocommit connections (None: not psycopg), looked up
+        #: once per engine rather than per claim (the same object for the engine's lifetime: a dispose or
+        #: a fork empties it in place).
+        self._claim_path: tuple[sa.Engine, AutocommitConnections | None] | None = None
 
     @contextlib.contextmanager
     def _one_statement(self, action: str) -> Iterator[sa.Connection]:
@@ -565,9 +569,15 @@ class LeaseService:
         length = timing.lease_ms
         label = validate_holder(holder) if holder is not None else self.holder or _holder()
         token = secrets.token_hex(16)
-        dialect = self.engine.dialect
-        if dialect.name == "postgresql" and dialect.driver == "psycopg":
-            row, current = self._claim_psycopg(job, token, length, timing.heartbeat_ms, label)
+        engine = self.engine
+        path = self._claim_path
+        if path is None or path[0] is not engine:
+            dialect = engine.dialect
+            fast = dialect.name == "postgresql" and dialect.driver == "psycopg"
+            path = self._claim_path = (engine, autocommit_connections(engine) if fast else None)
+        connections = path[1]
+        if connections is not None:
+            row, current = self._claim_psycopg(connections, job, token, length, timing.heartbeat_ms, label)
         else:
             row, current = self._claim_generic(job, token, length, timing.heartbeat_ms, label)
         if row is None:
@@ -618,7 +628,13 @@ class LeaseService:
         return None, current
 
     def _claim_psycopg(
-        self, job: identity.JobIdentity, token: str, lease_ms: int, heartbeat_ms: int, holder: str
+        self,
+        connections: AutocommitConnections,
+        job: identity.JobIdentity,
+        token: str,
+        lease_ms: int,
+        heartbeat_ms: int,
+        holder: str,
     ) -> tuple[Any, str | None]:
         """The claim on PostgreSQL with psycopg: prepared statements on an autocommit driver connection.
 
@@ -637,7 +653,6 @@ class LeaseService:
         """
         insert, reclaim = psycopg_claim_sql()
         engine = self.engine
-        connections = autocommit_connections(engine)
         try:
             handle = connections.acquire(engine)
         except BaseException:
