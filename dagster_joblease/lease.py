@@ -277,6 +277,8 @@ def _reclaimable() -> Any:
 
 _HEARTBEAT_MS = sa.bindparam("p_heartbeat_ms", type_=sa.BigInteger())
 _RETURNED = (lease_table.c.id, lease_table.c.attempt, lease_table.c.expires_at, lease_table.c.last_error)
+#: What a fresh insert returns: its attempt is 1 and it has no previous error, so only these vary.
+_INSERTED = (lease_table.c.id, lease_table.c.expires_at)
 
 
 @functools.cache
@@ -303,7 +305,8 @@ def acquire_statement(dialect_name: str) -> Any:
 
 @functools.cache
 def insert_claim_statement() -> Any:
-    """PostgreSQL, first step of a claim: ``INSERT … ON CONFLICT (lock_key) DO NOTHING RETURNING …``.
+    """PostgreSQL, first step of a claim: ``INSERT … ON CONFLICT (lock_key) DO NOTHING RETURNING id,
+    expires_at`` (a row it returns is a new one: attempt 1, no previous error).
 
     A run claimed for the first time (the common case: every partition, every tick) costs what a bare
     insert costs: no read before it and no row lock, and a conflict is found through the unique index
@@ -315,7 +318,7 @@ def insert_claim_statement() -> Any:
     t = lease_table
     lease_ms = sa.bindparam("p_lease_ms", type_=sa.BigInteger())
     insert = postgresql.insert(t).values(**_claim_values(lease_ms, _HEARTBEAT_MS))
-    return insert.on_conflict_do_nothing(index_elements=[t.c.lock_key]).returning(*_RETURNED)
+    return insert.on_conflict_do_nothing(index_elements=[t.c.lock_key]).returning(*_INSERTED)
 
 
 @functools.cache
@@ -684,8 +687,9 @@ class LeaseService:
                         ),
                         prepare=True,
                     )
-                    won = cursor.fetchone()
-                    if won is not None:
+                    inserted = cursor.fetchone()
+                    if inserted is not None:
+                        won = (inserted[0], 1, inserted[1], None)
                         break  # a first claim: the common case, one round trip
                 second = handle.second_cursor
                 second.execute(
