@@ -689,3 +689,35 @@ def test_postgres_fast_path_closes_its_connections_when_closed(
     assert connections._idle == []
     assert pg_engine.pool.checkedout() == 0  # type: ignore[attr-defined]
     assert effect_count(pg_engine) == 3
+
+
+@pytest.mark.parametrize(
+    "head",
+    [
+        b"Host: a\r\nIdempotency-Key:  k1 \r\nContent-Length: 41\r\ncontent-length: 42\r\n\r\n",
+        b"Host: a\r\nX-Fold: a\r\n  b\r\n\r\n",  # a continuation line
+        b"Host: a\r\nno colon here\r\nIdempotency-Key: k\r\n\r\n",  # the email parser ends the head there
+        b"Host: a\r\nX: a\rb\r\n\r\n",  # a stray CR splits the line for the email parser
+        b"Host:a\nX:\t\tv\t\n\n",  # bare LF line ends, tabs
+        b"Host: a\r\n",  # the stream ends without the blank line
+        b"\r\n",
+        b"K: \xe9\xff\r\n\r\n",  # Latin-1 bytes
+        b": empty name\r\n\r\n",
+        b"From someone\r\nX: y\r\n\r\n",
+    ],
+)
+def test_header_fields_parse_as_the_stdlib_parses_them(head: bytes) -> None:
+    """The receiver's own head parser gives what http.client.parse_headers gives, odd heads included."""
+    import http.client
+    import io
+
+    from dagster_joblease.receiver.app import _parse_fields
+
+    expected = http.client.parse_headers(io.BytesIO(head))
+    got = _parse_fields(http.client._read_headers(io.BytesIO(head)))  # type: ignore[attr-defined]
+    assert list(got.raw_items()) == list(expected.raw_items())
+    for name in ("host", "Idempotency-Key", "content-length", "x", "x-fold", "k"):
+        assert got.get(name) == expected.get(name)
+        assert got.get_all(name) == expected.get_all(name)
+    assert got.get_payload() == expected.get_payload()
+    assert [(type(d), str(d)) for d in got.defects] == [(type(d), str(d)) for d in expected.defects]
