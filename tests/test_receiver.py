@@ -721,3 +721,31 @@ def test_header_fields_parse_as_the_stdlib_parses_them(head: bytes) -> None:
         assert got.get_all(name) == expected.get_all(name)
     assert got.get_payload() == expected.get_payload()
     assert [(type(d), str(d)) for d in got.defects] == [(type(d), str(d)) for d in expected.defects]
+
+
+def test_the_log_writer_holds_back_posts_in_flight_and_keeps_arrival_order(
+    sqlite_engine: sa.Engine, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A batch stops at the first young unanswered POST (its status then goes in with its row, no
+    UPDATE); an unanswered one older than SETTLE_S is written with status None; flush() writes all."""
+    from dagster_joblease.receiver import app
+
+    monkeypatch.setattr(app._RequestLog, "LINGER_S", 3600.0)  # no background batch during the test
+    ensure_tables(sqlite_engine)
+    log = app._RequestLog(sqlite_engine)
+    try:
+        first, second, third = (log.received(f"k{n}", "t") for n in (1, 2, 3))
+        log.answered(first, 200)
+        log.answered(third, 200)
+        log.flush(settled_only=True)
+        assert request_log(sqlite_engine) == [("k1", "t", 200)]
+        second.received_at -= app._RequestLog.SETTLE_S  # unanswered for long (hung or dropped)
+        log.flush(settled_only=True)
+        assert request_log(sqlite_engine) == [("k1", "t", 200), ("k2", "t", None), ("k3", "t", 200)]
+        log.answered(second, 503)
+        fourth = log.received("k4", "t")
+        log.flush()
+        assert fourth.written
+        assert request_log(sqlite_engine)[1:] == [("k2", "t", 503), ("k3", "t", 200), ("k4", "t", None)]
+    finally:
+        log.close()
