@@ -16,7 +16,11 @@ the sides; min-max over rounds beside it. Sides, each on one connection in this 
 * ``enqueue`` floors (physical, same-table: ``json.dumps`` and, same-table, SHA-256 per row; commit),
   the library's ``enqueue_once`` on a psycopg connection and inside ``engine.begin()`` (``library``),
   and ``sqlalchemy``: the same-table INSERT on the driver inside ``engine.begin()``, i.e. SQLAlchemy's own
-  begin and commit (``library`` minus ``sqlalchemy`` is what the library adds there).
+  begin and commit (``library`` minus ``sqlalchemy`` is what the library adds there); ``pooled``: the
+  same-table loop on a connection held out of the engine's pool, outside any SQLAlchemy transaction
+  (``sqlalchemy`` minus ``pooled`` is SQLAlchemy's checkout, begin, commit and check-in between real
+  statements), and ``begin-only``: an empty ``with engine.begin():`` block in a tight loop (the same
+  scaffolding with its code hot in the CPU caches: a lower bound).
 
 ``--profile NAME`` then runs that side under cProfile and prints the functions with the most own time.
 """
@@ -96,7 +100,7 @@ def sides(url: str, first_refusals: int) -> dict[str, Callable[[int], object]]:
     steps["refused library first"] = lambda i: service.try_acquire(
         JobIdentity.schedule("bench-first", next(unmet).run_key or "")
     )
-    for kind in ("physical", "same-table", "psycopg", "library", "sqlalchemy"):
+    for kind in ("physical", "same-table", "pooled", "psycopg", "library", "sqlalchemy", "begin-only"):
         step, _ = dispatch.enqueue_side(kind, url)()
         steps[f"enqueue {kind}"] = step
     return steps
@@ -168,6 +172,15 @@ def main(argv: list[str] | None = None) -> int:
         print(
             "  target: the physical floor's CPU, plus the identity's for a claim or refusal "
             f"(identity {ident:.0f} us)"
+        )
+        sqla, pooled, lib = (
+            statistics.median(got[f"enqueue {k}"]) for k in ("sqlalchemy", "pooled", "library")
+        )
+        print(
+            f"  SQLAlchemy's engine.begin() scaffolding between real statements: {sqla - pooled:.0f} us "
+            f"(enqueue sqlalchemy - enqueue pooled; an empty block in a hot loop: "
+            f"{statistics.median(got['enqueue begin-only']):.0f} us); the library inside it adds "
+            f"{lib - sqla:.0f} us (library - sqlalchemy)"
         )
         for name in args.profile:
             profile(name, steps[name], offset, args.calls * 3, args.top)

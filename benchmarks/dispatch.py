@@ -123,9 +123,22 @@ def enqueue_side(kind: str, url: str) -> Setup:
             sha = hashlib.sha256(text.encode()).hexdigest()
             conn.execute(SAME_TABLE_INSERT, (key, "bench", text, sha), prepare=True).fetchone()
 
+        # ``pooled``: the same-table loop on a connection held out of the engine's pool (the driver
+        # connection engine.begin() would hand out, its setup included) without SQLAlchemy's transaction;
+        # ``begin-only``: an empty ``with engine.begin():`` block. CPU-only sides (benchmarks/client.py).
+        held = engine.raw_connection() if kind == "pooled" else None
+
         def step(i: int) -> None:
             key = f"{prefix}{i}"
-            if kind == "physical":
+            if held is not None:
+                driver = held.driver_connection
+                assert driver is not None
+                same_table_insert(driver, key, i)
+                driver.commit()
+            elif kind == "begin-only":
+                with engine.begin():
+                    pass
+            elif kind == "physical":
                 pg.execute(PHYSICAL_INSERT, (key, "bench", _text(i)), prepare=True).fetchone()
                 pg.commit()
             elif kind == "same-table":
@@ -145,6 +158,8 @@ def enqueue_side(kind: str, url: str) -> Setup:
 
         def close() -> None:
             pg.close()
+            if held is not None:
+                held.close()
             engine.dispose()
 
         return step, close
