@@ -18,7 +18,7 @@ from typing import Any
 import pytest
 import sqlalchemy as sa
 
-from dagster_joblease import route_groups
+from dagster_joblease import errors, route_groups
 from dagster_joblease.dispatch import Dispatcher, Route, policy
 from dagster_joblease.dispatch import dispatcher as dispatcher_module
 from dagster_joblease.dispatch.dispatcher import DispatchReport
@@ -33,7 +33,9 @@ FAST = {"backoff_base_ms": 10, "backoff_max_ms": 50}
 GROUP = "swap-group"
 
 
-def swap_drain(url: str, routes: dict[str, dict[str, Any]], result_path: str) -> None:
+def swap_drain(
+    url: str, routes: dict[str, dict[str, Any]], result_path: str, options: dict[str, Any] | None = None
+) -> None:
     """A dispatcher process draining the outbox; writes how many slots it handed on by a swap, how many
     times it took a group's row lock, and its totals."""
     locks = 0
@@ -60,7 +62,7 @@ def swap_drain(url: str, routes: dict[str, dict[str, Any]], result_path: str) ->
     engine = create_engine(url)
     totals = DispatchReport()
     ends = time.monotonic() + 150
-    with Counting(engine, _routes(routes), concurrency=8, **FAST) as dispatcher:
+    with Counting(engine, _routes(routes), concurrency=8, **FAST, **(options or {})) as dispatcher:
         while time.monotonic() < ends:
             report = dispatcher.dispatch(50)
             totals = totals.merge(report)
@@ -90,9 +92,13 @@ def processes() -> Iterator[Callable[..., BaseProcess]]:
         process.join(10)
 
 
-@pytest.mark.parametrize("failing", [False, True], ids=["all-sent", "every-3rd-fails"])
+@pytest.mark.parametrize(
+    ("failing", "async_commit"),
+    [(False, False), (True, False), (False, True)],
+    ids=["all-sent", "every-3rd-fails", "all-sent-async-commit"],
+)
 def test_swaps_across_processes_never_exceed_max_in_flight(
-    failing: bool, pg_url: str, tmp_path: Path, processes: Callable[..., BaseProcess]
+    failing: bool, async_commit: bool, pg_url: str, tmp_path: Path, processes: Callable[..., BaseProcess]
 ) -> None:
     """Four processes at concurrency 8 on one group with max_in_flight=2 and a fast downstream: most
     completions hand their slot on by a swap (one statement when all were sent, in the outcomes'
@@ -106,7 +112,8 @@ def test_swaps_across_processes_never_exceed_max_in_flight(
     with serve(latency_s=0.01, respond=respond) as server:
         routes = {"work": {"url": server.url + "/work", "limit_group": GROUP, "max_in_flight": 2}}
         paths = [tmp_path / f"d{i}.json" for i in range(4)]
-        workers = [processes(swap_drain, pg_url, routes, str(p)) for p in paths]
+        options = {"async_swap_commit": async_commit}
+        workers = [processes(swap_drain, pg_url, routes, str(p), options) for p in paths]
         for worker in workers:
             worker.join(180)
             assert worker.exitcode == 0
@@ -198,4 +205,28 @@ def test_a_swap_never_raises_the_count_above_a_lowered_limit(pg_url: str) -> Non
         assert result is not None and len(result[0]) == 1
     with engine.connect() as conn:
         assert route_groups.count_in_flight(conn, GROUP) == 1
+    engine.dispose()
+
+
+def test_async_swap_commit_is_a_bool_and_stays_in_the_swaps_own_transaction(pg_url: str) -> None:
+    """``async_swap_commit`` turns synchronous_commit off for the swap statement's transaction only: the
+    pooled connection it ran on is back to the server's setting, and the swap itself is unchanged."""
+    engine = create_engine(pg_url)
+    route = Route("http://127.0.0.1:9/work", limit_group=GROUP, max_in_flight=1)
+    with pytest.raises(errors.ConfigurationError, match="async_swap_commit"):
+        Dispatcher(engine, {"work": route}, async_swap_commit="yes")  # type: ignore[arg-type]
+    enqueue_many(engine, 3, topic="work")
+    engine.dispose()
+    engine = create_engine(pg_url, pool_size=1, max_overflow=0)
+    with Dispatcher(engine, {"work": route}, concurrency=4, async_swap_commit=True) as dispatcher:
+        token = "a" * 32
+        (row,), _ = dispatcher._claim(token, 10, 4, DispatchReport(), limited_only=False)
+        dispatcher._claim_limited = lambda *args, **kwargs: ([], None)  # type: ignore[method-assign]
+        sent = policy.Decision(policy.Outcome.SENT, 200, "HTTP 200")
+        result = dispatcher._swap_alone(token, [(row, sent)], 10, 4, DispatchReport(), set())
+        assert result is not None and len(result[0]) == 1
+        with engine.connect() as conn:  # the one pooled connection, the swap's
+            assert conn.exec_driver_sql("SHOW synchronous_commit").scalar_one() == "on"
+            assert route_groups.count_in_flight(conn, GROUP) == 1
+    assert status_counts(engine) == {"SENT": 1, "PENDING": 2}
     engine.dispose()
