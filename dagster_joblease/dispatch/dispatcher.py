@@ -86,6 +86,8 @@ PAUSE_REFRESH_S = 0.05
 LIMIT_WAIT_S = 1.0
 #: Pause between two looks at a full in-flight limit held by other dispatchers.
 SLOT_POLL_S = 0.02
+#: A wait hint: a slot is free but was not claimed in this transaction (it holds the group row FOR SHARE).
+GROW_NOW = 0.0
 #: How long a group's applied limits, read under its lock, are trusted for a lock-free look at its slots.
 APPLIED_TRUST_S = 1.0
 DEFAULT_MAX_DEFERRALS = 100
@@ -696,6 +698,16 @@ class Dispatcher:
                             more, blocked_now, sub = merged
                             self._claim_took()
                             self._absorb(report, sub)
+                            grow = {name for name, hint in blocked_now.items() if hint == GROW_NOW}
+                            blocked_now = {n: h for n, h in blocked_now.items() if n not in grow}
+                            left, idle = budget - len(more), free - len(more)
+                            if grow and left > 0 and idle > 0:
+                                # Room beside the swapped slots: claimed under the lock, a transaction of
+                                # its own (the swap's held the group row FOR SHARE).
+                                extra, blocked_more = self._claim(
+                                    token, left, idle, report, limited_only=True, busy=busy_groups
+                                )
+                                more, blocked_now = [*more, *extra], {**blocked_now, **blocked_more}
                             refill = (more, blocked_now)
                 else:
                     self._record(token, finished, report)
@@ -1143,7 +1155,8 @@ SELECT 'group', NULL, NULL, NULL, NULL, NULL, NULL, (SELECT mif FROM grp), (SELE
             left = min(budget - len(rows), workers)
             if left <= 0:
                 break
-            taken, wait_s = self._claim_limited(conn, token, name, left, started, report, name in busy)
+            lock = name not in (swapped or {})  # a swap's statement ran: the row is held FOR SHARE
+            taken, wait_s = self._claim_limited(conn, token, name, left, started, report, name in busy, lock)
             rows.extend(taken)
             workers -= len(taken)
             if wait_s is not None:
@@ -1160,9 +1173,13 @@ SELECT 'group', NULL, NULL, NULL, NULL, NULL, NULL, (SELECT mif FROM grp), (SELE
         started: float,
         report: DispatchReport,
         busy: bool = False,
+        lock: bool = True,
     ) -> tuple[list[_Claimed], float | None]:
         """Claim up to ``want`` rows of a limited group under its row lock; the wait hint is set when due
-        rows had to stay behind for capacity (``busy``: this batch has requests of the group in flight)."""
+        rows had to stay behind for capacity (``busy``: this batch has requests of the group in flight).
+        ``lock=False``: this transaction already holds the group's row FOR SHARE (a swap); upgrading it
+        could deadlock with another swap doing the same, so a free slot is only reported (hint 0.0: claim
+        at once, in a transaction of its own)."""
         local_now = time.monotonic()
         if self._local_pause.get(group, 0.0) > local_now:
             # A downstream's pause this dispatcher knows of, perhaps not committed yet (a delivery thread
@@ -1176,6 +1193,8 @@ SELECT 'group', NULL, NULL, NULL, NULL, NULL, NULL, (SELECT mif FROM grp), (SELE
             in_flight, due = conn.execute(self._group_statement(group, "look", None)).one()
             if in_flight >= known[0]:
                 return [], (SLOT_POLL_S if due else None)
+        if not lock:
+            return [], GROW_NOW
         state = route_groups.lock_group(conn, group)
         local_now = time.monotonic()
         if state.paused:
