@@ -14,11 +14,15 @@ starts one for a developer and writes its URL to ``DIR/url``). Without it they s
 from __future__ import annotations
 
 import dataclasses
+import multiprocessing
 import os
+import signal
 import time
 import uuid
 from collections.abc import Callable, Iterator
+from multiprocessing.process import BaseProcess
 from pathlib import Path
+from typing import Any
 
 import pytest
 import sqlalchemy as sa
@@ -26,6 +30,9 @@ from sqlalchemy.engine import URL, make_url
 
 from dagster_joblease.lease import LeaseService
 from dagster_joblease.storage import create_engine, migrate
+
+#: The context of the ``processes`` fixture: a fresh interpreter per worker, as a real deployment's.
+SPAWN = multiprocessing.get_context("spawn")
 
 PG_URL_ENV = "JOBLEASE_TEST_PG_URL"
 DEFAULT_PG_URL = "postgresql+psycopg://postgres@127.0.0.1:5432/postgres"
@@ -185,3 +192,21 @@ def wait_until(predicate: Callable[[], bool], timeout: float = 10.0, interval: f
             return
         time.sleep(interval)
     raise AssertionError(f"condition not met within {timeout} s")
+
+
+@pytest.fixture
+def processes() -> Iterator[Callable[..., BaseProcess]]:
+    """Start spawned worker processes; any still alive at teardown are killed (by their own pid)."""
+    started: list[BaseProcess] = []
+
+    def start(target: Callable[..., None], *args: Any) -> BaseProcess:
+        process = SPAWN.Process(target=target, args=args, daemon=True)
+        process.start()
+        started.append(process)
+        return process
+
+    yield start
+    for process in started:
+        if process.is_alive() and process.pid is not None:
+            os.kill(process.pid, signal.SIGKILL)
+        process.join(10)

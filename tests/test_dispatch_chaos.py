@@ -12,7 +12,7 @@ import os
 import signal
 import subprocess
 import uuid
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from multiprocessing.process import BaseProcess
 from pathlib import Path
 from typing import Any
@@ -49,24 +49,6 @@ def fast_pg_url(pg_url: str) -> str:
         conn.exec_driver_sql(f'ALTER DATABASE "{name}" SET synchronous_commit = off')
     admin.dispose()
     return pg_url
-
-
-@pytest.fixture
-def processes() -> Iterator[Callable[..., BaseProcess]]:
-    """Start worker processes; any still alive at teardown are killed (by their own pid)."""
-    started: list[BaseProcess] = []
-
-    def start(target: Callable[..., None], *args: Any) -> BaseProcess:
-        process = CTX.Process(target=target, args=args, daemon=True)
-        process.start()
-        started.append(process)
-        return process
-
-    yield start
-    for process in started:
-        if process.is_alive() and process.pid is not None:
-            os.kill(process.pid, signal.SIGKILL)
-        process.join(10)
 
 
 def _result(path: Path) -> dict[str, Any]:

@@ -8,10 +8,8 @@ from __future__ import annotations
 import json
 import logging
 import multiprocessing
-import os
-import signal
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from multiprocessing.process import BaseProcess
 from pathlib import Path
 from typing import Any
@@ -89,23 +87,6 @@ def swap_drain(
         **handed,
     }
     Path(result_path).write_text(json.dumps(data))
-
-
-@pytest.fixture
-def processes() -> Iterator[Callable[..., BaseProcess]]:
-    started: list[BaseProcess] = []
-
-    def start(target: Callable[..., None], *args: Any) -> BaseProcess:
-        process = CTX.Process(target=target, args=args, daemon=True)
-        process.start()
-        started.append(process)
-        return process
-
-    yield start
-    for process in started:
-        if process.is_alive() and process.pid is not None:
-            os.kill(process.pid, signal.SIGKILL)
-        process.join(10)
 
 
 @pytest.mark.parametrize(

@@ -11,7 +11,7 @@ import multiprocessing
 import os
 import signal
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from multiprocessing.process import BaseProcess
 from pathlib import Path
 from typing import Any
@@ -31,24 +31,6 @@ from tests.limit_server import serve
 
 CTX = multiprocessing.get_context("spawn")
 FAST = {"backoff_base_ms": 10, "backoff_max_ms": 100}
-
-
-@pytest.fixture
-def processes() -> Iterator[Callable[..., BaseProcess]]:
-    """Start dispatcher processes; any still alive at teardown are killed (by their own pid)."""
-    started: list[BaseProcess] = []
-
-    def start(target: Callable[..., None], *args: Any) -> BaseProcess:
-        process = CTX.Process(target=target, args=args, daemon=True)
-        process.start()
-        started.append(process)
-        return process
-
-    yield start
-    for process in started:
-        if process.is_alive() and process.pid is not None:
-            os.kill(process.pid, signal.SIGKILL)
-        process.join(10)
 
 
 def _join(process: BaseProcess, timeout: float = 180) -> None:
