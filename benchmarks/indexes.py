@@ -19,6 +19,9 @@ Two parts, on scratch databases dropped at the end:
    depend on the machine's load (the time does; the commit flush and the round trip, which dominate a
    busy machine and hide an index's share, are left out). The primary keys are measured too, for scale;
    the unique indexes that ``ON CONFLICT`` needs cannot be left out.
+3. **Table CHECKs against domains.** The same per-statement measure, in alternating rounds, on a scratch
+   database at 0005 (the one-column rules as table CHECKs, which PostgreSQL prepares again for every
+   statement that writes the table) and one at head (0006: the same rules on the columns' domains).
 
     .venv/bin/python benchmarks/indexes.py --before 0002   # against the schema before the first audit
 """
@@ -331,6 +334,23 @@ def costs(url: str, rounds: int, reps: int) -> list[tuple[str, str, str, dict[st
     return out
 
 
+#: The revision whose hot tables still carried table CHECKs (0006 moved their rules onto domains).
+CHECKS_REVISION = "0005"
+
+
+def rules_cost(checks_url: str, domains_url: str, rounds: int, reps: int) -> list[tuple[str, float, float]]:
+    """Per table: (table, median server µs per insert with 0005's table CHECKs, the same with 0006's
+    domains), the two sides alternating their order every round."""
+    out = []
+    for table in TABLES:
+        runs: dict[str, list[float]] = {checks_url: [], domains_url: []}
+        for r in range(rounds):
+            for url in (checks_url, domains_url) if r % 2 == 0 else (domains_url, checks_url):
+                runs[url].append(insert_cost(url, table, reps)["us"])
+        out.append((table, statistics.median(runs[checks_url]), statistics.median(runs[domains_url])))
+    return out
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
@@ -350,7 +370,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.long:
         args.rows, args.rounds, args.reps = 1_000_000, max(args.rounds, 7), max(args.reps, 400)
     started = time.perf_counter()
-    (old_url, new_url, scratch_old, scratch_new), drop = databases(server_url(), 4)
+    (old_url, new_url, scratch_old, scratch_new, scratch_checks), drop = databases(server_url(), 5)
     print(load(), flush=True)
     try:
         for url, revision in (
@@ -358,6 +378,7 @@ def main(argv: list[str] | None = None) -> int:
             (new_url, "head"),
             (scratch_old, args.before),
             (scratch_new, "head"),
+            (scratch_checks, CHECKS_REVISION),
         ):
             engine = create_engine(url, poolclass=sa.pool.NullPool)
             migrate(engine, revision)
@@ -391,6 +412,18 @@ def main(argv: list[str] | None = None) -> int:
                 print(
                     f"  {name:38} {definition[:60]:60} insert: {w['us']:4.0f} us, {w['wal records']:.0f} WAL "
                     f"records, {w['wal bytes']:.0f} B, {w['buffers']:.0f} buffers; this index {verdict}",
+                    flush=True,
+                )
+        if not args.plans_only:
+            print(
+                f"\ntable CHECKs ({CHECKS_REVISION}) against domains (head), {args.rounds} alternating "
+                f"rounds, medians of {args.reps} statements ({load()})",
+                flush=True,
+            )
+            for table, checks, domains in rules_cost(scratch_checks, scratch_new, args.rounds, args.reps):
+                print(
+                    f"  {table:16} insert with table CHECKs {checks:4.0f} us, with domains {domains:4.0f} us "
+                    f"({domains / checks:.2f}x)",
                     flush=True,
                 )
     finally:

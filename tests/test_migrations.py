@@ -294,7 +294,7 @@ def test_claim_indexes_upgrade_a_0004_database_with_rows_in_place(empty_engine: 
         assert admin.show_lease(empty_engine, "solo").run_key is None
 
     migrate(empty_engine)
-    assert current_revision(empty_engine) == head_revision() == "0005"
+    assert current_revision(empty_engine) == head_revision() == "0006"
     assert check_schema(empty_engine).ok
     lease_ix = _index_names(empty_engine, "joblease_lease")
     assert "ix_joblease_lease_code_run_key" not in lease_ix
@@ -321,3 +321,138 @@ def test_claim_indexes_upgrade_a_0004_database_with_rows_in_place(empty_engine: 
     assert len(admin.list_leases(empty_engine, code="claims")) == 4
     migrate(empty_engine)
     assert check_schema(empty_engine).ok
+
+
+_BAD_ROWS = {
+    "joblease_lease": (
+        "INSERT INTO joblease_lease (lock_key, job_type, code, run_key, status, owner_token, attempt,"
+        " lease_ms, created_at, acquired_at, heartbeat_at, expires_at) VALUES (:key, :job_type, 'c', 'r',"
+        " :status, 't', :attempt, 1000, CURRENT_TIMESTAMP, CURRENT_TIMESTAMP, CURRENT_TIMESTAMP,"
+        " CURRENT_TIMESTAMP)",
+        [
+            {"job_type": "SCHEDULE", "status": "running", "attempt": 1},
+            {"job_type": "BOTH", "status": "RUNNING", "attempt": 1},
+            {"job_type": "SCHEDULE", "status": "RUNNING", "attempt": 0},
+        ],
+    ),
+    "joblease_outbox": (
+        "INSERT INTO joblease_outbox (idempotency_key, topic, payload, payload_sha256, status, attempts,"
+        " next_attempt_at, created_at, updated_at) VALUES (:key, 't', '{}', 'h', :status, :attempts,"
+        " CURRENT_TIMESTAMP, CURRENT_TIMESTAMP, CURRENT_TIMESTAMP)",
+        [{"status": "LOST", "attempts": 0}, {"status": "PENDING", "attempts": -1}],
+    ),
+    "joblease_inbox": (
+        "INSERT INTO joblease_inbox (idempotency_key, payload_sha256, status, created_at)"
+        " VALUES (:key, 'h', :status, CURRENT_TIMESTAMP)",
+        [{"status": "MAYBE"}],
+    ),
+}
+
+
+def _refused_rows(engine: sa.Engine) -> int:
+    """Try every rule-breaking row of ``_BAD_ROWS``; how many the database refused (each in its own
+    transaction, so one refusal does not hide the next)."""
+    refused = 0
+    for table, (sql, rows) in _BAD_ROWS.items():
+        for i, row in enumerate(rows):
+            try:
+                with engine.begin() as conn:
+                    conn.execute(sa.text(sql), {"key": f"bad-{table}-{i}", **row})
+            except sa.exc.IntegrityError:
+                refused += 1
+    return refused
+
+
+def test_check_domains_upgrade_a_0005_database_with_rows_in_place(empty_engine: sa.Engine) -> None:
+    """0006: on PostgreSQL the one-column rules move from table CHECKs onto domains (a table CHECK is
+    prepared again by every one-row write); rows already there keep working, every rule-breaking value is
+    still refused, the partial indexes still serve their queries, and the downgrade restores the CHECKs."""
+    from alembic import command
+
+    from dagster_joblease import admin, outbox
+    from dagster_joblease.identity import JobIdentity
+    from dagster_joblease.lease import LeaseService
+    from dagster_joblease.storage.migrate import _config
+    from dagster_joblease.storage.schema import outbox_table
+
+    pg = empty_engine.dialect.name == "postgresql"
+    migrate(empty_engine, "0005")
+    service = LeaseService(empty_engine)
+    failed = service.acquire(JobIdentity.schedule("dom", "failed"))
+    assert failed is not None
+    service.fail(failed, "boom")
+    done = service.acquire(JobIdentity.schedule("dom", "done"))
+    assert done is not None
+    service.complete(done)
+    with empty_engine.begin() as conn:
+        outbox.enqueue_once(conn, topic="t", payload={"n": 1}, idempotency_key="dom-1")
+
+    def checks() -> set[str]:
+        return {
+            str(ck["name"])
+            for table in _BAD_ROWS
+            for ck in sa.inspect(empty_engine).get_check_constraints(table)
+        }
+
+    before = checks()
+    assert len(before) == 7  # lease 4, outbox 2, inbox 1
+    assert _refused_rows(empty_engine) == 6
+
+    migrate(empty_engine)
+    assert current_revision(empty_engine) == head_revision() == "0006"
+    assert check_schema(empty_engine).ok, check_schema(empty_engine).differences
+    # PostgreSQL: no table CHECK left on the hot tables; SQLite keeps every one.
+    assert checks() == (set() if pg else before)
+    assert _refused_rows(empty_engine) == 6  # the domains refuse what the checks refused
+    if pg:
+        with empty_engine.connect() as conn:
+            types = dict(
+                conn.execute(
+                    sa.text(
+                        "SELECT table_name || '.' || column_name, domain_name FROM information_schema.columns"
+                        " WHERE domain_name LIKE 'joblease_%'"
+                    )
+                ).all()
+            )
+        assert types == {
+            "joblease_lease.status": "joblease_lease_status",
+            "joblease_lease.job_type": "joblease_job_type",
+            "joblease_lease.attempt": "joblease_attempt",
+            "joblease_outbox.status": "joblease_outbox_status",
+            "joblease_outbox.attempts": "joblease_attempts",
+            "joblease_inbox.status": "joblease_inbox_status",
+        }
+        due = sa.select(outbox_table.c.id).where(
+            outbox_table.c.status == "PENDING", outbox_table.c.next_attempt_at <= sa.func.now()
+        )
+        compiled = due.compile(empty_engine, compile_kwargs={"literal_binds": True})
+        with empty_engine.connect() as conn:
+            conn.execute(sa.text("SET enable_seqscan = off"))
+            plan = "\n".join(conn.execute(sa.text(f"EXPLAIN {compiled}")).scalars())
+        assert "ix_joblease_outbox_due" in plan, plan
+
+    # The rows written before go on: the failed lease is reclaimed, the done one refused, the row delivered.
+    assert service.try_acquire(JobIdentity.schedule("dom", "failed")).lease is not None
+    assert not service.try_acquire(JobIdentity.schedule("dom", "done")).acquired
+    assert service.try_acquire(JobIdentity.initial("dom-initial")).acquired
+    assert {r.status for r in admin.list_leases(empty_engine, code="dom")} == {"RUNNING", "SUCCESS"}
+    with empty_engine.connect() as conn:
+        assert conn.execute(sa.select(outbox_table.c.status, outbox_table.c.attempts)).all() == [
+            ("PENDING", 0)
+        ]
+
+    with empty_engine.begin() as conn:
+        command.downgrade(_config(conn), "0005")
+    assert current_revision(empty_engine) == "0005"
+    assert len(checks()) == 7
+    assert _refused_rows(empty_engine) == 6
+    migrate(empty_engine)
+    assert check_schema(empty_engine).ok
+
+
+def test_check_schema_reports_a_column_that_lost_its_domain(pg_engine: sa.Engine) -> None:
+    with pg_engine.begin() as conn:
+        conn.execute(sa.text("ALTER TABLE joblease_outbox ALTER COLUMN status TYPE VARCHAR(16)"))
+    diff = check_schema(pg_engine)
+    assert not diff.ok
+    assert any("joblease_outbox" in d and "status" in d for d in diff.differences), diff.differences

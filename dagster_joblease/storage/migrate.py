@@ -16,6 +16,7 @@ from alembic.autogenerate import compare_metadata
 from alembic.config import Config
 from alembic.migration import MigrationContext
 from alembic.script import ScriptDirectory
+from sqlalchemy.dialects import postgresql
 
 from dagster_joblease import errors
 from dagster_joblease.storage import schema
@@ -83,6 +84,31 @@ def _include_object(obj: Any, name: str | None, type_: str, reflected: bool, com
     return True
 
 
+def _compare_type(
+    context: MigrationContext,
+    inspected_column: sa.Column[Any],
+    metadata_column: sa.Column[Any],
+    inspected_type: sa.types.TypeEngine[Any],
+    metadata_type: sa.types.TypeEngine[Any],
+) -> bool | None:
+    """Alembic's type comparison, told about 0006's domains: a column of ``schema.PG_DOMAINS`` matches
+    when it has its domain over the model's type; any other column, Alembic's own comparison (None)."""
+    if context.dialect.name != "postgresql":
+        return None
+    expected = schema.PG_DOMAINS.get((str(metadata_column.table.name), str(metadata_column.name)))
+    if expected is None and not isinstance(inspected_type, postgresql.DOMAIN):
+        return None
+    if not isinstance(inspected_type, postgresql.DOMAIN) or inspected_type.name != expected:
+        return True
+    # SQLAlchemy reflects a domain's base type without its length (VARCHAR, not VARCHAR(16)): compare the
+    # kind of type, and the length where one was reflected.
+    base = inspected_type.data_type
+    if base._type_affinity is not metadata_type._type_affinity:
+        return True
+    length = getattr(base, "length", None)
+    return length is not None and length != getattr(metadata_type, "length", None)
+
+
 def check_schema(engine: sa.Engine) -> SchemaDiff:
     """Compare the live schema with the package's models (Alembic's autogenerate comparison)."""
     with translate_errors("compare the joblease schema"), engine.connect() as connection:
@@ -91,7 +117,7 @@ def check_schema(engine: sa.Engine) -> SchemaDiff:
             opts={
                 "version_table": schema.VERSION_TABLE,
                 "include_object": _include_object,
-                "compare_type": True,
+                "compare_type": _compare_type,
             },
         )
         diffs = compare_metadata(ctx, schema.metadata)

@@ -1,8 +1,9 @@
 """The package's tables, as SQLAlchemy Core, on one MetaData with a naming convention.
 
-Statuses are VARCHAR with a named CHECK rather than PostgreSQL ENUMs, which cannot drop values and do
-not exist on SQLite. Every name starts with ``joblease_`` so the tables can share a database (even a
-schema) with Dagster's own storage or the host application.
+Statuses are VARCHAR with a named CHECK (on PostgreSQL a domain over VARCHAR, migration 0006) rather
+than PostgreSQL ENUMs, which cannot drop values and do not exist on SQLite. Every name starts with
+``joblease_`` so the tables can share a database (even a schema) with Dagster's own storage or the host
+application.
 """
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ from sqlalchemy.dialects import postgresql
 
 __all__ = [
     "HEAD_REVISION",
+    "PG_DOMAINS",
     "VERSION_TABLE",
     "any_status",
     "inbox_table",
@@ -24,7 +26,7 @@ __all__ = [
 #: Alembic's version table for this package, distinct from Dagster's and the host's ``alembic_version``.
 VERSION_TABLE = "joblease_alembic_version"
 #: The newest migration; ``db check`` compares the database against it.
-HEAD_REVISION = "0005"
+HEAD_REVISION = "0006"
 
 metadata = sa.MetaData(
     naming_convention={
@@ -40,6 +42,27 @@ metadata = sa.MetaData(
 _Id = sa.BigInteger().with_variant(sa.Integer(), "sqlite")
 _Json = sa.JSON().with_variant(postgresql.JSONB(), "postgresql")
 _Time = sa.DateTime(timezone=True)
+
+
+#: PostgreSQL: the domain each of these columns has instead of a table CHECK (migration 0006: a table CHECK
+#: is prepared again by every one-row write, a domain's check once). The models keep the base types, so
+#: the queries compile as before; ``db check`` compares a domain's base type and name.
+PG_DOMAINS = {
+    ("joblease_lease", "status"): "joblease_lease_status",
+    ("joblease_lease", "job_type"): "joblease_job_type",
+    ("joblease_lease", "attempt"): "joblease_attempt",
+    ("joblease_outbox", "status"): "joblease_outbox_status",
+    ("joblease_outbox", "attempts"): "joblease_attempts",
+    ("joblease_inbox", "status"): "joblease_inbox_status",
+}
+
+
+def _sqlite_check(sql: str, name: str) -> sa.CheckConstraint:
+    """A table CHECK that exists on SQLite only; on PostgreSQL the column's domain holds the rule."""
+    check = sa.CheckConstraint(sql, name=name)
+    check.ddl_if(dialect="sqlite")
+    return check
+
 
 lease_table = sa.Table(
     "joblease_lease",
@@ -64,13 +87,13 @@ lease_table = sa.Table(
     sa.Column("last_error", sa.Text(), nullable=True),
     sa.Column("result", _Json, nullable=True),
     sa.UniqueConstraint("lock_key"),
-    sa.CheckConstraint("status IN ('RUNNING', 'SUCCESS', 'FAIL')", name="status"),
-    sa.CheckConstraint("job_type IN ('INITIAL', 'SCHEDULE')", name="job_type"),
-    sa.CheckConstraint(
+    _sqlite_check("status IN ('RUNNING', 'SUCCESS', 'FAIL')", name="status"),
+    _sqlite_check("job_type IN ('INITIAL', 'SCHEDULE')", name="job_type"),
+    _sqlite_check(
         "(job_type = 'INITIAL' AND run_key IS NULL) OR (job_type = 'SCHEDULE' AND run_key IS NOT NULL)",
         name="run_key_by_type",
     ),
-    sa.CheckConstraint("attempt >= 1", name="attempt_positive"),
+    _sqlite_check("attempt >= 1", name="attempt_positive"),
     # Every index here is written by every claim's INSERT unless it is partial and excludes RUNNING rows;
     # benchmarks/indexes.py measures each one's cost on the claim and shows the plan of each query below.
     # The primary key: heartbeat, release, finish, takeover and `leases show ID` address a lease by id.
@@ -146,8 +169,8 @@ outbox_table = sa.Table(
     # Attempts a downstream's Retry-After pause deferred without counting them against max_attempts.
     sa.Column("deferrals", sa.Integer(), nullable=False, server_default=sa.text("0")),
     sa.UniqueConstraint("idempotency_key"),
-    sa.CheckConstraint("status IN ('PENDING', 'SENT', 'DEAD')", name="status"),
-    sa.CheckConstraint("attempts >= 0", name="attempts_nonnegative"),
+    _sqlite_check("status IN ('PENDING', 'SENT', 'DEAD')", name="status"),
+    _sqlite_check("attempts >= 0", name="attempts_nonnegative"),
     # The primary key: the dispatcher's claim (its CTE joins on id), recording outcomes, `outbox requeue ID`.
     # uq(idempotency_key): enqueue's ON CONFLICT (idempotency_key).
     # Pending rows only: the dispatcher's claim of due rows, due_summary, the sensor's probe, `outbox list
@@ -217,6 +240,6 @@ inbox_table = sa.Table(
     sa.Column("response_body", sa.Text(), nullable=True),
     sa.Column("created_at", _Time, nullable=False),
     sa.Column("completed_at", _Time, nullable=True),
-    sa.CheckConstraint("status IN ('IN_PROGRESS', 'DONE')", name="status"),
+    _sqlite_check("status IN ('IN_PROGRESS', 'DONE')", name="status"),
     sa.Index("ix_joblease_inbox_completed_at", "completed_at"),
 )
