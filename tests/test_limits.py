@@ -328,3 +328,38 @@ def test_nothing_of_a_group_is_claimed_once_its_pause_is_known(pg_url: str) -> N
         ).scalar_one()
     assert never == 6  # the slots the 429 and the 200 freed were not refilled during the pause
     engine.dispose()
+
+
+@pytest.mark.parametrize("backend", ["postgresql", "sqlite"])
+def test_a_pause_another_dispatcher_opens_stops_rows_waiting_to_start(
+    backend: str, request: pytest.FixtureRequest
+) -> None:
+    """Rows claimed before the pause existed and still waiting for a worker are given back, not sent, once
+    the dispatcher's periodic re-read of pauses sees a pause that another dispatcher wrote meanwhile."""
+    import threading
+
+    url = str(request.getfixturevalue("pg_url" if backend == "postgresql" else "sqlite_url"))
+    engine = create_engine(url)
+    enqueue_many(engine, 10, topic="work")
+    with serve(latency_s=0.0) as server:
+        server.hold.set()  # every request waits for server.released
+        with Dispatcher(engine, {"work": Route(server.url + "/work")}, concurrency=2, **FAST) as dispatcher:
+            reports: list[Any] = []
+            worker = threading.Thread(target=lambda: reports.append(dispatcher.dispatch(limit=10)))
+            worker.start()
+            try:
+                wait_until(lambda: server.in_flight == 2, timeout=30)  # both workers busy, 8 waiting
+                with engine.begin() as conn:  # as another dispatcher's 429 would write it
+                    route_groups.record_pause(conn, server.url, 3_600_000, "429 elsewhere")
+                wait_until(
+                    lambda: dispatcher._local_pause.get(server.url, 0.0) > time.monotonic(), timeout=30
+                )
+            finally:
+                server.released.set()
+                worker.join(60)
+            assert not worker.is_alive()
+    (report,) = reports
+    assert len(server.arrivals()) == 2  # the 8 waiting rows were not sent
+    assert report.claimed == 10 and report.sent == 2 and report.released == 8, report
+    assert status_counts(engine) == {"SENT": 2, "PENDING": 8}
+    engine.dispose()

@@ -64,6 +64,7 @@ from dagster_joblease import errors, limits, outbox, route_groups
 from dagster_joblease.dispatch import policy
 from dagster_joblease.dispatch.routes import Route
 from dagster_joblease.options import MAX_DURATION_MS
+from dagster_joblease.storage.autocommit import autocommit_connections
 from dagster_joblease.storage.clock import db_now, db_now_plus_ms
 from dagster_joblease.storage.engine import translate_errors
 from dagster_joblease.storage.schema import outbox_table, route_group_table
@@ -536,6 +537,7 @@ class Dispatcher:
                 )
             self._group_limits[group] = (min(mifs, default=None), min(rates, default=None))
         self.groups: frozenset[str] = frozenset(self._group_topics)
+        self._group_list = sorted(self.groups)  # the pause refresh's parameter, built once
         self._windows: dict[tuple[int, int], list[str]] = {}
         for topic, route in sorted(self.routes.items()):
             if route.dedupe_window_s is not None:
@@ -1368,14 +1370,27 @@ SELECT 'group', NULL, NULL, NULL, NULL, NULL, NULL, (SELECT mif FROM grp), (SELE
         """Re-read the groups' pauses (a cheap read, no transaction) so unstarted rows of a group another
         dispatcher paused are given back rather than sent."""
         try:
-            with translate_errors("read limit group pauses"), self.engine.connect() as conn:
-                states = route_groups.read_states(conn, self.groups)
+            paused = self._read_pauses()
         except errors.StorageError:
             return
         local = time.monotonic()
-        for name, state in states.items():
-            if state.paused:
-                self._local_pause[name] = local + state.pause_remaining_ms / 1000
+        for name, remaining_ms in paused.items():
+            self._local_pause[name] = local + remaining_ms / 1000
+
+    def _read_pauses(self) -> dict[str, int]:
+        """The groups paused now and each pause's remaining ms: on PostgreSQL with psycopg one prepared
+        statement on an autocommit connection kept beside the pool (this runs every
+        :data:`PAUSE_REFRESH_S` while rows wait to start), else a read through the engine."""
+        engine = self.engine
+        dialect = engine.dialect
+        with translate_errors("read limit group pauses"):
+            if dialect.name == "postgresql" and dialect.driver == "psycopg":
+                with autocommit_connections(engine).connection(engine) as handle:
+                    cursor = handle.cursor
+                    cursor.execute(route_groups.PAUSED_SQL, (self._group_list,), prepare=True)
+                    return {str(name): int(ms) for name, ms in cursor.fetchall()}
+            with engine.connect() as conn:
+                return route_groups.paused_remaining(conn, self.groups)
 
     def _deliver(self, row: _Claimed) -> policy.Decision | None:
         """POST one row and judge the answer (no database work here); None: give the claim back."""
