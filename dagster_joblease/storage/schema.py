@@ -129,7 +129,7 @@ lease_table = sa.Table(
 
 
 def any_status() -> sa.ColumnElement[bool]:
-    """``status IN ('RUNNING', 'FAIL') OR status = 'SUCCESS'``: true of every lease row (the status CHECK),
+    """``status IN ('RUNNING', 'FAIL') OR status = 'SUCCESS'``: true of every lease row (its status rule),
     spelled as the predicates of the two partial indexes that hold a code's rows between them.
 
     Add it beside ``code = …`` to read a code's rows of any status: PostgreSQL then reads them as a
