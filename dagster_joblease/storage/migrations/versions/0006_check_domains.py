@@ -61,19 +61,20 @@ DOMAINS = {
     "joblease_inbox_status": ("VARCHAR(16)", "VALUE IN ('IN_PROGRESS', 'DONE')"),
 }
 
-#: table → [(column, domain, the table CHECK it replaces, its original SQL)].
+#: table → [(column, its domain, the name of the table CHECK the domain replaces)]. That CHECK's SQL is the
+#: domain's with the column for VALUE (see :func:`_table_check`).
 COLUMNS = {
     "joblease_lease": [
-        ("status", "joblease_lease_status", "status", "status IN ('RUNNING', 'SUCCESS', 'FAIL')"),
-        ("job_type", "joblease_job_type", "job_type", "job_type IN ('INITIAL', 'SCHEDULE')"),
-        ("attempt", "joblease_attempt", "attempt_positive", "attempt >= 1"),
+        ("status", "joblease_lease_status", "status"),
+        ("job_type", "joblease_job_type", "job_type"),
+        ("attempt", "joblease_attempt", "attempt_positive"),
     ],
     "joblease_outbox": [
-        ("status", "joblease_outbox_status", "status", "status IN ('PENDING', 'SENT', 'DEAD')"),
-        ("attempts", "joblease_attempts", "attempts_nonnegative", "attempts >= 0"),
+        ("status", "joblease_outbox_status", "status"),
+        ("attempts", "joblease_attempts", "attempts_nonnegative"),
     ],
     "joblease_inbox": [
-        ("status", "joblease_inbox_status", "status", "status IN ('IN_PROGRESS', 'DONE')"),
+        ("status", "joblease_inbox_status", "status"),
     ],
 }
 
@@ -89,17 +90,21 @@ def _check_names(table: str, name: str) -> list[str]:
     return [f"ck_{table}_ck_{table}_{name}", f"ck_{table}_{name}"]
 
 
+def _table_check(column: str, domain: str) -> str:
+    """The table CHECK a domain stands for: ``VALUE IN (...)`` on the domain is ``status IN (...)`` on the
+    table."""
+    return DOMAINS[domain][1].replace("VALUE", column, 1)
+
+
 def upgrade() -> None:
     if op.get_bind().dialect.name != "postgresql":
         return
     for name, (base, check) in DOMAINS.items():
         op.execute(f"CREATE DOMAIN {name} AS {base} CHECK ({check})")
     for table, columns in COLUMNS.items():
-        checks = [name for _, _, name, _ in columns] + (
-            ["run_key_by_type"] if table == "joblease_lease" else []
-        )
+        checks = [name for _, _, name in columns] + (["run_key_by_type"] if table == "joblease_lease" else [])
         clauses = [f"DROP CONSTRAINT IF EXISTS {ck}" for name in checks for ck in _check_names(table, name)]
-        clauses += [f"ALTER COLUMN {column} TYPE {domain}" for column, domain, _, _ in columns]
+        clauses += [f"ALTER COLUMN {column} TYPE {domain}" for column, domain, _ in columns]
         op.execute(f"ALTER TABLE {table} " + ", ".join(clauses))
 
 
@@ -107,8 +112,9 @@ def downgrade() -> None:
     if op.get_bind().dialect.name != "postgresql":
         return
     for table, columns in COLUMNS.items():
-        clauses = [f"ALTER COLUMN {column} TYPE {DOMAINS[domain][0]}" for column, domain, _, _ in columns] + [
-            f"ADD CONSTRAINT ck_{table}_{name} CHECK ({sql})" for _, _, name, sql in columns
+        clauses = [f"ALTER COLUMN {column} TYPE {DOMAINS[domain][0]}" for column, domain, _ in columns] + [
+            f"ADD CONSTRAINT ck_{table}_{name} CHECK ({_table_check(column, domain)})"
+            for column, domain, name in columns
         ]
         if table == "joblease_lease":
             clauses.append(f"ADD CONSTRAINT ck_{table}_run_key_by_type CHECK ({RUN_KEY_BY_TYPE})")
