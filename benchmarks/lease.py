@@ -40,6 +40,7 @@ import statistics
 import sys
 import time
 import uuid
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -236,15 +237,28 @@ def _drop_claimed(url: str) -> None:
         conn.execute("VACUUM ANALYZE lease")
 
 
-def server_ms(url: str, reps: int = 60) -> float:
-    """Median server execution time of the library's claim of a new key (``EXPLAIN ANALYZE``, rolled back):
-    the statement's own cost, without the commit flush and the round trip that dominate a busy machine."""
-    insert, _ = psycopg_claim_sql()
+def _explain_ms(url: str, sql: str, args: Callable[[JobIdentity], Any], reps: int) -> float:
+    """Median server execution time of ``sql`` with ``args(job)`` for a new key each time (``EXPLAIN
+    ANALYZE``, rolled back): the statement's own cost, without the commit flush and the round trip that
+    dominate a busy machine."""
     samples = []
     with psycopg.connect(dsn(url)) as conn:
         for _ in range(reps):
             job = JobIdentity.schedule("bench", secrets.token_hex(8))
-            values = {
+            row = conn.execute("EXPLAIN (ANALYZE, FORMAT JSON) " + sql, args(job)).fetchone()
+            assert row is not None
+            samples.append(float(row[0][0]["Execution Time"]))
+            conn.rollback()
+    return statistics.median(samples[5:])
+
+
+def server_ms(url: str, reps: int = 60) -> float:
+    """The library's claim of a new key, as :func:`_explain_ms` measures it."""
+    insert, _ = psycopg_claim_sql()
+
+    def args(job: JobIdentity) -> Any:
+        return insert.args(
+            {
                 "p_lock_key": job.idempotency_key,
                 "p_job_type": job.type.value,
                 "p_code": job.code,
@@ -254,24 +268,14 @@ def server_ms(url: str, reps: int = 60) -> float:
                 "p_heartbeat_ms": 30_000,
                 "p_holder": "bench",
             }
-            row = conn.execute("EXPLAIN (ANALYZE, FORMAT JSON) " + insert.sql, insert.args(values)).fetchone()
-            assert row is not None
-            samples.append(float(row[0][0]["Execution Time"]))
-            conn.rollback()
-    return statistics.median(samples[5:])
+        )
+
+    return _explain_ms(url, insert.sql, args, reps)
 
 
 def physical_server_ms(url: str, reps: int = 60) -> float:
-    """The same measure of the physical floor's claim of a new key, on its own table."""
-    samples = []
-    with psycopg.connect(dsn(url)) as conn:
-        for _ in range(reps):
-            key = JobIdentity.schedule("bench", secrets.token_hex(8)).idempotency_key
-            row = conn.execute("EXPLAIN (ANALYZE, FORMAT JSON) " + PHYSICAL_CLAIM, (key,)).fetchone()
-            assert row is not None
-            samples.append(float(row[0][0]["Execution Time"]))
-            conn.rollback()
-    return statistics.median(samples[5:])
+    """The physical floor's claim of a new key on its own table, measured the same way."""
+    return _explain_ms(url, PHYSICAL_CLAIM, lambda job: (job.idempotency_key,), reps)
 
 
 def identity_cpu_us(calls: int = 20_000) -> float:
