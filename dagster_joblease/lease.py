@@ -31,7 +31,7 @@ from sqlalchemy.dialects.postgresql import psycopg as psycopg_dialect
 from dagster_joblease import errors, identity, options
 from dagster_joblease.storage.autocommit import AutocommitConnections, autocommit_connections
 from dagster_joblease.storage.clock import db_now, db_now_plus_ms, ms_until
-from dagster_joblease.storage.engine import fork_safe, translate_errors
+from dagster_joblease.storage.engine import fork_safe, is_psycopg, translate_errors
 from dagster_joblease.storage.schema import lease_table
 
 __all__ = [
@@ -575,8 +575,7 @@ class LeaseService:
         engine = self.engine
         path = self._claim_path
         if path is None or path[0] is not engine:
-            dialect = engine.dialect
-            fast = dialect.name == "postgresql" and dialect.driver == "psycopg"
+            fast = is_psycopg(engine.dialect)
             path = self._claim_path = (engine, autocommit_connections(engine) if fast else None)
         connections = path[1]
         if connections is not None:

@@ -10,6 +10,7 @@ import json
 import multiprocessing
 import os
 import signal
+import threading
 import time
 from collections.abc import Callable
 from multiprocessing.process import BaseProcess
@@ -336,8 +337,6 @@ def test_a_pause_another_dispatcher_opens_stops_rows_waiting_to_start(
 ) -> None:
     """Rows claimed before the pause existed and still waiting for a worker are given back, not sent, once
     the dispatcher's periodic re-read of pauses sees a pause that another dispatcher wrote meanwhile."""
-    import threading
-
     url = str(request.getfixturevalue("pg_url" if backend == "postgresql" else "sqlite_url"))
     engine = create_engine(url)
     enqueue_many(engine, 10, topic="work")

@@ -66,7 +66,7 @@ from dagster_joblease.dispatch.routes import Route
 from dagster_joblease.options import MAX_DURATION_MS
 from dagster_joblease.storage.autocommit import autocommit_connections
 from dagster_joblease.storage.clock import db_now, db_now_plus_ms
-from dagster_joblease.storage.engine import translate_errors
+from dagster_joblease.storage.engine import is_psycopg, translate_errors
 from dagster_joblease.storage.schema import outbox_table, route_group_table
 
 __all__ = ["DispatchReport", "Dispatcher", "RowOutcome", "claim_statement"]
@@ -1382,9 +1382,8 @@ SELECT 'group', NULL, NULL, NULL, NULL, NULL, NULL, (SELECT mif FROM grp), (SELE
         statement on an autocommit connection kept beside the pool (this runs every
         :data:`PAUSE_REFRESH_S` while rows wait to start), else a read through the engine."""
         engine = self.engine
-        dialect = engine.dialect
         with translate_errors("read limit group pauses"):
-            if dialect.name == "postgresql" and dialect.driver == "psycopg":
+            if is_psycopg(engine.dialect):
                 with autocommit_connections(engine).connection(engine) as handle:
                     cursor = handle.cursor
                     cursor.execute(route_groups.PAUSED_SQL, (self._group_list,), prepare=True)

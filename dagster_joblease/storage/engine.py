@@ -27,6 +27,7 @@ __all__ = [
     "create_engine",
     "default_sqlite_url",
     "fork_safe",
+    "is_psycopg",
     "normalize_url",
     "redact_url",
     "scrub_secrets",
@@ -456,6 +457,12 @@ def _is_prepared_statement_error(exc: BaseException | None) -> bool:
     if isinstance(exc, psycopg.errors.DuplicatePreparedStatement | psycopg.errors.InvalidSqlStatementName):
         return True
     return isinstance(exc, psycopg.errors.ProtocolViolation) and "prepared statement" in str(exc)
+
+
+def is_psycopg(dialect: sa.Dialect) -> bool:
+    """PostgreSQL through psycopg 3: the one dialect the driver-level fast paths (autocommit claims, the
+    pause refresh, a caller's transaction written on its driver connection) run on."""
+    return dialect.name == "postgresql" and dialect.driver == "psycopg"
 
 
 @contextlib.contextmanager

@@ -33,6 +33,7 @@ import sqlalchemy as sa
 from psycopg.pq import TransactionStatus
 
 from dagster_joblease import errors
+from dagster_joblease.storage.engine import is_psycopg
 
 if TYPE_CHECKING:
     from sqlalchemy import orm
@@ -89,8 +90,7 @@ def _from_sqlalchemy(connection: sa.Connection) -> CallersTransaction:
     if not connection.in_transaction():
         connection.begin()  # what autobegin does on the first execute; the caller's commit() commits it
     raw = connection.connection.driver_connection
-    dialect = connection.dialect
-    if dialect.name == "postgresql" and dialect.driver == "psycopg":
+    if is_psycopg(connection.dialect):
         assert isinstance(raw, psycopg.Connection), type(raw)
         # Open, since SQLAlchemy's connection is; autocommit here is the engine's or dialect's setting.
         if raw.autocommit and raw.info.transaction_status == _IDLE:
