@@ -8,11 +8,15 @@ import sys
 from pathlib import Path
 
 import pytest
+import sqlalchemy as sa
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from benchmarks import receiver as receiver_bench
 from benchmarks.__main__ import BEGIN, END, markdown, write_readme
 from benchmarks.harness import Figure, Sample, Stat, background_busy, figure, rotate, run_window
+from benchmarks.plain_receiver import CREATE_SQL
+from dagster_joblease.receiver import effect_count, ensure_tables
 
 
 def _counter_setup() -> tuple[object, object]:
@@ -140,3 +144,18 @@ def test_agree_with_a_file_that_is_not_a_saved_run_says_so(tmp_path: Path) -> No
         agreement.load(bad)
     with pytest.raises(SystemExit, match="cannot read"):
         agreement.load(tmp_path / "missing.json")
+
+
+def test_the_receivers_sql_alone_applies_each_key_and_times_both_statements(pg_engine: sa.Engine) -> None:
+    ensure_tables(pg_engine)
+    with pg_engine.begin() as conn:
+        conn.exec_driver_sql(CREATE_SQL)
+    url = pg_engine.url.render_as_string(hide_password=False)
+    plain_us = receiver_bench.sql_us(url, "plain", 0.2)
+    apply_us = receiver_bench.sql_us(url, "apply", 0.2)
+    assert plain_us > 0 and apply_us > 0
+    # Every timed call of the apply function recorded its effect (it asserts "applied" per call).
+    assert effect_count(pg_engine) > 20
+    with pg_engine.connect() as conn:
+        plain_rows = conn.exec_driver_sql("SELECT count(*) FROM plain_effect").scalar_one()
+    assert plain_rows > 20
