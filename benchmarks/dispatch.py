@@ -69,7 +69,7 @@ from benchmarks.harness import (
 )
 from benchmarks.lease import add_arguments, databases, server_url
 from benchmarks.plain_receiver import start_plain_receiver_process
-from benchmarks.report import dsn
+from benchmarks.report import checkpoint, dsn
 from dagster_joblease import outbox
 from dagster_joblease.dispatch import Dispatcher, Route
 from dagster_joblease.dispatch.dispatcher import claim_statement
@@ -398,7 +398,7 @@ def suite(
 
             def enqueue(kind: str, p: int = procs) -> Sample:
                 _truncate(url)
-                return run_window(enqueue_side(kind, url), p, seconds)
+                return run_window(enqueue_side(kind, url), p, seconds, before_window=lambda: checkpoint(url))
 
             got = rotate(rounds, {kind: functools.partial(enqueue, kind) for kind in ENQUEUE_SIDES})
             for kind, label in (

@@ -1,6 +1,6 @@
 """What every benchmark here shares: timed windows, rotated rounds, min / median / max, SUSPECT flags, load.
 
-A figure a reader can trust needs four things, and this module gives each benchmark the same ones:
+A figure a reader can trust needs five things, and this module gives each benchmark the same ones:
 
 * **One window for every process.** :func:`run_window` forks the processes, lets each set up and warm its
   connection, then holds them at a barrier; the parent picks a start time a moment ahead, every process
@@ -15,6 +15,14 @@ A figure a reader can trust needs four things, and this module gives each benchm
   is flagged ``SUSPECT``: the figure says more about the machine, or a broken floor, than about the code.
   A side whose own rate spreads that much is printed as ``noisy`` beside it (on this kind of machine the
   disk's commit latency moves from round to round; both sides of a round see the same disk).
+* **The same server state.** A paired comparison whose windows start on emptied tables (the lease and
+  enqueue sides) runs ``CHECKPOINT`` just before each window (``before_window``, with
+  :func:`benchmarks.report.checkpoint`): left alone, the benchmark's own WAL brings a checkpoint every
+  minute or so, and the windows right after one pay its full-page images and share the disk with its
+  writes, whichever side they belong to (here the refusal's per-round ratio spread 47-114% without it,
+  17-50% with it, one run each). Sides that read or rewrite rows left by earlier rounds (delivery, the
+  receivers, the scale tables) do not: a checkpoint before each of their windows would charge the side
+  that touches more old pages with full-page images a real server pays once per checkpoint interval.
 * **The machine.** :func:`machine` describes it. :func:`background_busy` measures, while the benchmark
   itself runs nothing, how many CPUs other work keeps busy (``/proc/stat`` over a few seconds); it is
   taken before every suite and at the end, and a run where it exceeded a quarter of a CPU is labelled as
@@ -217,11 +225,20 @@ def _child(
     results.put((count, cpu, wall))
 
 
-def run_window(setup: Setup, processes: int, seconds: float, *, warm: int = 10) -> Sample:
+def run_window(
+    setup: Setup,
+    processes: int,
+    seconds: float,
+    *,
+    warm: int = 10,
+    before_window: Callable[[], None] | None = None,
+) -> Sample:
     """Fork ``processes`` workers, each running ``setup()`` then its step in a loop; all are timed over the
     same window of ``seconds`` (see the module docstring). ``setup`` returns ``(step, close)``; ``step(i)``
     gets a counter unique within its process. Returns calls/s over all processes and CPU µs per call
-    (``time.process_time``: every thread of the worker, not the server's)."""
+    (``time.process_time``: every thread of the worker, not the server's). ``before_window`` runs in the
+    parent once every worker has set up and warmed, just before the window's start is set (e.g.
+    :func:`checkpoint`)."""
     mp = multiprocessing.get_context("fork")
     ready = mp.Barrier(processes + 1)
     start_at = mp.Value("d", 0.0)
@@ -235,6 +252,8 @@ def run_window(setup: Setup, processes: int, seconds: float, *, warm: int = 10) 
         proc.start()
     try:
         _wait_barrier(ready, procs)
+        if before_window is not None:
+            before_window()
         start_at.value = time.perf_counter() + LEAD_IN_S
         _wait_barrier(ready, procs)
         got: list[tuple[int, float, float]] = []

@@ -61,7 +61,7 @@ from benchmarks.harness import (
     rotate,
     run_window,
 )
-from benchmarks.report import dsn
+from benchmarks.report import checkpoint, dsn
 from dagster_joblease.identity import JobIdentity
 from dagster_joblease.lease import LeaseService, psycopg_claim_sql
 from dagster_joblease.storage import create_engine, migrate
@@ -318,7 +318,7 @@ def suite(server: URL, *, rounds: int, seconds: float, processes: list[int], fin
 
                 def side(name: str, p: int = procs, w: str = workload) -> Sample:
                     reset(url)
-                    return run_window(SIDES[name](url, w), p, seconds)
+                    return run_window(SIDES[name](url, w), p, seconds, before_window=lambda: checkpoint(url))
 
                 got = rotate(rounds, {name: functools.partial(side, name) for name in SIDES})
                 label = "lease claim, new key" if workload == "claim" else "claim refused, key held"

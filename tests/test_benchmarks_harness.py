@@ -5,18 +5,22 @@ from __future__ import annotations
 import multiprocessing
 import os
 import sys
+import uuid
 from pathlib import Path
 
 import pytest
 import sqlalchemy as sa
+from sqlalchemy.engine import make_url
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from benchmarks import receiver as receiver_bench
+from benchmarks import report
 from benchmarks.__main__ import BEGIN, END, markdown, write_readme
 from benchmarks.harness import Figure, Sample, Stat, background_busy, figure, rotate, run_window
 from benchmarks.plain_receiver import CREATE_SQL
 from dagster_joblease.receiver import effect_count, ensure_tables
+from tests.conftest import _admin_execute
 
 
 def _counter_setup() -> tuple[object, object]:
@@ -32,6 +36,35 @@ def test_run_window_counts_calls_of_every_process_in_one_window() -> None:
     sample = run_window(_counter_setup, 3, 0.2, warm=2)  # type: ignore[arg-type]
     assert sample.rate > 0
     assert sample.cpu_us > 0
+
+
+def test_before_window_runs_once_after_every_worker_is_ready_and_before_the_window() -> None:
+    ran: list[int] = []
+
+    def before() -> None:
+        ran.append(len(multiprocessing.active_children()))
+
+    sample = run_window(_counter_setup, 2, 0.2, warm=2, before_window=before)  # type: ignore[arg-type]
+    assert sample.rate > 0
+    assert ran == [2]  # once, in the parent, with both workers started and waiting at the barrier
+
+
+def test_checkpoint_runs_as_a_superuser_and_is_skipped_with_one_note_without_the_right(
+    pg_url: str, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(report, "_checkpoint_refused", [])
+    assert report.checkpoint(pg_url) is True
+    role = f"joblease_bench_{uuid.uuid4().hex[:10]}"
+    _admin_execute(f'CREATE ROLE "{role}" LOGIN')
+    try:
+        url = make_url(pg_url).set(username=role)
+        assert report.checkpoint(url) is False
+        assert report.checkpoint(url) is False
+        assert report.checkpoint(pg_url) is False  # once refused, the run stops asking
+        err = capsys.readouterr().err
+        assert err.count("CHECKPOINT refused") == 1 and "pg_checkpoint" in err
+    finally:
+        _admin_execute(f'DROP ROLE IF EXISTS "{role}"')
 
 
 def test_run_window_reports_a_worker_that_fails_in_setup() -> None:
