@@ -155,8 +155,11 @@ def figure(
     value: Sequence[Sample],
     **kw: Any,
 ) -> Figure:
-    """A :class:`Figure` from the paired samples of two sides (same rounds, same order)."""
+    """A :class:`Figure` from the paired samples of two sides (same rounds, same order). For a cost (a
+    time in ``Sample.rate``, ``lower_is_better``) the ratio is the side's time over the floor's. Samples
+    that measured no CPU (all ``cpu_us`` 0) leave the figure's CPU column empty."""
     ratios = [v.rate / f.rate for v, f in zip(value, floor, strict=True)]
+    measured_cpu = any(s.cpu_us for s in (*floor, *value))
     return Figure(
         path=path,
         procs=str(procs),
@@ -164,7 +167,11 @@ def figure(
         floor=Stat.of([s.rate for s in floor]),
         value=Stat.of([s.rate for s in value]),
         ratio=Stat.of(ratios),
-        cpu_us=(statistics.median(s.cpu_us for s in value), statistics.median(s.cpu_us for s in floor)),
+        cpu_us=(
+            (statistics.median(s.cpu_us for s in value), statistics.median(s.cpu_us for s in floor))
+            if measured_cpu
+            else None
+        ),
         **kw,
     )
 

@@ -26,6 +26,7 @@ and the effect row) against the plain receiver's one-column ``INSERT ... ON CONF
 from __future__ import annotations
 
 import argparse
+import functools
 import multiprocessing
 import os
 import sys
@@ -42,7 +43,7 @@ import sqlalchemy as sa
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from benchmarks.harness import Figure, Sample, Stat, figure, print_figures, rotate  # noqa: E402
+from benchmarks.harness import Figure, Sample, figure, print_figures, rotate  # noqa: E402
 from benchmarks.plain_receiver import INSERT_SQL, start_plain_receiver_process  # noqa: E402
 from benchmarks.report import dsn  # noqa: E402
 from dagster_joblease import inbox  # noqa: E402
@@ -138,29 +139,25 @@ def sql_us(db_url: str, kind: str, seconds: float) -> float:
 
 def sql_figure(db_url: str, *, rounds: int, seconds: float) -> Figure:
     """The apply call against the plain INSERT (wall µs per call, lower is better), rotated rounds."""
-    got = rotate(
-        rounds,
-        {
-            "plain": lambda: Sample(sql_us(db_url, "plain", seconds), 0.0),
-            "apply": lambda: Sample(sql_us(db_url, "apply", seconds), 0.0),
-        },
-    )
-    plain, apply = (s.rate for s in got["plain"]), (s.rate for s in got["apply"])
-    pairs = list(zip(plain, apply, strict=True))
-    fig = Figure(
-        path="(the inbox's guarantees in SQL: one POST's statement alone, apply function vs plain INSERT)",
-        procs="1 conn",
-        floor_name="plain INSERT",
-        floor=Stat.of([p for p, _ in pairs]),
-        value=Stat.of([a for _, a in pairs]),
-        ratio=Stat.of([a / p for p, a in pairs]),
+
+    def side(kind: str) -> Sample:
+        return Sample(sql_us(db_url, kind, seconds), 0.0)
+
+    got = rotate(rounds, {kind: functools.partial(side, kind) for kind in ("plain", "apply")})
+    for plain, apply in zip(got["plain"], got["apply"], strict=True):
+        print(
+            f"  SQL alone: plain INSERT {plain.rate:6.0f} us  apply function {apply.rate:6.0f} us", flush=True
+        )
+    return figure(
+        "(the inbox's guarantees in SQL: one POST's statement alone, apply function vs plain INSERT)",
+        "1 conn",
+        "plain INSERT",
+        got["plain"],
+        got["apply"],
         unit="us",
         lower_is_better=True,
         note="wall time per call, commit flushed: advisory lock, inbox row (hash, response), effect row",
     )
-    for p, a in pairs:
-        print(f"  SQL alone: plain INSERT {p:6.0f} us  apply function {a:6.0f} us", flush=True)
-    return fig
 
 
 def _admin(url: str, sql: str) -> None:

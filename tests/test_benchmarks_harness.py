@@ -192,3 +192,17 @@ def test_the_receivers_sql_alone_applies_each_key_and_times_both_statements(pg_e
     with pg_engine.connect() as conn:
         plain_rows = conn.exec_driver_sql("SELECT count(*) FROM plain_effect").scalar_one()
     assert plain_rows > 20
+
+
+def test_a_cost_figure_pairs_times_and_leaves_the_cpu_column_empty_when_none_was_measured() -> None:
+    fig = figure(
+        "t",
+        1,
+        "floor",
+        [Sample(10.0, 0.0), Sample(20.0, 0.0)],
+        [Sample(15.0, 0.0), Sample(20.0, 0.0)],
+        unit="ms",
+        lower_is_better=True,
+    )
+    assert fig.ratio == Stat(1.0, 1.25, 1.5) and fig.cpu_us is None
+    assert figure("r", 1, "floor", [Sample(10.0, 5.0)], [Sample(8.0, 6.0)]).cpu_us == (6.0, 5.0)
