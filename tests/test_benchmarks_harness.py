@@ -16,7 +16,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from benchmarks import receiver as receiver_bench
 from benchmarks import report
-from benchmarks.__main__ import BEGIN, END, markdown, write_readme
+from benchmarks.__main__ import BEGIN, END, markdown, write_page
 from benchmarks.harness import Figure, Sample, Stat, background_busy, figure, rotate, run_window
 from benchmarks.plain_receiver import CREATE_SQL
 from dagster_joblease.receiver import effect_count, ensure_tables
@@ -109,7 +109,7 @@ def test_readme_block_is_written_between_the_markers_only(tmp_path: Path) -> Non
     readme = tmp_path / "README.md"
     readme.write_text(f"# title\n\nbefore\n{BEGIN}\nold table\n{END}\nafter\n")
     fig = Figure("claim", "1", "physical", Stat(1, 2, 3), Stat(1, 2, 3), Stat(1, 1, 1), goal=0.8)
-    write_readme(markdown([fig], "Taken now."), readme)
+    write_page(markdown([fig], "Taken now."), readme)
     text = readme.read_text()
     assert text.startswith("# title\n\nbefore\n")
     assert text.endswith("\nafter\n")
@@ -118,7 +118,7 @@ def test_readme_block_is_written_between_the_markers_only(tmp_path: Path) -> Non
     assert "Taken now." in text
     readme.write_text("no markers")
     with pytest.raises(SystemExit, match="markers"):
-        write_readme("x", readme)
+        write_page("x", readme)
 
 
 def test_background_busy_sees_other_work_and_not_a_sleeping_benchmark() -> None:

@@ -86,13 +86,13 @@ def test_dispatch_once_during_a_pause_says_so_and_status_shows_it(
     assert group["paused_until"] is None
 
 
-def test_readmes_routes_example_loads_with_its_limits(tmp_path: Path) -> None:
+def test_the_docs_routes_example_loads_with_its_limits(tmp_path: Path) -> None:
     import re
 
     from dagster_joblease.dispatch import load_routes
 
-    readme = (Path(__file__).resolve().parent.parent / "README.md").read_text()
-    section = readme.split("### Delivery bounded by the downstream's capacity", 1)[1].split("\n## ", 1)[0]
+    page = (Path(__file__).resolve().parent.parent / "docs" / "delivery.md").read_text()
+    section = page.split("## Bounded by the downstream's capacity", 1)[1].split("\n## ", 1)[0]
     (example,) = re.findall(r"```toml\n(.*?)```", section, flags=re.DOTALL)
     path = tmp_path / "routes.toml"
     path.write_text(example)

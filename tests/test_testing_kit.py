@@ -1,5 +1,6 @@
 """The fault-injection kit itself: reclaim_now, expire_now, RecordingDownstream's counts and faults,
-drain_outbox, the crash helper, the pytest plugin (in a pristine pytest process) and README's example."""
+drain_outbox, the crash helper, the pytest plugin (in a pristine pytest process) and the testing page's
+example (docs/testing.md)."""
 
 from __future__ import annotations
 
@@ -361,9 +362,9 @@ def test_the_plugin_gives_each_test_empty_tables_on_a_throwaway_sqlite_file(tmp_
 
 @pytest.mark.chaos
 def test_readme_example_and_the_plugin_on_postgresql_drop_their_database(tmp_path: Path) -> None:
-    """A user's suite as a user runs it: README's example and the plugin's guarantees, on PostgreSQL."""
+    """A user's suite as a user runs it: the docs' example and the plugin's guarantees, on PostgreSQL."""
     (tmp_path / "test_plugin_use.py").write_text(PLUGIN_TESTS)
-    (tmp_path / "test_billing.py").write_text(_readme_examples()[0])
+    (tmp_path / "test_billing.py").write_text(_page_examples()[0])
     done = _run_pytest(tmp_path, pg_url=os.environ.get(PG_URL_ENV, DEFAULT_PG_URL))
     assert done.returncode == 0, done.stdout + done.stderr
     assert "5 passed" in done.stdout
@@ -391,17 +392,17 @@ def test_the_plugin_is_registered_under_pytest11() -> None:
     ]
 
 
-# -- README ----------------------------------------------------------------------------------------
+# -- docs/testing.md -------------------------------------------------------------------------------------
 
 
-def _readme_examples() -> list[str]:
-    readme = (REPO / "README.md").read_text()
-    section = readme.split("## Test your own jobs", 1)[1].split("\n## ", 1)[0]
+def _page_examples() -> list[str]:
+    page = (REPO / "docs" / "testing.md").read_text()
+    section = page.split("\n## ", 1)[0]
     return re.findall(r"```python\n(.*?)```", section, flags=re.DOTALL)
 
 
-def test_readme_examples_are_the_sample_user_project_tests() -> None:
-    examples = _readme_examples()
+def test_the_docs_examples_are_the_sample_user_project_tests() -> None:
+    examples = _page_examples()
     assert examples == [
         (REPO / "tests" / "test_user_project.py").read_text(),
         (REPO / "tests" / "dagster" / "test_user_dagster_project.py").read_text(),

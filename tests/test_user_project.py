@@ -1,4 +1,4 @@
-"""Replay-safety tests for a billing job, written with dagster_joblease.testing (README's example)."""
+"""Replay-safety tests for a billing job, written with dagster_joblease.testing (the docs' example)."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""README's UI path, end to end, from a wheel installed outside the checkout.
+"""The demo's UI path (docs/quickstart.md), end to end, from a wheel installed outside the checkout.
 
 Build the wheel (``pip wheel --no-deps``), install it into a fresh venv in a temporary directory, run
 ``joblease demo --keep`` there, then run the two commands the demo prints: the receiver and
@@ -219,8 +219,10 @@ def test_readmes_first_command_installs_what_its_ui_step_needs() -> None:
     assert not [
         d for d in project["dependencies"] if d.startswith("dagster-webserver")
     ]  # not for run workers
-    demo = readme.split("### The demo", 1)[1].split("\n## ", 1)[0]
-    (ui,) = re.findall(r"```bash\n(.*?)```", demo, re.S)
+    quickstart = (ROOT / "docs" / "quickstart.md").read_text()
+    demo = quickstart.split("## See it work: the demo", 1)[1].split("\n## ", 1)[0]
+    first, ui = re.findall(r"```bash\n(.*?)```", demo, re.S)
+    assert first == commands[0]
     assert ui.splitlines() == [
         ".venv/bin/joblease demo --keep --workdir /tmp/jl-demo",
         ".venv/bin/joblease receiver --database-url sqlite:////tmp/jl-demo/receiver.sqlite --port 8765 &",

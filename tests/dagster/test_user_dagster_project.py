@@ -1,4 +1,4 @@
-"""A leased Dagster job tested with run_partition_twice (README's Dagster example)."""
+"""A leased Dagster job tested with run_partition_twice (the docs' Dagster example)."""
 
 from __future__ import annotations
 
