@@ -1,7 +1,7 @@
 """Do two runs of ``python -m benchmarks`` agree within the spread they report?
 
 ``--save FILE`` writes a run's figures as JSON; ``--agree-with FILE`` compares this run with a saved one,
-prints one line per figure and puts the count in README's header. The rule, per figure (its per-round
+prints one line per figure and puts the count in the docs' header. The rule, per figure (its per-round
 ratio): the runs **agree** when each run's median lies inside the other run's min-max. Ranges that only
 overlap are counted apart (``overlap``): the medians moved more than the rounds of either run spread, so
 the figure drifted between the runs (on this kind of machine, the disk's commit latency does so for
