@@ -46,8 +46,9 @@ from benchmarks.harness import Stat, load
 from benchmarks.plain_receiver import start_plain_receiver_process
 from dagster_joblease.dispatch import Dispatcher, Route
 from dagster_joblease.identity import JobIdentity
-from dagster_joblease.lease import LeaseService, psycopg_claim_sql
+from dagster_joblease.lease import LeaseService
 from dagster_joblease.storage import create_engine
+from dagster_joblease.storage import leases as store
 from dagster_joblease.storage.autocommit import autocommit_connections
 
 
@@ -66,7 +67,7 @@ def sides(url: str, first_refusals: int) -> dict[str, Callable[[int], object]]:
             steps[f"{workload} {name}"] = step
     engine = create_engine(url)
     service = LeaseService(engine, lease_ms=lease.LEASE_MS)
-    insert, _ = psycopg_claim_sql()
+    insert = store.INSERT_CLAIM
     handle = autocommit_connections(engine).acquire(engine)
 
     def library_sql(i: int) -> object:

@@ -49,8 +49,8 @@ from benchmarks.report import dsn
 from dagster_joblease import admin, outbox
 from dagster_joblease.dispatch.dispatcher import claim_statement
 from dagster_joblease.identity import JobIdentity
-from dagster_joblease.lease import psycopg_claim_sql
 from dagster_joblease.storage import create_engine, migrate
+from dagster_joblease.storage import leases as store
 
 TABLES = ("joblease_lease", "joblease_outbox")
 #: The "before" side of every comparison unless ``--before`` says otherwise: the revision just before the
@@ -221,7 +221,7 @@ def plans(old_url: str, new_url: str) -> list[tuple[str, str, str]]:
 
 
 def _claim_args(i: int) -> tuple[Any, ...]:
-    insert, _ = psycopg_claim_sql()
+    insert = store.INSERT_CLAIM
     job = JobIdentity.schedule("bench", f"{secrets.token_hex(6)}-{i}")
     return insert.args(
         {
@@ -248,7 +248,7 @@ _ENQUEUE = (
 def insert_cost(url: str, table: str, reps: int) -> dict[str, float]:
     """Medians per new claim (lease) or enqueue (outbox), rolled back: server execution µs, WAL records,
     WAL bytes and shared buffers touched. The last three do not depend on the machine's load."""
-    insert, _ = psycopg_claim_sql()
+    insert = store.INSERT_CLAIM
     samples: dict[str, list[float]] = {"us": [], "wal records": [], "wal bytes": [], "buffers": []}
     with psycopg.connect(dsn(url)) as conn:
         conn.execute(f"TRUNCATE {table}")

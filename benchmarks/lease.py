@@ -63,8 +63,9 @@ from benchmarks.harness import (
 )
 from benchmarks.report import checkpoint, dsn
 from dagster_joblease.identity import JobIdentity
-from dagster_joblease.lease import LeaseService, psycopg_claim_sql
+from dagster_joblease.lease import LeaseService
 from dagster_joblease.storage import create_engine, migrate
+from dagster_joblease.storage import leases as store
 
 DEFAULT_URL = "postgresql+psycopg://postgres@127.0.0.1:5432/postgres"
 HELD_KEYS = 100
@@ -254,7 +255,7 @@ def _explain_ms(url: str, sql: str, args: Callable[[JobIdentity], Any], reps: in
 
 def server_ms(url: str, reps: int = 60) -> float:
     """The library's claim of a new key, as :func:`_explain_ms` measures it."""
-    insert, _ = psycopg_claim_sql()
+    insert = store.INSERT_CLAIM
 
     def args(job: JobIdentity) -> Any:
         return insert.args(

@@ -46,7 +46,6 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import functools
 import json
 import logging
 import secrets
@@ -56,17 +55,13 @@ from datetime import datetime
 from typing import Any
 
 import sqlalchemy as sa
-from sqlalchemy.dialects import postgresql, sqlite
-from sqlalchemy.sql import visitors
 
 from dagster_joblease import errors, identity, options
 from dagster_joblease import lease as _lease
 from dagster_joblease.lease import Lease, LeaseService, LeaseStatus, NotAcquiredReason
-from dagster_joblease.storage import rowset
-from dagster_joblease.storage.clock import db_now, db_now_plus_ms, ms_until
+from dagster_joblease.storage import driver, rowset
+from dagster_joblease.storage import leases as store
 from dagster_joblease.storage.engine import translate_errors
-from dagster_joblease.storage.rowset import bind_rows, rows_source
-from dagster_joblease.storage.schema import lease_table
 
 __all__ = [
     "MAX_BATCH_KEYS",
@@ -92,8 +87,6 @@ MAX_BATCH_KEYS = rowset.MAX_ROWS
 STATEMENT_KEYS = rowset.ROWS_PER_STATEMENT
 #: Claim rounds per key: a row purged (or a lease lost in a race) between two statements is tried again.
 _CLAIM_ROUNDS = _lease.CLAIM_ROUNDS
-
-_t = lease_table
 
 
 # -- results -------------------------------------------------------------------------------------------
@@ -266,250 +259,6 @@ def _chunks(items: Sequence[Any]) -> Iterator[Sequence[Any]]:
         yield items[start : start + STATEMENT_KEYS]
 
 
-# -- statements ---------------------------------------------------------------------------------------
-
-
-_CLAIM_COLUMNS = (
-    ("lock_key", sa.String()),
-    ("job_type", sa.String()),
-    ("code", sa.String()),
-    ("run_key", sa.String()),
-    ("owner_token", sa.String()),
-)
-_CLAIM_NAMES = tuple(name for name, _ in _CLAIM_COLUMNS)
-
-
-def _per_key(expression: Any, source: Any) -> Any:
-    """``expression`` with the single claim's per-key parameters (``p_lock_key`` …) replaced by the
-    columns of ``source``: the batch claim writes exactly the values :func:`_lease._claim_values` writes."""
-
-    def replace(element: Any) -> Any:
-        if isinstance(element, sa.BindParameter) and element.key.startswith("p_"):
-            name = element.key[2:]
-            if name in _CLAIM_NAMES:
-                return source.c[name]
-        return None
-
-    return visitors.replacement_traverse(expression, {}, replace)  # type: ignore[call-overload]
-
-
-def _call_params(length: int, heartbeat_ms: int, label: str) -> dict[str, Any]:
-    """The single claim's parameters that are the same for every key of a batch."""
-    return {"p_lease_ms": length, "p_heartbeat_ms": heartbeat_ms, "p_holder": label}
-
-
-@functools.cache
-def _insert_statement(dialect_name: str) -> Any:
-    """``INSERT … SELECT <the single claim's values> FROM <keys> ORDER BY lock_key ON CONFLICT (lock_key)
-    DO NOTHING RETURNING lock_key, id, attempt, expires_at, last_error``: the keys never claimed."""
-    source = rows_source(dialect_name, _CLAIM_COLUMNS, joined=False)
-    values = _lease._claim_values(sa.bindparam("p_lease_ms", type_=sa.BigInteger()), _lease._HEARTBEAT_MS)
-    rows = (
-        sa.select(*(_per_key(expr, source).label(name) for name, expr in values.items()))
-        .select_from(source)
-        .where(sa.true())  # SQLite: INSERT … SELECT … ON CONFLICT needs a WHERE to parse
-        .order_by(source.c.lock_key)
-    )
-    insert = (postgresql.insert if dialect_name == "postgresql" else sqlite.insert)(_t)
-    return (
-        insert.from_select(list(values), rows)
-        .on_conflict_do_nothing(index_elements=[_t.c.lock_key])
-        .returning(_t.c.lock_key, *_lease._RETURNED)
-    )
-
-
-# PostgreSQL statements find rows with plans that stay linear whatever the planner's row estimates say
-# (a range claimed into a fresh table has stale statistics, and a nested loop over a misestimated join,
-# or a sequential scan testing `= ANY(array)` on every row, is quadratic): each key is looked up by a
-# LATERAL index lookup driven by the key array (which Python sends sorted by lock key, so rows are
-# locked in that order), and the update then reaches the locked rows by their ctid (a TID scan; a row
-# this statement has locked cannot move).
-
-
-def _filter_only(condition: Any) -> Any:
-    """``(condition) IS TRUE``: the same test, but one the planner cannot answer from an index. With
-    stale statistics it would otherwise pick the status index (guessed one row) over the key lookup and
-    scan every row of that status once per key."""
-    return sa.cast(condition, sa.Boolean()).is_(sa.true())
-
-
-class _Tid(sa.types.UserDefinedType[Any]):
-    """PostgreSQL's ``tid`` (a row version's physical address, the ``ctid`` system column)."""
-
-    cache_ok = True
-
-    def get_col_spec(self, **kw: Any) -> str:
-        return "TID"
-
-
-_CTID_COLUMN: Any = sa.literal_column("joblease_lease.ctid", _Tid())
-_CTID: Any = _CTID_COLUMN.label("row_ctid")
-
-
-def _looked_up(source: Any, match: Any, columns: Sequence[Any], *conditions: Any, lock: bool) -> Any:
-    """PostgreSQL: ``columns`` of the lease row of each row of ``source`` (``match``: the index lookup,
-    e.g. ``lock_key = k.lock_key``) that meets ``conditions``, found by a LATERAL lookup per key, in the
-    order of ``source``; locked ``FOR UPDATE`` when ``lock``."""
-    found = sa.select(*columns).where(match, *(_filter_only(c) for c in conditions))
-    if lock:
-        found = found.with_for_update()
-    row = found.lateral("l")
-    return sa.select(*(row.c[c.name] for c in columns)).select_from(source.join(row, sa.true()))
-
-
-def _locked_rows(locked: Any) -> Any:
-    """``ctid = ANY((SELECT array_agg(row_ctid) FROM locked))``: the rows the CTE ``locked`` locked."""
-    ctids = sa.select(sa.func.array_agg(locked.c.row_ctid)).scalar_subquery()
-    return _CTID_COLUMN == sa.any_(sa.cast(ctids, postgresql.ARRAY(_Tid())))
-
-
-#: A new owner token made by the database (PostgreSQL reclaims): 32 hex digits like secrets.token_hex(16).
-_SERVER_TOKEN = sa.literal_column("replace(CAST(gen_random_uuid() AS TEXT), '-', '')", sa.String())
-
-
-@functools.cache
-def _reclaim_statement(dialect_name: str) -> Any:
-    """Reclaim the ``FAIL`` and expired ``RUNNING`` rows of the keys, ``RETURNING lock_key, id, attempt,
-    expires_at, last_error, owner_token``. On PostgreSQL the rows are locked first in lock-key order
-    (``SELECT … WHERE lock_key = ANY(…) ORDER BY lock_key FOR UPDATE``), and READ COMMITTED re-checks
-    the reclaim condition on the newest version of each locked row, so two reclaimers get one winner per
-    key and never deadlock; the new owner tokens are made by the database (``gen_random_uuid``), so the
-    update needs no join back to the keys. SQLite (one writer at a time) takes the caller's tokens."""
-    holder = sa.bindparam("p_holder", type_=sa.String())
-    lease_ms = sa.bindparam("p_lease_ms", type_=sa.BigInteger())
-    returning = (_t.c.lock_key, *_lease._RETURNED, _t.c.owner_token)
-    if dialect_name == "postgresql":
-        keys = rows_source(dialect_name, (("lock_key", sa.String()),))
-        locked = (
-            _looked_up(keys, _t.c.lock_key == keys.c.lock_key, [_CTID], _lease._reclaimable(), lock=True)
-            .cte("locked")
-            .prefix_with("MATERIALIZED")
-        )
-        return (
-            sa.update(_t)
-            .where(_locked_rows(locked), _filter_only(_lease._reclaimable()))
-            .values(**_lease._reclaim_values(_SERVER_TOKEN, holder, lease_ms, _lease._HEARTBEAT_MS))
-            .returning(*returning)
-        )
-    source = rows_source(dialect_name, (("lock_key", sa.String()), ("owner_token", sa.String())))
-    return (
-        sa.update(_t)
-        .where(_t.c.lock_key == source.c.lock_key, _lease._reclaimable())
-        .values(**_lease._reclaim_values(source.c.owner_token, holder, lease_ms, _lease._HEARTBEAT_MS))
-        .returning(*returning)
-    )
-
-
-@functools.cache
-def _report_statement(dialect_name: str) -> Any:
-    """The rows of keys neither inserted nor reclaimed: status, holder, attempt, expiry, heartbeat age,
-    and whether the row is reclaimable now (then the claim lost a race and tries it again)."""
-    columns = [
-        _t.c.lock_key,
-        _t.c.status,
-        _t.c.holder,
-        _t.c.attempt,
-        _t.c.expires_at,
-        (-ms_until(_t.c.heartbeat_at)).label("heartbeat_age_ms"),
-        sa.case((_lease._reclaimable(), sa.true()), else_=sa.false()).label("reclaimable"),
-    ]
-    source = rows_source(dialect_name, (("lock_key", sa.String()),))
-    if dialect_name == "postgresql":
-        return _looked_up(source, _t.c.lock_key == source.c.lock_key, columns, lock=False)
-    return sa.select(*columns).select_from(_t.join(source, _t.c.lock_key == source.c.lock_key))
-
-
-_LEASE_COLUMNS = (("id", sa.BigInteger()), ("owner_token", sa.String()))
-
-
-def _held_rows(columns: Sequence[Any], *conditions: Any) -> Any:
-    """PostgreSQL: ``columns`` of the set's rows whose id and owner token match and that meet
-    ``conditions``, each found by its primary key and locked ``FOR UPDATE``, in lock-key order."""
-    source = rows_source("postgresql", _LEASE_COLUMNS)
-    match = sa.and_(_t.c.id == source.c.id, _t.c.owner_token == source.c.owner_token)
-    return _looked_up(source, match, columns, *conditions, lock=True)
-
-
-@functools.cache
-def _fenced_update_statement(dialect_name: str, action: str) -> Any:
-    """One fenced write over a set: the rows whose id and owner token match and that are still
-    ``RUNNING`` get ``action``'s values, ``RETURNING lock_key, expires_at``. On PostgreSQL they are
-    locked in lock-key order first, as a claim locks them, so a set write and a claim cannot deadlock."""
-    running = _t.c.status == _lease._RUNNING
-    update = sa.update(_t).values(**_WRITE_VALUES[action]()).returning(_t.c.lock_key, _t.c.expires_at)
-    if dialect_name == "postgresql":
-        locked = _held_rows([_CTID], running).cte("locked").prefix_with("MATERIALIZED")
-        return update.where(_locked_rows(locked))  # locked there, and checked RUNNING under the lock
-    source = rows_source(dialect_name, _LEASE_COLUMNS)
-    return update.where(_t.c.id == source.c.id, _t.c.owner_token == source.c.owner_token, running)
-
-
-def _heartbeat_values() -> dict[str, Any]:
-    return {"heartbeat_at": db_now(), "expires_at": db_now_plus_ms(_t.c.lease_ms)}
-
-
-#: The result column's type, binding None as SQL NULL (not the JSON literal null).
-_RESULT = sa.JSON(none_as_null=True).with_variant(postgresql.JSONB(none_as_null=True), "postgresql")
-
-
-def _complete_values() -> dict[str, Any]:
-    return {
-        "status": _lease._SUCCESS,
-        "finished_at": db_now(),
-        "result": sa.bindparam("w_result", type_=_RESULT),
-        "last_error": sa.null(),
-    }
-
-
-def _finish_values() -> dict[str, Any]:
-    return {
-        "status": _lease._FAIL,
-        "finished_at": db_now(),
-        "last_error": sa.bindparam("w_error", type_=sa.Text()),
-    }
-
-
-_WRITE_VALUES = {
-    "heartbeat": _heartbeat_values,
-    "complete": _complete_values,
-    "fail": _finish_values,
-    "release": _finish_values,
-}
-
-
-@functools.cache
-def _held_statement(dialect_name: str) -> Any:
-    """The lock keys of the set's rows still held (id, owner token, ``RUNNING``, not expired on the
-    database clock), locked ``FOR UPDATE`` in lock-key order on PostgreSQL until the transaction ends."""
-    held = (_t.c.status == _lease._RUNNING, _t.c.expires_at > db_now())
-    if dialect_name == "postgresql":
-        return _held_rows([_t.c.lock_key], *held)
-    source = rows_source(dialect_name, _LEASE_COLUMNS)
-    return (
-        sa.select(_t.c.lock_key)
-        .select_from(
-            _t.join(source, sa.and_(_t.c.id == source.c.id, _t.c.owner_token == source.c.owner_token))
-        )
-        .where(*held)
-    )
-
-
-# -- connections ---------------------------------------------------------------------------------------
-
-
-@contextlib.contextmanager
-def _statements(engine: sa.Engine, action: str) -> Iterator[sa.Connection]:
-    """PostgreSQL: an autocommit connection (each statement atomic on its own, one round trip each).
-    SQLite: one ``BEGIN IMMEDIATE`` transaction for the whole call (it holds the write lock)."""
-    with translate_errors(action):
-        if engine.dialect.name == "postgresql":
-            with engine.connect() as conn:
-                yield conn.execution_options(isolation_level="AUTOCOMMIT")
-        else:
-            with engine.begin() as conn:
-                yield conn
-
-
 # -- claim ---------------------------------------------------------------------------------------------
 
 
@@ -558,13 +307,12 @@ def claim_many(
     tokens = {job.idempotency_key: secrets.token_hex(16) for job in jobs}
     ordered = sorted(jobs, key=lambda job: job.idempotency_key)
     found: dict[str, KeyClaim] = {}
-    dialect = service.engine.dialect.name
-    call = _call_params(length, timing.heartbeat_ms, label)
-    with _statements(service.engine, "claim a batch of leases") as conn:
+    call = {"p_lease_ms": length, "p_heartbeat_ms": timing.heartbeat_ms, "p_holder": label}
+    with driver.statements(service.engine, "claim a batch of leases") as db:
         for chunk in _chunks(ordered):
             pending = list(chunk)
             for _ in range(_CLAIM_ROUNDS):
-                pending = _claim_round(conn, dialect, pending, tokens, call, length, label, found)
+                pending = _claim_round(db, pending, tokens, call, length, label, found)
                 if not pending:
                     break
             for job in pending:
@@ -587,8 +335,7 @@ def claim_many(
 
 
 def _claim_round(
-    conn: sa.Connection,
-    dialect: str,
+    db: driver.Statements,
     jobs: list[identity.JobIdentity],
     tokens: dict[str, str],
     call: dict[str, Any],
@@ -624,24 +371,18 @@ def _claim_round(
         )
 
     rows = [(j.idempotency_key, j.type.value, j.code, j.run_key, tokens[j.idempotency_key]) for j in jobs]
-    inserted = conn.execute(_insert_statement(dialect), {**call, **bind_rows(dialect, _CLAIM_NAMES, rows)})
-    for row in inserted:
+    for row in store.claim_new_many(db, rows, call):
         won(row)
-    met = [r for r in rows if r[0] not in found]
+    met = [r[0] for r in rows if r[0] not in found]
     if not met:
         return []
-    if dialect == "postgresql":  # the database makes the reclaim's tokens
-        keyed = bind_rows(dialect, ("lock_key",), [(r[0],) for r in met])
-    else:
-        keyed = bind_rows(dialect, ("lock_key", "owner_token"), [(r[0], r[4]) for r in met])
-    for row in conn.execute(_reclaim_statement(dialect), {**call, **keyed}):
+    for row in store.reclaim_many(db, met, tokens, call):
         won(row)
-    rest = [r[0] for r in met if r[0] not in found]
+    rest = [key for key in met if key not in found]
     if not rest:
         return []
     again: set[str] = set(rest)
-    report = conn.execute(_report_statement(dialect), bind_rows(dialect, ("lock_key",), [(k,) for k in rest]))
-    for key, status, row_holder, attempt, expires_at, age, reclaimable in report:
+    for key, status, row_holder, attempt, expires_at, age, reclaimable in store.report_many(db, rest):
         if reclaimable:
             continue  # reclaimable again already (its winner failed it): another round claims it
         again.discard(key)
@@ -666,17 +407,13 @@ def _write(service: LeaseService, leases: Iterable[Lease], action: str, params: 
     items = _check_leases(leases)
     if not items:
         return BatchWrite(action=action, held=(), lost=())
-    dialect = service.engine.dialect.name
     ordered = sorted(items, key=lambda x: x.idempotency_key)
     written: dict[str, datetime] = {}
-    with _statements(service.engine, f"{action} a batch of leases") as conn:
+    statement = "fail" if action == "release" else action
+    with driver.statements(service.engine, f"{action} a batch of leases") as db:
         for chunk in _chunks(ordered):
             rows = [(x.id, x.owner_token) for x in chunk]
-            result = conn.execute(
-                _fenced_update_statement(dialect, action),
-                {**params, **bind_rows(dialect, ("id", "owner_token"), rows)},
-            )
-            written.update({key: expires_at for key, expires_at in result})
+            written.update(dict(store.write_many(db, statement, rows, params)))
     held = tuple(x for x in items if x.idempotency_key in written)
     lost = tuple(x for x in items if x.idempotency_key not in written)
     for x in lost:
@@ -758,17 +495,12 @@ def assert_held_many(connection: sa.Connection, leases: Sequence[Lease]) -> None
     naming the first such key (in key order) and listing all of them; nothing is marked or failed here.
     """
     items = _check_leases(leases, empty=_NOTHING_TO_FENCE)
-    dialect = connection.dialect.name
     ordered = sorted(items, key=lambda x: x.idempotency_key)
     held: set[str] = set()
+    db = driver.sqlalchemy_statements(connection)
     with translate_errors("check a batch of leases"):
         for chunk in _chunks(ordered):
-            rows = [(x.id, x.owner_token) for x in chunk]
-            held.update(
-                connection.execute(
-                    _held_statement(dialect), bind_rows(dialect, ("id", "owner_token"), rows)
-                ).scalars()
-            )
+            held.update(store.held_many(db, [(x.id, x.owner_token) for x in chunk]))
     lost = [x for x in ordered if x.idempotency_key not in held]
     if lost:
         raise errors.LostBatchLeaseError(

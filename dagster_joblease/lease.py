@@ -25,14 +25,10 @@ from datetime import datetime
 from typing import Any, Generic, TypeVar
 
 import sqlalchemy as sa
-from sqlalchemy.dialects import postgresql, sqlite
-from sqlalchemy.dialects.postgresql import psycopg as psycopg_dialect
 
 from dagster_joblease import errors, identity, options
-from dagster_joblease.storage.autocommit import AutocommitConnections, autocommit_connections
-from dagster_joblease.storage.clock import db_now, db_now_plus_ms, ms_until
-from dagster_joblease.storage.engine import fork_safe, is_psycopg, translate_errors
-from dagster_joblease.storage.schema import lease_table
+from dagster_joblease.storage import driver, leases
+from dagster_joblease.storage.engine import fork_safe, translate_errors
 
 __all__ = [
     "AcquireResult",
@@ -204,237 +200,15 @@ _REASONS = {
     LeaseStatus.RUNNING.value: NotAcquiredReason.HELD,
 }
 
-_RECLAIM_NOTE = " expired without finishing (worker died or stalled)"
-
-
-def _text(value: str) -> Any:
-    """A constant written into the SQL rather than bound: the claim sends only what varies per call."""
-    assert "'" not in value
-    return sa.literal_column(f"'{value}'", sa.String())
-
-
-_RUNNING, _FAIL, _SUCCESS = (
-    _text(s.value) for s in (LeaseStatus.RUNNING, LeaseStatus.FAIL, LeaseStatus.SUCCESS)
-)
-_ONE = sa.literal_column("1", sa.Integer())
-
-
-def _claim_values(lease_ms: Any, heartbeat_ms: Any) -> dict[str, Any]:
-    """Column → value of a fresh claim (attempt 1), all times from the database clock.
-
-    The holder's own timing goes on the row (``lease_ms``, ``heartbeat_ms``): whoever judges the holder
-    later measures it against these, not its own settings (see :mod:`dagster_joblease.staleness`).
-    """
-    return {
-        "lock_key": sa.bindparam("p_lock_key", type_=sa.String()),
-        "job_type": sa.bindparam("p_job_type", type_=sa.String()),
-        "code": sa.bindparam("p_code", type_=sa.String()),
-        "run_key": sa.bindparam("p_run_key", type_=sa.String()),
-        "status": _RUNNING,
-        "owner_token": sa.bindparam("p_owner_token", type_=sa.String()),
-        "attempt": _ONE,
-        "lease_ms": lease_ms,
-        "heartbeat_ms": heartbeat_ms,
-        "holder": sa.bindparam("p_holder", type_=sa.String()),
-        "created_at": db_now(),
-        "acquired_at": db_now(),
-        "heartbeat_at": db_now(),
-        "expires_at": db_now_plus_ms(lease_ms),
-    }
-
-
-def _reclaim_values(owner_token: Any, holder: Any, lease_ms: Any, heartbeat_ms: Any) -> dict[str, Any]:
-    """Column → value of a reclaim: a new token, the next attempt, fresh times from the database clock."""
-    t = lease_table
-    return {
-        "status": _RUNNING,
-        "owner_token": owner_token,
-        "attempt": t.c.attempt + _ONE,
-        "lease_ms": lease_ms,
-        "heartbeat_ms": heartbeat_ms,
-        "holder": holder,
-        "acquired_at": db_now(),
-        "heartbeat_at": db_now(),
-        "expires_at": db_now_plus_ms(lease_ms),
-        "finished_at": sa.null(),
-        "result": sa.null(),  # SQL NULL, not the JSON literal null that None would become
-        # Keep the previous attempt's error; say so when it simply stopped heartbeating.
-        "last_error": sa.case(
-            (
-                t.c.status == _RUNNING,
-                _text("attempt ") + sa.cast(t.c.attempt, sa.String) + _text(_RECLAIM_NOTE),
-            ),
-            else_=t.c.last_error,
-        ),
-    }
-
-
-def _reclaimable() -> Any:
-    """A FAIL row, or a RUNNING row whose lease has expired on the database clock."""
-    t = lease_table
-    return sa.or_(t.c.status == _FAIL, sa.and_(t.c.status == _RUNNING, t.c.expires_at < db_now()))
-
-
-_HEARTBEAT_MS = sa.bindparam("p_heartbeat_ms", type_=sa.BigInteger())
-_RETURNED = (lease_table.c.id, lease_table.c.attempt, lease_table.c.expires_at, lease_table.c.last_error)
-#: What a fresh insert returns: its attempt is 1 and it has no previous error, so only these vary.
-_INSERTED = (lease_table.c.id, lease_table.c.expires_at)
-
-
-@functools.cache
-def acquire_statement(dialect_name: str) -> Any:
-    """The one-statement claim, built once per dialect (SQLAlchemy then reuses its compiled form).
-
-    ``INSERT … ON CONFLICT (lock_key) DO UPDATE … WHERE status = 'FAIL' OR (status = 'RUNNING' AND
-    expires_at < db now) RETURNING …``, with bound parameters ``p_lock_key``, ``p_job_type``, ``p_code``,
-    ``p_run_key``, ``p_owner_token``, ``p_lease_ms``, ``p_heartbeat_ms`` and ``p_holder``. SQLite (and
-    PostgreSQL without psycopg) claims with it; PostgreSQL with psycopg uses :func:`insert_claim_statement`
-    first.
-    """
-    t = lease_table
-    insert = (postgresql.insert if dialect_name == "postgresql" else sqlite.insert)(t)
-    lease_ms = sa.bindparam("p_lease_ms", type_=sa.BigInteger())
-    stmt = insert.values(**_claim_values(lease_ms, _HEARTBEAT_MS))
-    update = stmt.on_conflict_do_update(
-        index_elements=[t.c.lock_key],
-        set_=_reclaim_values(stmt.excluded.owner_token, stmt.excluded.holder, lease_ms, _HEARTBEAT_MS),
-        where=_reclaimable(),
-    )
-    return update.returning(*_RETURNED)
-
-
-@functools.cache
-def insert_claim_statement() -> Any:
-    """PostgreSQL, first step of a claim: ``INSERT … ON CONFLICT (lock_key) DO NOTHING RETURNING id,
-    expires_at`` (a row it returns is a new one: attempt 1, no previous error).
-
-    A run claimed for the first time (the common case: every partition, every tick) costs what a bare
-    insert costs: no read before it and no row lock, and a conflict is found through the unique index
-    without taking a transaction id. Measured against one statement that also reclaims or reports on a
-    conflict (a data-modifying CTE, or a PL/pgSQL function), this is 5-15% faster on a first claim;
-    a conflict then costs a second round trip (:func:`reclaim_or_status_statement`), and stays cheaper
-    than the bare ``ON CONFLICT DO UPDATE`` that locks the row even to refuse it.
-    """
-    t = lease_table
-    lease_ms = sa.bindparam("p_lease_ms", type_=sa.BigInteger())
-    insert = postgresql.insert(t).values(**_claim_values(lease_ms, _HEARTBEAT_MS))
-    return insert.on_conflict_do_nothing(index_elements=[t.c.lock_key]).returning(*_INSERTED)
-
-
-@functools.cache
-def reclaim_or_status_statement() -> Any:
-    """PostgreSQL, second step of a claim whose insert met an existing row: reclaim it if it is
-    reclaimable, else report its status, in one statement.
-
-    ``UPDATE … WHERE lock_key = … AND <reclaimable>`` re-checks the row under its lock (READ COMMITTED
-    re-evaluates the condition on the newest version), so two reclaimers still get exactly one winner.
-    A refusal is a plain read: no row lock, no transaction id, no commit flush. Rows: a win returns
-    ``(id, attempt, expires_at, last_error, NULL)``; a refusal returns ``(NULL, …, status)``, only for a
-    row that is not reclaimable (a live holder, a success). No row means the row changed between the
-    statements: it was deleted (purged) after the insert saw it, or the reclaim found it gone or taken
-    while the statement's snapshot still shows it reclaimable (a purge's DELETE held its lock, then
-    committed): the caller claims again (see :data:`CLAIM_ROUNDS`) rather than report a refusal that
-    names nobody.
-    """
-    t = lease_table
-    lease_ms = sa.bindparam("p_lease_ms", type_=sa.BigInteger())
-    key = sa.bindparam("p_lock_key", type_=sa.String())
-    values = _reclaim_values(
-        sa.bindparam("p_owner_token", type_=sa.String()),
-        sa.bindparam("p_holder", type_=sa.String()),
-        lease_ms,
-        _HEARTBEAT_MS,
-    )
-    reclaimed = (
-        sa.update(t).where(t.c.lock_key == key, _reclaimable()).values(**values).returning(*_RETURNED)
-    ).cte("reclaimed")
-    won = sa.select(
-        reclaimed.c.id,
-        reclaimed.c.attempt,
-        reclaimed.c.expires_at,
-        reclaimed.c.last_error,
-        sa.cast(sa.null(), sa.String()).label("status"),
-    )
-    refused = sa.select(
-        sa.cast(sa.null(), sa.BigInteger()),
-        sa.cast(sa.null(), sa.Integer()),
-        sa.cast(sa.null(), sa.DateTime(timezone=True)),
-        sa.cast(sa.null(), sa.Text()),
-        t.c.status,
-    ).where(t.c.lock_key == key, ~_reclaimable(), ~sa.exists(sa.select(reclaimed.c.id)))
-    return sa.union_all(won, refused)
-
-
-#: The status of a row that refuses a claim (a live holder or a success); nothing for a reclaimable row.
-_STATUS_OF = sa.select(lease_table.c.status).where(
-    lease_table.c.lock_key == sa.bindparam("p_lock_key"), ~_reclaimable()
-)
-
 #: How many lock keys a service remembers having met an existing row for (then it forgets them all and
 #: starts again): its next claim of such a key sends the reclaim-or-status statement first, so a repeated
 #: refusal, or the reclaim of a run that failed, is one round trip instead of two (and burns no id of the
 #: sequence). Only keys whose claim met a row go in: new keys, the common case, never evict them.
 KNOWN_KEYS = 4096
 
-#: How many times a claim starts again when the row changed between its statements (a purge deleted
-#: it; the reclaim waited on a purge's lock and then found it gone). Each round is a new statement with a
-#: new snapshot; only churn on one key that outlasts every round ends in ``CONTENDED``.
-CLAIM_ROUNDS = 5
-
-
-#: The positional parameters of the two claim statements as SQLAlchemy compiles them for psycopg:
-#: :meth:`LeaseService._claim_psycopg` builds its argument tuples in this order.
-_INSERT_ORDER = (
-    "p_lock_key",
-    "p_job_type",
-    "p_code",
-    "p_run_key",
-    "p_owner_token",
-    "p_lease_ms",
-    "p_heartbeat_ms",
-    "p_holder",
-    "p_lease_ms",
-)
-_RECLAIM_ORDER = (
-    "p_owner_token",
-    "p_lease_ms",
-    "p_heartbeat_ms",
-    "p_holder",
-    "p_lease_ms",
-    "p_lock_key",
-    "p_lock_key",
-)
-
-
-@dataclasses.dataclass(frozen=True)
-class _CompiledClaim:
-    """A claim statement compiled for psycopg with positional ``%s`` parameters, and their order."""
-
-    sql: str
-    order: tuple[str, ...]
-
-    def args(self, params: dict[str, Any]) -> tuple[Any, ...]:
-        return tuple([params[name] for name in self.order])
-
-
-@functools.cache
-def psycopg_claim_sql() -> tuple[_CompiledClaim, _CompiledClaim]:
-    """:func:`insert_claim_statement` and :func:`reclaim_or_status_statement`, compiled once for psycopg.
-
-    Compiled for a fresh psycopg dialect rather than each engine's, so engines built per run or per
-    sensor tick do not each add a cache entry; positional parameters spare psycopg a mapping per call.
-    """
-    dialect = psycopg_dialect.dialect(paramstyle="format")  # type: ignore[no-untyped-call]
-    compiled = []
-    for statement, order in (
-        (insert_claim_statement(), _INSERT_ORDER),
-        (reclaim_or_status_statement(), _RECLAIM_ORDER),
-    ):
-        form = statement.compile(dialect=dialect)
-        if tuple(form.positiontup or ()) != order:
-            raise RuntimeError(f"claim SQL parameters {form.positiontup} are not in the order {order}")
-        compiled.append(_CompiledClaim(str(form), order))
-    return compiled[0], compiled[1]
+#: How many times a claim starts again when the row changed between its statements (see
+#: :data:`dagster_joblease.storage.leases.CLAIM_ROUNDS`).
+CLAIM_ROUNDS = leases.CLAIM_ROUNDS
 
 
 # -- run_exclusive: the outcome and the heartbeat thread ---------------------------------------------
@@ -526,25 +300,6 @@ class LeaseService:
         self.holder = None if holder is None else validate_holder(holder)
         #: Lock keys whose row this service has met (see :data:`KNOWN_KEYS`).
         self._known: set[str] = set()
-        #: The engine claims last went to and its autocommit connections (None: not psycopg), looked up
-        #: once per engine rather than per claim (the same object for the engine's lifetime: a dispose or
-        #: a fork empties it in place).
-        self._claim_path: tuple[sa.Engine, AutocommitConnections | None] | None = None
-
-    @contextlib.contextmanager
-    def _one_statement(self, action: str) -> Iterator[sa.Connection]:
-        """A connection for self-contained statements (each one atomic on its own).
-
-        On PostgreSQL they run in autocommit, so a claim or a heartbeat is one round trip instead of three
-        (BEGIN, statement, COMMIT). SQLite keeps its ``BEGIN IMMEDIATE`` transaction (see storage.engine).
-        """
-        with translate_errors(action):
-            if self.engine.dialect.name == "postgresql":
-                with self.engine.connect() as conn:
-                    yield conn.execution_options(isolation_level="AUTOCOMMIT")
-            else:
-                with self.engine.begin() as conn:
-                    yield conn
 
     # -- acquire -----------------------------------------------------------------------------------
 
@@ -570,18 +325,29 @@ class LeaseService:
         else:
             timing = options.resolve_timing(lease_ms, heartbeat_ms, defaults=self.timing)
         length = timing.lease_ms
-        label = validate_holder(holder) if holder is not None else self.holder or _holder()
         token = secrets.token_hex(16)
-        engine = self.engine
-        path = self._claim_path
-        if path is None or path[0] is not engine:
-            fast = is_psycopg(engine.dialect)
-            path = self._claim_path = (engine, autocommit_connections(engine) if fast else None)
-        connections = path[1]
-        if connections is not None:
-            row, current = self._claim_psycopg(connections, job, token, length, timing.heartbeat_ms, label)
-        else:
-            row, current = self._claim_generic(job, token, length, timing.heartbeat_ms, label)
+        key = job._key
+        params = {
+            "p_lock_key": key,
+            "p_job_type": job.type.value,
+            "p_code": job.code,
+            "p_run_key": job.run_key,
+            "p_owner_token": token,
+            "p_lease_ms": length,
+            "p_heartbeat_ms": timing.heartbeat_ms,
+            "p_holder": validate_holder(holder) if holder is not None else self.holder or _holder(),
+        }
+        known = self._known
+        hinted = key in known
+        with driver.statements(self.engine, "acquire a lease") as db:
+            row, current, met = leases.claim(db, params, hinted=hinted)
+        if met != hinted:
+            if hinted:
+                known.discard(key)  # the row had gone
+            else:
+                if len(known) >= KNOWN_KEYS:
+                    known.clear()
+                known.add(key)  # the next claim of this key will likely meet this row again
         if row is None:
             reason = _REASONS.get(current or "", NotAcquiredReason.CONTENDED)
             if logger.isEnabledFor(logging.INFO):
@@ -602,120 +368,6 @@ class LeaseService:
                 extra={"action": "lease_reclaimed" if attempt > 1 else "lease_acquired"},
             )
         return AcquireResult._won(lease)
-
-    def _claim_generic(
-        self, job: identity.JobIdentity, token: str, lease_ms: int, heartbeat_ms: int, holder: str
-    ) -> tuple[Any, str | None]:
-        """The claim through SQLAlchemy (SQLite; PostgreSQL on another driver): :func:`acquire_statement`,
-        then the status of a row it could not claim."""
-        params = {
-            "p_lock_key": job.idempotency_key,
-            "p_job_type": job.type.value,
-            "p_code": job.code,
-            "p_run_key": job.run_key,
-            "p_owner_token": token,
-            "p_lease_ms": lease_ms,
-            "p_heartbeat_ms": heartbeat_ms,
-            "p_holder": holder,
-        }
-        current: str | None = None
-        with self._one_statement("acquire a lease") as conn:
-            for _ in range(CLAIM_ROUNDS):
-                row = conn.execute(acquire_statement(conn.dialect.name), params).first()
-                if row is not None:
-                    return row, None
-                current = conn.execute(_STATUS_OF, {"p_lock_key": job.idempotency_key}).scalar_one_or_none()
-                if current is not None:
-                    break  # a live holder or a success: the refusal names it
-        return None, current
-
-    def _claim_psycopg(
-        self,
-        connections: AutocommitConnections,
-        job: identity.JobIdentity,
-        token: str,
-        lease_ms: int,
-        heartbeat_ms: int,
-        holder: str,
-    ) -> tuple[Any, str | None]:
-        """The claim on PostgreSQL with psycopg: prepared statements on an autocommit driver connection.
-
-        Claims are the hot path (every worker, every tick, every partition), so they skip SQLAlchemy's
-        per-execution and pool work (see :mod:`dagster_joblease.storage.autocommit`); the SQL is what
-        SQLAlchemy compiles from :func:`insert_claim_statement` and :func:`reclaim_or_status_statement`.
-        A first claim is one round trip; a claim that meets an existing row is two, or one when this
-        service has met the key's row before (see :data:`KNOWN_KEYS`): then the reclaim-or-status
-        statement goes first and the insert follows only if the row has gone. Either order is the same
-        protocol (each statement is atomic and one winner per key holds for both), so a stale hint only
-        costs the round trip it tried to save. Returns the claimed row (or None) and, when refused, the
-        row's status (None: the row kept changing for :data:`CLAIM_ROUNDS` rounds).
-
-        The per-call work around the two statements is spelled out (no context managers, positional
-        argument tuples built in place): it was a third of the claim's client CPU.
-        """
-        insert, reclaim = psycopg_claim_sql()
-        engine = self.engine
-        try:
-            handle = connections.acquire(engine)
-        except BaseException:
-            with translate_errors("acquire a lease"):
-                raise
-        key = job._key
-        known = self._known
-        won: Any = None
-        status: str | None = None
-        met = False
-        try:
-            cursor = handle.cursor
-            exists = hinted = key in known
-            for _ in range(CLAIM_ROUNDS):  # again only if the row changed between the two statements
-                if not exists:
-                    # The order of _INSERT_ORDER, then of _RECLAIM_ORDER (checked when compiled).
-                    cursor.execute(
-                        insert.sql,
-                        (
-                            key,
-                            job.type.value,
-                            job.code,
-                            job.run_key,
-                            token,
-                            lease_ms,
-                            heartbeat_ms,
-                            holder,
-                            lease_ms,
-                        ),
-                        prepare=True,
-                    )
-                    inserted = cursor.fetchone()
-                    if inserted is not None:
-                        won = (inserted[0], 1, inserted[1], None)
-                        break  # a first claim: the common case, one round trip
-                second = handle.second_cursor
-                second.execute(
-                    reclaim.sql, (token, lease_ms, heartbeat_ms, holder, lease_ms, key, key), prepare=True
-                )
-                found = second.fetchone()
-                if found is not None:
-                    met = True
-                    if found[4] is None:
-                        won = found[:4]
-                    else:
-                        status = str(found[4])
-                    break
-                exists = False  # no row under the key (purged, or gone under a purge's lock): insert
-        except BaseException:
-            connections.release(handle, discard=True)
-            with translate_errors("acquire a lease"):
-                raise
-        connections.release(handle)
-        if met != hinted:
-            if hinted:
-                known.discard(key)  # the row had gone
-            else:
-                if len(known) >= KNOWN_KEYS:
-                    known.clear()
-                known.add(key)  # the next claim of this key will likely meet this row again
-        return won, status
 
     def acquire(
         self,
@@ -757,55 +409,32 @@ class LeaseService:
                 raise errors.InvalidLeaseOptionsError(
                     name, value, "must be a positive int (the attempt read from the row; milliseconds)"
                 )
-        t = lease_table
-        conditions = [
-            t.c.lock_key == job.idempotency_key,
-            t.c.status == LeaseStatus.RUNNING.value,
-            t.c.attempt == attempt,
-            t.c.heartbeat_at < db_now_plus_ms(sa.literal(-stale_ms, sa.BigInteger())),
-        ]
-        if owner_token is not None:
-            conditions.append(t.c.owner_token == owner_token)
-        stmt = (
-            sa.update(t)
-            .where(*conditions)
-            .values(status=LeaseStatus.FAIL.value, finished_at=db_now(), last_error=bound_error(reason))
-            .returning(t.c.id)
-        )
-        with self._one_statement("fail a dead holder's lease") as conn:
-            row = conn.execute(stmt).first()
-        if row is not None:
+        with driver.statements(self.engine, "fail a dead holder's lease") as db:
+            failed = leases.fail_dead_holder(
+                db,
+                job.idempotency_key,
+                attempt=attempt,
+                owner_token=owner_token,
+                stale_ms=stale_ms,
+                error=bound_error(reason),
+            )
+        if failed is not None:
             logger.warning(
                 "lease %d for %s (attempt %d) taken from a dead holder: %s",
-                row.id,
+                failed,
                 job,
                 attempt,
                 reason,
                 extra={"action": "lease_dead_holder"},
             )
-        return row is not None
+        return failed is not None
 
     # -- fenced writes -----------------------------------------------------------------------------
 
-    def _fenced_update(self, lease: Lease, action: str, values: dict[str, Any]) -> sa.Row[Any]:
-        t = lease_table
-        stmt = (
-            sa.update(t)
-            .where(
-                t.c.id == lease.id,
-                t.c.owner_token == lease.owner_token,
-                t.c.status == LeaseStatus.RUNNING.value,
-            )
-            .values(**values)
-            .returning(t.c.expires_at)
-        )
-        with self._one_statement(f"{action} a lease") as conn:
-            row = conn.execute(stmt).first()
-        if row is None:
-            lease._lost.append(True)
-            logger.warning("lease %d lost on %s", lease.id, action, extra={"action": "lease_lost"})
-            raise lease._lost_error(action)
-        return row
+    def _lost(self, lease: Lease, action: str) -> errors.LostLeaseError:
+        lease._lost.append(True)
+        logger.warning("lease %d lost on %s", lease.id, action, extra={"action": "lease_lost"})
+        return lease._lost_error(action)
 
     def assert_held(self, connection: sa.Connection, lease: Lease) -> None:
         """Inside ``connection``'s transaction, make sure ``lease`` is still this worker's live lease.
@@ -816,18 +445,9 @@ class LeaseService:
         lease that was reclaimed, finished or expired raises :class:`LostLeaseError`, and the caller's
         transaction rolls back with it.
         """
-        t = lease_table
-        stmt = sa.select(t.c.id).where(
-            t.c.id == lease.id,
-            t.c.owner_token == lease.owner_token,
-            t.c.status == LeaseStatus.RUNNING.value,
-            t.c.expires_at > db_now(),
-        )
-        if connection.dialect.name == "postgresql":
-            stmt = stmt.with_for_update()
         with translate_errors("check a lease"):
-            row = connection.execute(stmt).first()
-        if row is None:
+            held = leases.is_held(driver.sqlalchemy_statements(connection), lease.id, lease.owner_token)
+        if not held:
             lease._lost.append(True)
             raise lease._lost_error("commit a fenced transaction under")
 
@@ -845,12 +465,10 @@ class LeaseService:
 
     def heartbeat(self, lease: Lease) -> datetime:
         """Extend the lease by its own length from the database's now; returns the new expiry."""
-        row = self._fenced_update(
-            lease,
-            "heartbeat",
-            {"heartbeat_at": db_now(), "expires_at": db_now_plus_ms(lease_table.c.lease_ms)},
-        )
-        expires_at: datetime = row.expires_at
+        with driver.statements(self.engine, "heartbeat a lease") as db:
+            expires_at: datetime | None = leases.renew(db, lease.id, lease.owner_token)
+        if expires_at is None:
+            raise self._lost(lease, "heartbeat")
         return expires_at
 
     def complete(self, lease: Lease, data: Any = None) -> None:
@@ -862,44 +480,30 @@ class LeaseService:
                 raise errors.InvalidPayloadError(
                     "result data", f"must be JSON-serializable ({exc})"
                 ) from None
-        self._fenced_update(
-            lease,
-            "complete",
-            {
-                "status": LeaseStatus.SUCCESS.value,
-                "finished_at": db_now(),
-                "result": sa.null() if data is None else data,
-                "last_error": None,
-            },
-        )
+        with driver.statements(self.engine, "complete a lease") as db:
+            done = leases.complete(db, lease.id, lease.owner_token, data)
+        if not done:
+            raise self._lost(lease, "complete")
+
+    def _finish_failed(self, lease: Lease, action: str, text: str) -> None:
+        with driver.statements(self.engine, f"{action} a lease") as db:
+            done = leases.fail(db, lease.id, lease.owner_token, bound_error(text))
+        if not done:
+            raise self._lost(lease, action)
 
     def fail(self, lease: Lease, error: str | BaseException) -> None:
         """Mark the run ``FAIL`` with bounded error text; the next acquire retries it with the same key."""
         text = error if isinstance(error, str) else f"{type(error).__name__}: {error}"
-        self._fenced_update(
-            lease,
-            "fail",
-            {"status": LeaseStatus.FAIL.value, "finished_at": db_now(), "last_error": bound_error(text)},
-        )
+        self._finish_failed(lease, "fail", text)
 
     def release(self, lease: Lease, reason: str = RELEASED_ERROR) -> None:
         """Give the run back unfinished (``FAIL``, reason: released) so a later acquire may retry it."""
-        self._fenced_update(
-            lease,
-            "release",
-            {"status": LeaseStatus.FAIL.value, "finished_at": db_now(), "last_error": bound_error(reason)},
-        )
+        self._finish_failed(lease, "release", reason)
 
     def remaining_ms(self, lease: Lease) -> int | None:
         """Milliseconds left on the database clock, or ``None`` if this lease is no longer current."""
-        t = lease_table
-        with translate_errors("read a lease"), self.engine.connect() as conn:
-            value: int | None = conn.execute(
-                sa.select(ms_until(t.c.expires_at)).where(
-                    t.c.id == lease.id, t.c.owner_token == lease.owner_token, t.c.status == "RUNNING"
-                )
-            ).scalar_one_or_none()
-        return value
+        with driver.statements(self.engine, "read a lease") as db:
+            return leases.ms_left(db, lease.id, lease.owner_token)
 
     # -- run_exclusive -----------------------------------------------------------------------------
 

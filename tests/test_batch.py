@@ -10,7 +10,6 @@ from typing import Any
 
 import pytest
 import sqlalchemy as sa
-from sqlalchemy import event
 
 from dagster_joblease import batch, errors
 from dagster_joblease.batch import (
@@ -24,8 +23,10 @@ from dagster_joblease.batch import (
 from dagster_joblease.identity import JobIdentity
 from dagster_joblease.lease import Lease, LeaseService, LeaseStatus, NotAcquiredReason
 from dagster_joblease.storage import create_engine, lease_table
+from dagster_joblease.storage import leases as store
 from dagster_joblease.storage.rowset import bind_rows
 from tests import batch_workers
+from tests.sql_watch import recorded_sql
 
 t = lease_table
 
@@ -50,16 +51,9 @@ def force_expire(engine: sa.Engine, jobs: list[JobIdentity]) -> None:
 
 
 @pytest.fixture
-def statements(engine: sa.Engine) -> Iterator[list[str]]:
-    """Every SQL statement the engine sends, in order."""
-    sent: list[str] = []
-
-    def record(conn: Any, cursor: Any, statement: str, *args: Any) -> None:
-        sent.append(statement)
-
-    event.listen(engine, "before_cursor_execute", record)
-    yield sent
-    event.remove(engine, "before_cursor_execute", record)
+def statements(engine: sa.Engine, monkeypatch: pytest.MonkeyPatch) -> Iterator[list[str]]:
+    """Every SQL statement the engine's work sends, in order."""
+    yield from recorded_sql(monkeypatch, engine)
 
 
 def _claims(sent: list[str]) -> list[str]:
@@ -597,14 +591,11 @@ def test_postgresql_statements_reach_rows_by_key_whatever_the_statistics(pg_engi
     pairs = bind_rows("postgresql", ("id", "owner_token"), [(x.id, x.owner_token) for x in leases])
     call = {"p_lease_ms": 60_000, "p_heartbeat_ms": 20_000, "p_holder": "h"}
     statements = [
-        (batch._reclaim_statement("postgresql"), {**call, **keyed}),
-        (batch._report_statement("postgresql"), keyed),
-        (batch._held_statement("postgresql"), pairs),
+        (store.RECLAIM_MANY.postgresql, {**call, **keyed}),
+        (store.REPORT_MANY.postgresql, keyed),
+        (store.HELD_MANY.postgresql, pairs),
         *(
-            (
-                batch._fenced_update_statement("postgresql", action),
-                {**pairs, "w_result": None, "w_error": "x"},
-            )
+            (store.WRITE_MANY[action].postgresql, {**pairs, "w_result": None, "w_error": "x"})
             for action in ("heartbeat", "complete", "fail")
         ),
     ]

@@ -15,6 +15,7 @@ from dagster_joblease.identity import JobIdentity
 from dagster_joblease.lease import Lease, LeaseService, NotAcquiredReason
 from dagster_joblease.storage import create_engine, lease_table
 from tests.conftest import wait_until
+from tests.sql_watch import watch_sql
 
 JOB = JobIdentity.schedule("nightly-sync", "2026-11-29")
 
@@ -144,16 +145,14 @@ def _steal(other_engine: sa.Engine, rival: LeaseService) -> Lease:
 
 
 class _HeartbeatGate:
-    """Holds the heartbeat thread's renewals at a gate (SQLAlchemy's cursor events on the holder's
-    engine), so a test decides when the holder may renew instead of racing its interval."""
+    """Holds the heartbeat thread's renewals at a gate (the statements the holder's engine sends), so a
+    test decides when the holder may renew instead of racing its interval."""
 
-    def __init__(self, engine: sa.Engine) -> None:
+    def __init__(self, engine: sa.Engine, monkeypatch: pytest.MonkeyPatch) -> None:
         self._cond = threading.Condition()
         self._open = True
         self._in_flight = 0
-        sa.event.listen(engine, "before_cursor_execute", self._before)
-        sa.event.listen(engine, "after_cursor_execute", self._after)
-        sa.event.listen(engine, "handle_error", self._on_error)
+        watch_sql(monkeypatch, engine, self._before, self._after)
 
     @staticmethod
     def _is_renewal(statement: str) -> bool:
@@ -161,20 +160,17 @@ class _HeartbeatGate:
             threading.current_thread().name.startswith("joblease-heartbeat") and "heartbeat_at" in statement
         )
 
-    def _before(self, _conn: Any, _cursor: Any, statement: str, *_args: Any) -> None:
+    def _before(self, statement: str) -> None:
         if self._is_renewal(statement):
             with self._cond:
                 assert self._cond.wait_for(lambda: self._open, timeout=60), "the gate stayed shut"
                 self._in_flight += 1
 
-    def _after(self, _conn: Any, _cursor: Any, statement: str, *_args: Any) -> None:
+    def _after(self, statement: str) -> None:
         if self._is_renewal(statement):
             with self._cond:
                 self._in_flight -= 1
                 self._cond.notify_all()
-
-    def _on_error(self, context: Any) -> None:
-        self._after(None, None, context.statement or "")
 
     def shut(self) -> None:
         """No renewal runs from now on until :meth:`open`, and none is still in flight."""
@@ -189,10 +185,14 @@ class _HeartbeatGate:
 
 
 def test_lost_lease_is_seen_at_once_and_finalization_raises(
-    service: LeaseService, rival: LeaseService, other_engine: sa.Engine, engine: sa.Engine
+    service: LeaseService,
+    rival: LeaseService,
+    other_engine: sa.Engine,
+    engine: sa.Engine,
+    monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     stolen: list[Lease] = []
-    gate = _HeartbeatGate(engine)
+    gate = _HeartbeatGate(engine, monkeypatch)
 
     def work(lease: Lease) -> str:
         assert not lease.lost

@@ -46,13 +46,15 @@ class AutocommitConnection:
     same query again, so one cursor per statement spares rebuilding them on every switch.
     """
 
-    __slots__ = ("connection", "cursor", "generation", "second_cursor")
+    __slots__ = ("connection", "cursor", "generation", "second_cursor", "statements")
 
     def __init__(self, connection: psycopg.Connection[Any], generation: int) -> None:
         self.connection = connection
         self.cursor = connection.cursor()
         self.second_cursor = connection.cursor()
         self.generation = generation
+        #: The store modules' statements on this connection (storage.driver keeps its cursors here).
+        self.statements: Any = None
 
 
 class AutocommitConnections:

@@ -2,13 +2,9 @@
 
 from __future__ import annotations
 
-import sqlalchemy as sa
-
 from dagster_joblease import errors, identity
-from dagster_joblease.lease import Lease, LeaseService, LeaseStatus
-from dagster_joblease.storage.clock import db_now_plus_ms
-from dagster_joblease.storage.engine import translate_errors
-from dagster_joblease.storage.schema import lease_table
+from dagster_joblease.lease import Lease, LeaseService
+from dagster_joblease.storage import driver, leases
 
 __all__ = ["expire_now", "reclaim_now"]
 
@@ -27,13 +23,8 @@ def _check_service(service: object) -> LeaseService:
 
 
 def _expire(service: LeaseService, lock_key: str, owner_token: str | None) -> int:
-    t = lease_table
-    stmt = sa.update(t).where(t.c.lock_key == lock_key, t.c.status == LeaseStatus.RUNNING.value)
-    if owner_token is not None:
-        stmt = stmt.where(t.c.owner_token == owner_token)
-    stmt = stmt.values(expires_at=db_now_plus_ms(sa.literal(-_EXPIRED_BY_MS, sa.BigInteger())))
-    with translate_errors("expire a lease"), service.engine.begin() as conn:
-        return int(conn.execute(stmt).rowcount)
+    with driver.statements(service.engine, "expire a lease") as db:
+        return leases.expire(db, lock_key, owner_token, ago_ms=_EXPIRED_BY_MS)
 
 
 def expire_now(service: LeaseService, job: identity.JobIdentity) -> bool:
