@@ -31,9 +31,8 @@ import sqlalchemy as sa
 from dagster_joblease import errors, identity, staleness
 from dagster_joblease.lease import LeaseStatus, bound_error
 from dagster_joblease.options import MAX_DURATION_MS, default_heartbeat_ms
-from dagster_joblease.storage.clock import db_now, db_now_plus_ms, ms_until, readable_ts
+from dagster_joblease.storage import leases, outbox
 from dagster_joblease.storage.engine import translate_errors
-from dagster_joblease.storage.schema import any_status, lease_table, outbox_table
 
 __all__ = [
     "ADMIN_RESET_PREFIX",
@@ -77,7 +76,6 @@ ADMIN_RESET_PREFIX = "admin reset"
 #: In ``last_error`` when the reset was forced on a live lease (two holders were possible).
 FORCED_MARK = "forced while live"
 MAX_LIMIT = 10_000
-PURGE_BATCH = 5_000
 
 _OUTBOX_STATUSES = ("PENDING", "SENT", "DEAD")
 _LEASE_STATUSES = tuple(s.value for s in LeaseStatus)
@@ -307,24 +305,6 @@ def _check_text(name: str, value: object) -> str:
 # -- leases ----------------------------------------------------------------------------------------
 
 
-def _readable_columns(table: sa.Table) -> list[sa.ColumnElement[Any]]:
-    """The table's columns, timestamps clamped so any stored row can be listed (see readable_ts)."""
-    return [readable_ts(c).label(c.name) if isinstance(c.type, sa.DateTime) else c for c in table.c]
-
-
-def _lease_select() -> sa.Select[Any]:
-    t = lease_table
-    running = t.c.status == LeaseStatus.RUNNING.value
-    return sa.select(
-        *_readable_columns(t),
-        sa.case((running, ms_until(readable_ts(t.c.expires_at))), else_=sa.null()).label("remaining_ms"),
-        sa.case((running, -ms_until(readable_ts(t.c.heartbeat_at))), else_=sa.null()).label(
-            "heartbeat_age_ms"
-        ),
-        sa.case((sa.and_(running, t.c.expires_at < db_now()), sa.true()), else_=sa.false()).label("expired"),
-    )
-
-
 def _lease_row(row: sa.Row[Any]) -> LeaseRow:
     m = row._mapping
     heartbeat_ms = m["heartbeat_ms"]
@@ -371,22 +351,15 @@ def list_leases(
     the database clock, so ``status="running", older_than_ms=2h`` finds runs going for over two hours.
     ``expired_only`` keeps RUNNING rows whose holder is past its expiry (stuck or dead; reclaimable).
     """
-    t = lease_table
     wanted = _check_status(status, _LEASE_STATUSES, "lease")
     limit = _check_limit(limit)
-    stmt = _lease_select()
-    if code is not None:
-        stmt = stmt.where(t.c.code == _check_text("code", code), any_status())
-    if wanted is not None:
-        stmt = stmt.where(t.c.status == wanted)
-    if older_than_ms is not None:
-        ms = _check_ms("older_than_ms", older_than_ms)
-        stmt = stmt.where(t.c.acquired_at < db_now_plus_ms(sa.literal(-ms, sa.BigInteger())))
-    if expired_only:
-        stmt = stmt.where(t.c.status == LeaseStatus.RUNNING.value, t.c.expires_at < db_now())
-    stmt = stmt.order_by(t.c.acquired_at.desc(), t.c.id.desc()).limit(limit)
+    before = None if older_than_ms is None else _check_ms("older_than_ms", older_than_ms)
+    name = None if code is None else _check_text("code", code)
     with translate_errors("list leases"), engine.connect() as conn:
-        return [_lease_row(r) for r in conn.execute(stmt)]
+        rows = leases.lease_rows(
+            conn, code=name, status=wanted, acquired_before_ms=before, expired_only=expired_only, limit=limit
+        )
+    return [_lease_row(r) for r in rows]
 
 
 def _lookup_key(key_or_code: str, run_key: str | None) -> tuple[str, identity.JobIdentity | None]:
@@ -402,20 +375,21 @@ def _lookup_key(key_or_code: str, run_key: str | None) -> tuple[str, identity.Jo
     return job.idempotency_key, job
 
 
-def _get_lease(conn: sa.Connection, where: sa.ColumnElement[bool]) -> LeaseRow | None:
-    row = conn.execute(_lease_select().where(where)).first()
+def _get_lease(
+    conn: sa.Connection, *, lease_id: int | None = None, lock_key: str | None = None
+) -> LeaseRow | None:
+    row = leases.lease_row(conn, lease_id=lease_id, lock_key=lock_key)
     return None if row is None else _lease_row(row)
 
 
 def show_lease(engine: sa.Engine, key_or_code: str | int, run_key: str | None = None) -> LeaseRow:
     """One lease by its ``v2:`` key, by ``code`` + ``run_key`` (SCHEDULE), by ``code`` alone (INITIAL), or
     by its numeric row id (an ``int``). Raises :class:`NotFoundError` naming what was looked up."""
-    t = lease_table
     if isinstance(key_or_code, int) and not isinstance(key_or_code, bool):
         if run_key is not None:
             raise AdminArgumentError("a run key cannot be combined with a numeric lease id")
         with translate_errors("read a lease"), engine.connect() as conn:
-            found = _get_lease(conn, t.c.id == key_or_code)
+            found = _get_lease(conn, lease_id=key_or_code)
         if found is None:
             raise errors.NotFoundError(
                 f"no lease with id {key_or_code}; list them with `joblease leases list`"
@@ -425,15 +399,11 @@ def show_lease(engine: sa.Engine, key_or_code: str | int, run_key: str | None = 
         raise AdminArgumentError(f"invalid lease key or code {key_or_code!r}: must be a str or an int id")
     key, job = _lookup_key(key_or_code, run_key)
     with translate_errors("read a lease"), engine.connect() as conn:
-        found = _get_lease(conn, t.c.lock_key == key)
+        found = _get_lease(conn, lock_key=key)
         schedules = 0
         close: list[str] = []
         if found is None and job is not None and run_key is None:
-            schedules = conn.execute(
-                sa.select(sa.func.count())
-                .select_from(t)
-                .where(t.c.code == job.code, t.c.job_type == "SCHEDULE", any_status())
-            ).scalar_one()
+            schedules = leases.count_schedules(conn, job.code)
         if found is None and job is not None and not schedules:
             close = near_matches(conn, job.code, job.run_key)
     if found is not None:
@@ -458,24 +428,12 @@ def near_matches(conn: sa.Connection, code: str, run_key: str | None, *, limit: 
     """Leases whose name is close to (``code``, ``run_key``), for a "no lease" message: close run keys
     of the same code, else close codes (``difflib.get_close_matches`` over at most
     :data:`NEAR_MATCH_SCAN` of the newest rows). Each is shown as the option form that names it."""
-    t = lease_table
     if run_key is not None:
-        keys = [
-            str(k)
-            for (k,) in conn.execute(
-                sa.select(t.c.run_key)
-                .where(t.c.code == code, t.c.job_type == "SCHEDULE", any_status())
-                .order_by(t.c.id.desc())
-                .limit(NEAR_MATCH_SCAN)
-            )
-            if k is not None
-        ]
+        keys = leases.recent_run_keys(conn, code, NEAR_MATCH_SCAN)
         close = difflib.get_close_matches(run_key, keys, n=limit, cutoff=0.6)
         if close:
             return [f"--code {code} --run-key {k}" for k in close]
-    recent = conn.execute(
-        sa.select(t.c.code, t.c.run_key).order_by(t.c.id.desc()).limit(NEAR_MATCH_SCAN)
-    ).all()
+    recent = leases.recent_names(conn, NEAR_MATCH_SCAN)
     codes = list(dict.fromkeys(str(c) for c, _ in recent))
     close_codes = [c for c in difflib.get_close_matches(code, codes, n=limit, cutoff=0.6) if c != code]
     shown = []
@@ -515,12 +473,11 @@ def reset_lease(
     Refused (:class:`AdminRefusedError`, nothing changed): a ``SUCCESS`` row (final by design), and a live
     RUNNING row (not expired on the database clock) unless ``force=True`` — which risks two holders.
     """
-    t = lease_table
     if isinstance(key, int) and not isinstance(key, bool):
-        where: sa.ColumnElement[bool] = t.c.id == key
+        where: dict[str, Any] = {"lease_id": key}
         label = f"id {key}"
     elif isinstance(key, str) and _KEY_RE.fullmatch(key.strip()):
-        where = t.c.lock_key == key.strip()
+        where = {"lock_key": key.strip()}
         label = f"key {key.strip()}"
     else:
         raise AdminArgumentError(
@@ -529,7 +486,7 @@ def reset_lease(
         )
     why = _check_text("reason", reason)
     with translate_errors("reset a lease"), engine.begin() as conn:
-        row = conn.execute(_lease_select().where(where).with_for_update(of=t)).first()
+        row = leases.lock_for_reset(conn, **where)
         if row is None:
             raise errors.NotFoundError(f"no lease with {label}; list them with `joblease leases list`")
         before = _lease_row(row)
@@ -554,62 +511,25 @@ def reset_lease(
         )
         text = bound_error(f"{ADMIN_RESET_PREFIX} of attempt {before.attempt}: {why} ({state})")
         # Re-check at the write what the decision rested on (the holder, RUNNING, expired unless forced).
-        still = [t.c.id == before.id, t.c.owner_token == row._mapping["owner_token"], t.c.status == "RUNNING"]
-        if not before.live:
-            still.append(t.c.expires_at < db_now())
-        updated = conn.execute(
-            sa.update(t)
-            .where(*still)
-            .values(
-                status=LeaseStatus.FAIL.value,
-                owner_token=secrets.token_hex(16),
-                finished_at=db_now(),
-                last_error=text,
-            )
-        ).rowcount
+        updated = leases.reset_to_fail(
+            conn,
+            before.id,
+            row._mapping["owner_token"],
+            expired_only=not before.live,
+            new_token=secrets.token_hex(16),
+            error=text,
+        )
         if updated != 1:  # only reachable without row locks; the caller may simply retry
             raise AdminRefusedError(
                 f"lease {before.id} changed while it was being reset; nothing was changed"
             )
-        after = _get_lease(conn, t.c.id == before.id)
+        after = _get_lease(conn, lease_id=before.id)
     assert after is not None
     return ResetOutcome(lease=after, changed=True, was_live=before.live)
 
 
 def _describe(row: LeaseRow) -> str:
     return row.code if row.run_key is None else f"{row.code} / {row.run_key}"
-
-
-def _cutoff(window_ms: int) -> sa.ScalarSelect[Any]:
-    """Database now minus ``window_ms``, as a scalar subquery: evaluated once per statement, so the
-    comparison is an index range condition (``clock_timestamp()`` itself is volatile, which would make
-    the planner read the whole table rather than the finished or sent rows' partial index)."""
-    return sa.select(db_now_plus_ms(sa.literal(-window_ms, sa.BigInteger()))).scalar_subquery()
-
-
-def _purge(
-    engine: sa.Engine, table: sa.Table, where: sa.ColumnElement[bool], action: str, *, dry_run: bool
-) -> int:
-    """Delete matching rows in short batches so a large purge never holds long locks.
-
-    The DELETE repeats ``where`` on the rows it deletes, not just their ids: under READ COMMITTED a row
-    that changed after the batch was selected (a FAIL lease reclaimed to RUNNING) is re-checked against
-    its new version, and skipped. Matching on ``id`` alone would delete a live lease (two holders).
-    """
-    ids = sa.select(table.c.id).where(where)
-    with translate_errors(action):
-        if dry_run:
-            with engine.connect() as conn:
-                return int(conn.execute(sa.select(sa.func.count()).select_from(ids.subquery())).scalar_one())
-        total = 0
-        while True:
-            with engine.begin() as conn:
-                # correlate(None): the subquery reads the same table the DELETE targets.
-                batch = ids.limit(PURGE_BATCH).correlate(None).scalar_subquery()
-                deleted = conn.execute(sa.delete(table).where(table.c.id.in_(batch), where)).rowcount
-            total += deleted
-            if deleted < PURGE_BATCH:
-                return total
 
 
 def purge_leases(
@@ -634,71 +554,25 @@ def purge_leases(
             "long as such a replay is possible, or lower the configured minimum deliberately. Nothing was "
             "deleted."
         )
-    t = lease_table
-    where = sa.and_(
-        t.c.job_type == "SCHEDULE",
-        t.c.status.in_([LeaseStatus.SUCCESS.value, LeaseStatus.FAIL.value]),
-        t.c.finished_at < _cutoff(window),
-    )
-    return _purge(engine, t, where, "purge leases", dry_run=dry_run)
+    return leases.purge_finished_schedules(engine, finished_before_ms=window, dry_run=dry_run)
 
 
 # -- outbox ----------------------------------------------------------------------------------------
 
 
-def _due() -> sa.ColumnElement[bool]:
-    o = outbox_table
-    return sa.and_(
-        o.c.status == "PENDING",
-        o.c.next_attempt_at <= db_now(),
-        sa.or_(o.c.claim_expires_at.is_(None), o.c.claim_expires_at < db_now()),
-    )
-
-
 def outbox_stats(engine: sa.Engine) -> OutboxStats:
     """Counts by status and by (topic, status), the due backlog and the age of its oldest row."""
-    o = outbox_table
     with translate_errors("read outbox statistics"), engine.connect() as conn:
-        grouped = conn.execute(
-            sa.select(o.c.topic, o.c.status, sa.func.count())
-            .group_by(o.c.topic, o.c.status)
-            .order_by(o.c.topic, o.c.status)
-        ).all()
-        due, oldest_ms_until = conn.execute(
-            sa.select(sa.func.count(), ms_until(readable_ts(sa.func.min(o.c.next_attempt_at)))).where(_due())
-        ).one()
+        grouped = outbox.counts_by_topic_and_status(conn)
+        due, oldest_ms_until = outbox.due_backlog(conn)
     by_status = dict.fromkeys(_OUTBOX_STATUSES, 0)
     for _topic, status, count in grouped:
         by_status[status] = by_status.get(status, 0) + int(count)
     return OutboxStats(
         by_status=by_status,
-        by_topic=tuple(TopicCount(topic=t, status=s, count=int(c)) for t, s, c in grouped),
-        due=int(due),
-        oldest_due_age_ms=None if oldest_ms_until is None else max(0, -int(oldest_ms_until)),
-    )
-
-
-def _outbox_select() -> sa.Select[Any]:
-    o = outbox_table
-    return sa.select(
-        o.c.id,
-        o.c.idempotency_key,
-        o.c.topic,
-        o.c.status,
-        o.c.attempts,
-        readable_ts(o.c.next_attempt_at).label("next_attempt_at"),
-        sa.case((o.c.status == "PENDING", ms_until(readable_ts(o.c.next_attempt_at))), else_=sa.null()).label(
-            "due_in_ms"
-        ),
-        sa.case(
-            (sa.and_(o.c.claim_expires_at.is_not(None), o.c.claim_expires_at >= db_now()), sa.true()),
-            else_=sa.false(),
-        ).label("claimed"),
-        o.c.last_status,
-        o.c.last_error,
-        readable_ts(o.c.created_at).label("created_at"),
-        readable_ts(o.c.updated_at).label("updated_at"),
-        readable_ts(o.c.sent_at).label("sent_at"),
+        by_topic=tuple(TopicCount(topic=t, status=s, count=c) for t, s, c in grouped),
+        due=due,
+        oldest_due_age_ms=None if oldest_ms_until is None else max(0, -oldest_ms_until),
     )
 
 
@@ -725,17 +599,12 @@ def list_outbox(
     engine: sa.Engine, *, status: str | None = None, topic: str | None = None, limit: int = 100
 ) -> list[OutboxRow]:
     """Outbox rows (without payloads), newest first; ``status`` is ``pending``, ``sent`` or ``dead``."""
-    o = outbox_table
     wanted = _check_status(status, _OUTBOX_STATUSES, "outbox")
     limit = _check_limit(limit)
-    stmt = _outbox_select()
-    if wanted is not None:
-        stmt = stmt.where(o.c.status == wanted)
-    if topic is not None:
-        stmt = stmt.where(o.c.topic == _check_text("topic", topic))
-    stmt = stmt.order_by(o.c.id.desc()).limit(limit)
+    name = None if topic is None else _check_text("topic", topic)
     with translate_errors("list outbox rows"), engine.connect() as conn:
-        return [_outbox_row(r) for r in conn.execute(stmt)]
+        rows = outbox.outbox_rows(conn, status=wanted, topic=name, limit=limit)
+    return [_outbox_row(r) for r in rows]
 
 
 def requeue(
@@ -751,30 +620,13 @@ def requeue(
     cleared, so a route's ``dedupe_window`` restarts from the next attempt: requeueing a row dead-lettered
     past its window is a person's decision that sending it again is right.
     """
-    o = outbox_table
     if row_id is not None and (all_dead or topic is not None):
         raise AdminArgumentError("requeue takes one selection: a row id, or all_dead / topic, not both")
-    values = {
-        "status": "PENDING",
-        "attempts": 0,
-        "next_attempt_at": db_now(),
-        "claim_token": None,
-        "claim_expires_at": None,
-        # A person's requeue is their decision to send again: the key's retention window restarts.
-        "first_attempt_at": None,
-        "claim_group": None,
-        "deferrals": 0,
-        "updated_at": db_now(),
-    }
     if row_id is not None:
         if isinstance(row_id, bool) or not isinstance(row_id, int):
             raise AdminArgumentError(f"invalid outbox row id {row_id!r}: must be an int")
         with translate_errors("requeue an outbox row"), engine.begin() as conn:
-            current = conn.execute(
-                sa.select(o.c.status, _outbox_select().selected_columns.claimed)
-                .where(o.c.id == row_id)
-                .with_for_update()
-            ).first()
+            current = outbox.lock_for_requeue(conn, row_id)
             if current is None:
                 raise errors.NotFoundError(f"no outbox row with id {row_id}; see `joblease outbox list`")
             status, claimed = current
@@ -788,27 +640,17 @@ def requeue(
                     "try again after the attempt finishes"
                 )
             # Re-check at the write the state the refusals above rested on.
-            unchanged = (
-                o.c.status == "DEAD"
-                if status == "DEAD"
-                else sa.and_(
-                    o.c.status == "PENDING",
-                    sa.or_(o.c.claim_expires_at.is_(None), o.c.claim_expires_at < db_now()),
-                )
-            )
-            updated = conn.execute(sa.update(o).where(o.c.id == row_id, unchanged).values(**values)).rowcount
+            updated = outbox.requeue_one(conn, row_id, dead=status == "DEAD")
             if updated != 1:
                 raise AdminRefusedError(
                     f"outbox row {row_id} changed while it was being requeued; nothing was changed"
                 )
-            return int(updated)
+            return updated
     if not all_dead and topic is None:
         raise AdminArgumentError("requeue needs a selection: a row id, all_dead=True or a topic")
-    where = o.c.status == "DEAD"
-    if topic is not None:
-        where = sa.and_(where, o.c.topic == _check_text("topic", topic))
+    name = None if topic is None else _check_text("topic", topic)
     with translate_errors("requeue outbox rows"), engine.begin() as conn:
-        return conn.execute(sa.update(o).where(where).values(**values)).rowcount
+        return outbox.requeue_dead(conn, name)
 
 
 def purge_sent(engine: sa.Engine, *, older_than_ms: int, min_retention_ms: int, dry_run: bool = False) -> int:
@@ -829,6 +671,4 @@ def purge_sent(engine: sa.Engine, *, older_than_ms: int, min_retention_ms: int, 
             "purge, a re-enqueue of the same key is delivered again, and only the downstream can still "
             "deduplicate it. Nothing was deleted."
         )
-    o = outbox_table
-    where = sa.and_(o.c.status == "SENT", o.c.sent_at < _cutoff(window))
-    return _purge(engine, o, where, "purge sent outbox rows", dry_run=dry_run)
+    return outbox.purge_sent(engine, sent_before_ms=window, dry_run=dry_run)

@@ -10,9 +10,9 @@ from typing import Any
 import sqlalchemy as sa
 
 from dagster_joblease import route_groups
+from dagster_joblease.storage import outbox
 from dagster_joblease.storage.clock import db_now
 from dagster_joblease.storage.engine import translate_errors
-from dagster_joblease.storage.schema import outbox_table
 
 __all__ = ["DeliveryStatus", "GroupStatus", "TopicStatus", "delivery_status"]
 
@@ -56,33 +56,11 @@ def delivery_status(engine: sa.Engine, *, topic_groups: Mapping[str, str] | None
     """Per-topic counts of pending and dead rows (one grouped read of those rows) and every limit group's
     state. ``topic_groups`` (topic → limit group, from the routes) names each topic's group and lists
     routed topics that have no rows yet."""
-    o = outbox_table
-    live_claim = sa.and_(o.c.claim_expires_at.is_not(None), o.c.claim_expires_at > db_now())
-    pending = o.c.status == sa.literal_column("'PENDING'")
-    due = sa.and_(pending, sa.not_(live_claim), o.c.next_attempt_at <= db_now())
-    stmt = (
-        sa.select(
-            o.c.topic,
-            sa.func.count().filter(due),
-            sa.func.count().filter(sa.and_(pending, live_claim)),
-            sa.func.count().filter(sa.and_(pending, sa.not_(live_claim), o.c.next_attempt_at > db_now())),
-            sa.func.count().filter(sa.and_(pending, sa.not_(live_claim), o.c.attempts > 0)),
-            sa.func.count().filter(o.c.status == sa.literal_column("'DEAD'")),
-        )
-        .where(o.c.status.in_([sa.literal_column("'PENDING'"), sa.literal_column("'DEAD'")]))
-        .group_by(o.c.topic)
-        .order_by(o.c.topic)
-    )
     groups_of = dict(topic_groups or {})
-    in_flight_stmt = (
-        sa.select(o.c.claim_group, sa.func.count())
-        .where(o.c.claim_group.is_not(None), live_claim, pending)
-        .group_by(o.c.claim_group)
-    )
     with translate_errors("read the delivery status"), engine.connect() as conn:
         now = route_groups.as_utc(conn.execute(sa.select(db_now())).scalar_one())
-        counts = {row[0]: [int(v) for v in row[1:]] for row in conn.execute(stmt)}
-        in_flight = {g: int(n) for g, n in conn.execute(in_flight_stmt)}
+        counts = outbox.delivery_counts_by_topic(conn)
+        in_flight = outbox.in_flight_by_group(conn)
         states = route_groups.read_states(conn, None)
     assert now is not None
     topics = [

@@ -11,26 +11,21 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import enum
-import functools
 import hashlib
 import json
 import re
-import threading
-from collections.abc import Collection, Iterable, Mapping, Sequence
+from collections.abc import Collection, Iterable, Iterator, Mapping, Sequence
 from typing import TYPE_CHECKING, Any, NamedTuple
 
 import psycopg
 import sqlalchemy as sa
-from psycopg.rows import tuple_row
-from sqlalchemy.dialects import postgresql, sqlite
-from sqlalchemy.dialects.postgresql import psycopg as psycopg_dialect
 
 from dagster_joblease import errors, route_groups
-from dagster_joblease.storage import rowset
-from dagster_joblease.storage.clock import db_now, ms_until
+from dagster_joblease.storage import driver, rowset
+from dagster_joblease.storage import outbox as store
 from dagster_joblease.storage.engine import translate_errors
 from dagster_joblease.storage.schema import outbox_table
-from dagster_joblease.storage.transaction import CallersTransaction, callers_transaction
+from dagster_joblease.storage.transaction import callers_transaction
 
 if TYPE_CHECKING:
     from sqlalchemy import orm
@@ -66,21 +61,8 @@ class OutboxStatus(enum.StrEnum):
     DEAD = "DEAD"  #: parked: permanent failure or attempts exhausted; requeue deliberately
 
 
-# The partial index ix_joblease_outbox_due is declared WHERE status = 'PENDING'. PostgreSQL only uses it
-# when the query repeats that predicate with a literal (a bound parameter cannot be proven to match once
-# psycopg switches to a prepared, generic plan), so the predicate is spelled out as SQL text.
-_PENDING_TEXT = sa.literal_column("'PENDING'", sa.String())
-_PENDING = outbox_table.c.status == _PENDING_TEXT
-
-
-def due_clause() -> sa.ColumnElement[bool]:
-    """Rows a dispatcher may claim now: pending, due on the database clock, and not claimed (or expired)."""
-    t = outbox_table
-    return sa.and_(
-        _PENDING,
-        t.c.next_attempt_at <= db_now(),
-        sa.or_(t.c.claim_expires_at.is_(None), t.c.claim_expires_at < db_now()),
-    )
+#: Rows a dispatcher may claim now (see :func:`dagster_joblease.storage.outbox.due_clause`).
+due_clause = store.due_clause
 
 
 #: One encoder for every payload (``json.dumps`` with options builds a new one per call).
@@ -186,104 +168,16 @@ def _check_max_bytes(max_payload_bytes: object) -> int:
     return max_payload_bytes
 
 
-@functools.cache
-def _insert_statement(dialect_name: str) -> Any:
-    """The enqueue INSERT, built once per dialect with bound parameters (its compiled form is cached too)."""
-    t = outbox_table
-    # Bind the canonical text as-is instead of letting the JSON type encode the payload a second time.
-    payload: sa.ColumnElement[Any] = sa.bindparam("payload_text", type_=sa.Text())
-    if dialect_name == "postgresql":
-        payload = sa.cast(payload, postgresql.JSONB())
-    insert = (postgresql.insert if dialect_name == "postgresql" else sqlite.insert)(t)
-    return (
-        insert.values(
-            idempotency_key=sa.bindparam("key", type_=sa.String()),
-            topic=sa.bindparam("topic", type_=sa.String()),
-            payload=payload,
-            payload_sha256=sa.bindparam("sha256", type_=sa.String()),
-            status=_PENDING_TEXT,
-            attempts=sa.literal_column("0", sa.Integer()),
-            next_attempt_at=db_now(),
-            created_at=db_now(),
-            updated_at=db_now(),
+_Params = tuple[str, str, str, str]  #: key, topic, payload_text, sha256
+
+
+class _ReadBackFailed(errors.StorageError):
+    """A key conflicted, yet its row could not be read in two rounds (it kept vanishing): retryable."""
+
+    def __init__(self, key: str) -> None:
+        super().__init__(
+            f"outbox key {key!r} conflicted but could not be read back twice; retry the transaction"
         )
-        .on_conflict_do_nothing(index_elements=[t.c.idempotency_key])
-        .returning(t.c.id)
-    )
-
-
-_EXISTING = sa.select(outbox_table.c.payload_sha256, outbox_table.c.topic).where(
-    outbox_table.c.idempotency_key == sa.bindparam("key", type_=sa.String())
-)
-_PARAMS = ("key", "topic", "payload_text", "sha256")
-
-
-@functools.cache
-def _psycopg_sql() -> tuple[str, str]:
-    """The INSERT (positional ``%s`` parameters in the order of ``_PARAMS``) and the read of an existing
-    row, compiled once by SQLAlchemy for psycopg.
-
-    Compiled for a fresh psycopg dialect, not each engine's, so the cache holds one entry.
-    """
-    dialect = psycopg_dialect.dialect(paramstyle="format")  # type: ignore[no-untyped-call]
-    compiled = _insert_statement("postgresql").compile(dialect=dialect)
-    assert compiled.positiontup == list(_PARAMS), compiled.positiontup
-    return str(compiled), str(_EXISTING.compile(dialect=dialect))
-
-
-_Existing = tuple[str, str] | None
-_Params = tuple[str, str, str, str]  #: key, topic, payload_text, sha256 (the order of _PARAMS)
-
-
-#: Where :func:`_cursor_of` keeps its cursors: on the driver connection itself (a cycle freed with it; a
-#: registry keyed by the connection would keep it alive, since a cursor refers to its connection).
-_CURSORS = "_joblease_enqueue_cursors"
-_MAX_CURSORS = 64  #: per connection; more threads than that on one connection: start again
-
-
-def _cursor_of(driver: psycopg.Connection[Any]) -> psycopg.Cursor[tuple[Any, ...]]:
-    """This thread's enqueue cursor on ``driver``, made once and reused.
-
-    A cursor per enqueue cost a tenth of the enqueue's client CPU, and a fresh one rebuilds its result
-    loaders; a reused cursor keeps them while it runs the same statement. One per thread, since psycopg
-    cursors are not thread-safe (its connections are); rows as tuples whatever the caller's row factory.
-    """
-    cursors: dict[int, psycopg.Cursor[tuple[Any, ...]]] | None = driver.__dict__.get(_CURSORS)
-    if cursors is None:
-        cursors = driver.__dict__.setdefault(_CURSORS, {})
-    ident = threading.get_ident()
-    cursor = cursors.get(ident)
-    if cursor is None or cursor.closed:
-        if len(cursors) >= _MAX_CURSORS:
-            cursors.clear()
-        cursor = cursors[ident] = driver.cursor(row_factory=tuple_row)
-    return cursor
-
-
-def _run_psycopg(driver: psycopg.Connection[Any], params: _Params) -> tuple[bool, _Existing]:
-    """The enqueue on the caller's own psycopg connection (so inside its transaction), as a prepared
-    statement without SQLAlchemy's per-execution work, which cost as much as the INSERT's round trip."""
-    insert_sql, existing_sql = _psycopg_sql()
-    try:
-        cursor = _cursor_of(driver)
-        cursor.execute(insert_sql, params, prepare=True)
-        if cursor.fetchone() is not None:
-            return True, None
-        cursor.execute(existing_sql, (params[0],), prepare=True)
-        row = cursor.fetchone()
-    except BaseException:
-        with translate_errors("enqueue an outbox row"):
-            raise
-    return False, None if row is None else (row[0], row[1])
-
-
-def _run_generic(connection: sa.Connection, params: _Params) -> tuple[bool, _Existing]:
-    with translate_errors("enqueue an outbox row"):
-        named = dict(zip(_PARAMS, params, strict=True))
-        if connection.execute(_insert_statement(connection.dialect.name), named).first() is not None:
-            return True, None
-        row = connection.execute(_EXISTING, {"key": params[0]}).first()
-        return False, None if row is None else (row[0], row[1])
 
 
 def enqueue_once(
@@ -327,36 +221,33 @@ def enqueue_once(
             enqueue_once(pg, idempotency_key=…, topic="mail", payload={"v": 1, "invoice": 42})
     """
     target = callers_transaction(connection, clause=outbox_table)
-    driver = target.driver
-    params = _prepare_row(idempotency_key, topic, payload, _check_max_bytes(max_payload_bytes))
-    fingerprint = params[3]
-    if max_pending is not None:
-        _check_backlog(target, params, _check_max_pending(max_pending))
-    # Two rounds: a conflicting row can vanish between the INSERT and the read (a concurrent purge or a
-    # rolled-back writer); the second INSERT then simply succeeds.
-    for _ in range(2):
-        if driver is not None:
-            inserted, existing = _run_psycopg(driver, params)
-        else:
-            assert target.connection is not None
-            inserted, existing = _run_generic(target.connection, params)
-        if inserted:
-            return True
-        if existing is None:
-            continue
-        existing_sha256, existing_topic = existing
-        if existing_sha256 == fingerprint and existing_topic == topic:
-            return False
-        raise errors.OutboxConflictError(
-            idempotency_key=idempotency_key,
-            existing_sha256=existing_sha256,
-            new_sha256=fingerprint,
-            existing_topic=existing_topic,
-            new_topic=topic,
-        )
-    raise errors.StorageError(
-        f"outbox key {idempotency_key!r} conflicted but could not be read back twice; retry the transaction"
+    key, _topic, text, fingerprint = _prepare_row(
+        idempotency_key, topic, payload, _check_max_bytes(max_payload_bytes)
     )
+    db = driver.in_transaction(target)
+    if max_pending is not None:
+        with translate_errors("count pending outbox rows"):
+            _check_backlog(db, key, topic, _check_max_pending(max_pending))
+    with translate_errors("enqueue an outbox row"):
+        # Two rounds: a conflicting row can vanish between the INSERT and the read (a concurrent purge or
+        # a rolled-back writer); the second INSERT then simply succeeds.
+        for _ in range(2):
+            if store.insert_pending(db, key, topic, text, fingerprint):
+                return True
+            found = store.existing(db, key)
+            if found is None:
+                continue
+            existing_sha256, existing_topic = found
+            if existing_sha256 == fingerprint and existing_topic == topic:
+                return False
+            raise errors.OutboxConflictError(
+                idempotency_key=key,
+                existing_sha256=existing_sha256,
+                new_sha256=fingerprint,
+                existing_topic=existing_topic,
+                new_topic=topic,
+            )
+    raise _ReadBackFailed(key)
 
 
 def _check_max_pending(value: object) -> int:
@@ -367,35 +258,11 @@ def _check_max_pending(value: object) -> int:
     return value
 
 
-def _pending_statement(limit: int) -> sa.Select[Any]:
-    t = outbox_table
-    capped = (
-        sa.select(t.c.id)
-        .where(_PENDING, t.c.topic == sa.bindparam("topic", type_=sa.String()))
-        .limit(sa.literal_column(str(int(limit)), sa.Integer()))  # a literal: one parameter, the topic
-        .subquery()
-    )
-    return sa.select(sa.func.count()).select_from(capped)
-
-
-def _check_backlog(target: CallersTransaction, params: _Params, max_pending: int) -> None:
+def _check_backlog(db: driver.Statements, key: str, topic: str, max_pending: int) -> None:
     """Raise :class:`OutboxBackpressureError` when the topic has ``max_pending`` pending rows, unless this
     very row is already there (a repeat stays a no-op)."""
-    key, topic = params[0], params[1]
-    with translate_errors("count pending outbox rows"):
-        if target.driver is not None:
-            dialect = psycopg_dialect.dialect(paramstyle="format")  # type: ignore[no-untyped-call]
-            count_sql = str(_pending_statement(max_pending).compile(dialect=dialect))
-            existing_sql = str(_EXISTING.compile(dialect=dialect))
-            with target.driver.cursor() as cursor:
-                pending = int(cursor.execute(count_sql, (topic,)).fetchone()[0])  # type: ignore[index]
-                exists = pending >= max_pending and cursor.execute(existing_sql, (key,)).fetchone()
-        else:
-            assert target.connection is not None
-            conn = target.connection
-            pending = int(conn.execute(_pending_statement(max_pending), {"topic": topic}).scalar_one())
-            exists = pending >= max_pending and conn.execute(_EXISTING, {"key": key}).first()
-    if pending >= max_pending and not exists:
+    pending = store.pending_count(db, topic, max_pending)
+    if pending >= max_pending and store.existing(db, key) is None:
         raise errors.OutboxBackpressureError(topic=topic, pending=pending, max_pending=max_pending)
 
 
@@ -425,94 +292,6 @@ def _prepare_row(idempotency_key: object, topic: object, payload: Any, limit: in
             "(send ids, let the consumer fetch the rest) or raise max_payload_bytes",
         )
     return (idempotency_key, topic, text, hashlib.sha256(data).hexdigest())
-
-
-_MANY_COLUMNS = (
-    ("key", sa.String()),
-    ("topic", sa.String()),
-    ("payload_text", sa.Text()),
-    ("sha256", sa.String()),
-)
-_MANY_NAMES = tuple(name for name, _ in _MANY_COLUMNS)
-
-
-@functools.cache
-def _many_statements(dialect_name: str) -> tuple[Any, Any, Any]:
-    """``INSERT … SELECT … FROM <rows> ORDER BY key ON CONFLICT DO NOTHING RETURNING idempotency_key``,
-    the read of the rows that were already there, and the delete that takes back a refused call's rows."""
-    t = outbox_table
-    source = rowset.rows_source(dialect_name, _MANY_COLUMNS, joined=False)
-    payload: sa.ColumnElement[Any] = source.c.payload_text
-    if dialect_name == "postgresql":
-        payload = sa.cast(payload, postgresql.JSONB())
-    rows = (
-        sa.select(
-            source.c.key,
-            source.c.topic,
-            payload,
-            source.c.sha256,
-            _PENDING_TEXT,
-            sa.literal_column("0", sa.Integer()),
-            db_now(),
-            db_now(),
-            db_now(),
-        )
-        .select_from(source)
-        .where(sa.true())  # SQLite: INSERT … SELECT … ON CONFLICT needs a WHERE to parse
-        .order_by(source.c.key)  # key order: overlapping sets wait for each other, never deadlock
-    )
-    columns = ["idempotency_key", "topic", "payload", "payload_sha256", "status", "attempts"]
-    columns += ["next_attempt_at", "created_at", "updated_at"]
-    insert = (postgresql.insert if dialect_name == "postgresql" else sqlite.insert)(t)
-    insert_stmt = (
-        insert.from_select(columns, rows)
-        .on_conflict_do_nothing(index_elements=[t.c.idempotency_key])
-        .returning(t.c.idempotency_key)
-    )
-    keys = rowset.rows_source(dialect_name, (("key", sa.String()),))
-    read = (t.c.idempotency_key, t.c.payload_sha256, t.c.topic)
-    if dialect_name == "postgresql":
-        # One index lookup per key (LATERAL): linear whatever the planner's row estimates say.
-        found = sa.select(*read).where(t.c.idempotency_key == keys.c.key).lateral("l")
-        existing = sa.select(*(found.c[c.name] for c in read)).select_from(keys.join(found, sa.true()))
-    else:
-        existing = sa.select(*read).select_from(t.join(keys, t.c.idempotency_key == keys.c.key))
-    keys_again = rowset.rows_source(dialect_name, (("key", sa.String()),), joined=False)
-    delete = sa.delete(t).where(t.c.idempotency_key.in_(sa.select(keys_again.c.key)))
-    return insert_stmt, existing, delete
-
-
-@functools.cache
-def _many_psycopg_sql() -> tuple[tuple[str, tuple[str, ...]], ...]:
-    """:func:`_many_statements` compiled once for psycopg (positional ``%s``), with their parameter names."""
-    dialect = psycopg_dialect.dialect(paramstyle="format")  # type: ignore[no-untyped-call]
-    compiled = []
-    for statement in _many_statements("postgresql"):
-        form = statement.compile(dialect=dialect)
-        assert form.positiontup is not None
-        compiled.append((str(form), tuple(form.positiontup)))
-    return tuple(compiled)
-
-
-class _ManyRunner:
-    """Runs :func:`_many_statements` where :func:`callers_transaction` says: on the psycopg driver
-    connection (as :func:`enqueue_once` does), or through the SQLAlchemy connection."""
-
-    def __init__(self, target: CallersTransaction) -> None:
-        self.target = target
-        self.dialect = target.dialect_name
-
-    def run(self, which: int, names: Sequence[str], rows: Sequence[Sequence[Any]]) -> list[Any]:
-        params = rowset.bind_rows(self.dialect, names, rows)
-        with translate_errors("enqueue outbox rows"):
-            if self.target.driver is not None:
-                sql, order = _many_psycopg_sql()[which]
-                with self.target.driver.cursor() as cursor:
-                    cursor.execute(sql, tuple(params[name] for name in order))
-                    return cursor.fetchall() if cursor.description is not None else []
-            assert self.target.connection is not None
-            result = self.target.connection.execute(_many_statements(self.dialect)[which], params)
-            return list(result.all()) if result.returns_rows else []
 
 
 def _check_items(items: object, limit: int) -> list[_Params]:
@@ -582,30 +361,29 @@ def enqueue_many(
     target = callers_transaction(connection, clause=outbox_table)
     limit = _check_max_bytes(max_payload_bytes)
     prepared = _check_items(rows, limit)
-    runner = _ManyRunner(target)
+    db = driver.in_transaction(target)
     ordered = sorted(prepared, key=lambda row: row[0])
     inserted: set[str] = set()
-    try:
-        for start in range(0, len(ordered), rowset.ROWS_PER_STATEMENT):
-            _enqueue_chunk(runner, ordered[start : start + rowset.ROWS_PER_STATEMENT], inserted)
-    except errors.OutboxConflictError:
-        if inserted:  # take back what this call inserted: it writes all of its rows or none
-            runner.run(2, ("key",), [(key,) for key in sorted(inserted)])
-        raise
+    with translate_errors("enqueue outbox rows"):
+        try:
+            for start in range(0, len(ordered), rowset.ROWS_PER_STATEMENT):
+                _enqueue_chunk(db, ordered[start : start + rowset.ROWS_PER_STATEMENT], inserted)
+        except (errors.OutboxConflictError, _ReadBackFailed):
+            if inserted:  # take back what this call inserted: it writes all of its rows or none
+                store.take_back(db, sorted(inserted))
+            raise
     return tuple(row[0] in inserted for row in prepared)
 
 
-def _enqueue_chunk(runner: _ManyRunner, chunk: list[_Params], inserted: set[str]) -> None:
+def _enqueue_chunk(db: driver.Statements, chunk: list[_Params], inserted: set[str]) -> None:
     pending = chunk
     # Two rounds, as enqueue_once: a conflicting row can vanish between the INSERT and the read.
     for _ in range(2):
-        inserted.update(row[0] for row in runner.run(0, _MANY_NAMES, pending))
+        inserted.update(store.insert_many(db, pending))
         met = [row for row in pending if row[0] not in inserted]
         if not met:
             return
-        found = {
-            key: (sha256, topic) for key, sha256, topic in runner.run(1, ("key",), [(r[0],) for r in met])
-        }
+        found = store.existing_many(db, [row[0] for row in met])
         pending = []
         for key, topic, _text, fingerprint in met:
             if key not in found:
@@ -622,9 +400,7 @@ def _enqueue_chunk(runner: _ManyRunner, chunk: list[_Params], inserted: set[str]
                 )
         if not pending:
             return
-    raise errors.StorageError(
-        f"outbox key {pending[0][0]!r} conflicted but could not be read back twice; retry the transaction"
-    )
+    raise _ReadBackFailed(pending[0][0])
 
 
 @dataclasses.dataclass(frozen=True)
@@ -722,11 +498,7 @@ def due_summary(
     topic_groups = _check_groups(groups)
     if names == []:
         return DueSummary(due=0, oldest_due_age_ms=None, retrying=0)
-    with translate_errors("summarize the outbox"), contextlib.ExitStack() as stack:
-        if isinstance(engine_or_connection, sa.Engine):
-            conn = stack.enter_context(engine_or_connection.connect())
-        else:
-            conn = engine_or_connection
+    with translate_errors("summarize the outbox"), _connection(engine_or_connection) as conn:
         pauses = paused_groups(conn, topic_groups) if topic_groups else ()
         paused_topics = sorted({t for p in pauses for t in p.topics})
         if paused_topics:
@@ -738,30 +510,11 @@ def due_summary(
 
 def _due_summary(conn: sa.Connection, names: list[str] | None, exclude: Sequence[str] = ()) -> DueSummary:
     """The due summary over ``names`` (None: every topic) less the ``exclude`` topics."""
-    t = outbox_table
-    due = sa.and_(
-        t.c.next_attempt_at <= db_now(),
-        sa.or_(t.c.claim_expires_at.is_(None), t.c.claim_expires_at < db_now()),
-    )
-    not_in_flight = sa.or_(t.c.claim_expires_at.is_(None), t.c.claim_expires_at < db_now())
-    stmt = (
-        sa.select(
-            sa.func.count().filter(due),
-            -ms_until(sa.func.min(t.c.next_attempt_at).filter(due)),
-            sa.func.count().filter(sa.and_(t.c.attempts > 0, not_in_flight)),
-        )
-        .select_from(t)
-        .where(_PENDING)
-    )
-    if names is not None:
-        stmt = stmt.where(t.c.topic.in_(names))
-    if exclude:
-        stmt = stmt.where(t.c.topic.not_in(exclude))
-    count, age, retrying = conn.execute(stmt).one()
+    count, age, retrying = store.due_counts(conn, names, exclude)
     return DueSummary(
-        due=int(count),
-        oldest_due_age_ms=None if age is None else max(0, int(age)),
-        retrying=int(retrying),
+        due=count,
+        oldest_due_age_ms=None if age is None else max(0, age),
+        retrying=retrying,
     )
 
 
@@ -800,48 +553,29 @@ def delivery_health(
     Pending rows are read through the partial index of pending rows; dead rows through the partial
     index of dead rows. All ages come from the database clock.
     """
-    from dagster_joblease.storage.clock import db_now_plus_ms
 
     scoped = _check_topics(topics)
     if isinstance(unrouted_after_ms, bool) or not isinstance(unrouted_after_ms, int) or unrouted_after_ms < 0:
         raise errors.ConfigurationError(
             f"unrouted_after_ms={unrouted_after_ms!r} must be an int >= 0 (milliseconds)"
         )
-    t = outbox_table
-    routed: sa.ColumnElement[bool] = sa.true() if scoped is None else t.c.topic.in_(scoped)
-    dead_stmt = (
-        sa.select(sa.func.count()).select_from(t).where(t.c.status == sa.literal_column("'DEAD'"), routed)
-    )
-    with translate_errors("summarize outbox delivery health"), contextlib.ExitStack() as stack:
-        if isinstance(engine_or_connection, sa.Engine):
-            conn = stack.enter_context(engine_or_connection.connect())
-        else:
-            conn = engine_or_connection
+    with translate_errors("summarize outbox delivery health"), _connection(engine_or_connection) as conn:
         summary = due_summary(conn, topics=scoped, groups=groups)
-        dead = int(conn.execute(dead_stmt).scalar_one())
-        unrouted, unrouted_age, unrouted_topics = 0, None, ()
+        dead = store.dead_count(conn, scoped)
+        unrouted: int = 0
+        unrouted_age: int | None = None
+        unrouted_topics: tuple[str, ...] = ()
         if scoped is not None:
-            old = sa.and_(
-                _PENDING,
-                t.c.topic.not_in(scoped),
-                t.c.created_at < db_now_plus_ms(sa.literal(-unrouted_after_ms, sa.BigInteger())),
-            )
-            unrouted, unrouted_age = conn.execute(
-                sa.select(sa.func.count(), -ms_until(sa.func.min(t.c.created_at))).select_from(t).where(old)
-            ).one()
+            unrouted, unrouted_age = store.unrouted_backlog(conn, scoped, unrouted_after_ms)
             if unrouted:
-                unrouted_topics = tuple(
-                    conn.execute(sa.select(t.c.topic).where(old).distinct().order_by(t.c.topic).limit(20))
-                    .scalars()
-                    .all()
-                )
+                unrouted_topics = tuple(store.unrouted_topics(conn, scoped, unrouted_after_ms, 20))
     return DeliveryHealth(
         due=summary.due,
         oldest_due_age_ms=summary.oldest_due_age_ms,
         retrying=summary.retrying,
         dead=dead,
-        unrouted=int(unrouted),
-        oldest_unrouted_age_ms=None if unrouted_age is None else max(0, int(unrouted_age)),
+        unrouted=unrouted,
+        oldest_unrouted_age_ms=None if unrouted_age is None else max(0, unrouted_age),
         unrouted_topics=unrouted_topics,
         paused_due=summary.paused_due,
         pauses=summary.pauses,
@@ -854,14 +588,16 @@ def unrouted_due(
     """Due rows of topics *not* in ``topics`` (another location's, or nobody's): the total and the count
     per topic (at most 20 topics named). One query over the partial index of pending rows."""
     scoped = _check_topics(topics) or []
-    t = outbox_table
-    stmt = sa.select(t.c.topic, sa.func.count()).where(due_clause()).group_by(t.c.topic).order_by(t.c.topic)
-    if scoped:
-        stmt = stmt.where(t.c.topic.not_in(scoped))
-    with translate_errors("count unrouted due outbox rows"), contextlib.ExitStack() as stack:
-        if isinstance(engine_or_connection, sa.Engine):
-            conn = stack.enter_context(engine_or_connection.connect())
-        else:
-            conn = engine_or_connection
-        counts = {topic: int(n) for topic, n in conn.execute(stmt)}
+    with translate_errors("count unrouted due outbox rows"), _connection(engine_or_connection) as conn:
+        counts = store.due_by_topic(conn, not_in=scoped)
     return sum(counts.values()), dict(list(counts.items())[:20])
+
+
+@contextlib.contextmanager
+def _connection(engine_or_connection: sa.Engine | sa.Connection) -> Iterator[sa.Connection]:
+    """The caller's connection, or one of the engine's for the block."""
+    if isinstance(engine_or_connection, sa.Engine):
+        with engine_or_connection.connect() as conn:
+            yield conn
+    else:
+        yield engine_or_connection

@@ -10,8 +10,9 @@ import sqlalchemy as sa
 
 from dagster_joblease import admin, errors
 from dagster_joblease.identity import JobIdentity
-from dagster_joblease.lease import LeaseService, NotAcquiredReason, acquire_statement
+from dagster_joblease.lease import LeaseService, NotAcquiredReason
 from dagster_joblease.storage import create_engine
+from dagster_joblease.storage import leases as store
 from dagster_joblease.storage.schema import lease_table, outbox_table
 from tests.admin_helpers import (
     DAY_MS,
@@ -277,7 +278,7 @@ def test_purge_never_deletes_a_lease_reclaimed_while_it_runs(pg_url: str) -> Non
         "p_heartbeat_ms": 60_000,
         "p_holder": "worker-a",
     }
-    deleted = _purge_while_a_row_changes(pg_url, engine, "leases", acquire_statement("postgresql"), reclaim)
+    deleted = _purge_while_a_row_changes(pg_url, engine, "leases", store.CLAIM_OR_RECLAIM.postgresql, reclaim)
     assert deleted == 0
     (row,) = admin.list_leases(engine)
     assert (row.status, row.attempt, row.holder) == ("RUNNING", 2, "worker-a")

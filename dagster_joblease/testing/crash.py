@@ -22,8 +22,8 @@ import sqlalchemy as sa
 
 from dagster_joblease import admin, errors, identity
 from dagster_joblease.lease import Lease, LeaseService
+from dagster_joblease.storage import outbox
 from dagster_joblease.storage.engine import create_engine, translate_errors
-from dagster_joblease.storage.schema import outbox_table
 
 __all__ = ["CrashPoint", "CrashResult", "crash_point", "crash_run_exclusive"]
 
@@ -127,7 +127,7 @@ def _check_callable(fn: object) -> None:
 
 def _last_outbox_id(engine: sa.Engine) -> int:
     with translate_errors("read the outbox"), engine.connect() as conn:
-        return int(conn.execute(sa.select(sa.func.coalesce(sa.func.max(outbox_table.c.id), 0))).scalar_one())
+        return outbox.last_id(conn)
 
 
 def _snapshot(

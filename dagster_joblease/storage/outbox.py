@@ -1,0 +1,441 @@
+"""Every statement on ``joblease_outbox``, each named for the question it answers.
+
+The enqueue side (:mod:`dagster_joblease.outbox`), admin, delivery status and the testing helpers call
+these and hold no SQL of their own; the dispatcher's delivery statements have their own section at the
+end. Enqueue statements are :class:`~dagster_joblease.storage.driver.Query` objects run in the caller's
+transaction (:func:`dagster_joblease.storage.driver.in_transaction`); operator reads whose shape depends
+on their filters are built per call and run through SQLAlchemy.
+
+The partial index of pending rows is declared ``WHERE status = 'PENDING'``: PostgreSQL only uses it when
+the query repeats that predicate with a literal (a bound parameter cannot be proven to match once a
+statement runs with a generic plan), so statuses are written into the SQL, not bound.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import sqlalchemy as sa
+from sqlalchemy.dialects import postgresql, sqlite
+
+from dagster_joblease.storage import driver, rowset
+from dagster_joblease.storage.clock import db_now, db_now_plus_ms, ms_until, readable_ts
+from dagster_joblease.storage.driver import Statements
+from dagster_joblease.storage.schema import outbox_table
+
+__all__ = [
+    "ENQUEUE_COLUMNS",
+    "counts_by_topic_and_status",
+    "dead_count",
+    "delivery_counts_by_topic",
+    "due_backlog",
+    "due_by_topic",
+    "due_clause",
+    "due_counts",
+    "existing",
+    "existing_many",
+    "in_flight_by_group",
+    "insert_many",
+    "insert_pending",
+    "last_id",
+    "lock_for_requeue",
+    "outbox_rows",
+    "pending_count",
+    "purge_sent",
+    "requeue_dead",
+    "requeue_one",
+    "take_back",
+    "unrouted_backlog",
+    "unrouted_topics",
+]
+
+_t = outbox_table
+
+_PENDING_TEXT = sa.literal_column("'PENDING'", sa.String())
+_DEAD_TEXT = sa.literal_column("'DEAD'", sa.String())
+_PENDING = _t.c.status == _PENDING_TEXT
+_DEAD = _t.c.status == _DEAD_TEXT
+
+
+def _not_in_flight() -> sa.ColumnElement[bool]:
+    """No claim, or an expired one: no dispatcher is delivering the row now."""
+    return sa.or_(_t.c.claim_expires_at.is_(None), _t.c.claim_expires_at < db_now())
+
+
+def due_clause() -> sa.ColumnElement[bool]:
+    """Rows a dispatcher may claim now: pending, due on the database clock, and not claimed (or expired)."""
+    return sa.and_(_PENDING, _t.c.next_attempt_at <= db_now(), _not_in_flight())
+
+
+# -- enqueue: in the caller's transaction -----------------------------------------------------------------
+
+_KEY = sa.bindparam("key", type_=sa.String())
+_TOPIC = sa.bindparam("topic", type_=sa.String())
+
+
+def _insert(dialect_name: str) -> Any:
+    """``INSERT … ON CONFLICT (idempotency_key) DO NOTHING RETURNING id``: a new pending row, due now."""
+    # Bind the canonical text as-is instead of letting the JSON type encode the payload a second time.
+    payload: sa.ColumnElement[Any] = sa.bindparam("payload_text", type_=sa.Text())
+    if dialect_name == "postgresql":
+        payload = sa.cast(payload, postgresql.JSONB())
+    insert = (postgresql.insert if dialect_name == "postgresql" else sqlite.insert)(_t)
+    return (
+        insert.values(
+            idempotency_key=_KEY,
+            topic=_TOPIC,
+            payload=payload,
+            payload_sha256=sa.bindparam("sha256", type_=sa.String()),
+            status=_PENDING_TEXT,
+            attempts=sa.literal_column("0", sa.Integer()),
+            next_attempt_at=db_now(),
+            created_at=db_now(),
+            updated_at=db_now(),
+        )
+        .on_conflict_do_nothing(index_elements=[_t.c.idempotency_key])
+        .returning(_t.c.id)
+    )
+
+
+INSERT_PENDING = driver.query(_insert("postgresql"), _insert("sqlite"))
+EXISTING = driver.query(sa.select(_t.c.payload_sha256, _t.c.topic).where(_t.c.idempotency_key == _KEY))
+#: Pending rows of a topic, counted up to a cap (at most ``cap`` rows read).
+PENDING_COUNT = driver.query(
+    sa.select(sa.func.count()).select_from(
+        sa.select(_t.c.id)
+        .where(_PENDING, _t.c.topic == _TOPIC)
+        .limit(sa.bindparam("cap", type_=sa.Integer()))
+        .subquery()
+    )
+)
+
+
+def insert_pending(db: Statements, key: str, topic: str, payload_text: str, sha256: str) -> bool:
+    """Add a pending row (its payload as canonical JSON text); False when the key already has one."""
+    params = {"key": key, "topic": topic, "payload_text": payload_text, "sha256": sha256}
+    return db.first(INSERT_PENDING, params) is not None
+
+
+def existing(db: Statements, key: str) -> tuple[str, str] | None:
+    """The fingerprint and topic of the row under ``key``, or None."""
+    row = db.first(EXISTING, {"key": key})
+    return None if row is None else (str(row[0]), str(row[1]))
+
+
+def pending_count(db: Statements, topic: str, cap: int) -> int:
+    """How many rows of ``topic`` are pending, counting no further than ``cap``."""
+    row = db.first(PENDING_COUNT, {"topic": topic, "cap": cap})
+    assert row is not None
+    return int(row[0])
+
+
+#: The columns of a set of rows to enqueue, in the order :func:`insert_many` takes them.
+ENQUEUE_COLUMNS = (
+    ("key", sa.String()),
+    ("topic", sa.String()),
+    ("payload_text", sa.Text()),
+    ("sha256", sa.String()),
+)
+_ENQUEUE_NAMES = tuple(name for name, _ in ENQUEUE_COLUMNS)
+
+
+def _insert_many(dialect_name: str) -> Any:
+    """``INSERT … SELECT … FROM <rows> ORDER BY key ON CONFLICT DO NOTHING RETURNING idempotency_key``."""
+    source = rowset.rows_source(dialect_name, ENQUEUE_COLUMNS, joined=False)
+    payload: sa.ColumnElement[Any] = source.c.payload_text
+    if dialect_name == "postgresql":
+        payload = sa.cast(payload, postgresql.JSONB())
+    rows = (
+        sa.select(
+            source.c.key,
+            source.c.topic,
+            payload,
+            source.c.sha256,
+            _PENDING_TEXT,
+            sa.literal_column("0", sa.Integer()),
+            db_now(),
+            db_now(),
+            db_now(),
+        )
+        .select_from(source)
+        .where(sa.true())  # SQLite: INSERT … SELECT … ON CONFLICT needs a WHERE to parse
+        .order_by(source.c.key)  # key order: overlapping sets wait for each other, never deadlock
+    )
+    columns = ["idempotency_key", "topic", "payload", "payload_sha256", "status", "attempts"]
+    columns += ["next_attempt_at", "created_at", "updated_at"]
+    insert = (postgresql.insert if dialect_name == "postgresql" else sqlite.insert)(_t)
+    return (
+        insert.from_select(columns, rows)
+        .on_conflict_do_nothing(index_elements=[_t.c.idempotency_key])
+        .returning(_t.c.idempotency_key)
+    )
+
+
+def _existing_many(dialect_name: str) -> Any:
+    """``(idempotency_key, payload_sha256, topic)`` of the rows under the given keys."""
+    keys = rowset.rows_source(dialect_name, (("key", sa.String()),))
+    read = (_t.c.idempotency_key, _t.c.payload_sha256, _t.c.topic)
+    if dialect_name == "postgresql":
+        # One index lookup per key (LATERAL): linear whatever the planner's row estimates say.
+        found = sa.select(*read).where(_t.c.idempotency_key == keys.c.key).lateral("l")
+        return sa.select(*(found.c[c.name] for c in read)).select_from(keys.join(found, sa.true()))
+    return sa.select(*read).select_from(_t.join(keys, _t.c.idempotency_key == keys.c.key))
+
+
+def _take_back(dialect_name: str) -> Any:
+    """Delete the rows under the given keys (``RETURNING`` the keys: a pipeline reads it like a row)."""
+    keys = rowset.rows_source(dialect_name, (("key", sa.String()),), joined=False)
+    return (
+        sa.delete(_t).where(_t.c.idempotency_key.in_(sa.select(keys.c.key))).returning(_t.c.idempotency_key)
+    )
+
+
+INSERT_MANY = driver.query(_insert_many("postgresql"), _insert_many("sqlite"))
+EXISTING_MANY = driver.query(_existing_many("postgresql"), _existing_many("sqlite"))
+TAKE_BACK = driver.query(_take_back("postgresql"), _take_back("sqlite"))
+
+
+def insert_many(db: Statements, rows: Sequence[tuple[str, str, str, str]]) -> list[str]:
+    """Add pending rows (key, topic, payload text, sha256; in key order) for keys that have none: the
+    keys inserted."""
+    params = rowset.bind_rows(db.dialect, _ENQUEUE_NAMES, rows)
+    return [str(row[0]) for row in db.rows(INSERT_MANY, params)]
+
+
+def existing_many(db: Statements, keys: Sequence[str]) -> dict[str, tuple[str, str]]:
+    """Key → (fingerprint, topic) of the rows under ``keys``."""
+    params = rowset.bind_rows(db.dialect, ("key",), [(key,) for key in keys])
+    return {str(key): (str(sha), str(topic)) for key, sha, topic in db.rows(EXISTING_MANY, params)}
+
+
+def take_back(db: Statements, keys: Sequence[str]) -> int:
+    """Delete the rows under ``keys`` (what a refused enqueue of a set had inserted); how many."""
+    params = rowset.bind_rows(db.dialect, ("key",), [(key,) for key in keys])
+    return len(db.rows(TAKE_BACK, params))
+
+
+# -- what is waiting: summaries, delivery health ----------------------------------------------------------
+
+
+def due_counts(
+    conn: sa.Connection, topics: Sequence[str] | None, exclude: Sequence[str] = ()
+) -> tuple[int, int | None, int]:
+    """Over pending rows of ``topics`` (None: all) less ``exclude``: rows due now, ms since the oldest
+    became due (None: none due), and rows that already failed at least once (not in flight)."""
+    due = sa.and_(_t.c.next_attempt_at <= db_now(), _not_in_flight())
+    stmt = (
+        sa.select(
+            sa.func.count().filter(due),
+            -ms_until(sa.func.min(_t.c.next_attempt_at).filter(due)),
+            sa.func.count().filter(sa.and_(_t.c.attempts > 0, _not_in_flight())),
+        )
+        .select_from(_t)
+        .where(_PENDING)
+    )
+    if topics is not None:
+        stmt = stmt.where(_t.c.topic.in_(topics))
+    if exclude:
+        stmt = stmt.where(_t.c.topic.not_in(exclude))
+    count, age, retrying = conn.execute(stmt).one()
+    return int(count), None if age is None else int(age), int(retrying)
+
+
+def _routed(topics: Sequence[str] | None) -> sa.ColumnElement[bool]:
+    return sa.true() if topics is None else _t.c.topic.in_(topics)
+
+
+def dead_count(conn: sa.Connection, topics: Sequence[str] | None) -> int:
+    """Rows of ``topics`` (None: all) parked DEAD."""
+    stmt = sa.select(sa.func.count()).select_from(_t).where(_DEAD, _routed(topics))
+    return int(conn.execute(stmt).scalar_one())
+
+
+def _unrouted(topics: Sequence[str], older_than_ms: int) -> sa.ColumnElement[bool]:
+    return sa.and_(
+        _PENDING,
+        _t.c.topic.not_in(topics),
+        _t.c.created_at < db_now_plus_ms(sa.literal(-older_than_ms, sa.BigInteger())),
+    )
+
+
+def unrouted_backlog(
+    conn: sa.Connection, topics: Sequence[str], older_than_ms: int
+) -> tuple[int, int | None]:
+    """Pending rows of topics other than ``topics`` created more than ``older_than_ms`` ago: how many,
+    and the age in ms of the oldest (None: none)."""
+    stmt = (
+        sa.select(sa.func.count(), -ms_until(sa.func.min(_t.c.created_at)))
+        .select_from(_t)
+        .where(_unrouted(topics, older_than_ms))
+    )
+    count, age = conn.execute(stmt).one()
+    return int(count), None if age is None else int(age)
+
+
+def unrouted_topics(conn: sa.Connection, topics: Sequence[str], older_than_ms: int, limit: int) -> list[str]:
+    """The first ``limit`` topics (by name) of :func:`unrouted_backlog`'s rows."""
+    where = _unrouted(topics, older_than_ms)
+    stmt = sa.select(_t.c.topic).where(where).distinct().order_by(_t.c.topic).limit(limit)
+    return [str(topic) for topic in conn.execute(stmt).scalars()]
+
+
+def due_by_topic(conn: sa.Connection, *, not_in: Sequence[str]) -> dict[str, int]:
+    """Due rows per topic (topics in ``not_in`` left out), in topic order."""
+    stmt = (
+        sa.select(_t.c.topic, sa.func.count()).where(due_clause()).group_by(_t.c.topic).order_by(_t.c.topic)
+    )
+    if not_in:
+        stmt = stmt.where(_t.c.topic.not_in(not_in))
+    return {str(topic): int(n) for topic, n in conn.execute(stmt)}
+
+
+# -- operators (admin, delivery status) ------------------------------------------------------------------
+
+
+def counts_by_topic_and_status(conn: sa.Connection) -> list[tuple[str, str, int]]:
+    """(topic, status, rows) for every pair that has rows, in that order."""
+    stmt = (
+        sa.select(_t.c.topic, _t.c.status, sa.func.count())
+        .group_by(_t.c.topic, _t.c.status)
+        .order_by(_t.c.topic, _t.c.status)
+    )
+    return [(str(topic), str(status), int(n)) for topic, status, n in conn.execute(stmt)]
+
+
+def due_backlog(conn: sa.Connection) -> tuple[int, int | None]:
+    """Rows due now and the ms until the oldest one's ``next_attempt_at`` (negative: overdue by that
+    much; None: no row is due)."""
+    stmt = sa.select(sa.func.count(), ms_until(readable_ts(sa.func.min(_t.c.next_attempt_at)))).where(
+        due_clause()
+    )
+    due, oldest = conn.execute(stmt).one()
+    return int(due), None if oldest is None else int(oldest)
+
+
+def _claimed() -> sa.ColumnElement[bool]:
+    """A dispatcher holds an unexpired claim on the row."""
+    return sa.case(
+        (sa.and_(_t.c.claim_expires_at.is_not(None), _t.c.claim_expires_at >= db_now()), sa.true()),
+        else_=sa.false(),
+    ).label("claimed")
+
+
+def _rows_select() -> sa.Select[Any]:
+    """One outbox row as operators see it: without its payload, timestamps clamped, the ms until it is
+    due (PENDING rows; database clock) and whether it is claimed now."""
+    return sa.select(
+        _t.c.id,
+        _t.c.idempotency_key,
+        _t.c.topic,
+        _t.c.status,
+        _t.c.attempts,
+        readable_ts(_t.c.next_attempt_at).label("next_attempt_at"),
+        sa.case((_PENDING, ms_until(readable_ts(_t.c.next_attempt_at))), else_=sa.null()).label("due_in_ms"),
+        _claimed(),
+        _t.c.last_status,
+        _t.c.last_error,
+        readable_ts(_t.c.created_at).label("created_at"),
+        readable_ts(_t.c.updated_at).label("updated_at"),
+        readable_ts(_t.c.sent_at).label("sent_at"),
+    )
+
+
+def outbox_rows(
+    conn: sa.Connection, *, status: str | None = None, topic: str | None = None, limit: int = 100
+) -> list[sa.Row[Any]]:
+    """Rows as operators see them (see :func:`_rows_select`), newest first, by status and topic."""
+    stmt = _rows_select()
+    if status is not None:
+        stmt = stmt.where(_t.c.status == status)
+    if topic is not None:
+        stmt = stmt.where(_t.c.topic == topic)
+    return list(conn.execute(stmt.order_by(_t.c.id.desc()).limit(limit)))
+
+
+def _requeued() -> dict[str, Any]:
+    """A row made due again: its key kept, attempts and claim cleared, the retention window restarted
+    (``first_attempt_at``: a person's requeue is their decision to send again)."""
+    return {
+        "status": "PENDING",
+        "attempts": 0,
+        "next_attempt_at": db_now(),
+        "claim_token": None,
+        "claim_expires_at": None,
+        "first_attempt_at": None,
+        "claim_group": None,
+        "deferrals": 0,
+        "updated_at": db_now(),
+    }
+
+
+def lock_for_requeue(conn: sa.Connection, row_id: int) -> tuple[str, bool] | None:
+    """The status of row ``row_id`` and whether it is claimed now, its row locked until the transaction
+    of ``conn`` ends; None when there is no such row."""
+    stmt = sa.select(_t.c.status, _claimed()).where(_t.c.id == row_id).with_for_update()
+    row = conn.execute(stmt).first()
+    return None if row is None else (str(row[0]), bool(row[1]))
+
+
+def requeue_one(conn: sa.Connection, row_id: int, *, dead: bool) -> int:
+    """Make row ``row_id`` due again if it is still DEAD (``dead``) or still a PENDING row nobody is
+    delivering; how many rows changed (0 or 1)."""
+    unchanged = _DEAD if dead else sa.and_(_PENDING, _not_in_flight())
+    return int(conn.execute(sa.update(_t).where(_t.c.id == row_id, unchanged).values(**_requeued())).rowcount)
+
+
+def requeue_dead(conn: sa.Connection, topic: str | None) -> int:
+    """Make every DEAD row (of ``topic``, when given) due again; how many."""
+    where = _DEAD if topic is None else sa.and_(_DEAD, _t.c.topic == topic)
+    return int(conn.execute(sa.update(_t).where(where).values(**_requeued())).rowcount)
+
+
+def purge_sent(engine: sa.Engine, *, sent_before_ms: int, dry_run: bool) -> int:
+    """Delete (or count, ``dry_run``) SENT rows delivered more than ``sent_before_ms`` ago on the
+    database clock, in short batches."""
+    from dagster_joblease.storage import purge
+
+    where = sa.and_(_t.c.status == "SENT", _t.c.sent_at < purge.cutoff(sent_before_ms))
+    return purge.in_batches(engine, _t, where, "purge sent outbox rows", dry_run=dry_run)
+
+
+def delivery_counts_by_topic(conn: sa.Connection) -> dict[str, list[int]]:
+    """Topic → [due now, in flight, waiting (a backoff or a pause), retrying, dead], from one grouped
+    read of the pending and dead rows."""
+    live_claim = sa.and_(_t.c.claim_expires_at.is_not(None), _t.c.claim_expires_at > db_now())
+    idle = sa.and_(_PENDING, sa.not_(live_claim))
+    stmt = (
+        sa.select(
+            _t.c.topic,
+            sa.func.count().filter(sa.and_(idle, _t.c.next_attempt_at <= db_now())),
+            sa.func.count().filter(sa.and_(_PENDING, live_claim)),
+            sa.func.count().filter(sa.and_(idle, _t.c.next_attempt_at > db_now())),
+            sa.func.count().filter(sa.and_(idle, _t.c.attempts > 0)),
+            sa.func.count().filter(_DEAD),
+        )
+        .where(_t.c.status.in_([_PENDING_TEXT, _DEAD_TEXT]))
+        .group_by(_t.c.topic)
+        .order_by(_t.c.topic)
+    )
+    return {str(row[0]): [int(v) for v in row[1:]] for row in conn.execute(stmt)}
+
+
+def in_flight_by_group(conn: sa.Connection) -> dict[str, int]:
+    """Limit group → unexpired claims holding its capacity (every dispatcher)."""
+    live_claim = sa.and_(_t.c.claim_expires_at.is_not(None), _t.c.claim_expires_at > db_now())
+    stmt = (
+        sa.select(_t.c.claim_group, sa.func.count())
+        .where(_t.c.claim_group.is_not(None), live_claim, _PENDING)
+        .group_by(_t.c.claim_group)
+    )
+    return {str(group): int(n) for group, n in conn.execute(stmt)}
+
+
+def last_id(conn: sa.Connection) -> int:
+    """The highest row id so far (0 when the table is empty)."""
+    return int(conn.execute(sa.select(sa.func.coalesce(sa.func.max(_t.c.id), 0))).scalar_one())
+
+
+# == The dispatcher's delivery statements (claim, sent, give-back, swap) ===================================
+# The dispatch helper moves them here from dagster_joblease/dispatch/ (issue #28); everything above this
+# line is the enqueue side's, admin's and delivery status's.
