@@ -20,6 +20,7 @@ contain a database URL or a credential.
     ├── OutboxConflictError                     same idempotency key, different payload
     ├── InboxConflictError                      consumer saw the same key with a different payload
     ├── InboxInProgressError                    consumer is still processing that key
+    ├── InboxStaleFenceError                    a fencing token older than one the consumer accepted
     ├── DispatchError                           delivery could not be attempted
     ├── NotFoundError                           an admin command named a row that does not exist
     ├── RetentionWindowError (ValueError)       purge window shorter than the configured minimum
@@ -36,6 +37,7 @@ __all__ = [
     "DispatchError",
     "InboxConflictError",
     "InboxInProgressError",
+    "InboxStaleFenceError",
     "InvalidFaultError",
     "InvalidInboxInputError",
     "InvalidJobIdentityError",
@@ -234,6 +236,24 @@ class InboxInProgressError(JobLeaseError):
         #: How long the current claim lasts at most (database clock), when known: a fair Retry-After.
         self.retry_after_ms = retry_after_ms
         super().__init__(f"idempotency key {idempotency_key!r} is being processed; retry later")
+
+
+class InboxStaleFenceError(JobLeaseError):
+    """A request's fencing number is lower than one already accepted for its key (HTTP 409).
+
+    The sender holds a lease that was reclaimed (its ``attempt`` is older than the newest holder's): it
+    must stop, not retry.
+    """
+
+    def __init__(self, *, idempotency_key: str, fence: int, accepted_fence: int) -> None:
+        self.idempotency_key = idempotency_key
+        self.fence = fence
+        self.accepted_fence = accepted_fence
+        super().__init__(
+            f"idempotency key {idempotency_key!r} came with fencing token {fence}, but token "
+            f"{accepted_fence} was already accepted for it: the sender's lease was taken over by a newer "
+            "holder; stop this attempt (do not retry it)"
+        )
 
 
 class DispatchError(JobLeaseError):

@@ -26,7 +26,7 @@ __all__ = [
 #: Alembic's version table for this package, distinct from Dagster's and the host's ``alembic_version``.
 VERSION_TABLE = "joblease_alembic_version"
 #: The newest migration; ``db check`` compares the database against it.
-HEAD_REVISION = "0006"
+HEAD_REVISION = "0007"
 
 metadata = sa.MetaData(
     naming_convention={
@@ -240,6 +240,12 @@ inbox_table = sa.Table(
     sa.Column("response_body", sa.Text(), nullable=True),
     sa.Column("created_at", _Time, nullable=False),
     sa.Column("completed_at", _Time, nullable=True),
+    # The stored answer's headers, a JSON array of [name, value] pairs (NULL: none; before 0007: none).
+    sa.Column("response_headers", sa.Text(), nullable=True),
+    # A binary body (an ASGI answer); NULL when the body is the text in response_body.
+    sa.Column("response_content", sa.LargeBinary(), nullable=True),
+    # The highest fencing number accepted under this key (NULL: none was sent); a lower one is refused.
+    sa.Column("fence", sa.BigInteger(), nullable=True),
     _sqlite_check("status IN ('IN_PROGRESS', 'DONE')", name="status"),
     sa.Index("ix_joblease_inbox_completed_at", "completed_at"),
 )

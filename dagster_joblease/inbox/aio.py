@@ -1,0 +1,303 @@
+"""The inbox for async code on PostgreSQL: the same semantics, statements and transaction as :mod:`.sync`.
+
+Two sources of connections:
+
+- SQLAlchemy's async engine (``create_async_engine("postgresql+psycopg://…")``): the effect gets the
+  transaction's ``sqlalchemy.ext.asyncio.AsyncConnection``;
+- psycopg 3 directly: a callable that returns an async context manager yielding a
+  ``psycopg.AsyncConnection``, such as ``psycopg_pool.AsyncConnectionPool(...).connection``; the effect
+  gets that connection (any row factory; autocommit or not: the inbox opens its own transaction).
+
+SQLite has no async path here: use the sync :class:`~dagster_joblease.inbox.Inbox` (the ASGI middleware
+runs it in a worker thread).
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Awaitable, Callable, Generator
+from contextlib import AbstractAsyncContextManager
+from typing import TYPE_CHECKING, Any, Generic, TypeVar, cast, overload
+
+import psycopg
+import psycopg.rows
+
+from dagster_joblease import errors
+from dagster_joblease.inbox import core
+from dagster_joblease.inbox.core import Answer, InboxResult, VerdictKind
+from dagster_joblease.storage import inbox as store
+from dagster_joblease.storage.engine import translate_errors
+
+if TYPE_CHECKING:
+    from sqlalchemy.ext.asyncio import AsyncEngine
+
+__all__ = ["AsyncInbox", "AsyncInboxTransaction", "PsycopgConnector"]
+
+logger = logging.getLogger(__name__)
+
+#: Where psycopg connections come from: e.g. ``psycopg_pool.AsyncConnectionPool(...).connection``.
+PsycopgConnector = Callable[[], AbstractAsyncContextManager[psycopg.AsyncConnection[Any]]]
+
+C = TypeVar("C")
+
+
+class _Session:
+    """One async connection with a transaction open on it: run statements, then commit or roll back."""
+
+    connection: Any
+
+    async def open(self) -> None:
+        raise NotImplementedError
+
+    async def first(self, statement: Any, params: dict[str, Any]) -> Any:
+        raise NotImplementedError
+
+    async def count(self, statement: Any, params: dict[str, Any]) -> int:
+        """Run a write; how many rows it changed."""
+        raise NotImplementedError
+
+    async def end(self, commit: bool) -> None:
+        raise NotImplementedError
+
+
+class _EngineSession(_Session):
+    def __init__(self, engine: Any) -> None:
+        self._engine = engine
+
+    async def open(self) -> None:
+        self.connection = await self._engine.connect()
+        try:
+            await self.connection.begin()
+        except BaseException:
+            await self.connection.close()
+            raise
+
+    async def first(self, statement: Any, params: dict[str, Any]) -> Any:
+        result = await self.connection.execute(statement, params)
+        return result.first() if result.returns_rows else None
+
+    async def count(self, statement: Any, params: dict[str, Any]) -> int:
+        return int((await self.connection.execute(statement, params)).rowcount)
+
+    async def end(self, commit: bool) -> None:
+        try:
+            await (self.connection.commit() if commit else self.connection.rollback())
+        finally:
+            await self.connection.close()
+
+
+class _PsycopgSession(_Session):
+    def __init__(self, connector: PsycopgConnector) -> None:
+        self._manager = connector()
+
+    async def open(self) -> None:
+        conn = self.connection = await self._manager.__aenter__()
+        try:
+            if conn.info.transaction_status != psycopg.pq.TransactionStatus.IDLE:
+                raise errors.ConfigurationError(
+                    "the psycopg connection the inbox was given is inside a transaction; give the inbox "
+                    "idle connections (a pool's connection() is)"
+                )
+            if conn.autocommit:
+                await conn.execute("BEGIN")
+            self._cursor = conn.cursor(row_factory=psycopg.rows.tuple_row)
+        except BaseException as exc:
+            await self._manager.__aexit__(type(exc), exc, exc.__traceback__)
+            raise
+
+    async def first(self, statement: Any, params: dict[str, Any]) -> Any:
+        sql, constants = store.psycopg_sql(statement)
+        cursor = self._cursor
+        await cursor.execute(sql, {**constants, **params})
+        return await cursor.fetchone() if cursor.description is not None else None
+
+    async def count(self, statement: Any, params: dict[str, Any]) -> int:
+        sql, constants = store.psycopg_sql(statement)
+        await self._cursor.execute(sql, {**constants, **params})
+        return int(self._cursor.rowcount)
+
+    async def end(self, commit: bool) -> None:
+        try:
+            await (self.connection.commit() if commit else self.connection.rollback())
+        finally:
+            await self._manager.__aexit__(None, None, None)
+
+
+async def _drive(session: _Session, steps: Generator[core.Step, Any, Any]) -> Any:
+    try:
+        step = next(steps)
+        while True:
+            step = steps.send(await session.first(step.statement, step.params))
+    except StopIteration as done:
+        return done.value
+
+
+class AsyncInboxTransaction(Generic[C]):
+    """One key's transaction, in three awaits: :meth:`begin`, then :meth:`commit` or :meth:`rollback`
+    (the async twin of :class:`~dagster_joblease.inbox.InboxTransaction`)."""
+
+    def __init__(self, inbox: AsyncInbox[C], key: str, fingerprint: str, fence: int | None) -> None:
+        self.inbox = inbox
+        self.key = key
+        self.fingerprint = fingerprint
+        self.fence = fence
+        self._session: _Session | None = None
+
+    @property
+    def connection(self) -> C:
+        """The transaction's connection: write the effect here so it commits with the stored answer."""
+        if self._session is None:
+            raise errors.ConfigurationError("the inbox transaction is not open: begin() returned an answer")
+        return cast(C, self._session.connection)
+
+    async def begin(self) -> InboxResult | None:
+        """Open the transaction and judge the key: the replay, None (apply the effect), or a refusal
+        (the same errors as :meth:`InboxTransaction.begin`)."""
+        inbox = self.inbox
+        session = inbox._session()
+        steps = core.begin_steps("postgresql", self.key, self.fingerprint, self.fence, inbox.lock_ms)
+        with translate_errors("process an inbox key"):
+            await session.open()
+            try:
+                verdict, row = await _drive(session, steps)
+            except BaseException:
+                await session.end(commit=False)
+                raise
+            if verdict.kind in (VerdictKind.APPLY, VerdictKind.APPLY_AFTER_EXPIRY):
+                self._session = session
+                return None
+            await session.end(commit=True)  # a read (and maybe a newer fencing number): nothing to undo
+        core.raise_refusal(self.key, self.fence, verdict)
+        return core.stored_result(row)
+
+    async def commit(self, answer: Answer) -> InboxResult:
+        """Record ``answer`` and commit it with the effect (see :meth:`InboxTransaction.commit`)."""
+        session = self._session
+        if session is None:
+            raise errors.ConfigurationError("the inbox transaction is not open: begin() returned an answer")
+        params = core.record_params(self.key, self.fingerprint, self.fence, answer)
+        try:
+            with translate_errors("record an inbox result"):
+                recorded = await session.first(store.record_done("postgresql"), params)
+                if recorded is not None:
+                    self._session = None
+                    await session.end(commit=True)
+        except BaseException:
+            await self.rollback()
+            raise
+        if recorded is None:
+            await self.rollback()
+            return await self._look_again()
+        logger.debug("inbox key %r processed (status %d)", self.key, answer.status_code)
+        return InboxResult(answer.status_code, answer.body, False, answer.headers)
+
+    async def rollback(self) -> None:
+        """Roll the transaction and the effect back: the key stays new."""
+        session, self._session = self._session, None
+        if session is not None:
+            with translate_errors("roll back an inbox transaction"):
+                await session.end(commit=False)
+
+    async def _look_again(self) -> InboxResult:
+        again = AsyncInboxTransaction(self.inbox, self.key, self.fingerprint, self.fence)
+        replay = await again.begin()
+        if replay is None:
+            await again.rollback()
+            raise errors.InboxInProgressError(idempotency_key=self.key)
+        return replay
+
+
+class AsyncInbox(Generic[C]):
+    """The inbox for asyncio code on PostgreSQL (same semantics and errors as :class:`Inbox`).
+
+    Args:
+        source: SQLAlchemy's ``AsyncEngine`` (PostgreSQL), or a callable returning an async context
+            manager that yields a psycopg ``AsyncConnection`` (``pool.connection`` of a
+            ``psycopg_pool.AsyncConnectionPool``).
+        lock_ms: as for :class:`Inbox`.
+
+    Example::
+
+        pool = psycopg_pool.AsyncConnectionPool("postgresql://…", open=False)
+        inbox = AsyncInbox(pool.connection)
+
+        async def apply(conn: psycopg.AsyncConnection) -> tuple[int, str]:
+            await conn.execute("INSERT INTO orders ...", (...))
+            return 201, '{"created": true}'
+
+        result = await inbox.process(key, body, apply)
+    """
+
+    @overload
+    def __init__(self: AsyncInbox[Any], source: AsyncEngine, *, lock_ms: int = ...) -> None: ...
+
+    @overload
+    def __init__(
+        self: AsyncInbox[psycopg.AsyncConnection[Any]], source: PsycopgConnector, *, lock_ms: int = ...
+    ) -> None: ...
+
+    def __init__(self, source: Any, *, lock_ms: int = core.DEFAULT_LOCK_MS) -> None:
+        from sqlalchemy.ext.asyncio import AsyncEngine  # here: only async users need greenlet
+
+        self.lock_ms = core.check_lock_ms(lock_ms)
+        self.source = source
+        if isinstance(source, AsyncEngine):
+            if source.dialect.name != "postgresql":
+                raise errors.ConfigurationError(
+                    f"AsyncInbox needs PostgreSQL, not {source.dialect.name}; on SQLite use the sync Inbox "
+                    "(InboxMiddleware runs it in a worker thread)"
+                )
+            self._make_session: Callable[[], _Session] = lambda: _EngineSession(source)
+        elif callable(source):
+            self._make_session = lambda: _PsycopgSession(source)
+        else:
+            raise errors.ConfigurationError(
+                f"AsyncInbox source {source!r:.80} is neither an AsyncEngine nor a callable that returns an "
+                "async context manager of psycopg AsyncConnections (e.g. AsyncConnectionPool.connection)"
+            )
+
+    def _session(self) -> _Session:
+        return self._make_session()
+
+    def transaction(self, key: str, fingerprint: str, fence: int | None = None) -> AsyncInboxTransaction[C]:
+        """A key's transaction for a caller that drives it itself."""
+        return AsyncInboxTransaction(
+            self, core.validate_idempotency_key(key), fingerprint, core.check_fence(fence)
+        )
+
+    async def process(
+        self,
+        idempotency_key: str,
+        payload: Any,
+        effect: Callable[[C], Awaitable[tuple[Any, ...]]],
+        *,
+        fence: int | None = None,
+    ) -> InboxResult:
+        """Await ``effect(connection)`` once for the key, or return the answer recorded the first time
+        (the async twin of :meth:`Inbox.process`: the same arguments, answers and errors)."""
+        if not callable(effect):
+            raise core.InvalidInboxInputError("effect", f"{effect!r:.80} is not callable; pass a function")
+        tx = self.transaction(idempotency_key, core.request_fingerprint(payload), fence)
+        replay = await tx.begin()
+        if replay is not None:
+            return replay
+        try:
+            answer = core.check_answer(tx.key, await effect(tx.connection))
+        except BaseException:
+            await tx.rollback()
+            raise
+        return await tx.commit(answer)
+
+    async def purge(self, older_than_ms: int) -> int:
+        """Delete completed keys finished more than ``older_than_ms`` ago; return how many."""
+        params = {"older_than_ms": core.check_older_than_ms(older_than_ms)}
+        session = self._session()
+        with translate_errors("purge inbox keys"):
+            await session.open()
+            try:
+                count = await session.count(store.purge_done(), params)
+            except BaseException:
+                await session.end(commit=False)
+                raise
+            await session.end(commit=True)
+        return count

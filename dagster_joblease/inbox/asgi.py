@@ -1,0 +1,423 @@
+"""The inbox as pure ASGI middleware: mount it on Starlette, FastAPI or any ASGI app.
+
+For the paths and methods it is configured for, :class:`InboxMiddleware` reads the ``Idempotency-Key``
+(bare or the IETF draft's sf-string) and the optional ``Fencing-Token``, reads the whole body, fingerprints
+the request (method, path and body by default) and then, in one inbox transaction:
+
+- a new key: calls the app, with the transaction's connection in the request (:func:`inbox_connection`),
+  and stores its status, the headers it names and its body; answers what the app answered;
+- a key already answered: replays the stored status, headers and body with ``Idempotent-Replayed: true``;
+- a key in flight: 409; the key with another request: 422; a fencing token lower than one already accepted
+  for the key: 409 (stale); a missing (where required) or malformed key: 400.
+
+What is guaranteed depends on where the app writes:
+
+- **through the inbox's transaction** (:func:`inbox_connection`): the effect and the stored answer commit
+  together or not at all. A key is applied at most once, a crash at any point leaves it new, and every
+  repeat gets the first answer.
+- **elsewhere** (its own session, another service): concurrent repeats still get 409 while the first runs,
+  and a repeat after a stored answer is replayed without calling the app. But the app's commit and the
+  inbox's are two: if the process dies, or the inbox's commit fails, after the app committed, the key is
+  not recorded and the next delivery runs the app again. On SQLite the inbox's transaction holds the
+  database's write lock while the app runs, so the app's own writes to that same file wait and time out:
+  write through the inbox's connection there.
+
+Answers a sender retries (5xx, 408, 409, 425, 429: :func:`dagster_joblease.wire.is_retryable_status`) are
+not stored: the transaction rolls back (with anything the app wrote through it) and the answer goes out
+as it is, so the retry runs the app again. Raise ``store_status`` to change that.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import math
+from collections.abc import Awaitable, Callable, Iterable, MutableMapping
+from typing import Any, NamedTuple
+
+import anyio
+import anyio.to_thread
+
+from dagster_joblease import errors, wire
+from dagster_joblease.inbox import core
+from dagster_joblease.inbox.aio import AsyncInbox, AsyncInboxTransaction
+from dagster_joblease.inbox.core import Answer, InboxResult
+from dagster_joblease.inbox.sync import Inbox, InboxTransaction
+
+__all__ = ["InboxMiddleware", "RequestParts", "fingerprint_request", "inbox_connection"]
+
+logger = logging.getLogger(__name__)
+
+Scope = MutableMapping[str, Any]
+Message = MutableMapping[str, Any]
+Receive = Callable[[], Awaitable[Message]]
+Send = Callable[[Message], Awaitable[None]]
+ASGIApp = Callable[[Scope, Receive, Send], Awaitable[None]]
+
+#: Where the request's inbox transaction sits in ``scope["state"]`` (Starlette: ``request.state``).
+STATE_KEY = "dagster_joblease.inbox"
+DEFAULT_METHODS = ("POST", "PATCH")
+DEFAULT_STORED_HEADERS = ("content-type", "location")
+#: Framing and per-connection headers: never stored (a replay gets its own).
+_UNSTORABLE = frozenset({"content-length", "transfer-encoding", "connection", "keep-alive", "date"})
+_KEY_HEADER = wire.IDEMPOTENCY_KEY.lower().encode()
+_FENCE_HEADER = wire.FENCING_TOKEN.lower().encode()
+#: Server features that would let an answer bypass the body the inbox must see and store.
+_BYPASSING_EXTENSIONS = ("http.response.pathsend", "http.response.zerocopy")
+
+
+class RequestParts(NamedTuple):
+    """What a ``fingerprint`` function sees of a request."""
+
+    method: str
+    path: str
+    query_string: bytes
+    headers: list[tuple[bytes, bytes]]
+    body: bytes
+
+
+def fingerprint_request(parts: RequestParts) -> str:
+    """The default fingerprint: SHA-256 of the method, the path and the body (a JSON body in canonical
+    form, so key order and whitespace do not matter; see :func:`request_fingerprint`)."""
+    line = f"{parts.method} {parts.path}\n{core.request_fingerprint(parts.body)}"
+    return hashlib.sha256(line.encode("utf-8", "surrogatepass")).hexdigest()
+
+
+def inbox_connection(request: Any) -> Any:
+    """The inbox transaction's connection for this request (a Starlette/FastAPI ``Request`` or an ASGI
+    scope): write the effect on it, and it commits together with the stored answer.
+
+    It is a SQLAlchemy ``Connection`` under a sync :class:`Inbox`, and what the :class:`AsyncInbox` was
+    built on under an async one (SQLAlchemy ``AsyncConnection`` or psycopg ``AsyncConnection``).
+
+    Raises:
+        ConfigurationError: the request did not go through :class:`InboxMiddleware` as a new key.
+    """
+    scope = getattr(request, "scope", request)
+    tx = scope.get("state", {}).get(STATE_KEY) if isinstance(scope, MutableMapping) else None
+    if tx is None:
+        raise errors.ConfigurationError(
+            "this request has no inbox transaction: it did not pass through InboxMiddleware (check the "
+            "middleware's paths and methods), or it carried no Idempotency-Key where none is required"
+        )
+    return tx.connection
+
+
+def _problem(status: int, title: str, detail: str, **extra: Any) -> bytes:
+    document = {"type": "about:blank", "title": title, "status": status, "detail": detail, **extra}
+    return json.dumps(document).encode()
+
+
+class _Refusal(Exception):
+    """An answer the middleware gives itself (400, 409, 413, 422, 503), without calling the app."""
+
+    def __init__(self, status: int, title: str, detail: str, *headers: tuple[bytes, bytes], **extra: Any):
+        super().__init__(detail)
+        self.status = status
+        self.body = _problem(status, title, detail, **extra)
+        self.headers = [(b"content-type", b"application/problem+json"), *headers]
+
+
+def _refusal_for(exc: errors.JobLeaseError) -> _Refusal:
+    if isinstance(exc, errors.InboxStaleFenceError):
+        return _Refusal(
+            409,
+            "Stale fencing token",
+            str(exc),
+            fencing_token=exc.fence,
+            accepted_fencing_token=exc.accepted_fence,
+        )
+    if isinstance(exc, errors.InboxInProgressError):
+        wait_s = 1 if exc.retry_after_ms is None else max(1, math.ceil(exc.retry_after_ms / 1000))
+        return _Refusal(409, "Request in progress", str(exc), (b"retry-after", str(wait_s).encode()))
+    if isinstance(exc, errors.InboxConflictError):
+        return _Refusal(422, "Idempotency-Key reused with another request", str(exc))
+    if isinstance(exc, errors.StorageError):
+        # The driver's text can name hosts, ports and users: it goes to the log, never to clients.
+        logger.warning("the inbox's database failed: %s", exc)
+        return _Refusal(
+            503,
+            "Service Unavailable",
+            "the inbox cannot reach its database; retry later",
+            (b"retry-after", b"1"),
+        )
+    raise exc
+
+
+class _Captured:
+    """The app's answer, held back until the inbox has committed (or decided not to store it)."""
+
+    def __init__(self, limit: int) -> None:
+        self.limit = limit
+        self.status: int | None = None
+        self.headers: list[tuple[bytes, bytes]] = []
+        self.chunks: list[bytes] = []
+        self.size = 0
+        self.complete = False
+        self.too_large = False
+
+    async def send(self, message: Message) -> None:
+        kind = message["type"]
+        if kind == "http.response.start":
+            self.status = int(message["status"])
+            self.headers = [(bytes(k), bytes(v)) for k, v in message.get("headers", [])]
+        elif kind == "http.response.body" and not self.complete:
+            body = bytes(message.get("body", b""))
+            self.size += len(body)
+            if self.size > self.limit:
+                self.too_large = True
+            else:
+                self.chunks.append(body)
+            self.complete = not message.get("more_body", False)
+
+    @property
+    def body(self) -> bytes:
+        return b"".join(self.chunks)
+
+
+class InboxMiddleware:
+    """Apply each ``Idempotency-Key`` once, in the app's own request path (see the module docstring).
+
+    Args:
+        app: the ASGI app to wrap.
+        inbox: an :class:`Inbox` (PostgreSQL or SQLite; run in worker threads) or an :class:`AsyncInbox`
+            (PostgreSQL).
+        paths: the paths it applies to, each exact (``"/orders"``) or a prefix ending in ``*``
+            (``"/hooks/*"``); default every path.
+        methods: the methods it applies to (default POST and PATCH, the non-idempotent ones).
+        require_key: answer 400 to a request without the key (default); False lets it through untouched.
+        fingerprint: how a request is told from another under one key (default
+            :func:`fingerprint_request`: method, path, body).
+        stored_headers: the answer's headers kept and replayed (default Content-Type and Location).
+        max_body_bytes: the largest request body read (a larger one gets 413 unread) and the largest
+            answer body stored (a larger answer rolls back and gets 500).
+        store_status: which answers are stored (default: all but the ones a sender retries).
+    """
+
+    def __init__(
+        self,
+        app: ASGIApp,
+        inbox: Inbox | AsyncInbox[Any],
+        *,
+        paths: Iterable[str] | None = None,
+        methods: Iterable[str] = DEFAULT_METHODS,
+        require_key: bool = True,
+        fingerprint: Callable[[RequestParts], str] = fingerprint_request,
+        stored_headers: Iterable[str] = DEFAULT_STORED_HEADERS,
+        max_body_bytes: int = core.MAX_BODY_BYTES,
+        store_status: Callable[[int], bool] | None = None,
+    ) -> None:
+        if not isinstance(inbox, Inbox | AsyncInbox):
+            raise errors.ConfigurationError(
+                f"InboxMiddleware needs an Inbox or an AsyncInbox, got {type(inbox).__name__}"
+            )
+        self.app = app
+        self.inbox = inbox
+        self.methods = frozenset(m.upper() for m in methods)
+        self._exact: frozenset[str] | None = None
+        self._prefixes: tuple[str, ...] = ()
+        if paths is not None:
+            listed = [paths] if isinstance(paths, str) else list(paths)
+            self._exact = frozenset(p for p in listed if not p.endswith("*"))
+            self._prefixes = tuple(p[:-1] for p in listed if p.endswith("*"))
+        self.require_key = require_key
+        self.fingerprint = fingerprint
+        stored = [name.lower() for name in stored_headers]
+        bad = sorted(set(stored) & _UNSTORABLE)
+        if bad:
+            raise errors.ConfigurationError(
+                f"stored_headers may not name {', '.join(bad)}: a replay sets its own framing headers"
+            )
+        self.stored_headers = frozenset(name.encode("latin-1") for name in stored)
+        if (
+            isinstance(max_body_bytes, bool)
+            or not isinstance(max_body_bytes, int)
+            or not 0 < max_body_bytes <= core.MAX_BODY_BYTES
+        ):
+            raise errors.ConfigurationError(
+                f"max_body_bytes={max_body_bytes!r} must be an int from 1 to {core.MAX_BODY_BYTES}"
+            )
+        self.max_body_bytes = max_body_bytes
+        self.store_status = store_status or (lambda status: not wire.is_retryable_status(status))
+
+    def _applies(self, scope: Scope) -> bool:
+        if scope["type"] != "http" or scope["method"] not in self.methods:
+            return False
+        if self._exact is None:
+            return True
+        path = scope["path"]
+        return path in self._exact or path.startswith(self._prefixes)
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if not self._applies(scope):
+            await self.app(scope, receive, send)
+            return
+        try:
+            key, fence = self._read_headers(scope)
+            if key is None:
+                await self.app(scope, receive, send)
+                return
+            body = await self._read_body(scope, receive)
+            if body is None:
+                return  # the client went away before the whole body came: nothing applied
+            parts = RequestParts(
+                scope["method"], scope["path"], scope.get("query_string", b""), scope["headers"], body
+            )
+            tx = self.inbox.transaction(key, self.fingerprint(parts), fence)
+            replay = await self._begin(tx)
+        except _Refusal as refusal:
+            await _send(send, refusal.status, refusal.headers, refusal.body)
+            return
+        if replay is not None:
+            await _send_result(send, replay)
+            return
+        await self._apply(tx, scope, body, receive, send)
+
+    def _read_headers(self, scope: Scope) -> tuple[str | None, int | None]:
+        keys = [value for name, value in scope["headers"] if name == _KEY_HEADER]
+        fences = [value for name, value in scope["headers"] if name == _FENCE_HEADER]
+        if not keys:
+            if self.require_key:
+                raise _Refusal(
+                    400, "Missing Idempotency-Key", "this endpoint requires an Idempotency-Key header"
+                )
+            return None, None
+        if len(keys) > 1 or len(fences) > 1:
+            raise _Refusal(
+                400, "Invalid Idempotency-Key", "send one Idempotency-Key (and at most one Fencing-Token)"
+            )
+        try:
+            key = core.validate_idempotency_key(wire.parse_key(keys[0].decode("latin-1")))
+            fence = wire.parse_fence(fences[0].decode("latin-1")) if fences else None
+        except errors.InvalidInboxInputError as exc:
+            title = "Invalid Fencing-Token" if exc.field == "fencing token" else "Invalid Idempotency-Key"
+            raise _Refusal(400, title, str(exc)) from None
+        return key, fence
+
+    async def _read_body(self, scope: Scope, receive: Receive) -> bytes | None:
+        limit = self.max_body_bytes
+        for name, value in scope["headers"]:
+            if name == b"content-length" and value.isdigit() and int(value) > limit:
+                raise _Refusal(413, "Content Too Large", f"the body may be at most {limit} bytes")
+        chunks: list[bytes] = []
+        size = 0
+        while True:
+            message = await receive()
+            if message["type"] == "http.disconnect":
+                return None
+            chunk = message.get("body", b"")
+            size += len(chunk)
+            if size > limit:
+                raise _Refusal(413, "Content Too Large", f"the body may be at most {limit} bytes")
+            chunks.append(chunk)
+            if not message.get("more_body", False):
+                return b"".join(chunks)
+
+    async def _begin(self, tx: InboxTransaction | AsyncInboxTransaction[Any]) -> InboxResult | None:
+        try:
+            if isinstance(tx, InboxTransaction):
+                return await anyio.to_thread.run_sync(tx.begin)
+            return await tx.begin()
+        except errors.JobLeaseError as exc:
+            raise _refusal_for(exc) from None
+
+    async def _end(
+        self, tx: InboxTransaction | AsyncInboxTransaction[Any], answer: Answer | None
+    ) -> InboxResult | None:
+        """Commit ``answer`` (its result) or, for None, roll back; never cancelled half-way."""
+        result: InboxResult | None = None
+        with anyio.CancelScope(shield=True):
+            if isinstance(tx, InboxTransaction):
+                if answer is None:
+                    await anyio.to_thread.run_sync(tx.rollback)
+                else:
+                    result = await anyio.to_thread.run_sync(tx.commit, answer)
+            elif answer is None:
+                await tx.rollback()
+            else:
+                result = await tx.commit(answer)
+        return result
+
+    async def _apply(
+        self,
+        tx: InboxTransaction | AsyncInboxTransaction[Any],
+        scope: Scope,
+        body: bytes,
+        receive: Receive,
+        send: Send,
+    ) -> None:
+        captured = _Captured(self.max_body_bytes)
+        inner = dict(scope)
+        inner["state"] = {**scope.get("state", {}), STATE_KEY: tx}
+        extensions = scope.get("extensions")
+        if extensions:
+            inner["extensions"] = {k: v for k, v in extensions.items() if k not in _BYPASSING_EXTENSIONS}
+        delivered = False
+
+        async def replay_body() -> Message:
+            nonlocal delivered
+            if delivered:
+                return await receive()
+            delivered = True
+            return {"type": "http.request", "body": body, "more_body": False}
+
+        try:
+            await self.app(inner, replay_body, captured.send)
+        except BaseException:
+            await self._end(tx, None)
+            raise
+        if captured.status is None or not captured.complete:
+            await self._end(tx, None)
+            raise RuntimeError(
+                "the app returned without a complete answer; the inbox rolled back its transaction"
+            )
+        if captured.too_large:
+            await self._end(tx, None)
+            logger.error(
+                "the answer for key %r is over %d bytes: not stored, rolled back", tx.key, self.max_body_bytes
+            )
+            detail = (
+                f"the answer was larger than the inbox stores ({self.max_body_bytes} bytes); "
+                "nothing was applied"
+            )
+            await _send(
+                send,
+                500,
+                [(b"content-type", b"application/problem+json")],
+                _problem(500, "Answer too large", detail),
+            )
+            return
+        if not self.store_status(captured.status):
+            await self._end(tx, None)
+            await _send(send, captured.status, captured.headers, captured.body)
+            return
+        stored = tuple(
+            (name.decode("latin-1"), value.decode("latin-1"))
+            for name, value in captured.headers
+            if name.lower() in self.stored_headers
+        )
+        try:
+            result = await self._end(tx, Answer(captured.status, captured.body, stored))
+        except errors.JobLeaseError as exc:
+            refusal = _refusal_for(exc)
+            await _send(send, refusal.status, refusal.headers, refusal.body)
+            return
+        assert result is not None
+        if result.replayed:  # another transaction recorded the key first: this one rolled back
+            await _send_result(send, result)
+        else:
+            await _send(send, captured.status, captured.headers, captured.body)
+
+
+async def _send(send: Send, status: int, headers: list[tuple[bytes, bytes]], body: bytes) -> None:
+    framed = [(k, v) for k, v in headers if k.lower() not in (b"content-length", b"transfer-encoding")]
+    framed.append((b"content-length", str(len(body)).encode()))
+    await send({"type": "http.response.start", "status": status, "headers": framed})
+    await send({"type": "http.response.body", "body": body, "more_body": False})
+
+
+async def _send_result(send: Send, result: InboxResult) -> None:
+    headers = [(name.encode("latin-1"), value.encode("latin-1")) for name, value in result.headers]
+    headers.append((wire.IDEMPOTENT_REPLAYED.lower().encode(), b"true"))
+    await _send(send, result.status_code, headers, result.content)

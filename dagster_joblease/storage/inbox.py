@@ -1,0 +1,167 @@
+"""Every statement on ``joblease_inbox``, named for its question; the inbox runs them on any connection.
+
+The inbox (:mod:`dagster_joblease.inbox`) runs these on a SQLAlchemy ``Connection``, a SQLAlchemy
+``AsyncConnection`` or a raw psycopg ``AsyncConnection``: they are Core statements with named binds, and
+:func:`psycopg_sql` gives the last one their text. One transaction processes a key:
+
+1. :func:`lock_key` (PostgreSQL only) takes the key's in-flight advisory lock without waiting and bounds
+   the transaction's idle time; a second caller is told "in flight" at once (HTTP 409).
+2. :func:`read_key` reads the key's row. It is a statement of its own, after the lock: in READ COMMITTED
+   its snapshot is taken once the lock is held, so it sees the row of any transaction that held the lock
+   before (a lock is released only after its commit is visible). The effect then never runs for a key a
+   finished transaction already recorded, even when the effect writes outside the inbox's transaction.
+3. The effect runs on the same connection; :func:`record_done` stores the answer (``ON CONFLICT DO
+   NOTHING``: no row back means another transaction recorded the key first, and this one rolls back).
+
+:func:`expire_claim` removes a claim left by an older version's crashed two-step consumer;
+:func:`raise_fence` keeps the highest fencing number accepted under a key; :func:`purge_done` is retention.
+"""
+
+from __future__ import annotations
+
+import enum
+import functools
+from typing import Any, NamedTuple
+
+import sqlalchemy as sa
+from sqlalchemy.dialects import postgresql, sqlite
+from sqlalchemy.dialects.postgresql import psycopg as psycopg_dialect
+
+from dagster_joblease.storage.clock import db_now, db_now_plus_ms, ms_until
+from dagster_joblease.storage.schema import inbox_table
+
+__all__ = [
+    "ADVISORY_LOCK_CLASS",
+    "InboxStatus",
+    "KeyRow",
+    "expire_claim",
+    "lock_key",
+    "psycopg_sql",
+    "purge_done",
+    "raise_fence",
+    "read_key",
+    "record_done",
+]
+
+#: PostgreSQL: the first key of the two-int advisory lock that marks a key in flight ("jlin"), apart from
+#: one-bigint advisory locks an application may use. Keys in flight show in ``pg_locks`` with this classid.
+ADVISORY_LOCK_CLASS = 0x6A6C696E
+
+
+class InboxStatus(enum.StrEnum):
+    IN_PROGRESS = "IN_PROGRESS"  #: a claim of an older two-step consumer, until locked_until (database clock)
+    DONE = "DONE"  #: the effect committed; the stored answer is replayed
+
+
+class KeyRow(NamedTuple):
+    """What :func:`read_key` returns for a key that has a row."""
+
+    status: str
+    payload_sha256: str
+    response_status: int | None
+    response_body: str | None
+    response_content: bytes | None
+    response_headers: str | None
+    fence: int | None
+    lock_left_ms: int | None
+
+
+_t = inbox_table
+_key = sa.bindparam("key", type_=sa.String())
+
+
+@functools.cache
+def lock_key() -> Any:
+    """PostgreSQL: ``got`` (whether this transaction took the key's in-flight lock, without waiting).
+
+    The same statement sets this transaction's ``idle_in_transaction_session_timeout`` to ``idle_ms``, so
+    a consumer that hangs inside its effect loses its session (and the effect) instead of holding the key.
+    """
+    return sa.select(
+        sa.func.pg_try_advisory_xact_lock(
+            sa.literal_column(str(ADVISORY_LOCK_CLASS), sa.Integer()), sa.func.hashtext(_key)
+        ).label("got"),
+        sa.func.set_config(
+            sa.literal_column("'idle_in_transaction_session_timeout'", sa.Text()),
+            sa.bindparam("idle_ms", type_=sa.Text()),
+            sa.true(),
+        ).label("idle"),
+    )
+
+
+@functools.cache
+def read_key() -> Any:
+    """The key's row as a :class:`KeyRow` (no row: the key is new)."""
+    return sa.select(
+        _t.c.status,
+        _t.c.payload_sha256,
+        _t.c.response_status,
+        _t.c.response_body,
+        _t.c.response_content,
+        _t.c.response_headers,
+        _t.c.fence,
+        ms_until(_t.c.locked_until).label("lock_left_ms"),
+    ).where(_t.c.idempotency_key == _key)
+
+
+@functools.cache
+def record_done(dialect_name: str) -> Any:
+    """Store the key as DONE with its answer and fencing number; returns a row only if this inserted it."""
+    insert = (postgresql.insert if dialect_name == "postgresql" else sqlite.insert)(_t)
+    return (
+        insert.values(
+            idempotency_key=_key,
+            payload_sha256=sa.bindparam("sha256", type_=sa.String()),
+            status=InboxStatus.DONE.value,
+            response_status=sa.bindparam("response_status", type_=sa.Integer()),
+            response_body=sa.bindparam("response_body", type_=sa.Text()),
+            response_content=sa.bindparam("response_content", type_=sa.LargeBinary()),
+            response_headers=sa.bindparam("response_headers", type_=sa.Text()),
+            fence=sa.bindparam("fence", type_=sa.BigInteger()),
+            created_at=db_now(),
+            completed_at=db_now(),
+        )
+        .on_conflict_do_nothing(index_elements=[_t.c.idempotency_key])
+        .returning(_t.c.idempotency_key)
+    )
+
+
+@functools.cache
+def expire_claim() -> Any:
+    """Remove an older version's two-step claim on the key once its lock has passed on the database clock."""
+    return sa.delete(_t).where(
+        _t.c.idempotency_key == _key,
+        _t.c.status == InboxStatus.IN_PROGRESS.value,
+        _t.c.locked_until < db_now(),
+    )
+
+
+@functools.cache
+def raise_fence() -> Any:
+    """Record ``fence`` as the key's highest accepted fencing number (never lowers it)."""
+    fence = sa.bindparam("fence", type_=sa.BigInteger())
+    return (
+        sa.update(_t)
+        .where(_t.c.idempotency_key == _key, sa.or_(_t.c.fence.is_(None), _t.c.fence < fence))
+        .values(fence=fence)
+    )
+
+
+@functools.cache
+def purge_done() -> Any:
+    """Delete DONE keys completed more than ``older_than_ms`` ago (database clock)."""
+    older = sa.bindparam("older_than_ms", type_=sa.BigInteger())
+    return sa.delete(_t).where(
+        _t.c.status == InboxStatus.DONE.value, _t.c.completed_at < db_now_plus_ms(-older)
+    )
+
+
+@functools.cache
+def psycopg_sql(statement: Any) -> tuple[str, dict[str, Any]]:
+    """A statement's text for a raw psycopg connection (``%(name)s`` placeholders) and its constant binds.
+
+    Only for a connection the caller holds outside SQLAlchemy (an ``AsyncInbox`` on a psycopg pool); the
+    constants are merged under the call's own parameters.
+    """
+    compiled = statement.compile(dialect=psycopg_dialect.dialect())  # type: ignore[no-untyped-call]
+    return str(compiled), dict(compiled.params)
