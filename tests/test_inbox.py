@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import os
 import re
 import signal
@@ -11,11 +12,14 @@ import threading
 from collections.abc import Iterator
 from typing import Any
 
+import anyio
 import pytest
 import sqlalchemy as sa
+from sqlalchemy.ext.asyncio import create_async_engine
 
 from dagster_joblease import errors
 from dagster_joblease.inbox import (
+    AsyncInbox,
     Inbox,
     InboxResult,
     InboxStatus,
@@ -62,16 +66,71 @@ except errors.InboxInProgressError:
 """
 
 
+class BlockingAsyncInbox:
+    """An AsyncInbox on SQLAlchemy's async engine, each call on an event loop of the calling thread (so
+    threads can race it as they race the sync one): the same tests run on it.
+
+    The sync effects run through ``AsyncConnection.run_sync`` on the async transaction's connection. No
+    pool: a connection belongs to the loop that opened it.
+    """
+
+    def __init__(self, url: str, lock_ms: int) -> None:
+        self._engine = create_async_engine(url, poolclass=sa.pool.NullPool)
+        self._inbox = AsyncInbox(self._engine, lock_ms=lock_ms)
+
+    def process(self, key: Any, payload: Any, effect: Any, *, fence: int | None = None) -> InboxResult:
+        async def run(conn: Any) -> Any:
+            return await conn.run_sync(effect)
+
+        wrapped = run if callable(effect) else effect
+        return anyio.run(functools.partial(self._inbox.process, key, payload, wrapped, fence=fence))
+
+    def purge(self, older_than_ms: int) -> int:
+        return anyio.run(self._inbox.purge, older_than_ms)
+
+    def close(self) -> None:
+        anyio.run(self._engine.dispose)
+
+
+INBOX_KINDS = ["sqlite/sync", "postgresql/sync", "postgresql/async"]
+
+
+@pytest.fixture(params=INBOX_KINDS)
+def inbox_kind(request: pytest.FixtureRequest) -> str:
+    """The sync Inbox on each backend, and the AsyncInbox on PostgreSQL (SQLite keeps the sync one)."""
+    return str(request.param)
+
+
 @pytest.fixture
-def inbox(engine: sa.Engine) -> Iterator[Inbox]:
+def db_url(request: pytest.FixtureRequest, inbox_kind: str) -> str:
+    """The database of the inbox under test (overrides conftest's: one per inbox kind)."""
+    return str(request.getfixturevalue("pg_url" if inbox_kind.startswith("postgresql") else "sqlite_url"))
+
+
+@pytest.fixture
+def inbox(inbox_kind: str, engine: sa.Engine) -> Iterator[Any]:
     _test_metadata.create_all(engine)
-    yield Inbox(engine, lock_ms=30_000)
+    if inbox_kind.endswith("/sync"):
+        yield Inbox(engine, lock_ms=30_000)
+        return
+    blocking = BlockingAsyncInbox(engine.url.render_as_string(hide_password=False), 30_000)
+    try:
+        yield blocking
+    finally:
+        blocking.close()
 
 
-@pytest.fixture
-def pg_inbox(pg_engine: sa.Engine) -> Iterator[Inbox]:
+@pytest.fixture(params=["sync", "async"])
+def pg_inbox(request: pytest.FixtureRequest, pg_engine: sa.Engine) -> Iterator[Any]:
     _test_metadata.create_all(pg_engine)
-    yield Inbox(pg_engine, lock_ms=30_000)
+    if request.param == "sync":
+        yield Inbox(pg_engine, lock_ms=30_000)
+        return
+    blocking = BlockingAsyncInbox(pg_engine.url.render_as_string(hide_password=False), 30_000)
+    try:
+        yield blocking
+    finally:
+        blocking.close()
 
 
 def _writer(key: str, note: str, response: tuple[Any, Any] = (201, '{"ok": true}')) -> Any:
@@ -427,3 +486,36 @@ def test_statements_are_prepared_at_protocol_level_only(pg_url: str) -> None:
         assert len(_notes(engine)) == 9
     finally:
         engine.dispose()
+
+
+def test_answers_keep_their_bytes_and_headers(inbox: Any, engine: sa.Engine) -> None:
+    headers = [("Content-Type", "application/octet-stream"), ("Location", "/blobs/1")]
+    first = inbox.process("h", {"v": 1}, _writer("h", "first", (201, b"\x00\xffbin", headers)))
+    assert first == InboxResult(201, b"\x00\xffbin", False, tuple(headers))
+    replay = inbox.process("h", {"v": 1}, _writer("h", "again"))
+    assert replay == InboxResult(201, b"\x00\xffbin", True, tuple(headers))
+    assert replay.content == b"\x00\xffbin" and InboxResult(200, "é", True).content == "é".encode()
+    assert _notes(engine) == ["first"]
+
+
+def test_a_lower_fencing_number_than_the_accepted_one_is_refused(inbox: Any, engine: sa.Engine) -> None:
+    """A stale holder (its lease reclaimed: a lower attempt) is refused, not handed the newer answer."""
+    inbox.process("f", {"v": 1}, _writer("f", "holder 2"), fence=2)
+    with pytest.raises(errors.InboxStaleFenceError, match="token 2 was already accepted") as stale:
+        inbox.process("f", {"v": 1}, _writer("f", "holder 1"), fence=1)
+    assert (stale.value.fence, stale.value.accepted_fence) == (1, 2)
+    assert inbox.process("f", {"v": 1}, _writer("f", "holder 5"), fence=5).replayed
+    with pytest.raises(errors.InboxStaleFenceError):  # the replay under 5 raised the accepted number
+        inbox.process("f", {"v": 1}, _writer("f", "holder 4"), fence=4)
+    with pytest.raises(errors.InboxStaleFenceError):  # stale comes first, even with another payload
+        inbox.process("f", {"v": 2}, _writer("f", "holder 3"), fence=3)
+    assert inbox.process("f", {"v": 1}, _writer("f", "unfenced")).replayed  # no number: not fenced
+    assert _notes(engine) == ["holder 2"]
+    row = _inbox_row(engine, "f")
+    assert row is not None and row.fence == 5
+
+
+@pytest.mark.parametrize("fence", [-1, True, "2", 1.0, 10**15])
+def test_invalid_fencing_numbers_are_refused(inbox: Any, fence: Any) -> None:
+    with pytest.raises(InvalidInboxInputError, match="fence"):
+        inbox.process("k", {"v": 1}, _writer("k", "never"), fence=fence)
