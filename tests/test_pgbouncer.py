@@ -270,7 +270,7 @@ def test_dispatcher_delivers_to_the_reference_receiver_process(
                 if sent == ROUNDS:
                     break
         assert sent == ROUNDS
-        # Replays and a conflict, straight at the receiver (every POST through its fast path).
+        # Replays and a conflict, straight at the receiver (its AsyncInbox on a psycopg pool, unprepared).
         with httpx.Client(base_url=receiver.url, timeout=30) as client:
             for i in range(0, ROUNDS, 4):
                 body = json.dumps({"i": i}, separators=(",", ":"))

@@ -10,20 +10,21 @@ the first rounds; a hundred make it certain. A PgBouncer that tracks protocol-le
 
 from __future__ import annotations
 
-import json
 from collections.abc import Callable, Iterator
+from typing import Any
 
+import anyio
 import psycopg
 import pytest
 import sqlalchemy as sa
+from psycopg_pool import AsyncConnectionPool
 from sqlalchemy.engine import make_url
 
 from dagster_joblease import errors
 from dagster_joblease.identity import JobIdentity
-from dagster_joblease.inbox import Inbox
+from dagster_joblease.inbox import AsyncInbox, Inbox
 from dagster_joblease.lease import LeaseService
 from dagster_joblease.outbox import enqueue_once
-from dagster_joblease.receiver import ReceiverServer, ensure_tables
 from dagster_joblease.storage import create_engine
 from dagster_joblease.storage.engine import translate_errors
 from tests.conftest import BouncedDatabase, pgbouncer_base_url
@@ -118,22 +119,33 @@ def test_enqueue_on_psycopg_connections_without_the_setting_fails_as_configurati
         _check(_failures(enqueue))
 
 
-def test_receiver_fast_path_without_the_setting_fails_as_configuration_errors(
-    bare_engines: tuple[sa.Engine, sa.Engine],
-) -> None:
-    ensure_tables(bare_engines[0])
-    servers = [ReceiverServer(engine) for engine in bare_engines]
-    try:
-        assert all(server.fast_path for server in servers)
+def test_async_inbox_without_the_setting_fails_as_configuration_errors(bounced: BouncedDatabase) -> None:
+    """The AsyncInbox on psycopg pools (what the reference receiver runs): psycopg prepares a statement
+    after its fifth use, so the rounds soon meet another pool's statements on a shared server session."""
+    conninfo = make_url(bounced.bare_url).set(drivername="postgresql").render_as_string(hide_password=False)
 
-        def post(i: int) -> None:
-            body = json.dumps({"i": i}).encode()
-            servers[i % 2].apply(f"v1:post-{i:03d}", "work", body)
+    async def rounds() -> list[errors.ConfigurationError]:
+        failures: list[errors.ConfigurationError] = []
+        pools = [AsyncConnectionPool(conninfo, min_size=1, max_size=1, open=False) for _ in range(2)]
+        for pool in pools:
+            await pool.open()
+        try:
+            inboxes = [AsyncInbox(pool.connection) for pool in pools]
 
-        _check(_failures(post))
-    finally:
-        for server in servers:
-            server.server_close()
+            async def effect(conn: Any) -> tuple[int, str]:
+                return 200, "{}"
+
+            for i in range(ROUNDS):
+                try:
+                    await inboxes[i % 2].process(f"key-{i:03d}", {"i": i}, effect)
+                except errors.ConfigurationError as exc:
+                    failures.append(exc)
+        finally:
+            for pool in pools:
+                await pool.close()
+        return failures
+
+    _check(anyio.run(rounds))
 
 
 def test_translate_errors_maps_only_prepared_statement_errors(pg_url: str) -> None:

@@ -65,6 +65,8 @@ _KEY_HEADER = wire.IDEMPOTENCY_KEY.lower().encode()
 _FENCE_HEADER = wire.FENCING_TOKEN.lower().encode()
 #: Server features that would let an answer bypass the body the inbox must see and store.
 _BYPASSING_EXTENSIONS = ("http.response.pathsend", "http.response.zerocopy")
+#: On an answer sent before the body was read: the stream is out of step, so the server closes it.
+_CLOSE = (b"connection", b"close")
 
 
 class RequestParts(NamedTuple):
@@ -193,6 +195,9 @@ class InboxMiddleware:
         max_body_bytes: the largest request body read (a larger one gets 413 unread) and the largest
             answer body stored (a larger answer rolls back and gets 500).
         store_status: which answers are stored (default: all but the ones a sender retries).
+        body_timeout_s: the longest a request's body may take to arrive (408 and closed after it);
+            default none. The body is read before any database work, so a slow client holds no
+            connection meanwhile.
     """
 
     def __init__(
@@ -207,6 +212,7 @@ class InboxMiddleware:
         stored_headers: Iterable[str] = DEFAULT_STORED_HEADERS,
         max_body_bytes: int = core.MAX_BODY_BYTES,
         store_status: Callable[[int], bool] | None = None,
+        body_timeout_s: float | None = None,
     ) -> None:
         if not isinstance(inbox, Inbox | AsyncInbox):
             raise errors.ConfigurationError(
@@ -239,6 +245,15 @@ class InboxMiddleware:
                 f"max_body_bytes={max_body_bytes!r} must be an int from 1 to {core.MAX_BODY_BYTES}"
             )
         self.max_body_bytes = max_body_bytes
+        if body_timeout_s is not None and (
+            isinstance(body_timeout_s, bool)
+            or not isinstance(body_timeout_s, int | float)
+            or not 0 < body_timeout_s <= 3600
+        ):
+            raise errors.ConfigurationError(
+                f"body_timeout_s={body_timeout_s!r} must be None or a number of seconds above 0, at most 3600"
+            )
+        self.body_timeout_s = math.inf if body_timeout_s is None else float(body_timeout_s)
         self.store_status = store_status or (lambda status: not wire.is_retryable_status(status))
 
     def _applies(self, scope: Scope) -> bool:
@@ -296,23 +311,33 @@ class InboxMiddleware:
         return key, fence
 
     async def _read_body(self, scope: Scope, receive: Receive) -> bytes | None:
+        """The whole body, read before any database work (a slow client holds no connection), or None
+        when the client went away first. Too large: 413; slower than ``body_timeout_s``: 408."""
         limit = self.max_body_bytes
+        too_large = _Refusal(413, "Content Too Large", f"the body may be at most {limit} bytes", _CLOSE)
         for name, value in scope["headers"]:
-            if name == b"content-length" and value.isdigit() and int(value) > limit:
-                raise _Refusal(413, "Content Too Large", f"the body may be at most {limit} bytes")
+            # Compare the digits before converting: a 5,000-digit value is a 413, not a ValueError.
+            digits = value.strip().lstrip(b"0")
+            if name == b"content-length" and digits.isdigit() and (len(digits) > 18 or int(digits) > limit):
+                raise too_large
         chunks: list[bytes] = []
         size = 0
-        while True:
-            message = await receive()
-            if message["type"] == "http.disconnect":
-                return None
-            chunk = message.get("body", b"")
-            size += len(chunk)
-            if size > limit:
-                raise _Refusal(413, "Content Too Large", f"the body may be at most {limit} bytes")
-            chunks.append(chunk)
-            if not message.get("more_body", False):
-                return b"".join(chunks)
+        with anyio.move_on_after(self.body_timeout_s) as deadline:
+            while True:
+                message = await receive()
+                if message["type"] == "http.disconnect":
+                    return None
+                chunk = message.get("body", b"")
+                size += len(chunk)
+                if size > limit:
+                    raise too_large
+                chunks.append(chunk)
+                if not message.get("more_body", False):
+                    return b"".join(chunks)
+        assert deadline.cancelled_caught
+        raise _Refusal(
+            408, "Request Timeout", f"the body did not arrive within {self.body_timeout_s:g} s", _CLOSE
+        )
 
     async def _begin(self, tx: InboxTransaction | AsyncInboxTransaction[Any]) -> InboxResult | None:
         try:

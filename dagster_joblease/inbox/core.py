@@ -47,7 +47,7 @@ MIN_LOCK_MS = 1
 MAX_LOCK_MS = 24 * 3600 * 1000
 MAX_KEY_LENGTH = outbox.MAX_KEY_LENGTH
 #: The largest answer body the inbox stores (characters of a str body, bytes of a bytes body).
-MAX_BODY_BYTES = 1_000_000
+MAX_BODY_BYTES = 1024 * 1024
 #: The most headers one stored answer keeps.
 MAX_HEADERS = 64
 

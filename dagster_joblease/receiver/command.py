@@ -7,8 +7,9 @@ import logging
 import click
 
 from dagster_joblease import errors, inbox
-from dagster_joblease.receiver import app
+from dagster_joblease.receiver import server
 from dagster_joblease.storage.engine import DATABASE_URL_ENV, scrub_secrets
+from dagster_joblease.testing.faults import Faults
 
 __all__ = ["receiver_command"]
 
@@ -54,31 +55,46 @@ _count = click.IntRange(min=0)
 @click.option(
     "--max-connections",
     type=click.IntRange(1, 10_000),
-    default=app.DEFAULT_MAX_CONNECTIONS,
+    default=server.DEFAULT_MAX_CONNECTIONS,
     show_default=True,
-    help="Connections served at once (a thread each); one more is answered 503 and closed.",
+    help="Connections or requests served at once (uvicorn's limit_concurrency); beyond it, 503. Also "
+    "the most PostgreSQL connections the receiver opens.",
 )
 @click.option(
     "--idle-timeout-s",
     type=click.FloatRange(0, 3600, min_open=True),
-    default=app.DEFAULT_IDLE_TIMEOUT_S,
+    default=server.DEFAULT_IDLE_TIMEOUT_S,
     show_default=True,
-    help="Close a keep-alive connection idle this long.",
+    help="Close a keep-alive connection idle this long (uvicorn's timeout_keep_alive).",
 )
 @click.option(
     "--read-timeout-s",
     type=click.FloatRange(0, 3600, min_open=True),
-    default=app.DEFAULT_READ_TIMEOUT_S,
+    default=server.DEFAULT_READ_TIMEOUT_S,
     show_default=True,
-    help="Answer 408 and close when a request's head stalls this long, or its body takes longer in total.",
+    help="Answer 408 and close when a request's body takes longer than this in total.",
+)
+@click.option(
+    "--retention",
+    "retention",
+    default=None,
+    metavar="DURATION",
+    help="Forget answered keys this long after they were answered (e.g. 24h, 7d; checked every minute). "
+    "Keep it longer than every sender's dedupe_window. Default: keep them forever.",
+)
+@click.option(
+    "--http",
+    type=click.Choice(server.HTTP_IMPLEMENTATIONS),
+    default="h11",
+    show_default=True,
+    help="uvicorn's HTTP/1.1 implementation.",
 )
 @click.option(
     "--migrate/--no-migrate",
     default=True,
     show_default=True,
-    help="Set up at startup: install or upgrade the joblease schema (the inbox table) and create the "
-    "receiver's PostgreSQL function if missing or outdated. --no-migrate creates nothing but the "
-    "receiver's tables when missing, and uses the function only if it is there.",
+    help="Set up at startup: install or upgrade the joblease schema (the inbox table). --no-migrate "
+    "creates nothing but the receiver's own tables when missing.",
 )
 @click.option(
     "--fail-first", type=_count, default=0, help="[testing] The first N POSTs answer --fail-status."
@@ -124,6 +140,8 @@ def receiver_command(
     max_connections: int,
     idle_timeout_s: float,
     read_timeout_s: float,
+    retention: str | None,
+    http: str,
     migrate: bool,
     fail_first: int,
     fail_status: int,
@@ -137,41 +155,51 @@ def receiver_command(
 ) -> None:
     """Run the reference downstream receiver: it applies each Idempotency-Key once, via the inbox.
 
-    POST /TOPIC with an Idempotency-Key header: 200 the first time, the same response again (with
-    Idempotent-Replayed: true) on a replay, 409 while the key is in flight, 422 for the key with another
-    payload, 400 without a key. GET /health answers 200. Options marked [testing] inject faults; the
-    "first N" counters are per process and apply in sequence: drops, then hangs, then failures.
+    A Starlette app served by uvicorn. POST /TOPIC with an Idempotency-Key header: 200 the first time,
+    the same response again (with Idempotent-Replayed: true) on a replay, 409 while the key is in flight,
+    422 for the key with another request, 400 without a key. GET /health answers 200. Options marked
+    [testing] inject faults; the "first N" counters are per process and apply in sequence: drops, then
+    hangs, then failures (--drop-first puts a small TCP proxy in front of uvicorn to drop connections).
     """
     logging.basicConfig(level=log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    faults = app.Faults(
-        fail_first=fail_first,
-        fail_status=fail_status,
-        hang_first=hang_first,
-        hang_ms=hang_ms,
-        drop_first=drop_first,
-        always_status=_parse_topic_status(always_status_for_topic),
-        delay_after_apply_ms=delay_after_apply_ms,
-        effect_delay_ms=effect_delay_ms,
-    )
+    try:
+        options = server.ReceiverOptions(
+            lock_ms=lock_ms,
+            max_connections=max_connections,
+            idle_timeout_s=idle_timeout_s,
+            read_timeout_s=read_timeout_s,
+            retention_s=None if retention is None else _duration_s(retention),
+            http=http,
+            effect_delay_ms=effect_delay_ms,
+            faults=Faults(
+                fail_first=fail_first,
+                fail_status=fail_status,
+                hang_first=hang_first,
+                hang_ms=hang_ms,
+                drop_first=drop_first,
+                always_status=_parse_topic_status(always_status_for_topic),
+                delay_after_apply_ms=delay_after_apply_ms,
+            ),
+        )
+    except errors.ConfigurationError as exc:
+        raise click.BadParameter(str(exc)) from exc
 
     def ready(url: str) -> None:
         click.echo(f"listening on {url}")
 
     try:
-        app.serve(
-            database_url,
-            host=host,
-            port=port,
-            faults=faults,
-            lock_ms=lock_ms,
-            migrate=migrate,
-            on_ready=ready,
-            max_connections=max_connections,
-            idle_timeout_s=idle_timeout_s,
-            read_timeout_s=read_timeout_s,
-        )
+        server.serve(database_url, host=host, port=port, options=options, migrate=migrate, on_ready=ready)
     except errors.JobLeaseError as exc:
         # The message may quote a driver error that names the URL or pieces of its password.
         raise click.ClickException(scrub_secrets(str(exc), database_url)) from exc
     except OSError as exc:
         raise click.ClickException(f"cannot listen on {host}:{port}: {exc.strerror or exc}") from exc
+
+
+def _duration_s(value: str) -> float:
+    from dagster_joblease.dispatch.routes import duration_s
+
+    seconds = duration_s(value, "--retention", "retention")
+    if seconds <= 0:
+        raise click.BadParameter(f"{value!r} must be a positive duration", param_hint="--retention")
+    return seconds

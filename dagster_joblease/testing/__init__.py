@@ -15,6 +15,8 @@ the Dagster helper is :func:`dagster_joblease.dagster.run_partition_twice`.
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 from dagster_joblease.testing.crash import CrashPoint, CrashResult, crash_point, crash_run_exclusive
 from dagster_joblease.testing.database import (
     TEST_PG_URL_ENV,
@@ -22,8 +24,10 @@ from dagster_joblease.testing.database import (
     throwaway_database,
 )
 from dagster_joblease.testing.delivery import drain_outbox
-from dagster_joblease.testing.downstream import RecordingDownstream
 from dagster_joblease.testing.leases import expire_now, reclaim_now
+
+if TYPE_CHECKING:
+    from dagster_joblease.testing.downstream import RecordingDownstream
 
 __all__ = [
     "TEST_PG_URL_ENV",
@@ -38,3 +42,13 @@ __all__ = [
     "reclaim_now",
     "throwaway_database",
 ]
+
+
+def __getattr__(name: str) -> object:
+    # RecordingDownstream runs the reference receiver (Starlette, uvicorn: the `receiver` extra): imported
+    # on first use, so the rest of the kit works without them.
+    if name == "RecordingDownstream":
+        from dagster_joblease.testing.downstream import RecordingDownstream
+
+        return RecordingDownstream
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

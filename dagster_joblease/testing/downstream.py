@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import shutil
 import tempfile
-import threading
 from collections.abc import Iterable
 from pathlib import Path
 from types import TracebackType
@@ -12,7 +11,8 @@ from types import TracebackType
 import sqlalchemy as sa
 
 from dagster_joblease import errors, inbox
-from dagster_joblease.receiver.app import ReceiverServer, effect_table, ensure_tables, request_table
+from dagster_joblease.receiver.app import effect_table, ensure_tables, request_table
+from dagster_joblease.receiver.server import ReceiverOptions, ReceiverServer
 from dagster_joblease.storage.engine import create_engine, translate_errors
 from dagster_joblease.storage.migrate import migrate
 
@@ -51,7 +51,6 @@ class RecordingDownstream:
         self._folder: Path | None = None
         self._engine: sa.Engine | None = None
         self._server: ReceiverServer | None = None
-        self._thread: threading.Thread | None = None
 
     # -- lifecycle ---------------------------------------------------------------------------------
 
@@ -67,28 +66,22 @@ class RecordingDownstream:
             self._engine = create_engine(url)
             migrate(self._engine)
             ensure_tables(self._engine)
-            self._server = ReceiverServer(self._engine, ("127.0.0.1", 0), lock_ms=self._lock_ms)
+            server = ReceiverServer(self._engine, options=ReceiverOptions(lock_ms=self._lock_ms), proxy=True)
+            self._server = server.start()
         except BaseException:
             self.close()
             raise
-        self._thread = threading.Thread(
-            target=self._server.serve_forever, name="joblease-recording-downstream", daemon=True
-        )
-        self._thread.start()
         return self
 
     def close(self) -> None:
-        """Stop serving and delete the throwaway database (a request still in a handler is abandoned)."""
+        """Stop serving and delete the throwaway database (a request still in flight gets 2 s)."""
         if self._server is not None:
-            if self._thread is not None:
-                self._server.shutdown()
-                self._thread.join()
-            self._server.server_close()
+            self._server.close()
         if self._engine is not None:
             self._engine.dispose()
         if self._folder is not None:
             shutil.rmtree(self._folder, ignore_errors=True)
-        self._server = self._thread = self._engine = self._folder = None
+        self._server = self._engine = self._folder = None
 
     def __enter__(self) -> RecordingDownstream:
         return self.start()
