@@ -1,9 +1,9 @@
 """The HTTP floor: the least a receiver can do per delivery, to measure senders and receivers against.
 
-Each POST does exactly one ``INSERT INTO plain_effect(key) VALUES (%s) ON CONFLICT DO NOTHING`` (psycopg 3,
-autocommit, a prepared statement, one connection per server thread) keyed by the ``Idempotency-Key`` header,
-and answers ``200`` with a two-byte body. HTTP/1.1 keep-alive, Nagle disabled, no logging. It runs in its own
-process so it never shares a GIL with the code being measured.
+A plain Starlette app on the same uvicorn as the reference receiver (h11 by default, no access log): each
+POST does exactly one ``INSERT INTO plain_effect(key) VALUES (%s) ON CONFLICT DO NOTHING`` keyed by the
+``Idempotency-Key`` header, on an autocommit connection of a psycopg async pool, and answers ``200`` with a
+two-byte body. It runs in its own process so it never shares a GIL with the code being measured.
 
     .venv/bin/python benchmarks/plain_receiver.py --pg postgresql://postgres@127.0.0.1:5432/DB [--port 8099]
 
@@ -17,26 +17,28 @@ From Python::
 from __future__ import annotations
 
 import argparse
+import asyncio
+import contextlib
 import queue
+import socket
 import subprocess
 import sys
 import threading
-from collections.abc import Callable
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from collections.abc import AsyncIterator, Callable
 from typing import IO
 
 import psycopg
+import uvicorn
+from psycopg_pool import AsyncConnectionPool
+from starlette.applications import Starlette
+from starlette.requests import Request
+from starlette.responses import PlainTextResponse, Response
+from starlette.routing import Route
 
 READY_PREFIX = "plain receiver listening on "
 READY_TIMEOUT_S = 20.0
 CREATE_SQL = "CREATE TABLE IF NOT EXISTS plain_effect (key text PRIMARY KEY)"
 INSERT_SQL = "INSERT INTO plain_effect(key) VALUES (%s) ON CONFLICT DO NOTHING"
-
-_OK = b"HTTP/1.1 200 OK\r\nContent-Type: text/plain\r\nContent-Length: 2\r\n\r\nok"
-_MISSING_KEY = (
-    b"HTTP/1.1 400 Bad Request\r\nContent-Type: text/plain\r\nContent-Length: 24\r\n\r\n"
-    b"missing Idempotency-Key\n"
-)
 
 
 def libpq_conninfo(url: str) -> str:
@@ -46,62 +48,56 @@ def libpq_conninfo(url: str) -> str:
     return url
 
 
-class _Handler(BaseHTTPRequestHandler):
-    """One instance per TCP connection (one server thread), so the database connection lives per thread."""
+def build_app(conninfo: str, max_connections: int = 64) -> Starlette:
+    """The floor as a Starlette app (its pool opens and closes with the app's lifespan)."""
+    pool = AsyncConnectionPool(
+        conninfo, kwargs={"autocommit": True}, min_size=1, max_size=max_connections, open=False
+    )
 
-    protocol_version = "HTTP/1.1"
-    disable_nagle_algorithm = True
-    server: _PlainServer
-
-    def setup(self) -> None:
-        super().setup()
-        self.db = psycopg.connect(self.server.conninfo, autocommit=True)
-
-    def finish(self) -> None:
-        try:
-            super().finish()
-        finally:
-            self.db.close()
-
-    def do_POST(self) -> None:
-        length = int(self.headers.get("Content-Length") or 0)
-        if length:
-            self.rfile.read(length)
-        key = self.headers.get("Idempotency-Key")
+    async def effect(request: Request) -> Response:
+        await request.body()
+        key = request.headers.get("idempotency-key")
         if not key:
-            self.wfile.write(_MISSING_KEY)
-            return
-        self.db.execute(INSERT_SQL, (key,), prepare=True)
-        self.wfile.write(_OK)
+            return PlainTextResponse("missing Idempotency-Key\n", 400)
+        async with pool.connection() as conn:
+            await conn.execute(INSERT_SQL, (key,))
+        return PlainTextResponse("ok")
 
-    def do_GET(self) -> None:
-        self.wfile.write(_OK)
+    async def health(request: Request) -> Response:
+        return PlainTextResponse("ok")
 
-    def log_message(self, format: str, *args: object) -> None:
-        """Silent: logging every request would be most of the floor's cost."""
+    @contextlib.asynccontextmanager
+    async def lifespan(app: Starlette) -> AsyncIterator[None]:
+        await pool.open()
+        yield
+        await pool.close()
+
+    return Starlette(
+        routes=[Route("/health", health, methods=["GET"]), Route("/{topic:path}", effect, methods=["POST"])],
+        lifespan=lifespan,
+    )
 
 
-class _PlainServer(ThreadingHTTPServer):
-    daemon_threads = True
-    request_queue_size = 256
-
-    def __init__(self, address: tuple[str, int], conninfo: str) -> None:
-        self.conninfo = conninfo
-        super().__init__(address, _Handler)
-
-
-def serve(pg_conninfo: str, host: str = "127.0.0.1", port: int = 0) -> None:
+def serve(pg_conninfo: str, host: str = "127.0.0.1", port: int = 0, http: str = "h11") -> None:
     """Create the table if missing, print the ready line with the base URL, and serve until killed."""
     conninfo = libpq_conninfo(pg_conninfo)
     with psycopg.connect(conninfo, autocommit=True) as conn:
         conn.execute(CREATE_SQL)
-    server = _PlainServer((host, port), conninfo)
-    bound_host, bound_port = server.server_address[:2]
-    print(f"{READY_PREFIX}http://{bound_host!s}:{bound_port}", flush=True)
-    try:
-        server.serve_forever()
-    finally:
-        server.server_close()
+    sock = socket.create_server((host, port), backlog=2048)
+    config = uvicorn.Config(
+        build_app(conninfo), http=http, lifespan="on", log_config=None, access_log=False, limit_concurrency=64
+    )
+    server = uvicorn.Server(config)
+    bound_host, bound_port = sock.getsockname()[:2]
+
+    async def main() -> None:
+        serving = asyncio.ensure_future(server.serve(sockets=[sock]))
+        while not server.started and not serving.done():
+            await asyncio.sleep(0.01)
+        print(f"{READY_PREFIX}http://{bound_host!s}:{bound_port}", flush=True)
+        await serving
+
+    asyncio.run(main())
 
 
 def _read_ready(stream: IO[str], out: queue.Queue[str]) -> None:
@@ -159,9 +155,10 @@ def main() -> int:
     parser.add_argument("--pg", required=True, help="PostgreSQL URL or conninfo of the database to write to")
     parser.add_argument("--host", default="127.0.0.1")
     parser.add_argument("--port", type=int, default=0, help="0 picks a free port")
+    parser.add_argument("--http", default="h11", choices=["h11", "httptools"], help="uvicorn's HTTP parser")
     args = parser.parse_args()
     try:
-        serve(args.pg, args.host, args.port)
+        serve(args.pg, args.host, args.port, args.http)
     except KeyboardInterrupt:
         pass
     return 0

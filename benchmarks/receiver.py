@@ -1,26 +1,27 @@
-"""The reference receiver against the HTTP floor, measured side by side in one run on a scratch database.
+"""The reference receiver against the HTTP floor, the inbox middleware's own cost, and the async inbox
+against the sync one, measured side by side in one run on a scratch database.
 
     .venv/bin/python benchmarks/receiver.py [--pg-url postgresql+psycopg://postgres@127.0.0.1:5432/postgres]
-                                            [--rounds 5] [--seconds 2] [--senders 1 4]
+                                            [--rounds 5] [--seconds 2] [--senders 1 4] [--requests 500]
 
-Each sender process runs a bare ``httpx.Client`` keep-alive POST loop, a unique ``Idempotency-Key`` per
-POST, for ``--seconds``; posts/s is the sum over processes. Targets:
+1. Each sender process runs a bare ``httpx.Client`` keep-alive POST loop, a unique ``Idempotency-Key`` per
+   POST, for ``--seconds``; posts/s is the sum over processes. Targets, on the same uvicorn (h11):
 
-* (a) the plain receiver (``benchmarks/plain_receiver.py``: one ``INSERT ... ON CONFLICT DO NOTHING`` per
-  POST, autocommit) -- the floor;
-* (b) the reference receiver (``joblease receiver``, its own process) with its inbox on PostgreSQL: one
-  call of its ``joblease_receiver_apply`` function per POST (one round trip, one commit).
+   * (a) the plain receiver (``benchmarks/plain_receiver.py``: a Starlette app doing one ``INSERT ... ON
+     CONFLICT DO NOTHING`` per POST, autocommit) -- the floor;
+   * (b) the reference receiver (``joblease receiver``, its own process): InboxMiddleware on an
+     AsyncInbox, the effect row and the stored answer in one transaction.
 
-Rounds alternate (a, b, then b, a, ...) so drift on a shared machine hits both; the table shows min /
-median / max, the per-round ratio b / a (goal >= 0.85), ``SUSPECT`` flags and the machine's load
-(``benchmarks/harness.py``), and each receiver process's CPU per POST (all its threads; the PostgreSQL
-backends' work is not in it). The scratch database is dropped at the end.
+   Rounds alternate (a, b, then b, a, ...) so drift on a shared machine hits both; the table shows min /
+   median / max, the per-round ratio b / a (goal >= 0.85), ``SUSPECT`` flags and the machine's load
+   (``benchmarks/harness.py``), and each receiver process's CPU per POST (the PostgreSQL backends' work is
+   not in it).
+2. The middleware's added latency per request, in-process (httpx's ASGI transport, no network): a bare
+   Starlette app doing one INSERT per request against the same app under InboxMiddleware, on a first
+   apply (a new key each request) and on a replay (one key repeated). Both additions are printed.
+3. The AsyncInbox (psycopg pool) against the sync Inbox (64 threads) with 64 keys in flight at once.
 
-Beside them, what the inbox's guarantees cost the database: each POST's SQL alone, from a bare psycopg loop
-on one autocommit connection (each call its own transaction, its commit flushed as a POST's is), in the
-same rotated rounds: the reference receiver's ``joblease_receiver_apply`` call (the in-flight advisory
-lock behind 409, the key's row with the payload's hash behind 422, the stored response behind a replay,
-and the effect row) against the plain receiver's one-column ``INSERT ... ON CONFLICT DO NOTHING``.
+The scratch database is dropped at the end.
 """
 
 from __future__ import annotations
@@ -29,25 +30,36 @@ import argparse
 import functools
 import multiprocessing
 import os
+import statistics
 import sys
+import threading
 import time
 import uuid
 from multiprocessing.synchronize import Event as EventType
 from pathlib import Path
 from typing import Any
 
+import anyio
 import httpx
-import psycopg
 import sqlalchemy as sa
+from psycopg_pool import AsyncConnectionPool
+from starlette.applications import Starlette
+from starlette.middleware import Middleware
+from starlette.requests import Request
+from starlette.responses import PlainTextResponse, Response
+from starlette.routing import Route
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from benchmarks.harness import Figure, Sample, figure, print_figures, rotate  # noqa: E402
-from benchmarks.plain_receiver import INSERT_SQL, start_plain_receiver_process  # noqa: E402
-from benchmarks.report import dsn  # noqa: E402
-from dagster_joblease import inbox  # noqa: E402
-from dagster_joblease.receiver.app import _APPLY_CALL  # noqa: E402
+from benchmarks.plain_receiver import (  # noqa: E402
+    CREATE_SQL,
+    INSERT_SQL,
+    libpq_conninfo,
+    start_plain_receiver_process,
+)
+from dagster_joblease.inbox import AsyncInbox, Inbox, InboxMiddleware, inbox_connection  # noqa: E402
 from dagster_joblease.storage import create_engine, migrate  # noqa: E402
 from tests.receiver_proc import start_receiver  # noqa: E402
 
@@ -109,54 +121,180 @@ def measure(url: str, senders: int, seconds: float, server_pid: int) -> tuple[fl
     return posts / seconds, cpu / max(posts, 1) * 1e6
 
 
-def sql_us(db_url: str, kind: str, seconds: float) -> float:
-    """Mean wall µs of one POST's SQL alone (``apply`` or ``plain``), commit included, over ``seconds``."""
-    prefix = f"v2:sql-{kind}-{uuid.uuid4().hex[:8]}-"
-    topic, payload = "bench", BODY.decode()
-    sha = inbox.request_fingerprint(BODY)
-    with psycopg.connect(dsn(db_url), autocommit=True) as conn:
-        cursor = conn.cursor()
-
-        def call(i: int) -> None:
-            key = f"{prefix}{i}"
-            if kind == "apply":
-                response = f'{{"applied": true, "key": "{key}", "topic": "{topic}"}}'
-                cursor.execute(_APPLY_CALL, (key, sha, topic, payload, 200, response), prepare=True)
-                row = cursor.fetchone()
-                assert row is not None and row[0] == "applied", row
-            else:
-                cursor.execute(INSERT_SQL, (key,), prepare=True)
-
-        for i in range(20):  # prepare the statement, warm the caches
-            call(-1 - i)
-        calls, started = 0, time.perf_counter()
-        deadline = started + seconds
-        while (now := time.perf_counter()) < deadline:
-            call(calls)
-            calls += 1
-    return (now - started) / calls * 1e6
+# -- the middleware's own cost, in-process ----------------------------------------------------------------
 
 
-def sql_figure(db_url: str, *, rounds: int, seconds: float) -> Figure:
-    """The apply call against the plain INSERT (wall µs per call, lower is better), rotated rounds."""
+def _middleware_latency(db_url: str, kind: str, requests: int) -> float:
+    """Mean µs per request of an in-process Starlette app (httpx's ASGI transport, no network), one
+    ``INSERT`` per new key: ``bare`` (no inbox, the INSERT autocommitted), ``apply`` (InboxMiddleware on an
+    AsyncInbox, a new key each request, the INSERT through the inbox's transaction) or ``replay`` (the
+    same app, one key repeated: the stored answer)."""
+    conninfo = libpq_conninfo(db_url)
+    tag = uuid.uuid4().hex[:8]
+
+    async def run() -> float:
+        pool = AsyncConnectionPool(conninfo, min_size=1, max_size=2, open=False)
+        await pool.open()
+        try:
+
+            async def bare(request: Request) -> Response:
+                await request.body()
+                async with pool.connection() as conn:
+                    await conn.execute(INSERT_SQL, (request.headers["idempotency-key"],))
+                    await conn.commit()
+                return PlainTextResponse("ok")
+
+            async def through_inbox(request: Request) -> Response:
+                await request.body()
+                await inbox_connection(request).execute(INSERT_SQL, (request.headers["idempotency-key"],))
+                return PlainTextResponse("ok")
+
+            middleware = (
+                [] if kind == "bare" else [Middleware(InboxMiddleware, inbox=AsyncInbox(pool.connection))]
+            )
+            app = Starlette(
+                routes=[Route("/bench", bare if kind == "bare" else through_inbox, methods=["POST"])],
+                middleware=middleware,
+            )
+            transport = httpx.ASGITransport(app=app)
+            async with httpx.AsyncClient(transport=transport, base_url="http://bench") as client:
+
+                async def post(i: int) -> None:
+                    key = f"mw-{tag}-{kind}-" + ("same" if kind == "replay" else str(i))
+                    answer = await client.post("/bench", content=BODY, headers={"Idempotency-Key": key})
+                    assert answer.status_code == 200, answer.text
+
+                for i in range(-20, 0):  # warm up (and store the replayed key)
+                    await post(i)
+                started = time.perf_counter()
+                for i in range(requests):
+                    await post(i)
+                return (time.perf_counter() - started) / requests * 1e6
+        finally:
+            await pool.close()
+
+    return anyio.run(run)
+
+
+def middleware_figures(db_url: str, *, rounds: int, requests: int) -> list[Figure]:
+    """The middleware's added latency on a first apply and on a replay, beside the bare app (info rows)."""
 
     def side(kind: str) -> Sample:
-        return Sample(sql_us(db_url, kind, seconds), 0.0)
+        return Sample(_middleware_latency(db_url, kind, requests), 0.0)
 
-    got = rotate(rounds, {kind: functools.partial(side, kind) for kind in ("plain", "apply")})
-    for plain, apply in zip(got["plain"], got["apply"], strict=True):
+    got = rotate(rounds, {kind: functools.partial(side, kind) for kind in ("bare", "apply", "replay")})
+    for bare, apply, replay in zip(got["bare"], got["apply"], got["replay"], strict=True):
         print(
-            f"  SQL alone: plain INSERT {plain.rate:6.0f} us  apply function {apply.rate:6.0f} us", flush=True
+            f"  middleware: bare {bare.rate:6.0f} us  first apply {apply.rate:6.0f} us"
+            f" (+{apply.rate - bare.rate:.0f})  replay {replay.rate:6.0f} us"
+            f" (+{replay.rate - bare.rate:.0f})",
+            flush=True,
+        )
+    added = {
+        k: statistics.median(v.rate - b.rate for v, b in zip(got[k], got["bare"], strict=True))
+        for k in ("apply", "replay")
+    }
+    return [
+        figure(
+            f"InboxMiddleware, {what} (in-process, one INSERT per new key)",
+            "1 conn",
+            "bare app",
+            got["bare"],
+            got[kind],
+            unit="us",
+            lower_is_better=True,
+            note=f"adds {added[kind]:.0f} us per request (median of the rounds)",
+        )
+        for kind, what in (("apply", "first apply"), ("replay", "replay"))
+    ]
+
+
+# -- the async inbox against the sync one -------------------------------------------------------------------
+
+CONCURRENT_KEYS = 64
+
+
+def _async_keys_per_s(db_url: str, seconds: float) -> float:
+    """Keys/s processed by an AsyncInbox (psycopg pool of 64) with 64 keys in flight at once."""
+    conninfo = libpq_conninfo(db_url)
+    tag = uuid.uuid4().hex[:8]
+
+    async def run() -> float:
+        pool = AsyncConnectionPool(conninfo, min_size=CONCURRENT_KEYS, max_size=CONCURRENT_KEYS, open=False)
+        await pool.open(wait=True)
+        inbox = AsyncInbox(pool.connection)
+        done = 0
+
+        async def effect(conn: Any) -> tuple[int, str]:
+            return 200, "{}"
+
+        async def worker(w: int, deadline: float) -> None:
+            nonlocal done
+            n = 0
+            while time.perf_counter() < deadline:
+                await inbox.process(f"a-{tag}-{w}-{n}", BODY, effect)
+                n += 1
+                done += 1
+
+        try:
+            deadline = time.perf_counter() + seconds
+            started = time.perf_counter()
+            async with anyio.create_task_group() as group:
+                for w in range(CONCURRENT_KEYS):
+                    group.start_soon(worker, w, deadline)
+            return done / (time.perf_counter() - started)
+        finally:
+            await pool.close()
+
+    return anyio.run(run)
+
+
+def _sync_keys_per_s(db_url: str, seconds: float) -> float:
+    """Keys/s processed by the sync Inbox (an engine pool of 64) from 64 threads at once."""
+    engine = create_engine(db_url, pool_size=CONCURRENT_KEYS, max_overflow=0)
+    inbox = Inbox(engine)
+    tag = uuid.uuid4().hex[:8]
+    counts = [0] * CONCURRENT_KEYS
+    deadline = time.perf_counter() + seconds
+
+    def worker(w: int) -> None:
+        n = 0
+        while time.perf_counter() < deadline:
+            inbox.process(f"s-{tag}-{w}-{n}", BODY, lambda conn: (200, "{}"))
+            n += 1
+        counts[w] = n
+
+    try:
+        started = time.perf_counter()
+        threads = [threading.Thread(target=worker, args=(w,)) for w in range(CONCURRENT_KEYS)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        return sum(counts) / (time.perf_counter() - started)
+    finally:
+        engine.dispose()
+
+
+def inbox_figure(db_url: str, *, rounds: int, seconds: float) -> Figure:
+    sides = {
+        "sync": lambda: Sample(_sync_keys_per_s(db_url, seconds), 0.0),
+        "async": lambda: Sample(_async_keys_per_s(db_url, seconds), 0.0),
+    }
+    got = rotate(rounds, sides)
+    for sync, async_ in zip(got["sync"], got["async"], strict=True):
+        print(
+            f"  {CONCURRENT_KEYS} keys at once: sync Inbox {sync.rate:6.0f} keys/s"
+            f"  AsyncInbox {async_.rate:6.0f} keys/s"
         )
     return figure(
-        "(the inbox's guarantees in SQL: one POST's statement alone, apply function vs plain INSERT)",
-        "1 conn",
-        "plain INSERT",
-        got["plain"],
-        got["apply"],
-        unit="us",
-        lower_is_better=True,
-        note="wall time per call, commit flushed: advisory lock, inbox row (hash, response), effect row",
+        f"AsyncInbox vs sync Inbox, {CONCURRENT_KEYS} keys in flight",
+        f"{CONCURRENT_KEYS} keys",
+        "sync Inbox (threads)",
+        got["sync"],
+        got["async"],
+        note="keys/s, the effect empty: the inbox's own statements",
+        faster_because="one event loop instead of 64 threads contending for the GIL",
     )
 
 
@@ -169,14 +307,19 @@ def _admin(url: str, sql: str) -> None:
         engine.dispose()
 
 
-def suite(pg_url: str, *, rounds: int, seconds: float, senders: list[int]) -> list[Figure]:
-    """The reference receiver against the plain one, ``rounds`` alternating rounds per sender count."""
+def suite(
+    pg_url: str, *, rounds: int, seconds: float, senders: list[int], requests: int = 500
+) -> list[Figure]:
+    """The reference receiver against the plain one (``rounds`` alternating rounds per sender count), the
+    middleware's added latency, and the async inbox against the sync one."""
     admin = sa.make_url(pg_url).set(drivername="postgresql+psycopg")
     name = f"joblease_bench_recv_{uuid.uuid4().hex[:8]}"
     _admin(admin.render_as_string(hide_password=False), f'CREATE DATABASE "{name}"')
     db_url = admin.set(database=name).render_as_string(hide_password=False)
     engine = create_engine(db_url)
     migrate(engine)
+    with engine.begin() as conn:
+        conn.exec_driver_sql(CREATE_SQL)
     engine.dispose()
     got: dict[int, dict[str, list[Sample]]] = {}
     plain_url, stop_plain, plain_pid = start_plain_receiver_process(db_url)
@@ -196,10 +339,13 @@ def suite(pg_url: str, *, rounds: int, seconds: float, senders: list[int]) -> li
             got[count] = rotate(
                 rounds, {"plain": lambda: side("plain"), "reference": lambda: side("reference")}
             )
-        sql = sql_figure(db_url, rounds=rounds, seconds=seconds)
     finally:
         reference.stop()
         stop_plain()
+    try:
+        extra = middleware_figures(db_url, rounds=rounds, requests=requests)
+        extra.append(inbox_figure(db_url, rounds=rounds, seconds=seconds))
+    finally:
         _admin(admin.render_as_string(hide_password=False), f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
     return [
         figure(
@@ -212,7 +358,7 @@ def suite(pg_url: str, *, rounds: int, seconds: float, senders: list[int]) -> li
             note="cpu: the receiver process's, per POST",
         )
         for count in senders
-    ] + [sql]
+    ] + extra
 
 
 def main() -> int:
@@ -221,9 +367,12 @@ def main() -> int:
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--seconds", type=float, default=2.0)
     parser.add_argument("--senders", type=int, nargs="+", default=[1, 4])
+    parser.add_argument("--requests", type=int, default=500, help="requests per round of the middleware rows")
     args = parser.parse_args()
     started = time.perf_counter()
-    figures = suite(args.pg_url, rounds=args.rounds, seconds=args.seconds, senders=args.senders)
+    figures = suite(
+        args.pg_url, rounds=args.rounds, seconds=args.seconds, senders=args.senders, requests=args.requests
+    )
     print_figures("reference receiver", figures, args.rounds, started)
     return 0 if all(f.ratio.median >= GOAL for f in figures if f.goal is not None) else 1
 

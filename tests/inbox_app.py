@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Callable
-from typing import Any
+from typing import Annotated, Any
 
 import anyio
 import psycopg
@@ -56,7 +56,7 @@ def build_sync_app(inbox: Inbox, **options: Any) -> FastAPI:
     def create(
         order: Order,
         response: Response,
-        conn: sa.Connection = Depends(transaction),
+        conn: Annotated[sa.Connection, Depends(transaction)],
         answer: int = 201,
         boom: int = 0,
     ) -> dict[str, Any]:
@@ -86,7 +86,11 @@ def build_async_app(inbox: AsyncInbox[Any], **options: Any) -> FastAPI:
 
     @app.post("/orders")
     async def create(
-        order: Order, response: Response, conn: Any = Depends(transaction), answer: int = 201, boom: int = 0
+        order: Order,
+        response: Response,
+        conn: Annotated[Any, Depends(transaction)],
+        answer: int = 201,
+        boom: int = 0,
     ) -> dict[str, Any]:
         if isinstance(conn, psycopg.AsyncConnection):
             await conn.execute(

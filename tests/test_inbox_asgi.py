@@ -199,7 +199,7 @@ async def test_a_missing_or_malformed_key_is_400(shop: Shop, headers: dict[str, 
 
 
 async def test_fencing_tokens_older_than_the_accepted_one_are_refused(shop: Shop) -> None:
-    """Kleppmann's fencing: a stale holder (lower attempt) is told 409, not handed the newer holder's answer."""
+    """Kleppmann's fencing: a stale holder (a lower attempt) gets 409, not the newer holder's answer."""
     body = {"order_id": 3, "amount": 5}
     assert (await shop.post("fenced", body, **{"Fencing-Token": "2"})).status_code == 201
     stale = await shop.post("fenced", body, **{"Fencing-Token": "1"})
