@@ -45,10 +45,21 @@ from dagster_joblease.inbox.aio import AsyncInbox, AsyncInboxTransaction
 from dagster_joblease.inbox.core import Answer, InboxResult
 from dagster_joblease.inbox.sync import Inbox, InboxTransaction
 
-__all__ = ["InboxMiddleware", "RequestParts", "fingerprint_request", "inbox_connection"]
+__all__ = [
+    "ASGIApp",
+    "InboxMiddleware",
+    "Message",
+    "Receive",
+    "RequestParts",
+    "Scope",
+    "Send",
+    "fingerprint_request",
+    "inbox_connection",
+]
 
 logger = logging.getLogger(__name__)
 
+#: The ASGI types (as the spec defines them; Starlette's are the same shapes).
 Scope = MutableMapping[str, Any]
 Message = MutableMapping[str, Any]
 Receive = Callable[[], Awaitable[Message]]
@@ -109,6 +120,44 @@ def inbox_connection(request: Any) -> Any:
 def _problem(status: int, title: str, detail: str, **extra: Any) -> bytes:
     document = {"type": "about:blank", "title": title, "status": status, "detail": detail, **extra}
     return json.dumps(document).encode()
+
+
+def _path_rule(paths: Iterable[str] | None) -> tuple[frozenset[str] | None, tuple[str, ...]]:
+    """Exact paths and prefixes (``/hooks/*``); None for every path."""
+    if paths is None:
+        return None, ()
+    listed = [paths] if isinstance(paths, str) else list(paths)
+    return frozenset(p for p in listed if not p.endswith("*")), tuple(
+        p[:-1] for p in listed if p.endswith("*")
+    )
+
+
+def _stored_headers(names: Iterable[str]) -> frozenset[bytes]:
+    stored = {name.lower() for name in names}
+    bad = sorted(stored & _UNSTORABLE)
+    if bad:
+        raise errors.ConfigurationError(
+            f"stored_headers may not name {', '.join(bad)}: a replay sets its own framing headers"
+        )
+    return frozenset(name.encode("latin-1") for name in stored)
+
+
+def _check_max_body(value: object) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or not 0 < value <= core.MAX_BODY_BYTES:
+        raise errors.ConfigurationError(
+            f"max_body_bytes={value!r} must be an int from 1 to {core.MAX_BODY_BYTES}"
+        )
+    return value
+
+
+def _check_body_timeout(value: object) -> float:
+    if value is None:
+        return math.inf
+    if isinstance(value, bool) or not isinstance(value, int | float) or not 0 < value <= 3600:
+        raise errors.ConfigurationError(
+            f"body_timeout_s={value!r} must be None or a number of seconds above 0, at most 3600"
+        )
+    return float(value)
 
 
 class _Refusal(Exception):
@@ -221,39 +270,12 @@ class InboxMiddleware:
         self.app = app
         self.inbox = inbox
         self.methods = frozenset(m.upper() for m in methods)
-        self._exact: frozenset[str] | None = None
-        self._prefixes: tuple[str, ...] = ()
-        if paths is not None:
-            listed = [paths] if isinstance(paths, str) else list(paths)
-            self._exact = frozenset(p for p in listed if not p.endswith("*"))
-            self._prefixes = tuple(p[:-1] for p in listed if p.endswith("*"))
+        self._exact, self._prefixes = _path_rule(paths)
         self.require_key = require_key
         self.fingerprint = fingerprint
-        stored = [name.lower() for name in stored_headers]
-        bad = sorted(set(stored) & _UNSTORABLE)
-        if bad:
-            raise errors.ConfigurationError(
-                f"stored_headers may not name {', '.join(bad)}: a replay sets its own framing headers"
-            )
-        self.stored_headers = frozenset(name.encode("latin-1") for name in stored)
-        if (
-            isinstance(max_body_bytes, bool)
-            or not isinstance(max_body_bytes, int)
-            or not 0 < max_body_bytes <= core.MAX_BODY_BYTES
-        ):
-            raise errors.ConfigurationError(
-                f"max_body_bytes={max_body_bytes!r} must be an int from 1 to {core.MAX_BODY_BYTES}"
-            )
-        self.max_body_bytes = max_body_bytes
-        if body_timeout_s is not None and (
-            isinstance(body_timeout_s, bool)
-            or not isinstance(body_timeout_s, int | float)
-            or not 0 < body_timeout_s <= 3600
-        ):
-            raise errors.ConfigurationError(
-                f"body_timeout_s={body_timeout_s!r} must be None or a number of seconds above 0, at most 3600"
-            )
-        self.body_timeout_s = math.inf if body_timeout_s is None else float(body_timeout_s)
+        self.stored_headers = _stored_headers(stored_headers)
+        self.max_body_bytes = _check_max_body(max_body_bytes)
+        self.body_timeout_s = _check_body_timeout(body_timeout_s)
         self.store_status = store_status or (lambda status: not wire.is_retryable_status(status))
 
     def _applies(self, scope: Scope) -> bool:

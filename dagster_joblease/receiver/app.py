@@ -20,7 +20,7 @@ import contextlib
 import logging
 import threading
 import time
-from collections.abc import Awaitable, Callable, MutableMapping
+from collections.abc import Awaitable, Callable
 from typing import Any
 
 import anyio
@@ -35,6 +35,7 @@ from starlette.routing import Route
 
 from dagster_joblease import errors, wire
 from dagster_joblease.inbox import AsyncInbox, Inbox, InboxMiddleware, core, inbox_connection
+from dagster_joblease.inbox.asgi import ASGIApp, Message, Receive, Scope, Send
 from dagster_joblease.storage.clock import db_now
 from dagster_joblease.storage.engine import translate_errors
 from dagster_joblease.testing.faults import DROPPED
@@ -277,13 +278,6 @@ class RequestLog:
             self.flush()
         except errors.StorageError as exc:
             logger.warning("could not write the receiver's request log at shutdown: %s", exc)
-
-
-Scope = MutableMapping[str, Any]
-Message = MutableMapping[str, Any]
-Receive = Callable[[], Awaitable[Message]]
-Send = Callable[[Message], Awaitable[None]]
-ASGIApp = Callable[[Scope, Receive, Send], Awaitable[None]]
 
 
 class RequestLogMiddleware:

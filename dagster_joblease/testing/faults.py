@@ -19,22 +19,18 @@ import dataclasses
 import logging
 import math
 import threading
-from collections.abc import Awaitable, Callable, Mapping, MutableMapping
+from collections.abc import Mapping
 from typing import Any
 
 import anyio
 
 from dagster_joblease import errors
+from dagster_joblease.inbox.asgi import ASGIApp, Message, Receive, Scope, Send
 
 __all__ = ["DROPPED", "FAULT_KINDS", "DropProxy", "FaultMiddleware", "Faults"]
 
 logger = logging.getLogger(__name__)
 
-Scope = MutableMapping[str, Any]
-Message = MutableMapping[str, Any]
-Receive = Callable[[], Awaitable[Message]]
-Send = Callable[[Message], Awaitable[None]]
-ASGIApp = Callable[[Scope, Receive, Send], Awaitable[None]]
 
 #: The faults :meth:`FaultMiddleware.inject_next` knows.
 FAULT_KINDS = ("fail", "drop_after_apply", "slow")
