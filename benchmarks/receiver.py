@@ -214,13 +214,13 @@ def middleware_figures(db_url: str, *, rounds: int, requests: int) -> list[Figur
 CONCURRENT_KEYS = 64
 
 
-def _async_keys_per_s(db_url: str, seconds: float) -> float:
-    """Keys/s processed by an AsyncInbox (psycopg pool of 64) with 64 keys in flight at once."""
+def _async_keys_per_s(db_url: str, seconds: float, keys: int = CONCURRENT_KEYS) -> float:
+    """Keys/s processed by an AsyncInbox (a psycopg pool of ``keys``) with ``keys`` keys in flight at once."""
     conninfo = libpq_conninfo(db_url)
     tag = uuid.uuid4().hex[:8]
 
     async def run() -> float:
-        pool = AsyncConnectionPool(conninfo, min_size=CONCURRENT_KEYS, max_size=CONCURRENT_KEYS, open=False)
+        pool = AsyncConnectionPool(conninfo, min_size=keys, max_size=keys, open=False)
         await pool.open(wait=True)
         inbox = AsyncInbox(pool.connection)
         done = 0
@@ -240,7 +240,7 @@ def _async_keys_per_s(db_url: str, seconds: float) -> float:
             deadline = time.perf_counter() + seconds
             started = time.perf_counter()
             async with anyio.create_task_group() as group:
-                for w in range(CONCURRENT_KEYS):
+                for w in range(keys):
                     group.start_soon(worker, w, deadline)
             return done / (time.perf_counter() - started)
         finally:
@@ -249,12 +249,12 @@ def _async_keys_per_s(db_url: str, seconds: float) -> float:
     return anyio.run(run)
 
 
-def _sync_keys_per_s(db_url: str, seconds: float) -> float:
-    """Keys/s processed by the sync Inbox (an engine pool of 64) from 64 threads at once."""
-    engine = create_engine(db_url, pool_size=CONCURRENT_KEYS, max_overflow=0)
+def _sync_keys_per_s(db_url: str, seconds: float, keys: int = CONCURRENT_KEYS) -> float:
+    """Keys/s processed by the sync Inbox (an engine pool of ``keys``) from ``keys`` threads at once."""
+    engine = create_engine(db_url, pool_size=keys, max_overflow=0)
     inbox = Inbox(engine)
     tag = uuid.uuid4().hex[:8]
-    counts = [0] * CONCURRENT_KEYS
+    counts = [0] * keys
     deadline = time.perf_counter() + seconds
 
     def worker(w: int) -> None:
@@ -266,7 +266,7 @@ def _sync_keys_per_s(db_url: str, seconds: float) -> float:
 
     try:
         started = time.perf_counter()
-        threads = [threading.Thread(target=worker, args=(w,)) for w in range(CONCURRENT_KEYS)]
+        threads = [threading.Thread(target=worker, args=(w,)) for w in range(keys)]
         for t in threads:
             t.start()
         for t in threads:

@@ -19,7 +19,6 @@ from benchmarks import report
 from benchmarks.__main__ import BEGIN, END, markdown, write_page
 from benchmarks.harness import Figure, Sample, Stat, background_busy, figure, rotate, run_window
 from benchmarks.plain_receiver import CREATE_SQL
-from dagster_joblease.receiver import effect_count, ensure_tables
 from tests.conftest import _admin_execute
 
 
@@ -179,19 +178,19 @@ def test_agree_with_a_file_that_is_not_a_saved_run_says_so(tmp_path: Path) -> No
         agreement.load(tmp_path / "missing.json")
 
 
-def test_the_receivers_sql_alone_applies_each_key_and_times_both_statements(pg_engine: sa.Engine) -> None:
-    ensure_tables(pg_engine)
+def test_the_receiver_benchmarks_side_rows_run_small(pg_engine: sa.Engine) -> None:
+    """The middleware's latency rows and the async-vs-sync inbox row, with tiny settings."""
     with pg_engine.begin() as conn:
         conn.exec_driver_sql(CREATE_SQL)
     url = pg_engine.url.render_as_string(hide_password=False)
-    plain_us = receiver_bench.sql_us(url, "plain", 0.2)
-    apply_us = receiver_bench.sql_us(url, "apply", 0.2)
-    assert plain_us > 0 and apply_us > 0
-    # Every timed call of the apply function recorded its effect (it asserts "applied" per call).
-    assert effect_count(pg_engine) > 20
+    for kind in ("bare", "apply", "replay"):
+        assert receiver_bench._middleware_latency(url, kind, 5) > 0
     with pg_engine.connect() as conn:
-        plain_rows = conn.exec_driver_sql("SELECT count(*) FROM plain_effect").scalar_one()
-    assert plain_rows > 20
+        # bare and apply write one row per new key (warm-up included); replay writes its key once
+        assert conn.exec_driver_sql("SELECT count(*) FROM plain_effect").scalar_one() == 2 * 25 + 1
+        assert conn.exec_driver_sql("SELECT count(*) FROM joblease_inbox").scalar_one() == 25 + 1
+    assert receiver_bench._async_keys_per_s(url, 0.2, keys=4) > 0
+    assert receiver_bench._sync_keys_per_s(url, 0.2, keys=4) > 0
 
 
 def test_a_cost_figure_pairs_times_and_leaves_the_cpu_column_empty_when_none_was_measured() -> None:

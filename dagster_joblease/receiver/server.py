@@ -107,14 +107,19 @@ def _conninfo(engine: sa.Engine) -> tuple[str, dict[str, Any]]:
     """libpq connection string and psycopg options for ``engine``'s database (what its pool uses).
 
     The engine's own connection says whether statements may be prepared (``?prepare_threshold=none``
-    in the URL, behind PgBouncer in transaction mode): the pool's connections follow it.
+    in the URL, behind PgBouncer in transaction mode): the pool's connections follow it. A database out
+    of reach at start-up leaves that unknown: then nothing is prepared (right behind any pooler), and the
+    receiver starts anyway, answering 503 until the database is back.
     """
     _args, params = engine.dialect.create_connect_args(engine.url)
     params.pop("context", None)  # SQLAlchemy's adapters for its own connections, not a libpq option
     params.setdefault("connect_timeout", 10)
-    with translate_errors("connect to the receiver's database"), engine.connect() as conn:
-        driver = conn.connection.driver_connection
-        threshold = getattr(driver, "prepare_threshold", 5)
+    threshold: int | None = None
+    try:
+        with translate_errors("connect to the receiver's database"), engine.connect() as conn:
+            threshold = getattr(conn.connection.driver_connection, "prepare_threshold", None)
+    except errors.StorageError as exc:
+        logger.warning("the receiver starts without its database (statements will not be prepared): %s", exc)
     return psycopg.conninfo.make_conninfo("", **params), {"prepare_threshold": threshold}
 
 
