@@ -12,10 +12,12 @@ from typing import Any
 
 import anyio
 import httpx
+import psycopg
 import psycopg_pool
 import pytest
 import sqlalchemy as sa
 from fastapi import FastAPI
+from psycopg.rows import dict_row
 from sqlalchemy.ext.asyncio import create_async_engine
 
 from dagster_joblease import errors
@@ -288,3 +290,38 @@ def test_stored_headers_may_not_name_framing_headers() -> None:
 def test_the_middleware_needs_an_inbox() -> None:
     with pytest.raises(errors.ConfigurationError, match="needs an Inbox or an AsyncInbox"):
         InboxMiddleware(FastAPI(), object())  # type: ignore[arg-type]
+
+
+async def test_the_async_inbox_takes_psycopg_connections_of_any_shape(pg_url: str) -> None:
+    """Autocommit connections with a dict row factory and RawCursor's $1 placeholders: the inbox still
+    runs its own statements in its own transaction (so an effect that raises rolls back with it)."""
+    engine = create_engine(pg_url)
+    shop_metadata.create_all(engine)
+    pool = psycopg_pool.AsyncConnectionPool(
+        _conninfo(pg_url),
+        kwargs={"autocommit": True, "row_factory": dict_row, "cursor_factory": psycopg.AsyncRawCursor},
+        min_size=1,
+        max_size=2,
+        open=False,
+    )
+    await pool.open()
+    try:
+        inbox = AsyncInbox(pool.connection)
+
+        async def write(conn: Any) -> tuple[int, str]:
+            await conn.execute("INSERT INTO shop_order (order_id, amount) VALUES ($1, $2)", (1, 2))
+            return 201, "made"
+
+        async def boom(conn: Any) -> tuple[int, str]:
+            await write(conn)
+            raise RuntimeError("after writing")
+
+        assert (await inbox.process("k", {"v": 1}, write)).replayed is False
+        assert (await inbox.process("k", {"v": 1}, write)).replayed is True
+        with pytest.raises(RuntimeError, match="after writing"):
+            await inbox.process("k2", {"v": 1}, boom)
+        with engine.connect() as conn:
+            assert conn.execute(sa.select(sa.func.count()).select_from(orders)).scalar_one() == 1
+    finally:
+        await pool.close()
+        engine.dispose()

@@ -100,7 +100,9 @@ class _PsycopgSession(_Session):
                 )
             if conn.autocommit:
                 await conn.execute("BEGIN")
-            self._cursor = conn.cursor(row_factory=psycopg.rows.tuple_row)
+            # psycopg.AsyncCursor itself, not conn.cursor(): the connection's cursor factory may bind
+            # differently (RawCursor's $1, ClientCursor's client-side binding), its row factory may be dicts.
+            self._cursor = psycopg.AsyncCursor(conn, row_factory=psycopg.rows.tuple_row)
         except BaseException as exc:
             await self._manager.__aexit__(type(exc), exc, exc.__traceback__)
             raise
