@@ -43,14 +43,16 @@ def _answer(order: Order, status: int, response: Response) -> dict[str, Any]:
     return {"order_id": order.order_id, "amount": order.amount}
 
 
+def transaction(request: Request) -> Any:
+    """The FastAPI dependency: the inbox's transaction (module level, so string annotations resolve)."""
+    return inbox_connection(request)
+
+
 def build_sync_app(inbox: Inbox, **options: Any) -> FastAPI:
     """The shop on a sync Inbox: the effect is written on the inbox's SQLAlchemy Connection."""
     app = FastAPI()
     app.state.gate = None
     app.add_middleware(InboxMiddleware, inbox=inbox, paths=["/orders", "/orders/*"], **options)
-
-    def transaction(request: Request) -> sa.Connection:
-        return inbox_connection(request)  # type: ignore[no-any-return]
 
     @app.post("/orders")
     def create(
@@ -80,9 +82,6 @@ def build_async_app(inbox: AsyncInbox[Any], **options: Any) -> FastAPI:
     app = FastAPI()
     app.state.gate = None
     app.add_middleware(InboxMiddleware, inbox=inbox, paths=["/orders", "/orders/*"], **options)
-
-    def transaction(request: Request) -> Any:
-        return inbox_connection(request)
 
     @app.post("/orders")
     async def create(

@@ -26,6 +26,7 @@ from dagster_joblease import errors
 from dagster_joblease.inbox import core
 from dagster_joblease.inbox.core import Answer, InboxResult, VerdictKind
 from dagster_joblease.storage import inbox as store
+from dagster_joblease.storage.driver import Query
 from dagster_joblease.storage.engine import translate_errors
 
 if TYPE_CHECKING:
@@ -49,11 +50,12 @@ class _Session:
     async def open(self) -> None:
         raise NotImplementedError
 
-    async def first(self, statement: Any, params: dict[str, Any]) -> Any:
+    async def first(self, query: Query, params: dict[str, Any]) -> Any:
+        """The first row of ``query`` (which returns rows), or None."""
         raise NotImplementedError
 
-    async def count(self, statement: Any, params: dict[str, Any]) -> int:
-        """Run a write; how many rows it changed."""
+    async def count(self, query: Query, params: dict[str, Any]) -> int:
+        """Run ``query`` (which returns no rows); how many rows it changed."""
         raise NotImplementedError
 
     async def end(self, commit: bool) -> None:
@@ -72,12 +74,11 @@ class _EngineSession(_Session):
             await self.connection.close()
             raise
 
-    async def first(self, statement: Any, params: dict[str, Any]) -> Any:
-        result = await self.connection.execute(statement, params)
-        return result.first() if result.returns_rows else None
+    async def first(self, query: Query, params: dict[str, Any]) -> Any:
+        return (await self.connection.execute(query.postgresql, params)).first()
 
-    async def count(self, statement: Any, params: dict[str, Any]) -> int:
-        return int((await self.connection.execute(statement, params)).rowcount)
+    async def count(self, query: Query, params: dict[str, Any]) -> int:
+        return int((await self.connection.execute(query.postgresql, params)).rowcount)
 
     async def end(self, commit: bool) -> None:
         try:
@@ -107,15 +108,13 @@ class _PsycopgSession(_Session):
             await self._manager.__aexit__(type(exc), exc, exc.__traceback__)
             raise
 
-    async def first(self, statement: Any, params: dict[str, Any]) -> Any:
-        sql, constants = store.psycopg_sql(statement)
-        cursor = self._cursor
-        await cursor.execute(sql, {**constants, **params})
-        return await cursor.fetchone() if cursor.description is not None else None
+    async def first(self, query: Query, params: dict[str, Any]) -> Any:
+        await self._cursor.execute(query.sql, query.args(params))
+        rows = await self._cursor.fetchall()
+        return rows[0] if rows else None
 
-    async def count(self, statement: Any, params: dict[str, Any]) -> int:
-        sql, constants = store.psycopg_sql(statement)
-        await self._cursor.execute(sql, {**constants, **params})
+    async def count(self, query: Query, params: dict[str, Any]) -> int:
+        await self._cursor.execute(query.sql, query.args(params))
         return int(self._cursor.rowcount)
 
     async def end(self, commit: bool) -> None:
@@ -129,9 +128,13 @@ async def _drive(session: _Session, steps: Generator[core.Step, Any, Any]) -> An
     try:
         step = next(steps)
         while True:
-            step = steps.send(await session.first(step.statement, step.params))
-    except StopIteration as done:
-        return done.value
+            query, params = step
+            done = await (
+                session.first(query, params) if query.returns_rows else session.count(query, params)
+            )
+            step = steps.send(done)
+    except StopIteration as stop:
+        return stop.value
 
 
 class AsyncInboxTransaction(Generic[C]):
@@ -180,7 +183,7 @@ class AsyncInboxTransaction(Generic[C]):
         params = core.record_params(self.key, self.fingerprint, self.fence, answer)
         try:
             with translate_errors("record an inbox result"):
-                recorded = await session.first(store.record_done("postgresql"), params)
+                recorded = await session.first(store.RECORD_DONE, params)
                 if recorded is not None:
                     self._session = None
                     await session.end(commit=True)
@@ -297,7 +300,7 @@ class AsyncInbox(Generic[C]):
         with translate_errors("purge inbox keys"):
             await session.open()
             try:
-                count = await session.count(store.purge_done(), params)
+                count = await session.count(store.PURGE_DONE, params)
             except BaseException:
                 await session.end(commit=False)
                 raise

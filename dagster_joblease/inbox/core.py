@@ -18,6 +18,7 @@ from typing import Any, NamedTuple
 from dagster_joblease import errors, outbox
 from dagster_joblease.options import MAX_DURATION_MS
 from dagster_joblease.storage import inbox as store
+from dagster_joblease.storage.driver import Query
 from dagster_joblease.storage.inbox import InboxStatus, KeyRow
 
 __all__ = [
@@ -141,7 +142,7 @@ def judge(fingerprint: str, fence: int | None, got_lock: bool, row: KeyRow | Non
 class Step(NamedTuple):
     """One statement a transaction runs: the runner sends back its first row (None if it has none)."""
 
-    statement: Any
+    query: Query
     params: dict[str, Any]
 
 
@@ -153,16 +154,16 @@ def begin_steps(
     verdict needs written (an expired claim removed, a newer fencing number kept)."""
     got = True
     if dialect_name == "postgresql":
-        got = bool((yield Step(store.lock_key(), {"key": key, "idle_ms": str(lock_ms)}))[0])
+        got = bool((yield Step(store.LOCK_KEY, {"key": key, "idle_ms": str(lock_ms)}))[0])
     row = None
     if got:
-        found = yield Step(store.read_key(), {"key": key})
+        found = yield Step(store.READ_KEY, {"key": key})
         row = None if found is None else KeyRow(*found)
     verdict = judge(fingerprint, fence, got, row)
     if verdict.kind is VerdictKind.APPLY_AFTER_EXPIRY:
-        yield Step(store.expire_claim(), {"key": key})
+        yield Step(store.EXPIRE_CLAIM, {"key": key})
     elif verdict.raise_fence:
-        yield Step(store.raise_fence(), {"key": key, "fence": fence})
+        yield Step(store.RAISE_FENCE, {"key": key, "fence": fence})
     return verdict, row
 
 
@@ -189,7 +190,7 @@ def stored_result(row: KeyRow) -> InboxResult:
 
 
 def record_params(key: str, fingerprint: str, fence: int | None, answer: Answer) -> dict[str, Any]:
-    """The binds of :func:`dagster_joblease.storage.inbox.record_done` for an answer."""
+    """The binds of :data:`dagster_joblease.storage.inbox.RECORD_DONE` for an answer."""
     text = answer.body if isinstance(answer.body, str) else None
     return {
         "key": key,

@@ -30,8 +30,10 @@ import sqlalchemy as sa
 from dagster_joblease import errors
 from dagster_joblease.inbox import core
 from dagster_joblease.inbox.core import Answer, InboxResult, VerdictKind
+from dagster_joblease.storage import driver
 from dagster_joblease.storage import inbox as store
 from dagster_joblease.storage.engine import translate_errors
+from dagster_joblease.storage.transaction import callers_transaction
 
 __all__ = ["Effect", "Inbox", "InboxTransaction"]
 
@@ -42,13 +44,13 @@ logger = logging.getLogger(__name__)
 Effect = Callable[[sa.Connection], tuple[Any, ...]]
 
 
-def _drive(conn: sa.Connection, steps: Generator[core.Step, Any, Any]) -> Any:
-    """Run a sans-IO statement sequence on ``conn``; its return value."""
+def _drive(db: driver.Statements, steps: Generator[core.Step, Any, Any]) -> Any:
+    """Run a sans-IO statement sequence; its return value."""
     try:
         step = next(steps)
         while True:
-            result = conn.execute(step.statement, step.params)
-            step = steps.send(result.first() if result.returns_rows else None)
+            query, params = step
+            step = steps.send(db.first(query, params) if query.returns_rows else db.rowcount(query, params))
     except StopIteration as done:
         return done.value
 
@@ -67,6 +69,7 @@ class InboxTransaction:
         self.fingerprint = fingerprint
         self.fence = fence
         self._conn: sa.Connection | None = None
+        self._db: driver.Statements | None = None
 
     @property
     def connection(self) -> sa.Connection:
@@ -89,14 +92,15 @@ class InboxTransaction:
         try:
             with translate_errors("process an inbox key"):
                 conn.begin()
+                db = driver.in_transaction(callers_transaction(conn))
                 verdict, row = _drive(
-                    conn,
+                    db,
                     core.begin_steps(
                         inbox.dialect_name, self.key, self.fingerprint, self.fence, inbox.lock_ms
                     ),
                 )
                 if verdict.kind in (VerdictKind.APPLY, VerdictKind.APPLY_AFTER_EXPIRY):
-                    self._conn = conn
+                    self._conn, self._db = conn, db
                     return None
                 conn.commit()  # a read (and maybe a newer fencing number): nothing to undo
         finally:
@@ -111,11 +115,12 @@ class InboxTransaction:
         If another transaction recorded the key first, this one (and its effect) rolls back and that
         transaction's answer is returned as a replay (or its refusal raised).
         """
-        conn = self.connection
+        conn, db = self.connection, self._db
+        assert db is not None
         params = core.record_params(self.key, self.fingerprint, self.fence, answer)
         try:
             with translate_errors("record an inbox result"):
-                recorded = conn.execute(store.record_done(self.inbox.dialect_name), params).first()
+                recorded = db.first(store.RECORD_DONE, params)
                 if recorded is not None:
                     conn.commit()
         except BaseException:
@@ -130,14 +135,20 @@ class InboxTransaction:
 
     def rollback(self) -> None:
         """Roll the transaction and the effect back: the key stays new."""
-        if self._conn is not None:
-            try:
-                self._conn.rollback()
-            finally:
-                self._close()
+        conn = self._conn
+        if conn is None:
+            return
+        try:
+            conn.rollback()
+        except sa.exc.DBAPIError:
+            # The session is gone (the server ended an idle transaction, a restart): nothing is left to
+            # roll back; the connection is discarded, never returned to the pool.
+            conn.invalidate()
+        finally:
+            self._close()
 
     def _close(self) -> None:
-        conn, self._conn = self._conn, None
+        conn, self._conn, self._db = self._conn, None, None
         if conn is not None:
             conn.close()
 
@@ -224,4 +235,4 @@ class Inbox:
         """
         params = {"older_than_ms": core.check_older_than_ms(older_than_ms)}
         with translate_errors("purge inbox keys"), self.engine.begin() as conn:
-            return int(conn.execute(store.purge_done(), params).rowcount)
+            return driver.sqlalchemy_statements(conn).rowcount(store.PURGE_DONE, params)

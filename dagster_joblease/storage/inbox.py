@@ -1,46 +1,46 @@
 """Every statement on ``joblease_inbox``, named for its question; the inbox runs them on any connection.
 
-The inbox (:mod:`dagster_joblease.inbox`) runs these on a SQLAlchemy ``Connection``, a SQLAlchemy
-``AsyncConnection`` or a raw psycopg ``AsyncConnection``: they are Core statements with named binds, and
-:func:`psycopg_sql` gives the last one their text. One transaction processes a key:
+Each is a :class:`~dagster_joblease.storage.driver.Query`, built once at import. The inbox
+(:mod:`dagster_joblease.inbox`) runs them on a SQLAlchemy ``Connection`` (through
+:func:`~dagster_joblease.storage.driver.in_transaction`: on psycopg, its driver connection), a SQLAlchemy
+``AsyncConnection`` (``Query.statement``) or a raw psycopg ``AsyncConnection`` (``Query.sql`` and
+``Query.args``). One transaction processes a key:
 
-1. :func:`lock_key` (PostgreSQL only) takes the key's in-flight advisory lock without waiting and bounds
+1. :data:`LOCK_KEY` (PostgreSQL only) takes the key's in-flight advisory lock without waiting and bounds
    the transaction's idle time; a second caller is told "in flight" at once (HTTP 409).
-2. :func:`read_key` reads the key's row. It is a statement of its own, after the lock: in READ COMMITTED
+2. :data:`READ_KEY` reads the key's row. It is a statement of its own, after the lock: in READ COMMITTED
    its snapshot is taken once the lock is held, so it sees the row of any transaction that held the lock
    before (a lock is released only after its commit is visible). The effect then never runs for a key a
    finished transaction already recorded, even when the effect writes outside the inbox's transaction.
-3. The effect runs on the same connection; :func:`record_done` stores the answer (``ON CONFLICT DO
+3. The effect runs on the same connection; :data:`RECORD_DONE` stores the answer (``ON CONFLICT DO
    NOTHING``: no row back means another transaction recorded the key first, and this one rolls back).
 
-:func:`expire_claim` removes a claim left by an older version's crashed two-step consumer;
-:func:`raise_fence` keeps the highest fencing number accepted under a key; :func:`purge_done` is retention.
+:data:`EXPIRE_CLAIM` removes a claim left by an older version's crashed two-step consumer;
+:data:`RAISE_FENCE` keeps the highest fencing number accepted under a key; :data:`PURGE_DONE` is retention.
 """
 
 from __future__ import annotations
 
 import enum
-import functools
 from typing import Any, NamedTuple
 
 import sqlalchemy as sa
 from sqlalchemy.dialects import postgresql, sqlite
-from sqlalchemy.dialects.postgresql import psycopg as psycopg_dialect
 
+from dagster_joblease.storage import driver
 from dagster_joblease.storage.clock import db_now, db_now_plus_ms, ms_until
 from dagster_joblease.storage.schema import inbox_table
 
 __all__ = [
     "ADVISORY_LOCK_CLASS",
+    "EXPIRE_CLAIM",
+    "LOCK_KEY",
+    "PURGE_DONE",
+    "RAISE_FENCE",
+    "READ_KEY",
+    "RECORD_DONE",
     "InboxStatus",
     "KeyRow",
-    "expire_claim",
-    "lock_key",
-    "psycopg_sql",
-    "purge_done",
-    "raise_fence",
-    "read_key",
-    "record_done",
 ]
 
 #: PostgreSQL: the first key of the two-int advisory lock that marks a key in flight ("jlin"), apart from
@@ -70,8 +70,7 @@ _t = inbox_table
 _key = sa.bindparam("key", type_=sa.String())
 
 
-@functools.cache
-def lock_key() -> Any:
+def _lock_key() -> Any:
     """PostgreSQL: ``got`` (whether this transaction took the key's in-flight lock, without waiting).
 
     The same statement sets this transaction's ``idle_in_transaction_session_timeout`` to ``idle_ms``, so
@@ -89,8 +88,7 @@ def lock_key() -> Any:
     )
 
 
-@functools.cache
-def read_key() -> Any:
+def _read_key() -> Any:
     """The key's row as a :class:`KeyRow` (no row: the key is new)."""
     return sa.select(
         _t.c.status,
@@ -104,8 +102,7 @@ def read_key() -> Any:
     ).where(_t.c.idempotency_key == _key)
 
 
-@functools.cache
-def record_done(dialect_name: str) -> Any:
+def _record_done(dialect_name: str) -> Any:
     """Store the key as DONE with its answer and fencing number; returns a row only if this inserted it."""
     insert = (postgresql.insert if dialect_name == "postgresql" else sqlite.insert)(_t)
     return (
@@ -126,8 +123,7 @@ def record_done(dialect_name: str) -> Any:
     )
 
 
-@functools.cache
-def expire_claim() -> Any:
+def _expire_claim() -> Any:
     """Remove an older version's two-step claim on the key once its lock has passed on the database clock."""
     return sa.delete(_t).where(
         _t.c.idempotency_key == _key,
@@ -136,8 +132,7 @@ def expire_claim() -> Any:
     )
 
 
-@functools.cache
-def raise_fence() -> Any:
+def _raise_fence() -> Any:
     """Record ``fence`` as the key's highest accepted fencing number (never lowers it)."""
     fence = sa.bindparam("fence", type_=sa.BigInteger())
     return (
@@ -147,8 +142,7 @@ def raise_fence() -> Any:
     )
 
 
-@functools.cache
-def purge_done() -> Any:
+def _purge_done() -> Any:
     """Delete DONE keys completed more than ``older_than_ms`` ago (database clock)."""
     older = sa.bindparam("older_than_ms", type_=sa.BigInteger())
     return sa.delete(_t).where(
@@ -156,12 +150,9 @@ def purge_done() -> Any:
     )
 
 
-@functools.cache
-def psycopg_sql(statement: Any) -> tuple[str, dict[str, Any]]:
-    """A statement's text for a raw psycopg connection (``%(name)s`` placeholders) and its constant binds.
-
-    Only for a connection the caller holds outside SQLAlchemy (an ``AsyncInbox`` on a psycopg pool); the
-    constants are merged under the call's own parameters.
-    """
-    compiled = statement.compile(dialect=psycopg_dialect.dialect())  # type: ignore[no-untyped-call]
-    return str(compiled), dict(compiled.params)
+LOCK_KEY = driver.query(_lock_key())
+READ_KEY = driver.query(_read_key())
+RECORD_DONE = driver.query(_record_done("postgresql"), _record_done("sqlite"))
+EXPIRE_CLAIM = driver.query(_expire_claim())
+RAISE_FENCE = driver.query(_raise_fence())
+PURGE_DONE = driver.query(_purge_done())
