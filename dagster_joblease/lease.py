@@ -26,7 +26,7 @@ from typing import Any, Generic, TypeVar
 
 import sqlalchemy as sa
 
-from dagster_joblease import errors, identity, options
+from dagster_joblease import errors, identity, options, wire
 from dagster_joblease.storage import driver, leases
 from dagster_joblease.storage.engine import fork_safe, translate_errors
 
@@ -136,6 +136,20 @@ class Lease:
     @property
     def lost(self) -> bool:
         return bool(self._lost)
+
+    def headers(self, *, key_format: str = "bare") -> dict[str, str]:
+        """The headers for a request this holder sends a downstream itself (not through the outbox).
+
+        ``Idempotency-Key`` (bare, or ``key_format="sf-string"`` for the IETF draft's form) and
+        ``Fencing-Token`` with :attr:`attempt`, which grows with every reclaim: a downstream that keeps
+        the highest token it accepted per key (the inbox does) refuses a holder whose lease was taken
+        over (409) instead of handing it the newer holder's answer. An outbox row needs no fencing
+        header: it is written in the holder's fenced transaction.
+        """
+        return {
+            wire.IDEMPOTENCY_KEY: wire.format_key(self.idempotency_key, key_format),
+            wire.FENCING_TOKEN: str(self.attempt),
+        }
 
     def ensure_held(self) -> None:
         """Raise :class:`LostLeaseError` if the lease is known to be lost; call it before an effect."""
