@@ -73,3 +73,16 @@ def test_the_dagster_layer_is_where_dagster_lives() -> None:
     done = subprocess.run([sys.executable, "-c", program], capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr
     assert done.stdout.strip().splitlines()[-1] == "True"
+
+
+def test_the_core_and_the_inbox_middleware_do_not_import_the_receivers_server() -> None:
+    """Starlette, uvicorn and psycopg-pool are the `receiver` extra: the package root, the inbox (its ASGI
+    middleware is pure ASGI) and the testing kit's import load none of them."""
+    program = (
+        "import json, sys\n"
+        "import dagster_joblease, dagster_joblease.inbox, dagster_joblease.testing, dagster_joblease.wire\n"
+        "print(json.dumps(sorted(m for m in ('starlette', 'uvicorn', 'psycopg_pool', 'fastapi')"
+        " if m in sys.modules)))\n"
+    )
+    out = subprocess.run([sys.executable, "-c", program], capture_output=True, text=True, check=True)
+    assert json.loads(out.stdout) == []
