@@ -90,8 +90,10 @@ def _lock_key() -> Any:
 
 def _read_key() -> Any:
     """The key's row as a :class:`KeyRow` (no row: the key is new)."""
+    # status is cast to its base type: migration 0006 made it a domain, and a prepared statement whose
+    # result type changes under a running transaction fails (0A000) where a pinned one is replanned.
     return sa.select(
-        _t.c.status,
+        sa.cast(_t.c.status, sa.String(16)).label("status"),
         _t.c.payload_sha256,
         _t.c.response_status,
         _t.c.response_body,
