@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import os
 import re
@@ -107,10 +108,11 @@ def db_url(request: pytest.FixtureRequest, inbox_kind: str) -> str:
     return str(request.getfixturevalue("pg_url" if inbox_kind.startswith("postgresql") else "sqlite_url"))
 
 
-@pytest.fixture
-def inbox(inbox_kind: str, engine: sa.Engine) -> Iterator[Any]:
+@contextlib.contextmanager
+def _inbox_of(kind: str, engine: sa.Engine) -> Iterator[Any]:
+    """The sync Inbox (``sync``) or the AsyncInbox driven from this thread (``async``) on ``engine``."""
     _test_metadata.create_all(engine)
-    if inbox_kind.endswith("/sync"):
+    if kind == "sync":
         yield Inbox(engine, lock_ms=30_000)
         return
     blocking = BlockingAsyncInbox(engine.url.render_as_string(hide_password=False), 30_000)
@@ -120,17 +122,16 @@ def inbox(inbox_kind: str, engine: sa.Engine) -> Iterator[Any]:
         blocking.close()
 
 
+@pytest.fixture
+def inbox(inbox_kind: str, engine: sa.Engine) -> Iterator[Any]:
+    with _inbox_of(inbox_kind.rsplit("/", 1)[1], engine) as made:
+        yield made
+
+
 @pytest.fixture(params=["sync", "async"])
 def pg_inbox(request: pytest.FixtureRequest, pg_engine: sa.Engine) -> Iterator[Any]:
-    _test_metadata.create_all(pg_engine)
-    if request.param == "sync":
-        yield Inbox(pg_engine, lock_ms=30_000)
-        return
-    blocking = BlockingAsyncInbox(pg_engine.url.render_as_string(hide_password=False), 30_000)
-    try:
-        yield blocking
-    finally:
-        blocking.close()
+    with _inbox_of(request.param, pg_engine) as made:
+        yield made
 
 
 def _writer(key: str, note: str, response: tuple[Any, Any] = (201, '{"ok": true}')) -> Any:
