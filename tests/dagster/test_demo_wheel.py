@@ -215,6 +215,7 @@ def test_readmes_first_command_installs_what_its_ui_step_needs() -> None:
     assert project["optional-dependencies"]["ui"] == [
         dagster_pin.replace("dagster==", "dagster-webserver=="),
         dagster_pin.replace("dagster==", "dagster-dg-cli=="),
+        "dagster-joblease[receiver]",  # the demo's receiver: Starlette on uvicorn
     ]
     assert not [
         d for d in project["dependencies"] if d.startswith("dagster-webserver")
