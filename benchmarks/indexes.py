@@ -122,24 +122,40 @@ def _queries() -> list[tuple[str, Callable[[sa.Engine], object]]]:
         ("dispatcher claim (100 due of a topic, rolled back)", _claim),
         ("delivery_health (topics)", lambda e: outbox.delivery_health(e, topics=["topic-1", "topic-2"])),
     ]
-    try:  # the Dagster layer's queries; skipped if the module's private helpers moved
-        from dagster_joblease.dagster import reconcile
+    keys = [f"run-{g}" for g in range(3, 3 + 20 * 200, 20)]  # 200 run keys of code-3, 10 of them live
+    lock_keys = {JobIdentity.schedule("code-3", k).idempotency_key: k for k in keys}
 
-        out.append(
-            (
-                "reconciliation: FAIL/RUNNING rows of a code",
-                lambda e: reconcile._read_pages(e, "code-3", 7 * day, ["FAIL", "RUNNING"], 0),
-            )
-        )
-        keys = [f"run-{g}" for g in range(3, 3 + 20 * 200, 20)]  # 200 run keys of code-3, 10 of them live
-        out.append(
-            (
-                "reconciliation catch-up: which of 200 run keys of a code have a row",
-                lambda e: reconcile._existing_keys(e, "code-3", keys),
-            )
-        )
-    except (ImportError, AttributeError):
-        pass
+    def _on(read: Callable[[sa.Connection], object]) -> Callable[[sa.Engine], object]:
+        def run(engine: sa.Engine) -> object:
+            with engine.connect() as conn:
+                return read(conn)
+
+        return run
+
+    out += [
+        (
+            "reconciliation: FAIL/RUNNING rows of a code",
+            _on(
+                lambda c: store.reconcile_page(
+                    c,
+                    "code-3",
+                    lookback_ms=7 * day,
+                    statuses=["FAIL", "RUNNING"],
+                    sweep_after=0,
+                    recent=200,
+                    sweep=1_000,
+                )
+            ),
+        ),
+        (
+            "reconciliation catch-up: which of 200 run keys of a code have a row",
+            _on(lambda c: store.run_keys_with_rows(c, "code-3", keys)),
+        ),
+        (
+            "reconciliation walk: the rows of 200 run keys of a code (by lock key)",
+            _on(lambda c: store.states_of(c, lock_keys)),
+        ),
+    ]
     return out
 
 

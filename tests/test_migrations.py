@@ -254,9 +254,9 @@ def test_claim_indexes_upgrade_a_0004_database_with_rows_in_place(empty_engine: 
     from alembic import command
 
     from dagster_joblease import admin
-    from dagster_joblease.dagster import reconcile
     from dagster_joblease.identity import JobIdentity
     from dagster_joblease.lease import LeaseService
+    from dagster_joblease.storage import leases
     from dagster_joblease.storage.migrate import _config
     from dagster_joblease.storage.schema import any_status, lease_table
 
@@ -286,7 +286,8 @@ def test_claim_indexes_upgrade_a_0004_database_with_rows_in_place(empty_engine: 
             "SUCCESS"
         ]
         keys = ["fail", "running", "success", "never"]
-        assert reconcile._existing_keys(empty_engine, "claims", keys) == {"fail", "running", "success"}
+        with empty_engine.connect() as conn:
+            assert leases.run_keys_with_rows(conn, "claims", keys) == {"fail", "running", "success"}
         with pytest.raises(errors.NotFoundError, match="3 SCHEDULE run"):
             admin.show_lease(empty_engine, "claims")  # no INITIAL run: the count of its SCHEDULE rows
         with pytest.raises(errors.NotFoundError, match="--code claims --run-key success"):
@@ -310,7 +311,8 @@ def test_claim_indexes_upgrade_a_0004_database_with_rows_in_place(empty_engine: 
     # A claim and a reclaim go on; the reclaimed FAIL row leaves no entry in the succeeded index.
     assert service.try_acquire(jobs["FAIL"]).lease is not None
     assert service.try_acquire(JobIdentity.schedule("claims", "fresh")).acquired
-    assert reconcile._existing_keys(empty_engine, "claims", ["fresh", "fail"]) == {"fresh", "fail"}
+    with empty_engine.connect() as conn:
+        assert leases.run_keys_with_rows(conn, "claims", ["fresh", "fail"]) == {"fresh", "fail"}
 
     with empty_engine.begin() as conn:
         command.downgrade(_config(conn), "0004")

@@ -13,7 +13,8 @@ are declared with (``status = 'RUNNING'`` ...) are written into the SQL rather t
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import dataclasses
+from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
 import sqlalchemy as sa
@@ -27,7 +28,10 @@ from dagster_joblease.storage.schema import any_status, lease_table
 
 __all__ = [
     "CLAIM_ROUNDS",
+    "KEYS_PER_STATEMENT",
     "Claimed",
+    "LeaseState",
+    "ReconcilePage",
     "claim",
     "claim_new_many",
     "complete",
@@ -44,9 +48,12 @@ __all__ = [
     "recent_names",
     "recent_run_keys",
     "reclaim_many",
+    "reconcile_page",
     "renew",
     "report_many",
     "reset_to_fail",
+    "run_keys_with_rows",
+    "states_of",
     "write_many",
 ]
 
@@ -752,3 +759,125 @@ def purge_finished_schedules(engine: sa.Engine, *, finished_before_ms: int, dry_
         _t.c.finished_at < purge.cutoff(finished_before_ms),
     )
     return purge.in_batches(engine, _t, where, "purge leases", dry_run=dry_run)
+
+
+# -- reconciliation's reads ---------------------------------------------------------------------------
+# What the reconciliation sensor pages through (dagster_joblease.dagster.reconcile.facts): a code's rows in
+# the lookback window (the most recently active first, then a sweep by id from a cursor), the rows of given
+# run keys (by lock key: the unique index), and which run keys of a code have a row at all. Filter-shaped:
+# built per call, on the caller's connection. Ages are on the database clock.
+
+#: Run keys looked up per statement (``IN`` lists of lock keys or run keys).
+KEYS_PER_STATEMENT = 1_000
+
+
+@dataclasses.dataclass(frozen=True)
+class LeaseState:
+    """A lease row as a judge sees it (never its owner token); ages are on the database clock."""
+
+    id: int
+    run_key: str
+    status: str
+    attempt: int
+    holder: str | None
+    overdue_ms: int  #: > 0: the lease expired that long ago (by the holder's own length)
+    heartbeat_age_ms: int
+    idle_ms: int  #: since the last heartbeat or finish
+    heartbeat_ms: int | None  #: the holder's recorded interval (None: a row from before migration 0002)
+
+
+@dataclasses.dataclass(frozen=True)
+class ReconcilePage:
+    recent: list[LeaseState]  #: the most recently active rows
+    sweep: list[LeaseState]  #: the next rows by id after the cursor
+    after: int  #: rows after the sweep page (still to look at in this sweep)
+
+
+def _activity() -> Any:
+    return sa.func.coalesce(_t.c.finished_at, _t.c.heartbeat_at)
+
+
+def _state_columns() -> list[Any]:
+    return [
+        _t.c.id,
+        _t.c.run_key,
+        _t.c.status,
+        _t.c.attempt,
+        _t.c.holder,
+        -ms_until(_t.c.expires_at),
+        -ms_until(_t.c.heartbeat_at),
+        -ms_until(_activity()),
+        _t.c.heartbeat_ms,
+    ]
+
+
+def _states(raw: Iterable[Any]) -> list[LeaseState]:
+    return [
+        LeaseState(
+            id=int(r[0]),
+            run_key=r[1],
+            status=r[2],
+            attempt=int(r[3]),
+            holder=r[4],
+            overdue_ms=int(r[5]),
+            heartbeat_age_ms=int(r[6]),
+            idle_ms=int(r[7]),
+            heartbeat_ms=None if r[8] is None else int(r[8]),
+        )
+        for r in raw
+    ]
+
+
+def reconcile_page(
+    conn: sa.Connection,
+    code: str,
+    *,
+    lookback_ms: int,
+    statuses: Sequence[str],
+    sweep_after: int,
+    recent: int,
+    sweep: int,
+) -> ReconcilePage:
+    """A code's SCHEDULE rows with ``statuses`` active (heartbeat or finish) within ``lookback_ms``: the
+    ``recent`` most recently active, and the next ``sweep`` by id after ``sweep_after`` (through the
+    live-rows index, or the succeeded one for SUCCESS); and how many rows follow that page."""
+    where = [
+        _t.c.code == code,
+        _t.c.job_type == "SCHEDULE",
+        _t.c.status.in_(statuses),
+        -ms_until(_activity()) <= lookback_ms,
+    ]
+    newest = sa.select(*_state_columns()).where(*where).order_by(_activity().desc()).limit(recent)
+    page = sa.select(*_state_columns()).where(*where, _t.c.id > sweep_after).order_by(_t.c.id).limit(sweep)
+    recent_rows = _states(conn.execute(newest))
+    sweep_rows = _states(conn.execute(page))
+    last = sweep_rows[-1].id if sweep_rows else sweep_after
+    after = conn.execute(sa.select(sa.func.count()).select_from(_t).where(*where, _t.c.id > last))
+    return ReconcilePage(recent_rows, sweep_rows, int(after.scalar_one()))
+
+
+def states_of(conn: sa.Connection, lock_keys: Mapping[str, str]) -> dict[str, LeaseState]:
+    """The rows of ``lock_keys`` (lock key -> the name to return it under, e.g. its run key), any status;
+    keys without a row are absent. By lock key (the unique index), :data:`KEYS_PER_STATEMENT` per
+    statement."""
+    found: dict[str, LeaseState] = {}
+    ordered = list(lock_keys)
+    for offset in range(0, len(ordered), KEYS_PER_STATEMENT):
+        chunk = ordered[offset : offset + KEYS_PER_STATEMENT]
+        rows = conn.execute(sa.select(_t.c.lock_key, *_state_columns()).where(_t.c.lock_key.in_(chunk))).all()
+        for row, state in zip(rows, _states(r[1:] for r in rows), strict=True):
+            found[lock_keys[row[0]]] = state
+    return found
+
+
+def run_keys_with_rows(conn: sa.Connection, code: str, run_keys: Sequence[str]) -> set[str]:
+    """Which of ``run_keys`` of ``code`` have a SCHEDULE row of any status (through the live and succeeded
+    partial indexes: ``any_status``)."""
+    found: set[str] = set()
+    for offset in range(0, len(run_keys), KEYS_PER_STATEMENT):
+        chunk = list(run_keys[offset : offset + KEYS_PER_STATEMENT])
+        stmt = sa.select(_t.c.run_key).where(
+            _t.c.code == code, _t.c.job_type == "SCHEDULE", _t.c.run_key.in_(chunk), any_status()
+        )
+        found.update(str(k) for k in conn.execute(stmt).scalars())
+    return found
