@@ -1,15 +1,19 @@
-"""Reconciliation sensor tick time at 5,000 and 50,000 lease rows, on PostgreSQL (joblease and Dagster).
+"""Reconciliation sensor tick time at 5,000 and 50,000 lease rows and 1,000 range runs, on PostgreSQL.
 
-    .venv/bin/python benchmarks/reconcile.py [--rows 5000,50000] [--ticks 3] [--profile]
+    .venv/bin/python benchmarks/reconcile.py [--rows 5000,50000] [--range-runs 1000] [--range-keys 10]
+                                             [--ticks 3] [--profile]
 
 The server comes from ``JOBLEASE_BENCH_PG_URL`` (default ``postgresql+psycopg://postgres@127.0.0.1:5432/
 postgres``); the script creates one database per size (the joblease tables and Dagster's run storage in it)
 and drops it at the end. Each size gets that many ``FAIL`` lease rows of one code inside the lookback,
 one Dagster run per ten partitions (a tenth of them canceled by a person, the rest failed) so the sensor's
-run lookups find something, and then the sensor is evaluated as the daemon evaluates it: ``--ticks``
-ticks from an empty cursor with every candidate actionable (each tick judges a full recent page and a
-full sweep page), and one full sweep (``rows / 1000`` ticks, cursor carried over). Printed: median and
-slowest tick, and the floor: the two bare SELECTs of the same lease pages (what reading the rows costs
+run lookups find something, and ``--range-runs`` failed range runs of ``--range-keys`` keys each (half
+of each range's keys never claimed: no row), stored as the daemon stores them. Then the sensor is
+evaluated as the daemon evaluates it: ``--ticks`` ticks from an empty cursor with every candidate
+actionable (each tick judges a full recent page, a full sweep page and the keys the range runs left
+undone), and one full sweep (``rows / 1000`` ticks, cursor carried over). Printed: median and slowest
+tick; what one tick reads (statements on the joblease engine, statements on Dagster's storage, run
+records read); and the floor: the two bare SELECTs of the same lease pages (what reading the rows costs
 without deciding anything), alternating with the sensor's ticks.
 
 Figures are printed, never asserted. On a shared, loaded machine they are noisy: compare ratios taken in
@@ -34,7 +38,7 @@ from pathlib import Path
 import dagster as dg
 import psycopg
 import sqlalchemy as sa
-from dagster._core.storage.dagster_run import DagsterRun
+from dagster._core.storage.dagster_run import DagsterRun, RunRecord
 from dagster._core.storage.runs.schema import RunsTable, RunTagsTable
 from dagster._core.storage.runs.sql_run_storage import SqlRunStorage
 from dagster._serdes import serialize_value
@@ -49,6 +53,8 @@ from dagster_joblease.storage import create_engine, lease_table, migrate
 
 DEFAULT_URL = "postgresql+psycopg://postgres@127.0.0.1:5432/postgres"
 CODE = "bench-reconcile"
+RANGE_START = "dagster/asset_partition_range_start"
+RANGE_END = "dagster/asset_partition_range_end"
 PARTITIONS = dg.DailyPartitionsDefinition(start_date="1850-01-01", end_date="2025-01-01")
 
 
@@ -67,9 +73,14 @@ def bench_job() -> None:
     _op()
 
 
-def _fill(engine: sa.Engine, instance: dg.DagsterInstance, rows: int) -> list[str]:
+def _fill(
+    engine: sa.Engine, instance: dg.DagsterInstance, rows: int, range_runs: int, range_keys: int
+) -> list[str]:
     with dg.partition_loading_context(effective_dt=dt.datetime(2025, 6, 1, tzinfo=dt.UTC)):
-        keys = list(PARTITIONS.get_partition_keys())[-rows:]
+        every = list(PARTITIONS.get_partition_keys())
+    keys = every[-rows:]
+    # Range runs over the keys before the lease rows: half of each range has FAIL rows, half none.
+    spans = [every[-rows - (i + 1) * range_keys : -rows - i * range_keys] for i in range(range_runs)]
     now = db_clock(engine)
     batch = []
     for i, key in enumerate(keys):
@@ -94,6 +105,11 @@ def _fill(engine: sa.Engine, instance: dg.DagsterInstance, rows: int) -> list[st
                 "last_error": "RuntimeError: boom",
             }
         )
+    for span in spans:
+        for key in span[: range_keys // 2]:
+            batch.append(
+                {**batch[0], "lock_key": JobIdentity.schedule(CODE, key).idempotency_key, "run_key": key}
+            )
     with engine.begin() as conn:
         for offset in range(0, len(batch), 5_000):
             conn.execute(sa.insert(lease_table), batch[offset : offset + 5_000])
@@ -105,6 +121,15 @@ def _fill(engine: sa.Engine, instance: dg.DagsterInstance, rows: int) -> list[st
             tags={"dagster/partition": key},
         )
         for i, key in enumerate(keys[::10])
+    ]
+    runs += [
+        DagsterRun(
+            job_name=bench_job.name,
+            run_id=str(uuid.uuid4()),
+            status=dg.DagsterRunStatus.FAILURE,
+            tags={RANGE_START: span[0], RANGE_END: span[-1], "joblease/outcome": "failed"},
+        )
+        for span in spans
     ]
     _add_runs(instance, runs)
     with engine.begin() as conn:  # the statistics autovacuum keeps (a fresh table has none: bad plans)
@@ -148,6 +173,41 @@ def _floor(engine: sa.Engine, after: int) -> None:
         conn.execute(sa.select(t).where(*where, t.c.id > after).order_by(t.c.id).limit(1_000)).all()
 
 
+class _Reads:
+    """What a tick reads: statements per driver (joblease: psycopg; Dagster's storage: psycopg2) and run
+    records, counted while ``counting`` is set."""
+
+    def __init__(self) -> None:
+        self.counting = False
+        self.statements: dict[str, int] = {}
+        self.records = 0
+        sa.event.listen(sa.engine.Engine, "before_cursor_execute", self._statement)
+        original = dg.DagsterInstance.get_run_records
+
+        def counted(instance: dg.DagsterInstance, *args: object, **kwargs: object) -> list[RunRecord]:
+            found = list(original(instance, *args, **kwargs))  # type: ignore[arg-type]
+            if self.counting:
+                self.records += len(found)
+            return found
+
+        dg.DagsterInstance.get_run_records = counted  # type: ignore[method-assign,assignment]
+
+    def _statement(self, conn: sa.Connection, *_args: object) -> None:
+        if self.counting:
+            driver = conn.dialect.driver
+            self.statements[driver] = self.statements.get(driver, 0) + 1
+
+    def start(self) -> None:
+        self.statements, self.records, self.counting = {}, 0, True
+
+    def stop(self) -> tuple[int, int, int]:
+        self.counting = False
+        return self.statements.get("psycopg", 0), self.statements.get("psycopg2", 0), self.records
+
+
+READS = _Reads()
+
+
 def _tick(
     instance: dg.DagsterInstance, sensor: dg.SensorDefinition, defs: dg.Definitions, cursor: str | None
 ) -> tuple[float, str | None, str]:
@@ -160,7 +220,7 @@ def _tick(
     return took, data.cursor, data.skip_message or f"{len(data.run_requests or [])} requests"
 
 
-def bench(server: URL, rows: int, ticks: int, profile: bool) -> list[str]:
+def bench(server: URL, rows: int, range_runs: int, range_keys: int, ticks: int, profile: bool) -> list[str]:
     name = f"joblease_bench_rc_{uuid.uuid4().hex[:8]}"
     _admin(server, f'CREATE DATABASE "{name}"')
     url = server.set(database=name)
@@ -175,12 +235,15 @@ def bench(server: URL, rows: int, ticks: int, profile: bool) -> list[str]:
     try:
         migrate(engine)
         instance = dg.DagsterInstance.get()
-        _fill(engine, instance, rows)
+        _fill(engine, instance, rows, range_runs, range_keys)
         sensor = build_reconciliation_sensor(
             bench_job, code=CODE, max_requests_per_tick=10_000, lookback=dt.timedelta(days=365 * 200)
         )
         defs = dg.Definitions(jobs=[bench_job], sensors=[sensor], resources={"joblease": JobLeaseResource()})
         _tick(instance, sensor, defs, None)  # warm-up: imports, partition keys, connections
+        READS.start()
+        _tick(instance, sensor, defs, None)
+        joblease_statements, dagster_statements, records = READS.stop()
         fresh, floors = [], []
         for i in range(ticks):
             if i % 2:
@@ -207,6 +270,7 @@ def bench(server: URL, rows: int, ticks: int, profile: bool) -> list[str]:
         instance.dispose()
         return [
             f"{rows:,}",
+            f"{range_runs:,} x {range_keys}",
             f"{statistics.median(fresh) * 1000:.0f} ms",
             f"{max(fresh) * 1000:.0f} ms",
             f"{statistics.median(sweep) * 1000:.0f} ms",
@@ -214,6 +278,7 @@ def bench(server: URL, rows: int, ticks: int, profile: bool) -> list[str]:
             f"{len(sweep)}",
             f"{statistics.median(floors) * 1000:.1f} ms",
             f"{statistics.median(fresh) / statistics.median(floors):.0f}x",
+            f"{joblease_statements} / {dagster_statements} / {records:,}",
         ]
     finally:
         engine.dispose()
@@ -225,6 +290,8 @@ def main() -> int:
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     parser.add_argument("--rows", default="5000,50000", help="lease row counts, comma-separated")
+    parser.add_argument("--range-runs", type=int, default=1_000, help="failed range runs stored per size")
+    parser.add_argument("--range-keys", type=int, default=10, help="keys per range run (half never claimed)")
     parser.add_argument("--ticks", type=int, default=3, help="ticks from an empty cursor per size")
     parser.add_argument("--profile", action="store_true", help="print a cProfile of one tick per size")
     args = parser.parse_args()
@@ -232,10 +299,14 @@ def main() -> int:
         drivername="postgresql+psycopg"
     )
     started = time.perf_counter()
-    table = [bench(server, int(n), args.ticks, args.profile) for n in args.rows.split(",")]
+    table = [
+        bench(server, int(n), args.range_runs, args.range_keys, args.ticks, args.profile)
+        for n in args.rows.split(",")
+    ]
     print_table(
         [
             "lease rows",
+            "range runs",
             "tick (median)",
             "tick (slowest)",
             "sweep tick (median)",
@@ -243,13 +314,15 @@ def main() -> int:
             "sweep ticks",
             "floor: read pages",
             "tick / floor",
+            "one tick reads: joblease stmts / Dagster stmts / run records",
         ],
         table,
         started,
     )
     print(
-        "A tick judges up to 1,200 candidates (200 recent + 1,000 swept). Measured on a shared, loaded "
-        "machine: noisy; Dagster's sensor timeout is 60 s."
+        "A tick judges up to 1,200 lease-row candidates (200 recent + 1,000 swept) and up to 1,000 keys the "
+        "range runs left undone (20,000 looked at). Measured on a shared, loaded machine: noisy; Dagster's "
+        "sensor timeout is 60 s."
     )
     return 0
 

@@ -228,7 +228,7 @@ def test_a_run_that_failed_as_held_is_relaunched_once_the_holder_is_done(
     service = LeaseService(engine)
     holder = service.acquire(JobIdentity.schedule(code, DAYS[0]), lease_ms=600_000)
     assert holder is not None
-    _run(dagster_pg, job, DAYS[0], dg.DagsterRunStatus.FAILURE, {TAG_OUTCOME: "held"})
+    held = _run(dagster_pg, job, DAYS[0], dg.DagsterRunStatus.FAILURE, {TAG_OUTCOME: "held"})
     sensor = build_reconciliation_sensor(job, code=code)
     requests, message, _, _ = _tick(dagster_pg, sensor)
     assert requests == [] and "1 held by a live lease" in message  # the holder is still working
@@ -236,8 +236,9 @@ def test_a_run_that_failed_as_held_is_relaunched_once_the_holder_is_done(
     service.complete(holder)  # the holder succeeded: the partition's latest run must not stay red
     (request,) = _tick(dagster_pg, sensor)[0]
     assert request.partition_key == DAYS[0]
-    assert request.tags["joblease/reconcile_reason"] == "last run failed: held"
-    assert request.run_key == f"reconcile:{code}:{DAYS[0]}:attempt-0:relaunch-1"
+    # The reason names the run that failed and who did the key; the run key the lease's attempt.
+    assert request.tags["joblease/reconcile_reason"].startswith(f"run {held.run_id} failed: held; done by ")
+    assert request.run_key == f"reconcile:{code}:{DAYS[0]}:attempt-{holder.attempt}:relaunch-1"
 
     _run(dagster_pg, job, DAYS[0], dg.DagsterRunStatus.SUCCESS, launched(sensor, request))
     assert _tick(dagster_pg, sensor)[0] == []  # a later run settled it
@@ -317,27 +318,49 @@ def test_bad_arguments_are_refused_before_anything_runs(case: tuple[str, dg.JobD
         build_reconciliation_sensor(job, code=code, lookback=dt.timedelta(seconds=-1))
 
 
-def test_a_dead_dagster_holder_is_relaunched_a_live_one_is_not(
+def test_a_dead_or_zombie_dagster_holder_is_relaunched_a_live_one_is_not(
     dagster_pg: DagsterPg, engine: sa.Engine, case: tuple[str, dg.JobDefinition]
 ) -> None:
+    """A holder whose heartbeat is stale by its own recorded interval is dead when its Dagster run here is
+    finished, and a zombie when that run is still STARTED (DESIGN 8: a run still STARTED whose holder is
+    stale by its own interval is a zombie, not in flight; it used to count as live until its lease expired,
+    up to 15 minutes later). Either way the sensor fails its lease, fenced, and relaunches the partition,
+    which reclaims it. A STARTED holder that heartbeats is live."""
     code, job = case
     service = LeaseService(engine, lease_ms=600_000, heartbeat_ms=10_000)  # stale after 2 x 10 s
     runs = {}
-    for key, status in ((DAYS[0], dg.DagsterRunStatus.FAILURE), (DAYS[1], dg.DagsterRunStatus.STARTED)):
+    for key, status in (
+        (DAYS[0], dg.DagsterRunStatus.FAILURE),
+        (DAYS[1], dg.DagsterRunStatus.STARTED),
+        (DAYS[2], dg.DagsterRunStatus.STARTED),
+    ):
         runs[key] = _run(dagster_pg, job, key, status)
         held = service.try_acquire(
             JobIdentity.schedule(code, key), holder=encode_holder("tests", runs[key].run_id)
         )
         assert held.acquired
+    for key in DAYS[:2]:
         _set_idle(engine, code, key, seconds=60)  # no heartbeat for a minute; the lease runs 10 minutes
-    sensor = build_reconciliation_sensor(job, code=code)
-    requests, message, _, _ = _tick(dagster_pg, sensor)
-    (request,) = requests
-    assert request.partition_key == DAYS[0]
-    assert request.tags["joblease/reconcile_reason"] == (f"dead holder dagster:tests/{runs[DAYS[0]].run_id}")
     patient = build_reconciliation_sensor(job, code=code, holder_stale_ms=3_600_000, name="patient")
     requests, message, _, _ = _tick(dagster_pg, patient)
-    assert requests == [] and "2 held by a live lease" in message
+    assert requests == [] and "3 held by a live lease" in message, message
+
+    sensor = build_reconciliation_sensor(job, code=code)
+    requests, message, _, _ = _tick(dagster_pg, sensor)
+    reasons = {r.partition_key: r.tags["joblease/reconcile_reason"] for r in requests}
+    assert reasons == {
+        DAYS[0]: f"dead holder dagster:tests/{runs[DAYS[0]].run_id}",
+        DAYS[1]: f"zombie holder dagster:tests/{runs[DAYS[1]].run_id}",
+    }, message
+    with engine.connect() as conn:
+        statuses = dict(
+            conn.execute(
+                sa.select(lease_table.c.run_key, lease_table.c.status).where(lease_table.c.code == code)
+            ).all()
+        )
+    assert statuses == {DAYS[0]: "FAIL", DAYS[1]: "FAIL", DAYS[2]: "RUNNING"}  # freed for the relaunches
+    zombie = dagster_pg.instance.get_run_by_id(runs[DAYS[1]].run_id)
+    assert zombie is not None and zombie.tags[TAG_OUTCOME] == "lost"
 
 
 def test_a_failed_partition_converges_without_dagster_run_retries(
@@ -406,12 +429,14 @@ def test_held_runs_beyond_one_page_are_all_reached_in_turn(
     case: tuple[str, dg.JobDefinition],
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    """More runs failed as held than one page holds: the newest page is read every tick and the older
-    ones in turn from the cursor, so the oldest held partition is not starved (it was: only the newest
+    """More runs failed as held than one tick names: the walk over the runs this deployment left undone
+    resumes from the cursor, so the oldest held partition is not starved (it was, when only the newest
     500 were ever read)."""
-    from dagster_joblease.dagster import reconcile
+    from dagster_joblease.dagster.reconcile import facts
+    from dagster_joblease.dagster.reconcile import sensor as reconcile_sensor
 
-    monkeypatch.setattr(reconcile, "HELD_RUNS_PER_PAGE", 2)
+    monkeypatch.setattr(facts, "RUNS_PER_PAGE", 2)
+    monkeypatch.setattr(reconcile_sensor, "WALK_NAMED_PER_TICK", 2)
     code, job = case
     for day in DAYS:  # oldest first: DAYS[0]'s held run is the oldest
         _run(dagster_pg, job, day, dg.DagsterRunStatus.FAILURE, {TAG_OUTCOME: "held"})

@@ -58,7 +58,7 @@ def _move(engine: sa.Engine, job: JobIdentity, **seconds_ago: int) -> None:
 
 
 @pytest.mark.chaos
-def test_a_sigkilled_run_is_a_zombie_once_its_lease_expired_and_not_before(
+def test_a_sigkilled_run_is_a_zombie_once_its_heartbeat_is_stale_by_its_own_interval(
     dagster_pg: DagsterPg, tmp_path: Path
 ) -> None:
     day = "2024-08-01"
@@ -90,19 +90,27 @@ def test_a_sigkilled_run_is_a_zombie_once_its_lease_expired_and_not_before(
         assert run is not None and run.status == dg.DagsterRunStatus.STARTED  # run monitoring is off
 
         sensor = build_reconciliation_sensor(blocking, code="t-wait", zombie_margin=dt.timedelta(0))
-        # A stale heartbeat on an unexpired lease is not proof of death: wait for expiry.
+        # As if killed a moment ago (its last heartbeat written a minute ahead, so however slow this machine,
+        # it is not stale by its own 5 s interval during the tick): in flight, not relaunched.
+        _move(engine, job, heartbeat_at=-60)
+        requests, message = _tick(dagster_pg, blocking, sensor)
+        assert day not in [r.partition_key for r in requests], message
+
+        # No heartbeat for an hour (its own interval: 5 s; its lease: 10 minutes, not expired). DESIGN 8: a
+        # run still STARTED whose holder is stale by its own interval is a zombie, not in flight (this used
+        # to wait for the lease's expiry). The sensor fails its lease (fenced) and relaunches the partition.
         _move(engine, job, heartbeat_at=3_600)
         requests, message = _tick(dagster_pg, blocking, sensor)
-        assert requests == [] and "held by a live lease" in message, message
-
-        # The lease expired (its holder's own 10-minute length): the STARTED run is a zombie.
-        _move(engine, job, expires_at=1)
-        requests, message = _tick(dagster_pg, blocking, sensor)
         (request,) = [r for r in requests if r.partition_key == day]
-        assert request.tags["joblease/reconcile_reason"] == "lease expired"
+        assert request.tags["joblease/reconcile_reason"] == f"zombie holder dagster:tests/{run_id}"
         zombie = instance.get_run_by_id(run_id)
         assert zombie is not None and zombie.tags[TAG_OUTCOME] == "lost"
         assert zombie.status == dg.DagsterRunStatus.STARTED  # Dagster's status is Dagster's (monitoring)
+        with engine.connect() as conn:
+            status = conn.execute(
+                sa.select(lease_table.c.status).where(lease_table.c.lock_key == job.idempotency_key)
+            ).scalar_one()
+        assert status == "FAIL"  # freed: the relaunched run reclaims it at once
     finally:
         if proc.poll() is None:
             proc.kill()
