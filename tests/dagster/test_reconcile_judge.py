@@ -82,7 +82,7 @@ NEED_CASES = [
             f"dead holder {HOLDER}",
             2,
             2_500,
-            free=Free(2, 2_000, f"dead holder {HOLDER}: {STALE}"),
+            free=Free(2, 2_000, f"dead holder {HOLDER}: {STALE}", HOLDER_RUN),
         ),
     ),
     (
@@ -94,7 +94,7 @@ NEED_CASES = [
             f"zombie holder {HOLDER}",
             2,
             2_500,
-            free=Free(2, 2_000, f"zombie holder {HOLDER}: {STALE}"),
+            free=Free(2, 2_000, f"zombie holder {HOLDER}: {STALE}", HOLDER_RUN),
         ),
     ),
     (

@@ -398,6 +398,18 @@ def _ordered(
     return sorted(runs, key=lambda r: stamps.get(r.run_id, 0.0), reverse=True)
 
 
+def _singles(reader: Reader, keys: Sequence[str]) -> dict[str, list[dg.DagsterRun]]:
+    """Each key's single-partition runs, newest first, with every unfinished one (an old STARTED run that
+    newer runs pushed out of the page still counts)."""
+    singles = reader.by_partition(keys, {}, RUNS_PER_KEY)
+    seen = {r.run_id for rs in singles.values() for r in rs}
+    for unfinished in reader.unfinished_by_partition(keys):
+        key = unfinished.tags.get(PARTITION_TAG)
+        if key in singles and unfinished.run_id not in seen:
+            singles[key].append(unfinished)
+    return singles
+
+
 def key_runs(
     reader: Reader, ranges: RangeIndex, keys: Sequence[str], sensor_name: str, policy: judge.Policy
 ) -> tuple[dict[str, KeyRuns], dict[str, judge.Life]]:
@@ -406,33 +418,33 @@ def key_runs(
     and what the lease table says of each unfinished run among them. Run records (timestamps) are read
     only for the runs that need them: unfinished ones, the last relaunch, and single runs to be ordered
     among range runs."""
-    singles = reader.by_partition(keys, {}, RUNS_PER_KEY)
-    seen = {r.run_id for rs in singles.values() for r in rs}
-    for unfinished in reader.unfinished_by_partition(keys):
-        key = unfinished.tags.get(PARTITION_TAG)
-        if key in singles and unfinished.run_id not in seen:
-            singles[key].append(unfinished)
+    singles = _singles(reader, keys)
     ours = reader.by_partition(keys, {metadata.TAG_SENSOR_NAME: sensor_name}, policy.cap + RUNS_PER_KEY)
     launched = {k: [r for r in ours[k] if r.parent_run_id is None] for k in keys}
     covering = {k: ranges.covering(k) for k in keys}
     wanted = [r.run_id for k in keys for r in singles[k] if covering[k] or r.status in NOT_FINISHED_STATUSES]
-    records = reader.records(wanted + [launched[k][0].run_id for k in keys if launched[k]])
+    records = reader.records(wanted + [rs[0].run_id for rs in launched.values() if rs])
     found: dict[str, KeyRuns] = {}
     lives: dict[str, judge.Life] = {}
     for key in keys:
         runs = _ordered(singles[key], covering[key], records)
         for run in runs:
-            record = records.get(run.run_id) or ranges.record(run.run_id)
-            if run.status in judge.RUNNING and run.run_id not in lives and record is not None:
-                lives[run.run_id] = life(reader, record, policy)
-        last = run_fact(launched[key][0], records.get(launched[key][0].run_id)) if launched[key] else None
-        found[key] = KeyRuns(
-            runs=tuple(runs),
-            relaunches=len(launched[key]),
-            last_relaunch=None if last is None else last.run_id,
-            last_relaunch_end_age_ms=None if last is None else last.ended_age_ms,
-        )
+            if run.status in judge.RUNNING and run.run_id not in lives:
+                record = records.get(run.run_id) or ranges.record(run.run_id)
+                if record is not None:
+                    lives[run.run_id] = life(reader, record, policy)
+        found[key] = _key_runs(runs, launched[key], records)
     return found, lives
+
+
+def _key_runs(runs: list[Run], launched: list[dg.DagsterRun], records: Mapping[str, dg.RunRecord]) -> KeyRuns:
+    last = run_fact(launched[0], records.get(launched[0].run_id)) if launched else None
+    return KeyRuns(
+        runs=tuple(runs),
+        relaunches=len(launched),
+        last_relaunch=None if last is None else last.run_id,
+        last_relaunch_end_age_ms=None if last is None else last.ended_age_ms,
+    )
 
 
 def life(reader: Reader, record: dg.RunRecord, policy: judge.Policy) -> judge.Life:
@@ -619,36 +631,38 @@ class Candidate:
     materialized: bool | None = None
 
 
+def _holder(
+    reader: Reader, policy: judge.Policy, lease: Lease | None, runs: Mapping[str, dg.DagsterRun]
+) -> tuple[dg.DagsterRunStatus | None, bool]:
+    """The status of the lease holder's run on this instance (None: not here), and whether it is a zombie."""
+    holder = runs.get(lease.holder_run_id or "") if lease is not None else None
+    if holder is None:
+        return None, False
+    if holder.status not in judge.RUNNING:
+        return holder.status, False
+    record = reader.records([holder.run_id]).get(holder.run_id)
+    dead = record is not None and judge.zombie_reason(holder.status, life(reader, record, policy), policy)
+    return holder.status, bool(dead)
+
+
 def key_facts(reader: Reader, policy: judge.Policy, candidates: Sequence[Candidate]) -> list[judge.KeyFacts]:
     """The judge's first-step facts of ``candidates``: lease rows read where no source read them, the
     holder's run on this instance (and whether it is a zombie), and, for an asset, materializations."""
-    unread = [c.key for c in candidates if not c.lease_known]
-    rows = reader.leases(unread) if unread else {}
+    rows = reader.leases([c.key for c in candidates if not c.lease_known])
     by_key = {c.key: c.lease if c.lease_known else rows.get(c.key) for c in candidates}
     holder_runs = reader.runs([h for lease in by_key.values() if lease and (h := lease.holder_run_id)])
-    holder_records = reader.records([i for i, r in holder_runs.items() if r.status in judge.RUNNING])
-    succeeded = [k for k, lease in by_key.items() if lease is not None and lease.status == "SUCCESS"]
-    asked = [c.key for c in candidates if c.materialized is None and c.key in succeeded]
-    materialized = reader.materialized(asked) if policy.asset else set()
+    done = [c.key for c in candidates if c.materialized is None and _succeeded(by_key[c.key])]
+    materialized = reader.materialized(done)
     facts = []
     for candidate in candidates:
-        lease = by_key[candidate.key]
-        holder = holder_runs.get(lease.holder_run_id or "") if lease is not None else None
-        record = None if holder is None else holder_records.get(holder.run_id)
-        status = None if holder is None else holder.status
-        dead = (
-            record is not None
-            and status in judge.RUNNING
-            and judge.zombie_reason(record.dagster_run.status, life(reader, record, policy), policy)
-            is not None
-        )
-        known = (
-            candidate.materialized if candidate.materialized is not None else candidate.key in materialized
-        )
+        status, dead = _holder(reader, policy, by_key[candidate.key], holder_runs)
+        known = candidate.materialized
+        if known is None and policy.asset:
+            known = candidate.key in materialized
         facts.append(
             judge.KeyFacts(
                 key=candidate.key,
-                lease=lease,
+                lease=by_key[candidate.key],
                 named=candidate.named,
                 catch_up=candidate.catch_up,
                 holder_status=status,
@@ -657,6 +671,10 @@ def key_facts(reader: Reader, policy: judge.Policy, candidates: Sequence[Candida
             )
         )
     return facts
+
+
+def _succeeded(lease: Lease | None) -> bool:
+    return lease is not None and lease.status == "SUCCESS"
 
 
 # ---- catch-up: keys from a start key on that were never attempted ----------------------------------------

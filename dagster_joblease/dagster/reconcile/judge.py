@@ -170,6 +170,7 @@ class Free:
     attempt: int
     stale_ms: int
     reason: str
+    run_id: str | None = None  #: the holder's Dagster run (recorded ``lost`` once its lease is taken)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -334,7 +335,7 @@ def _running(facts: KeyFacts, lease: Lease, policy: Policy) -> Verdict | Need:
         why = f"zombie holder {lease.holder}"
     else:  # not a run of this instance: only its expiry proves it dead
         return Verdict(facts.key, Action.LIVE, f"held by {lease.holder} (stale; waiting for its expiry)")
-    free = Free(lease.attempt, threshold, f"{why}: {death[0]}")
+    free = Free(lease.attempt, threshold, f"{why}: {death[0]}", lease.holder_run_id)
     return Need(facts.key, why, lease.attempt, lease.idle_ms, _upstream(facts), free)
 
 

@@ -112,6 +112,7 @@ class _Tick:
         self.judgement = judge.Judgement()
         self.judged: set[str] = set()
         self.out_of_time = False
+        self.freed: dict[str, str] = {}  #: run id -> why: dead holders whose lease this tick took
         self._ranges: facts.RangeIndex | None = None
 
     # -- sources --------------------------------------------------------------------------------------
@@ -236,16 +237,25 @@ class _Tick:
                 self.judgement.verdicts[i] = Verdict(
                     verdict.key, Action.LIVE, "its holder renewed or moved on"
                 )
+            elif free.run_id is not None:
+                self.freed[free.run_id] = free.reason
 
-    def tag_zombies(self) -> None:
-        for run_id, why in self.judgement.zombies.items():
+    def tag_lost(self) -> None:
+        """Zombie runs, and dead holders whose lease was taken while they still said ``pending``, say
+        ``lost``: such a run cannot record its own end."""
+        for run_id, why in {**self.freed, **self.judgement.zombies}.items():
             run = self.instance.get_run_by_id(run_id)
             if run is None or run.tags.get(metadata.TAG_OUTCOME) == metadata.LOST:
                 continue
+            zombie = run_id in self.judgement.zombies
+            if not zombie and run.tags.get(metadata.TAG_OUTCOME) not in (None, metadata.PENDING):
+                continue  # it recorded its own outcome
             self.instance.add_run_tags(run_id, metadata.run_tags({metadata.LOST: 1}, None))
             self.context.log.warning(
                 f"run {run_id} is a zombie: Dagster still calls it {run.status.value} but {why}; tagged lost "
                 "(enable run monitoring to have Dagster fail such runs)"
+                if zombie
+                else f"run {run_id} ({run.status.value}) died holding a lease ({why}); tagged lost"
             )
 
     def records(self) -> list[dg.AssetMaterialization]:
@@ -340,7 +350,7 @@ class _Tick:
         self.judge(list(self.candidates))
         catch_up_at = self.catch_up()
         self.free_dead_holders()
-        self.tag_zombies()
+        self.tag_lost()
         events: list[Any] = self.records()
         finished = self.rewrite_not_run()
         sweep_after, remaining = self._resume(sweep)
