@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import datetime as dt
 import json
-import secrets
 import time
 import uuid
 from collections.abc import Iterator, Sequence
@@ -20,11 +19,6 @@ from typing import Any
 import dagster as dg
 import pytest
 import sqlalchemy as sa
-from dagster._core.storage.dagster_run import DagsterRun
-from dagster._core.storage.runs.schema import RunsTable, RunTagsTable
-from dagster._core.storage.runs.sql_run_storage import SqlRunStorage
-from dagster._serdes import serialize_value
-from dagster._time import get_current_datetime
 
 from dagster_joblease import JobIdentity, LeaseService, create_engine
 from dagster_joblease.dagster import (
@@ -36,9 +30,9 @@ from dagster_joblease.dagster import (
     leased_asset,
     leased_op,
 )
-from dagster_joblease.dagster.sensors import db_clock
 from dagster_joblease.storage.schema import lease_table
 from tests.dagster import jobs
+from tests.dagster import reconcile_helpers as helpers
 from tests.dagster.conftest import DagsterPg
 
 LONG = dg.DailyPartitionsDefinition(start_date="2008-01-01", end_date="2024-01-01")
@@ -70,37 +64,6 @@ def _keys(count: int) -> list[str]:
         return list(LONG.get_partition_keys())[:count]
 
 
-def bulk_leases(engine: sa.Engine, code: str, keys: Sequence[str], *, ago_s: Sequence[float]) -> None:
-    """FAIL lease rows (attempt 1) whose last activity was ``ago_s[i]`` seconds ago, database clock."""
-    now = db_clock(engine)
-    rows = []
-    for key, ago in zip(keys, ago_s, strict=True):
-        at = now - dt.timedelta(seconds=ago)
-        rows.append(
-            {
-                "lock_key": JobIdentity.schedule(code, key).idempotency_key,
-                "job_type": "SCHEDULE",
-                "code": code,
-                "run_key": key,
-                "status": "FAIL",
-                "owner_token": secrets.token_hex(16),
-                "attempt": 1,
-                "lease_ms": 180_000,
-                "heartbeat_ms": 10_000,
-                "holder": "bulk:1",
-                "created_at": at,
-                "acquired_at": at,
-                "heartbeat_at": at,
-                "expires_at": at + dt.timedelta(minutes=3),
-                "finished_at": at,
-                "last_error": "RuntimeError: boom",
-            }
-        )
-    with engine.begin() as conn:
-        for offset in range(0, len(rows), 1_000):
-            conn.execute(sa.insert(lease_table), rows[offset : offset + 1_000])
-
-
 def claim(engine: sa.Engine, code: str, keys: Sequence[str]) -> None:
     """What the relaunched runs do first: claim the partition (a live lease)."""
     t = lease_table
@@ -116,13 +79,6 @@ def claim(engine: sa.Engine, code: str, keys: Sequence[str]) -> None:
                 finished_at=None,
             )
         )
-
-
-def analyze(engine: sa.Engine) -> None:
-    """The statistics autovacuum keeps on a real deployment: tables filled in bulk have none, and without
-    them PostgreSQL plans Dagster's run-tag joins as nested loops over every run."""
-    with engine.connect() as conn:
-        conn.execution_options(isolation_level="AUTOCOMMIT").exec_driver_sql("ANALYZE")
 
 
 def tick(
@@ -146,51 +102,7 @@ def run_of(
     asset_selection: frozenset[dg.AssetKey] | None = None,
 ) -> dg.DagsterRun:
     """A run stored as the daemon stores it (no execution plan)."""
-    return dagster_pg.instance.add_run(_run(job, status, tags, asset_selection))
-
-
-def _run(
-    job: dg.JobDefinition,
-    status: dg.DagsterRunStatus,
-    tags: dict[str, str],
-    asset_selection: frozenset[dg.AssetKey] | None = None,
-) -> DagsterRun:
-    return DagsterRun(
-        job_name=job.name, run_id=str(uuid.uuid4()), status=status, tags=tags, asset_selection=asset_selection
-    )
-
-
-def add_runs(dagster_pg: DagsterPg, runs: Sequence[DagsterRun]) -> None:
-    """Store many runs in one transaction, with exactly the rows ``instance.add_run`` writes (Dagster's
-    PostgreSQL storage opens a connection and commits per run: thousands would take minutes here)."""
-    storage = dagster_pg.instance.run_storage
-    assert isinstance(storage, SqlRunStorage)
-    now = get_current_datetime()
-    backfill_column = storage.has_backfill_id_column()  # a schema reflection: once, not per run
-    values = [
-        {
-            "run_id": r.run_id,
-            "pipeline_name": r.job_name,
-            "status": r.status.value,
-            "run_body": serialize_value(r),
-            "snapshot_id": None,
-            "partition": r.tags.get("dagster/partition"),
-            "partition_set": r.tags.get("dagster/partition_set"),
-            "create_timestamp": now,
-            **({"backfill_id": None} if backfill_column else {}),
-        }
-        for r in runs
-    ]
-    with storage.connect() as conn:
-        conn.execute(RunsTable.insert(), values)
-        conn.execute(
-            RunTagsTable.insert(),
-            [
-                {"run_id": r.run_id, "key": k, "value": v}
-                for r in runs
-                for k, v in r.tags_for_storage().items()
-            ],
-        )
+    return dagster_pg.instance.add_run(helpers.stored_run(job.name, status, tags, asset_selection))
 
 
 def test_5000_partitions_with_1500_canceled_capped_or_backing_off_converge(
@@ -212,19 +124,22 @@ def test_5000_partitions_with_1500_canceled_capped_or_backing_off_converge(
     # The oldest 1,500 rows are the blocked ones, so a window over the first rows (by key or by age) would
     # see only them: 500 canceled by a person, 500 at the relaunch cap, 500 relaunched a minute ago.
     canceled, capped, backing, actionable = keys[:500], keys[500:1_000], keys[1_000:1_500], keys[1_500:]
-    bulk_leases(engine, code, keys[:1_000], ago_s=[86_400 * 3 - i for i in range(1_000)])
-    bulk_leases(engine, code, backing, ago_s=[60.0] * 500)
-    bulk_leases(engine, code, actionable, ago_s=[3_600 + i for i in range(3_500)])
-    made = [_run(job, dg.DagsterRunStatus.CANCELED, {"dagster/partition": key}) for key in canceled]
+    helpers.bulk_leases(engine, code, keys[:1_000], ago_s=[86_400 * 3 - i for i in range(1_000)])
+    helpers.bulk_leases(engine, code, backing, ago_s=[60.0] * 500)
+    helpers.bulk_leases(engine, code, actionable, ago_s=[3_600 + i for i in range(3_500)])
+    made = [
+        helpers.stored_run(job.name, dg.DagsterRunStatus.CANCELED, {"dagster/partition": key})
+        for key in canceled
+    ]
     for key in capped:
         for n in range(1, cap + 1):
             tags = {"dagster/partition": key, SENSOR_TAG: sensor.name, TAG_RELAUNCH: f"{n}/{cap}"}
-            made.append(_run(job, dg.DagsterRunStatus.FAILURE, tags))
+            made.append(helpers.stored_run(job.name, dg.DagsterRunStatus.FAILURE, tags))
     for key in backing:
         tags = {"dagster/partition": key, SENSOR_TAG: sensor.name, TAG_RELAUNCH: f"1/{cap}"}
-        made.append(_run(job, dg.DagsterRunStatus.FAILURE, tags))
-    add_runs(dagster_pg, made)
-    analyze(engine)
+        made.append(helpers.stored_run(job.name, dg.DagsterRunStatus.FAILURE, tags))
+    helpers.add_runs(dagster_pg.instance, made)
+    helpers.analyze(engine)
 
     requested: dict[str, dg.RunRequest] = {}
     cursor: str | None = None
@@ -267,10 +182,13 @@ def test_a_new_failure_is_seen_in_one_tick_and_the_skip_says_what_is_left(
     sensor = build_reconciliation_sensor(job, code=code, lookback=dt.timedelta(days=30))
     defs = dg.Definitions(jobs=[job], sensors=[sensor], resources={"joblease": JobLeaseResource()})
     old = keys[:1_500]
-    bulk_leases(engine, code, old, ago_s=[7_200.0] * 1_500)
+    helpers.bulk_leases(engine, code, old, ago_s=[7_200.0] * 1_500)
     # A person canceled every one of them.
-    add_runs(dagster_pg, [_run(job, dg.DagsterRunStatus.CANCELED, {"dagster/partition": k}) for k in old])
-    analyze(engine)
+    helpers.add_runs(
+        dagster_pg.instance,
+        [helpers.stored_run(job.name, dg.DagsterRunStatus.CANCELED, {"dagster/partition": k}) for k in old],
+    )
+    helpers.analyze(engine)
     requests, message, cursor, _ = tick(dagster_pg, defs, sensor)
     assert requests == []
     assert "lease rows still to look at in this sweep" in message
@@ -278,7 +196,7 @@ def test_a_new_failure_is_seen_in_one_tick_and_the_skip_says_what_is_left(
     assert 0 < left <= 1_500 - 1_000
 
     # A partition that failed just now, sorting last by key: requested on the very next tick.
-    bulk_leases(engine, code, [keys[-1]], ago_s=[1.0])
+    helpers.bulk_leases(engine, code, [keys[-1]], ago_s=[1.0])
     (request,) = tick(dagster_pg, defs, sensor, cursor)[0]
     assert request.partition_key == keys[-1]
 
@@ -290,13 +208,19 @@ def test_a_cap_holds_with_more_than_1000_newer_runs_in_view(dagster_pg: DagsterP
     sensor = build_reconciliation_sensor(job, code=code, max_relaunches=5, lookback=dt.timedelta(days=30))
     defs = dg.Definitions(jobs=[job], sensors=[sensor], resources={"joblease": JobLeaseResource()})
     capped = keys[0]
-    bulk_leases(engine, code, [capped], ago_s=[86_400.0])
+    helpers.bulk_leases(engine, code, [capped], ago_s=[86_400.0])
     for n in range(1, 6):
         tags = {"dagster/partition": capped, SENSOR_TAG: sensor.name, TAG_RELAUNCH: f"{n}/5"}
         run_of(dagster_pg, job, dg.DagsterRunStatus.FAILURE, tags)
     # A 1,100-partition outage fills any window of the newest 1,000 runs.
-    add_runs(dagster_pg, [_run(job, dg.DagsterRunStatus.SUCCESS, {"dagster/partition": k}) for k in keys[1:]])
-    analyze(engine)
+    helpers.add_runs(
+        dagster_pg.instance,
+        [
+            helpers.stored_run(job.name, dg.DagsterRunStatus.SUCCESS, {"dagster/partition": k})
+            for k in keys[1:]
+        ],
+    )
+    helpers.analyze(engine)
     requests, message, _, _ = tick(dagster_pg, defs, sensor)
     assert requests == [] and f"CAPPED after 5 relaunches: {capped}" in message, message
 
@@ -327,7 +251,7 @@ def test_a_canceled_asset_job_run_or_range_run_is_left_alone_and_a_running_range
     code = f"sa-{uuid.uuid4().hex[:6]}"
     asset, asset_job, sensor, defs = _asset_case(code)
     days = ["2024-05-01", "2024-05-02", "2024-05-03", "2024-05-04"]
-    bulk_leases(engine, code, days, ago_s=[600.0] * 4)
+    helpers.bulk_leases(engine, code, days, ago_s=[600.0] * 4)
     selection = frozenset({asset.key})
     run_of(dagster_pg, asset_job, dg.DagsterRunStatus.CANCELED, {"dagster/partition": days[0]}, selection)
     range_tags = {RANGE_START: days[1], RANGE_END: days[2]}
@@ -361,7 +285,7 @@ def test_range_keys_never_claimed_are_relaunched_and_a_done_key_without_an_event
         {RANGE_START: "2024-06-01", RANGE_END: "2024-06-03"},
         selection,
     )
-    bulk_leases(engine, code, ["2024-06-01"], ago_s=[30.0])
+    helpers.bulk_leases(engine, code, ["2024-06-01"], ago_s=[30.0])
     # Another run completed its lease and was killed before logging the materialization.
     killed = run_of(
         dagster_pg, asset_job, dg.DagsterRunStatus.FAILURE, {"dagster/partition": "2024-06-09"}, selection
