@@ -129,12 +129,16 @@ def test_the_sensor_judges_a_holder_by_its_own_interval_and_holder_stale_ms_only
             requests, message = _tick(dagster_pg, job, sensor)
             assert requests == [] and "1 held by a live lease" in message, message
         _age_heartbeat(service, code, day, seconds=45)
-        (request,) = _tick(dagster_pg, job, default)[0]
-        assert request.partition_key == day
+        # Asked first: a tick that finds the holder dead takes its lease (FAIL), after which every sensor
+        # relaunches the key for that reason, whatever its holder_stale_ms.
         patient = build_reconciliation_sensor(
             job, code=code, name=f"patient_{code.replace('-', '_')}", holder_stale_ms=HOUR_MS
         )
-        assert _tick(dagster_pg, job, patient)[0] == []  # lengthened: not stale yet
+        requests, message = _tick(dagster_pg, job, patient)
+        assert requests == [] and "1 held by a live lease" in message, message  # lengthened: not stale yet
+        assert _row(service, code, day)[0] == "RUNNING"
+        (request,) = _tick(dagster_pg, job, default)[0]
+        assert request.partition_key == day
     finally:
         service.engine.dispose()
 
