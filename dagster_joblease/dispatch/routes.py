@@ -115,6 +115,96 @@ def _check_header_value(name: str, value: object, where: str) -> str:
     return value
 
 
+def _check_url(url: object) -> str:
+    """Validate a route's URL; return the ``route '…'`` prefix its other messages start with."""
+    if not isinstance(url, str):
+        raise errors.ConfigurationError(f"route url must be a str, got {type(url).__name__}")
+    try:
+        parsed = httpx.URL(url)
+    except (httpx.InvalidURL, TypeError, ValueError):
+        raise errors.ConfigurationError(
+            f"route url {url[:200]!r} is not a valid URL; use e.g. https://host/path"
+        ) from None
+    if parsed.scheme not in ("http", "https") or not parsed.host:
+        raise errors.ConfigurationError(f"route url {url[:200]!r} must be http:// or https:// with a host")
+    if parsed.userinfo:
+        raise errors.ConfigurationError(
+            "a route url must not embed credentials; put them in secret_headers (header → env variable)"
+        )
+    return f"route {url[:200]!r}"
+
+
+def _check_headers(
+    headers: Mapping[str, str], secret_headers: Mapping[str, str], where: str
+) -> tuple[dict[str, str], dict[str, str]]:
+    """Static headers (name → value) and secret ones (name → environment variable), neither twice."""
+    static = {
+        _check_header_name(k, where): _check_header_value(k, v, where) for k, v in dict(headers).items()
+    }
+    secrets_ = {}
+    for name, env in dict(secret_headers).items():
+        _check_header_name(name, where)
+        if not isinstance(env, str) or not _ENV_NAME.match(env):
+            raise errors.ConfigurationError(
+                f"{where}: secret header {name!r} must name an environment variable "
+                f"(letters, digits, underscore), got {env!r}"
+            )
+        secrets_[name] = env
+    clash = {k.lower() for k in static} & {k.lower() for k in secrets_}
+    if clash:
+        raise errors.ConfigurationError(f"{where}: headers {sorted(clash)} are both static and secret")
+    return static, secrets_
+
+
+def _check_timeout(timeout: object, where: str) -> float:
+    if isinstance(timeout, bool) or not isinstance(timeout, int | float) or not 0 < timeout <= _MAX_TIMEOUT_S:
+        raise errors.ConfigurationError(
+            f"{where}: timeout_s {timeout!r} must be a number of seconds in (0, {_MAX_TIMEOUT_S:g}]"
+        )
+    return float(timeout)
+
+
+def _check_group(limit_group: object, url: str, where: str) -> str:
+    group = origin_of(url) if limit_group is None else limit_group
+    if (
+        not isinstance(group, str)
+        or not group.strip()
+        or len(group) > _GROUP_CHARS
+        or any(ord(c) < 0x20 for c in group)
+    ):
+        raise errors.ConfigurationError(
+            f"{where}: limit_group={limit_group!r} must be 1-{_GROUP_CHARS} characters without "
+            "control characters"
+        )
+    return group
+
+
+def _check_pause(value: object, where: str, name: str) -> float:
+    if isinstance(value, bool) or not isinstance(value, int | float) or not 0 <= value <= _MAX_PAUSE_S:
+        raise errors.ConfigurationError(
+            f"{where}: {name}={value!r} must be a number of seconds in [0, {_MAX_PAUSE_S:g}]"
+        )
+    return float(value)
+
+
+def _check_window(
+    dedupe_window: float | dt.timedelta | str | None, timeout_s: float, where: str
+) -> float | None:
+    if dedupe_window is None:
+        return None
+    window = duration_s(dedupe_window, where, "dedupe_window")
+    if not 0 < window <= _MAX_WINDOW_S:
+        raise errors.ConfigurationError(
+            f"{where}: dedupe_window={dedupe_window!r} must be more than 0 and at most 366 days"
+        )
+    if window <= timeout_s:
+        raise errors.ConfigurationError(
+            f"{where}: dedupe_window ({window:g} s) must exceed timeout_s ({timeout_s:g} s): a "
+            "row is not sent once less than one timeout of its window remains"
+        )
+    return window
+
+
 @dataclasses.dataclass(frozen=True)
 class Route:
     """Where one topic's rows go: an http(s) URL, static headers, secret headers and a timeout.
@@ -160,93 +250,27 @@ class Route:
     key_format: str = dataclasses.field(default="bare", kw_only=True)
 
     def __post_init__(self) -> None:
-        if not isinstance(self.url, str):
-            raise errors.ConfigurationError(f"route url must be a str, got {type(self.url).__name__}")
-        try:
-            parsed = httpx.URL(self.url)
-        except (httpx.InvalidURL, TypeError, ValueError):
-            raise errors.ConfigurationError(
-                f"route url {self.url[:200]!r} is not a valid URL; use e.g. https://host/path"
-            ) from None
-        if parsed.scheme not in ("http", "https") or not parsed.host:
-            raise errors.ConfigurationError(
-                f"route url {self.url[:200]!r} must be http:// or https:// with a host"
-            )
-        if parsed.userinfo:
-            raise errors.ConfigurationError(
-                "a route url must not embed credentials; put them in secret_headers (header → env variable)"
-            )
-        where = f"route {self.url[:200]!r}"
-        headers = {
-            _check_header_name(k, where): _check_header_value(k, v, where)
-            for k, v in dict(self.headers).items()
+        where = _check_url(self.url)
+        headers, secrets_ = _check_headers(self.headers, self.secret_headers, where)
+        timeout = _check_timeout(self.timeout_s, where)
+        checked: dict[str, object] = {
+            "headers": MappingProxyType(headers),
+            "secret_headers": MappingProxyType(secrets_),
+            "timeout_s": timeout,
+            "limit_group": _check_group(self.limit_group, self.url, where),
+            "max_in_flight": _optional_int(self.max_in_flight, where, "max_in_flight"),
+            "rate": _optional_int(self.rate, where, "rate"),
+            "pause_after_failures": _optional_int(self.pause_after_failures, where, "pause_after_failures"),
+            "max_pause_s": _check_pause(self.max_pause_s, where, "max_pause_s"),
+            "failure_pause_s": _check_pause(self.failure_pause_s, where, "failure_pause_s"),
+            "dedupe_window": _check_window(self.dedupe_window, timeout, where),
         }
-        secrets_ = {}
-        for name, env in dict(self.secret_headers).items():
-            _check_header_name(name, where)
-            if not isinstance(env, str) or not _ENV_NAME.match(env):
-                raise errors.ConfigurationError(
-                    f"{where}: secret header {name!r} must name an environment variable "
-                    f"(letters, digits, underscore), got {env!r}"
-                )
-            secrets_[name] = env
-        clash = {k.lower() for k in headers} & {k.lower() for k in secrets_}
-        if clash:
-            raise errors.ConfigurationError(f"{where}: headers {sorted(clash)} are both static and secret")
-        timeout = self.timeout_s
-        if (
-            isinstance(timeout, bool)
-            or not isinstance(timeout, int | float)
-            or not 0 < timeout <= _MAX_TIMEOUT_S
-        ):
-            raise errors.ConfigurationError(
-                f"{where}: timeout_s {timeout!r} must be a number of seconds in (0, {_MAX_TIMEOUT_S:g}]"
-            )
-        object.__setattr__(self, "headers", MappingProxyType(headers))
-        object.__setattr__(self, "secret_headers", MappingProxyType(secrets_))
-        object.__setattr__(self, "timeout_s", float(timeout))
-        group = origin_of(self.url) if self.limit_group is None else self.limit_group
-        if (
-            not isinstance(group, str)
-            or not group.strip()
-            or len(group) > _GROUP_CHARS
-            or any(ord(c) < 0x20 for c in group)
-        ):
-            raise errors.ConfigurationError(
-                f"{where}: limit_group={self.limit_group!r} must be 1-{_GROUP_CHARS} characters without "
-                "control characters"
-            )
-        object.__setattr__(self, "limit_group", group)
-        object.__setattr__(self, "max_in_flight", _optional_int(self.max_in_flight, where, "max_in_flight"))
-        object.__setattr__(self, "rate", _optional_int(self.rate, where, "rate"))
-        object.__setattr__(
-            self,
-            "pause_after_failures",
-            _optional_int(self.pause_after_failures, where, "pause_after_failures"),
-        )
-        for name, bound in (("max_pause_s", _MAX_PAUSE_S), ("failure_pause_s", _MAX_PAUSE_S)):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int | float) or not 0 <= value <= bound:
-                raise errors.ConfigurationError(
-                    f"{where}: {name}={value!r} must be a number of seconds in [0, {bound:g}]"
-                )
-            object.__setattr__(self, name, float(value))
-        if self.dedupe_window is not None:
-            window = duration_s(self.dedupe_window, where, "dedupe_window")
-            if not 0 < window <= _MAX_WINDOW_S:
-                raise errors.ConfigurationError(
-                    f"{where}: dedupe_window={self.dedupe_window!r} must be more than 0 and at most 366 days"
-                )
-            if window <= self.timeout_s:
-                raise errors.ConfigurationError(
-                    f"{where}: dedupe_window ({window:g} s) must exceed timeout_s ({self.timeout_s:g} s): a "
-                    "row is not sent once less than one timeout of its window remains"
-                )
-            object.__setattr__(self, "dedupe_window", window)
         if self.key_format not in KEY_FORMATS:
             raise errors.ConfigurationError(
                 f"{where}: key_format={self.key_format!r} must be one of {', '.join(KEY_FORMATS)}"
             )
+        for name, value in checked.items():
+            object.__setattr__(self, name, value)
 
     @property
     def limited(self) -> bool:
