@@ -47,7 +47,7 @@ import contextlib
 import dataclasses
 import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
-from typing import Any, TypeVar
+from typing import Any, TypeVar, cast
 
 import dagster as dg
 import sqlalchemy as sa
@@ -57,6 +57,7 @@ from dagster._core.events import EngineEventData  # the per-op truth: a step eng
 from dagster_joblease import batch as batch_leases
 from dagster_joblease import errors, identity, lease, options, outbox, staleness
 from dagster_joblease.dagster import holders, metadata
+from dagster_joblease.dagster.key_context import KeyContext
 from dagster_joblease.dagster.resource import JobLeaseResource, check_held_wait_ms
 from dagster_joblease.storage.clock import ms_until
 from dagster_joblease.storage.engine import translate_errors
@@ -87,7 +88,11 @@ _SETTLE_ROUNDS = 10
 
 
 class LeasedRun:
-    """What a leased body gets: the lease, the partition key, and a fenced domain+outbox transaction."""
+    """What a leased body gets: the lease, the partition key, and a fenced domain+outbox transaction.
+
+    ``context`` is the step's context; in a range run, a :class:`~dagster_joblease.dagster.key_context.
+    KeyContext` of it for this key (``partition_key``, ``partition_time_window`` … are the key's).
+    """
 
     def __init__(
         self,
@@ -194,6 +199,13 @@ def _partition_keys(context: dg.OpExecutionContext, code: str, initial: bool) ->
         "as its run key. Give the job or asset a partitions_def, or pass initial=True for a job that "
         "runs once, forever"
     )
+
+
+def _is_range(context: dg.OpExecutionContext) -> bool:
+    try:
+        return context.has_partition_key_range
+    except Exception:  # direct invocation (build_op_context) without a run: not a range
+        return False
 
 
 def _partitions_def(context: AnyContext) -> dg.PartitionsDefinition | None:
@@ -370,6 +382,9 @@ class _Step:
     holder: str | None
     run_id: str | None
     max_failures_in_a_row: int = DEFAULT_MAX_FAILURES_IN_A_ROW
+    #: a range run: each key's body sees a :class:`KeyContext` (its own partition), not the range's
+    ranged: bool = False
+    partitions_def: dg.PartitionsDefinition | None = None
     #: the key an interrupt stopped, with its result (set just before the interrupt is re-raised)
     interrupted: metadata.LeasedResult | None = None
 
@@ -378,6 +393,14 @@ class _Step:
         (recorded on its row; None: it never heartbeats, only expiry frees it). A row from before
         migration 0002 keeps the old rule: two of this step's intervals."""
         return staleness.stale_after_ms(row.heartbeat_ms, legacy_ms=2 * self.timing.heartbeat_ms)
+
+
+def _key_context(step: _Step, run_key: str | None) -> dg.OpExecutionContext:
+    """The context a per-key body sees: in a range run, the step's context as this key's partition."""
+    if run_key is None or not step.ranged:
+        return step.context
+    # A view that behaves as the step's context (it delegates everything but the partition answers).
+    return cast(dg.OpExecutionContext, KeyContext(step.context, run_key, step.partitions_def))
 
 
 def _winner_run_id(holder: str | None) -> str | None:
@@ -488,7 +511,7 @@ def _run_key(step: _Step, job: identity.JobIdentity, deadline: float) -> metadat
     runs: list[LeasedRun] = []
 
     def body(held: lease.Lease) -> Any:
-        run = LeasedRun(step.context, step.resource, held, job.run_key)
+        run = LeasedRun(_key_context(step, job.run_key), step.resource, held, job.run_key)
         runs.append(run)
         return step.fn(run)
 
@@ -910,7 +933,19 @@ def _step_for(
     service = lease.LeaseService(
         resource.engine, lease_ms=timing.lease_ms, heartbeat_ms=timing.heartbeat_ms, holder=holder
     )
-    return _Step(op_context, resource, service, fn, timing, wait_ms, holder, run_id, max_failures_in_a_row)
+    return _Step(
+        op_context,
+        resource,
+        service,
+        fn,
+        timing,
+        wait_ms,
+        holder,
+        run_id,
+        max_failures_in_a_row,
+        ranged=_is_range(op_context),
+        partitions_def=_partitions_def(context),
+    )
 
 
 def _log_results(step: _Step, results: Sequence[metadata.LeasedResult]) -> None:

@@ -403,3 +403,64 @@ def test_a_large_range_summarises_its_keys_in_the_metadata(dagster_pg: DagsterPg
     assert isinstance(first, dict) and first["won"][:2] == ["2020-01-01", "2020-01-02"]
     assert len(first["won"]) == 20 and "joblease/results" not in record
     assert _tags(dagster_pg, result.run_id)[TAG_WORK] == f"won:{len(all_keys)}"
+
+
+# ---- A per-key body sees its own key (issue 29, finding 3) ------------------------------------------------
+
+
+def _payloads(engine: sa.Engine, code: str, keys: Sequence[str]) -> dict[str, Any]:
+    ids = {JobIdentity.schedule(code, k).idempotency_key: k for k in keys}
+    with engine.connect() as conn:
+        rows = conn.execute(
+            sa.select(outbox_table.c.idempotency_key, outbox_table.c.payload).where(
+                outbox_table.c.idempotency_key.in_(ids)
+            )
+        ).all()
+    return {ids[key]: payload for key, payload in rows}
+
+
+def test_a_per_key_body_of_a_range_sees_its_own_key_and_time_window(
+    dagster_pg: DagsterPg, engine: sa.Engine
+) -> None:
+    """A body written for one partition reads the context as it would there: each key's effect covers
+    that key's day (the range's window would cover four days; ``partition_key`` would raise)."""
+
+    def one_day(run: Any) -> None:
+        context = run.context
+        window = context.partition_time_window
+        context.log.info(f"doing {context.partition_key}")  # everything else is the step's own context
+        payload = {
+            "key": context.partition_key,
+            "keys": list(context.partition_keys),
+            "range": [context.partition_key_range.start, context.partition_key_range.end],
+            "is_range": context.has_partition_key_range,
+            "output_key": context.asset_partition_key_for_output(),
+            "window": [window.start.isoformat(), window.end.isoformat()],
+            "run_id": context.run_id,
+        }
+        with run.transaction() as conn:
+            run.enqueue_once(conn, topic=range_assets.TOPIC, payload=payload)
+
+    asset = leased_asset(
+        code="t-one-day",
+        name="one_day",
+        partitions_def=range_assets.days,
+        backfill_policy=range_assets.SINGLE_RUN,
+    )(one_day)
+    keys = _days(5, 1, 4)
+    result = _materialize(dagster_pg, [asset], keys)
+    assert result.success, _failure_text(result)
+    assert _tags(dagster_pg, result.run_id)[TAG_WORK] == "won:4"
+    payloads = _payloads(engine, "t-one-day", keys)
+    assert sorted(payloads) == keys
+    for key, payload in payloads.items():
+        day = range_assets.days.time_window_for_partition_key(key)
+        assert payload == {
+            "key": key,
+            "keys": [key],
+            "range": [key, key],
+            "is_range": False,
+            "output_key": key,
+            "window": [day.start.isoformat(), day.end.isoformat()],
+            "run_id": result.run_id,
+        }
