@@ -1,5 +1,7 @@
 """A downstream for the limit tests: answers after a fixed latency (or holds requests until released) and
-records every request's arrival time, path, key and how many requests were in flight at each moment."""
+records every request's arrival time, path, key and how many requests were in flight at each moment, and
+each request's start and end (``spans``: a request ends when its answer is written, or when the client
+went away)."""
 
 from __future__ import annotations
 
@@ -18,11 +20,15 @@ class LimitServer:
     def __init__(self, latency_s: float = 0.05, respond: Respond | None = None) -> None:
         self.latency_s = latency_s
         self.respond = respond
+        #: (path, request number on that path) → seconds to hold it (default: latency_s)
+        self.holds: Callable[[str, int], float] | None = None
         self.lock = threading.Lock()
         self.in_flight = 0
         self.max_in_flight = 0
         #: (arrival time.time(), path, Idempotency-Key header, status answered)
         self.requests: list[tuple[float, str, str, int]] = []
+        #: (start time.time(), end time.time(), path, Idempotency-Key header) of every finished request
+        self.spans: list[tuple[float, float, str, str]] = []
         self.per_path: dict[str, int] = {}
         self.hold = threading.Event()  # set: requests are held until release() (for the SIGKILL test)
         self.released = threading.Event()
@@ -37,6 +43,7 @@ class LimitServer:
 
             def do_POST(self) -> None:
                 arrived = time.time()
+                key = self.headers.get("Idempotency-Key", "")
                 self.rfile.read(int(self.headers.get("Content-Length", "0")))
                 with server.lock:
                     server.in_flight += 1
@@ -47,7 +54,7 @@ class LimitServer:
                     if server.hold.is_set():
                         server.released.wait(120)
                     else:
-                        time.sleep(server.latency_s)
+                        time.sleep(server.hold_s(self.path, number))
                     with server.lock:
                         server.requests.append(
                             (arrived, self.path, self.headers.get("Idempotency-Key", ""), status)
@@ -59,12 +66,36 @@ class LimitServer:
                     self.send_header("Content-Length", "2")
                     self.end_headers()
                     self.wfile.write(b"{}")
+                    self.wfile.flush()
                 except OSError:
                     pass  # the client died (SIGKILL test)
+                finally:
+                    with server.lock:
+                        server.spans.append((arrived, time.time(), self.path, key))
 
         self.httpd = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
         self.httpd.daemon_threads = True
         self.url = f"http://127.0.0.1:{self.httpd.server_address[1]}"
+
+    def hold_s(self, path: str, number: int) -> float:
+        """How long to hold request ``number`` of ``path`` before answering (``latency_s`` unless
+        ``holds`` says otherwise)."""
+        return self.holds(path, number) if self.holds is not None else self.latency_s
+
+    def most_at_once(self, path: str | None = None) -> int:
+        """The most requests in progress at one moment, from their recorded starts and ends."""
+        with self.lock:
+            events = sorted(
+                (t, step)
+                for start, end, p, _ in self.spans
+                if path is None or p == path
+                for t, step in ((start, 1), (end, -1))
+            )
+        best = now = 0
+        for _, step in events:  # an end and a start at the same instant: the end counts first
+            now += step
+            best = max(best, now)
+        return best
 
     def arrivals(self, path: str | None = None) -> list[float]:
         with self.lock:

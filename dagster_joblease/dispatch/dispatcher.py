@@ -59,9 +59,12 @@ import httpcore
 import httpx
 import sqlalchemy as sa
 from sqlalchemy.dialects import postgresql
+from sqlalchemy.ext.compiler import compiles
+from sqlalchemy.sql.compiler import SQLCompiler
+from sqlalchemy.sql.functions import FunctionElement
 
 from dagster_joblease import errors, limits, outbox, route_groups
-from dagster_joblease.dispatch import policy
+from dagster_joblease.dispatch import decisions, policy
 from dagster_joblease.dispatch.routes import Route
 from dagster_joblease.options import MAX_DURATION_MS
 from dagster_joblease.storage.autocommit import autocommit_connections
@@ -170,6 +173,23 @@ class _Claimed:
     not_before: float | None = None
     #: A rate admission: do not start after this local monotonic time (given back instead).
     send_by: float | None = None
+    #: The row's first attempt as the claim left it (the claim stamps it when there was none).
+    first_attempt_at: dt.datetime | None = None
+    #: The database clock's reading when the claim ran (same statement), to age the row at send time.
+    claim_now: dt.datetime | None = None
+
+    @property
+    def stamped(self) -> bool:
+        """Whether this claim stamped ``first_attempt_at``: no earlier attempt was sent."""
+        return self.first_attempt_at is not None and self.first_attempt_at == self.claim_now
+
+    @property
+    def age_at_claim_ms(self) -> float | None:
+        """Milliseconds from the first attempt to the claim, on the database clock (None: this claim's
+        attempt is the first, or the statement did not say)."""
+        if self.stamped or self.first_attempt_at is None or self.claim_now is None:
+            return None
+        return (self.claim_now - self.first_attempt_at).total_seconds() * 1000
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -196,7 +216,28 @@ class _Refill:
 
 def _claimed(r: Any, **extra: Any) -> _Claimed:
     """A row returned by :func:`claim_statement`."""
-    return _Claimed(r[0], r[1], r[2], r[3], r[4], deferrals=int(r[5] or 0), **extra)
+    return _Claimed(
+        r[0], r[1], r[2], r[3], r[4], deferrals=int(r[5] or 0), first_attempt_at=r[6], claim_now=r[7], **extra
+    )
+
+
+class claim_now(FunctionElement[Any]):
+    """The database clock as one claim statement reads it, the same value for every row it claims (and
+    for ``first_attempt_at`` it stamps): ``now()`` on PostgreSQL (its transaction's start, never later
+    than the claim), the statement's time on SQLite."""
+
+    type = sa.DateTime(timezone=True)
+    inherit_cache = True
+
+
+@compiles(claim_now, "postgresql")
+def _claim_now_pg(element: claim_now, compiler: SQLCompiler, **kw: Any) -> str:
+    return "now()"
+
+
+@compiles(claim_now, "sqlite")
+def _claim_now_sqlite(element: claim_now, compiler: SQLCompiler, **kw: Any) -> str:
+    return compiler.process(db_now(), **kw)
 
 
 #: A finished row: its verdict, or None when the claim is given back undelivered.
@@ -236,8 +277,8 @@ def claim_statement(
     """The claim as one statement: lock up to ``limit`` due rows (of ``topics`` only, when given), stamp
     ``token``, an expiry and ``claim_group`` (the limit group whose capacity the claim holds; ``limit`` may
     then be an SQL expression, the slots it has left: see :func:`route_groups.slots_left`), record the
-    first attempt's time if this is it, count the attempt, and return ``(id, idempotency_key, topic,
-    attempts, payload as text, deferrals)``.
+    first attempt's time if this is it (a give-back undoes it), count the attempt, and return ``(id,
+    idempotency_key, topic, attempts, payload as text, deferrals, first_attempt_at, claim_now)``.
 
     The payload comes back as text (``jsonb::text`` on PostgreSQL) and is sent as-is: decoding it to
     Python only to encode it again would cost time and could change it.
@@ -277,9 +318,18 @@ def _claim_template(
         claim_expires_at=db_now_plus_ms(sa.literal(claim_ms, sa.BigInteger())),
         claim_group=sa.literal(claim_group, sa.String()) if claim_group is not None else None,
         attempts=t.c.attempts + 1,
-        first_attempt_at=sa.func.coalesce(t.c.first_attempt_at, db_now()),
+        first_attempt_at=sa.func.coalesce(t.c.first_attempt_at, claim_now()),
         updated_at=db_now(),
-    ).returning(t.c.id, t.c.idempotency_key, t.c.topic, t.c.attempts, payload, t.c.deferrals)
+    ).returning(
+        t.c.id,
+        t.c.idempotency_key,
+        t.c.topic,
+        t.c.attempts,
+        payload,
+        t.c.deferrals,
+        t.c.first_attempt_at,
+        claim_now().label("claim_now"),
+    )
 
 
 @functools.cache
@@ -323,12 +373,7 @@ def expire_statement(*, topics: Collection[str], window_ms: int, margin_ms: int)
     """Dead-letter due, unclaimed rows of ``topics`` whose first attempt is ``window_ms - margin_ms`` or
     more ago: the downstream may have forgotten the key, so a resend could be a second effect."""
     t = outbox_table
-    reason = (
-        f"not sent again: its first delivery attempt is older than the route's dedupe_window "
-        f"({window_ms / 1000:g} s, less one timeout), so the downstream may have forgotten the key and a "
-        "resend could be a second effect. Reconcile the effect by hand (did the downstream apply it?); "
-        "`joblease outbox requeue` sends it again with a fresh window, if you decide it must be sent"
-    )
+    reason = decisions.dedupe_window_reason(window_ms / 1000)
     return (
         sa.update(t)
         .where(
@@ -846,7 +891,7 @@ class Dispatcher:
             return None
         self._claim_took()
         matched = {int(r.id) for r in rows if r.kind == "done"}
-        taken = [_claimed(r[1:7], group=group, claimed_at=started) for r in rows if r.kind == "claim"]
+        taken = [_claimed(r[1:9], group=group, claimed_at=started) for r in rows if r.kind == "claim"]
         summary = next(r for r in rows if r.kind == "group")
         assert len(taken) <= len(matched), "a swap claimed more rows than it recorded"
         self._tally(finished, matched, report)
@@ -918,16 +963,18 @@ WITH handed AS (
 ), claimed AS (
     UPDATE {o} AS t SET claim_token = :token,
         claim_expires_at = {now} + :claim_ms * INTERVAL '1 millisecond', claim_group = :grp,
-        attempts = t.attempts + 1, first_attempt_at = coalesce(t.first_attempt_at, {now}), updated_at = {now}
+        attempts = t.attempts + 1, first_attempt_at = coalesce(t.first_attempt_at, now()), updated_at = {now}
     FROM due WHERE t.id = due.id
-    RETURNING t.id, t.idempotency_key, t.topic, t.attempts, t.payload::text AS payload, t.deferrals
+    RETURNING t.id, t.idempotency_key, t.topic, t.attempts, t.payload::text AS payload, t.deferrals,
+        t.first_attempt_at, now() AS claim_now
 )
-SELECT 'claim' AS kind, id, idempotency_key, topic, attempts, payload, deferrals,
+SELECT 'claim' AS kind, id, idempotency_key, topic, attempts, payload, deferrals, first_attempt_at, claim_now,
     NULL::integer AS mif, NULL::bigint AS others FROM claimed
 UNION ALL
-SELECT 'done', id, NULL, NULL, NULL, NULL, NULL, NULL, NULL FROM done
+SELECT 'done', id, NULL, NULL, NULL, NULL, NULL, NULL::timestamptz, NULL::timestamptz, NULL, NULL FROM done
 UNION ALL
-SELECT 'group', NULL, NULL, NULL, NULL, NULL, NULL, (SELECT mif FROM grp), (SELECT n FROM others){sync}
+SELECT 'group', NULL, NULL, NULL, NULL, NULL, NULL, NULL::timestamptz, NULL::timestamptz,
+    (SELECT mif FROM grp), (SELECT n FROM others){sync}
 """
         stmt = sa.text(sql).bindparams(
             sa.bindparam("ids", type_=postgresql.ARRAY(sa.BigInteger())),
@@ -967,7 +1014,7 @@ SELECT 'group', NULL, NULL, NULL, NULL, NULL, NULL, (SELECT mif FROM grp), (SELE
                 result = conn.execute(
                     self._swap_statement(group), {"ids": ids, "joblease_token": token, "joblease_want": want}
                 ).all()
-                swapped[group] = ([r[:6] for r in result], result[0][6] if result else None)
+                swapped[group] = ([r[:8] for r in result], result[0][8] if result else None)
                 workers -= len(result)
 
         def claim(
@@ -1405,6 +1452,15 @@ SELECT 'group', NULL, NULL, NULL, NULL, NULL, NULL, (SELECT mif FROM grp), (SELE
         ends = row.claimed_at + (self.claim_ms - _safety_ms(self.claim_ms)) / 1000
         if now + route.timeout_s > ends or self._local_pause.get(group, 0.0) > now:
             return None
+        if not decisions.within_dedupe_window(
+            age_at_claim_ms=row.age_at_claim_ms,
+            since_claim_s=now - row.claimed_at,
+            window_s=route.dedupe_window_s,
+            timeout_s=route.timeout_s,
+        ):
+            # Checked here, at the moment of sending, not only at claim: a row may wait for a worker.
+            reason = decisions.dedupe_window_reason(route.dedupe_window_s or 0.0)
+            return policy.Decision(policy.Outcome.DEAD, None, reason, unsent=True)
         _deadline.at = now + route.timeout_s
         try:
             classification = self._post(row, route, _deadline.at)
@@ -1579,6 +1635,7 @@ SELECT 'group', NULL, NULL, NULL, NULL, NULL, NULL, (SELECT mif FROM grp), (SELE
             )
         else:
             report.dead += 1
+            report.expired += int(decision.unsent)
             logger.warning(
                 "outbox row %d (key %s, topic %s) is DEAD: %s",
                 row.id,
@@ -1617,6 +1674,8 @@ SELECT 'group', NULL, NULL, NULL, NULL, NULL, NULL, (SELECT mif FROM grp), (SELE
                         values.update(attempts=t.c.attempts - 1, deferrals=t.c.deferrals + 1)
                 else:
                     values.update(status=outbox.OutboxStatus.DEAD.value, last_error=decision.reason)
+                    if decision.unsent:
+                        values.update(attempts=t.c.attempts - 1)  # never sent: the claim's count is undone
                 stmt = sa.update(t).where(t.c.id == row.id, *fence).values(**values).returning(t.c.id)
                 statements.append((stmt, None, True))
         if sent:
@@ -1636,7 +1695,7 @@ SELECT 'group', NULL, NULL, NULL, NULL, NULL, NULL, (SELECT mif FROM grp), (SELE
         pauses: dict[str, tuple[int, str]] = {}
         streaks: dict[str, tuple[bool, int, str]] = {}  # group → (answered at all, failures since, last)
         for row, decision in finished:
-            if decision is None:
+            if decision is None or decision.unsent:
                 continue
             group = self._group_of[row.topic]
             if decision.pause_ms:

@@ -87,6 +87,8 @@ class Decision:
     pause_ms: int | None = None
     #: The attempt does not count against max_attempts (it was deferred by a pause).
     deferred: bool = False
+    #: Nothing was sent (a check before sending decided the outcome: a passed dedupe_window).
+    unsent: bool = False
 
 
 def _bound(text: str, limit: int = MAX_REASON_CHARS) -> str:

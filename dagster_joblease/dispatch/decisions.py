@@ -1,0 +1,36 @@
+"""The dispatcher's decisions about one row that are not about an answer: pure functions, no IO, no clock
+of their own (every time is an argument). :mod:`dagster_joblease.dispatch.policy` judges answers.
+
+* :func:`within_dedupe_window`: may a retried row start now, or would its request outlive the time its
+  downstream remembers the key (a second effect)?
+"""
+
+from __future__ import annotations
+
+__all__ = ["dedupe_window_reason", "within_dedupe_window"]
+
+
+def within_dedupe_window(
+    *, age_at_claim_ms: float | None, since_claim_s: float, window_s: float | None, timeout_s: float
+) -> bool:
+    """Whether a request may start now: its whole timeout must end inside the route's ``dedupe_window``,
+    counted from the row's first attempt.
+
+    ``age_at_claim_ms`` is the first attempt's age when the row was claimed, on the database clock (None:
+    this claim's attempt is the first one, so no earlier request can be repeated); ``since_claim_s`` the
+    local monotonic time since just before the claim (so the age is never under-estimated). The same rule
+    dead-letters due rows at claim (``expire_statement``): age + timeout must stay below the window.
+    """
+    if window_s is None or age_at_claim_ms is None:
+        return True
+    return age_at_claim_ms + since_claim_s * 1000 + timeout_s * 1000 < window_s * 1000
+
+
+def dedupe_window_reason(window_s: float) -> str:
+    """The ``last_error`` of a row dead-lettered, unsent, because its dedupe_window passed."""
+    return (
+        f"not sent again: its first delivery attempt is older than the route's dedupe_window "
+        f"({window_s:g} s, less one timeout), so the downstream may have forgotten the key and a "
+        "resend could be a second effect. Reconcile the effect by hand (did the downstream apply it?); "
+        "`joblease outbox requeue` sends it again with a fresh window, if you decide it must be sent"
+    )

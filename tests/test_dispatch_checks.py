@@ -1,0 +1,51 @@
+"""Checks the dispatcher makes where they matter, against real PostgreSQL and a downstream that records each
+request's start and end (tests/limit_server.py): the dedupe window at the moment of sending, the window
+not started by a claim given back undelivered. Assertions are bounds on what the downstream saw."""
+
+from __future__ import annotations
+
+import sqlalchemy as sa
+
+from dagster_joblease.dispatch import Dispatcher, Route
+from dagster_joblease.storage.clock import db_now_plus_ms
+from dagster_joblease.storage.schema import outbox_table
+from tests.dispatch_workers import enqueue_many
+from tests.limit_server import serve
+
+
+def _rows(engine: sa.Engine) -> dict[str, sa.Row[tuple[object, ...]]]:
+    t = outbox_table
+    with engine.connect() as conn:
+        return {r.idempotency_key: r for r in conn.execute(sa.select(t).order_by(t.c.id))}
+
+
+def test_the_dedupe_window_is_checked_when_a_request_starts_not_only_at_claim(pg_engine: sa.Engine) -> None:
+    # Ten retried rows whose first attempt was 4 s ago, a 12 s window and a 2.5 s timeout: all may be
+    # claimed (4 + 2.5 < 12), but two workers take them two at a time and the downstream holds each request
+    # 2 s, so the pairs would start 4, 6, 8, 10 and 12 s after their first attempt. A request may start
+    # only while its whole timeout fits in the window (age < 9.5 s): the last pairs go DEAD unsent.
+    keys = enqueue_many(pg_engine, 10, topic="w")
+    with pg_engine.begin() as conn:
+        conn.execute(
+            sa.update(outbox_table).values(
+                first_attempt_at=db_now_plus_ms(sa.literal(-4_000, sa.BigInteger())), attempts=1
+            )
+        )
+    window_s, timeout_s = 12.0, 2.5
+    with serve(latency_s=2.0) as server:
+        route = Route(server.url + "/w", dedupe_window=window_s, timeout_s=timeout_s)
+        with Dispatcher(pg_engine, {"w": route}, concurrency=2, backoff_base_ms=10) as dispatcher:
+            report = dispatcher.dispatch(limit=100)
+    rows = _rows(pg_engine)
+    first = {key: r.first_attempt_at.timestamp() for key, r in rows.items()}
+    started = {key: start for start, _end, _path, key in server.spans}
+    late = {key: round(start - first[key], 2) for key, start in started.items() if start - first[key] >= 10.5}
+    assert not late, f"requests started this long after their first attempt (window {window_s} s): {late}"
+    dead = [key for key, r in rows.items() if r.status == "DEAD"]
+    assert dead, "the last rows cannot start inside their window and must be dead-lettered"
+    assert all(rows[key].status == "SENT" for key in started)
+    assert set(dead) | set(started) == set(keys) and not set(dead) & set(started)  # dead ones never sent
+    for key in dead:
+        assert "dedupe_window" in rows[key].last_error and "forgotten the key" in rows[key].last_error
+        assert rows[key].attempts == 1  # the claim's count is undone: nothing was sent
+    assert report.dead == report.expired == len(dead) and report.sent == len(started)
