@@ -115,7 +115,9 @@ class Lease:
 
     id: int
     identity: identity.JobIdentity
-    owner_token: str
+    # A fencing capability: whoever has it can renew, complete or fail this claim. Never in a repr (a
+    # log line or a traceback's locals would hand it out).
+    owner_token: str = dataclasses.field(repr=False)
     attempt: int
     lease_ms: int
     expires_at: datetime
