@@ -72,7 +72,30 @@ def _target(url: str) -> str:
         return "the configured database"
     if parsed.get_backend_name() == "sqlite":
         return f"sqlite file {parsed.database}"
-    return f"{parsed.get_backend_name()} database {parsed.database!r} on {parsed.host}:{parsed.port or 5432}"
+    server = f"{parsed.host or 'the local socket'}:{parsed.port or 5432}"
+    if not parsed.database:
+        return f"{parsed.get_backend_name()} server {server} (the URL names no database)"
+    return f"{parsed.get_backend_name()} database {parsed.database!r} on {server}"
+
+
+POSTGRES_URL_FORM = "postgresql+psycopg://USER[:PASSWORD]@HOST[:PORT]/DATABASE"
+
+
+def _connect_advice(url: str) -> str:
+    """How to fix a URL we could not connect with: what it lacks, else what to check, and its form."""
+    where = f"--database-url / ${storage.DATABASE_URL_ENV}"
+    try:
+        parsed = storage_engine.normalize_url(url)
+    except errors.ConfigurationError:
+        return f"Check {where}."
+    if parsed.get_backend_name() == "sqlite":
+        return f"Check {where}."
+    if not parsed.database:
+        return f"Name the database in {where}: {POSTGRES_URL_FORM}."
+    return (
+        f"Check that the server is up and that the host, port, user and database in {where} are right "
+        f"({POSTGRES_URL_FORM})."
+    )
 
 
 # -- shared state ----------------------------------------------------------------------------------
@@ -116,10 +139,7 @@ class State:
                     pass
             except errors.StorageError as exc:
                 raise CliConfigError(
-                    self.scrub(
-                        f"cannot connect to {_target(url)}: {exc}. Check --database-url / "
-                        f"${storage.DATABASE_URL_ENV}."
-                    )
+                    self.scrub(f"cannot connect to {_target(url)}: {exc}. {_connect_advice(url)}")
                 ) from exc
         if require_head:
             storage.require_schema(self._engine)
@@ -513,6 +533,25 @@ def _one_way(given: list[str], forms: str, run_key_opt: str | None, code_opt: st
         )
 
 
+def _positional_lease(command: str, key_or_code: str, run_key: str | None) -> str:
+    """``KEY`` or ``CODE [RUN_KEY]`` given positionally (the same on `leases show` and `leases fail`).
+
+    A lone value that looks like a run key (a date, a time, a number) is refused rather than read as an
+    INITIAL job's code."""
+    text = key_or_code.strip()
+    if _KEY_RE.fullmatch(text):
+        if run_key is not None:
+            raise click.UsageError(f"a v2: key names one lease by itself; drop {run_key!r}")
+        return text
+    if run_key is None and _RUN_KEY_LIKE.fullmatch(text):
+        raise click.UsageError(
+            f"{text!r} looks like a run key (a date, a time or a number), not a job code. Give its "
+            f"code too: `joblease leases {command} --code CODE --run-key {text}`; for an INITIAL job whose "
+            f"code really is {text!r}, `--code {text}`; for a lease id, `--id {text}`."
+        )
+    return key_or_code
+
+
 @leases.command("show", short_help="Show one lease by key, code [run key] or id.")
 @click.argument("key_or_code", required=False, metavar="[KEY | CODE [RUN_KEY]]")
 @click.argument("run_key", required=False, metavar="")
@@ -561,17 +600,7 @@ def leases_show(
         target, run_key = optioned
     else:
         assert key_or_code is not None
-        text = key_or_code.strip()
-        if _KEY_RE.fullmatch(text):
-            if run_key is not None:
-                raise click.UsageError(f"a v2: key names one lease by itself; drop {run_key!r}")
-        elif run_key is None and _RUN_KEY_LIKE.fullmatch(text):
-            raise click.UsageError(
-                f"{text!r} looks like a run key (a date, a time or a number), not a job code. Give its "
-                f"code too: `joblease leases show --code CODE --run-key {text}`; for an INITIAL job whose "
-                f"code really is {text!r}, `--code {text}`; for a lease id, `--id {text}`."
-            )
-        target = key_or_code
+        target = _positional_lease("show", key_or_code, run_key)
     row = admin.show_lease(_state().engine(), target, run_key)
     if as_json:
         _echo_json(row.to_json())
@@ -605,8 +634,33 @@ def _lease_ref(text: str) -> str | int:
     return int(text) if text.isdigit() else text
 
 
+def _is_key_or_id(text: str) -> bool:
+    return text.isdigit() or bool(_KEY_RE.fullmatch(text.strip()))
+
+
+def _refs_to_fail(keys: tuple[str, ...], optioned: tuple[str | int, str | None] | None) -> list[str | int]:
+    """The leases `leases fail` names: by an option, by keys or ids, or by CODE [RUN_KEY] as on `show`.
+    A code (and run key) is looked up first, so a near miss gets the same hints as `leases show`."""
+    if optioned is None and all(_is_key_or_id(ref) for ref in keys):
+        return [_lease_ref(ref) for ref in keys]
+    if optioned is None:
+        if len(keys) > 2 or _is_key_or_id(keys[0]):
+            bad = next(ref for ref in keys if not _is_key_or_id(ref))
+            raise click.UsageError(
+                f"{bad!r} is neither a v2: key nor a numeric lease id: several positional arguments of "
+                "`leases fail` are keys or ids; a run by its code is CODE [RUN_KEY] alone, or "
+                "`--code CODE --run-key RUN_KEY`."
+            )
+        code, run_key = keys[0], (keys[1] if len(keys) == 2 else None)
+        optioned = _positional_lease("fail", code, run_key), run_key
+    target, run_key = optioned
+    if isinstance(target, str) and not _KEY_RE.fullmatch(target):
+        return [admin.show_lease(_state().engine(), target, run_key).id]
+    return [target]
+
+
 @leases.command("fail", short_help="Reset stuck or failed runs so the next claim retries them.")
-@click.argument("keys", nargs=-1, required=False, metavar="[KEY_OR_ID...]")
+@click.argument("keys", nargs=-1, required=False, metavar="[KEY_OR_ID... | CODE [RUN_KEY]]")
 @lease_options
 @click.option(
     "--force",
@@ -629,10 +683,13 @@ def leases_fail(
 ) -> None:
     """Reset stuck or failed runs to FAIL so the next claim retries them with the same idempotency key.
 
+    The lease is named as on `leases show`, by options or positionally:
+
     \b
-      joblease leases fail --code CODE --run-key RUN_KEY   a SCHEDULE run (as `leases show` names it)
-      joblease leases fail --code CODE                     an INITIAL run
-      joblease leases fail --key v2:… | --id N
+      joblease leases fail --code CODE --run-key RUN_KEY   a SCHEDULE run (or: fail CODE RUN_KEY)
+      joblease leases fail --code CODE                     an INITIAL run (or: fail CODE, unless CODE
+                                                           looks like a run key: a date, a time, a number)
+      joblease leases fail --key v2:… | --id N             (or: fail v2:… | fail N)
       joblease leases fail KEY_OR_ID...                    several v2: keys or numeric ids at once
 
     The old holder is fenced out (new owner token). A live lease is refused unless --force; a SUCCESS
@@ -641,7 +698,7 @@ def leases_fail(
     given = [
         name
         for name, value in (
-            ("KEY_OR_ID...", keys or None),
+            ("KEY_OR_ID... | CODE [RUN_KEY]", keys or None),
             ("--key", key_opt),
             ("--code", code_opt),
             ("--id", lease_id),
@@ -649,32 +706,12 @@ def leases_fail(
         if value is not None
     ]
     _one_way(
-        given, "--code CODE [--run-key RUN_KEY], --key KEY, --id N, or KEY_OR_ID...", run_key_opt, code_opt
+        given,
+        "--code CODE [--run-key RUN_KEY], --key KEY, --id N, KEY_OR_ID... or CODE [RUN_KEY]",
+        run_key_opt,
+        code_opt,
     )
-    refs: list[str | int]
-    optioned = _optioned_lease(key_opt, code_opt, run_key_opt, lease_id)
-    if optioned is not None:
-        target, run_key = optioned
-        if isinstance(target, str) and not _KEY_RE.fullmatch(target):
-            # A code (and run key): find the row first, so a near miss gets the same hints as `show`.
-            refs = [admin.show_lease(_state().engine(), target, run_key).id]
-        else:
-            refs = [target]
-    else:
-        bad = [ref for ref in keys if not (ref.isdigit() or _KEY_RE.fullmatch(ref.strip()))]
-        if bad:
-            code, *rest = keys
-            suggestion = (
-                f"joblease leases fail --code {code} --run-key {rest[0]}"
-                if len(keys) == 2 and not code.isdigit() and not _KEY_RE.fullmatch(code)
-                else "joblease leases fail --code CODE --run-key RUN_KEY"
-            )
-            raise click.UsageError(
-                f"{bad[0]!r} is neither a v2: key nor a numeric lease id. Positional arguments of "
-                f"`leases fail` are keys or ids (several at once); name a run by its code with the options "
-                f"`leases show` takes too: `{suggestion}` (an INITIAL run: `--code CODE`)."
-            )
-        refs = [_lease_ref(ref) for ref in keys]
+    refs = _refs_to_fail(keys, _optioned_lease(key_opt, code_opt, run_key_opt, lease_id))
     engine = _state().engine()
     worst = 0
     for ref in refs:

@@ -343,7 +343,11 @@ def test_leases_fail_and_purge(populated: tuple[str, sa.Engine, dict[str, str]])
     mixed = run(url, "leases", "fail", keys["bootstrap"], "999999")
     assert mixed.exit_code == 1
     assert "SUCCESS is final" in mixed.output and "no lease with id 999999" in mixed.output
-    assert run(url, "leases", "fail", "not-a-key").exit_code == 2
+    # A lone word is an INITIAL job's code, as on `leases show` (it was a usage error before the two
+    # commands took the same positional form): no such lease, exit 1, with the show's hint.
+    unknown = run(url, "leases", "fail", "not-a-key")
+    assert unknown.exit_code == 1 and "no lease for INITIAL run 'not-a-key'" in unknown.output
+    assert run(url, "leases", "fail", "not-a-key", "2026-01-02", "x").exit_code == 2
 
     forced = run(url, "leases", "fail", "--force", "--reason", "node lost", keys["live"])
     assert forced.exit_code == 0, forced.output

@@ -100,21 +100,75 @@ def test_leases_fail_takes_the_options_leases_show_takes(url: str) -> None:
     assert again.output.startswith("lease 5 (daily-billing / 2024-01-04) was already FAIL")
 
 
-def test_leases_fail_code_run_key_positionally_says_which_options_to_use(url: str) -> None:
+def test_leases_fail_takes_code_and_run_key_positionally_as_leases_show_does(url: str) -> None:
+    # `leases show daily-billing 2024-01-04` worked and `leases fail daily-billing 2024-01-04` was refused:
+    # the two commands now take the same positional form (issue 31, finding 8).
+    shown = run(url, "leases", "show", "daily-billing", "2024-01-04")
+    assert shown.exit_code == 0 and "status        RUNNING" in shown.output
     result = run(url, "leases", "fail", "daily-billing", "2024-01-04")
-    assert result.exit_code == 2
-    assert result.output.endswith(
-        "Error: 'daily-billing' is neither a v2: key nor a numeric lease id. Positional arguments of "
-        "`leases fail` are keys or ids (several at once); name a run by its code with the options "
-        "`leases show` takes too: `joblease leases fail --code daily-billing --run-key 2024-01-04` (an "
-        "INITIAL run: `--code CODE`).\n"
+    assert result.exit_code == 0, result.output
+    assert result.output == (
+        "lease 5 (daily-billing / 2024-01-04) is now FAIL: the next claim retries it as attempt 2 with key "
+        f"{_key('daily-billing', '2024-01-04')}\n"
+    )
+    initial = run(url, "leases", "fail", "seed-settings")
+    assert initial.exit_code == 1  # found, and refused as show would find it: a SUCCESS row
+    assert "seed-settings" in initial.output and "SUCCESS" in initial.output, initial.output
+    near = run(url, "leases", "fail", "daily-biling", "2024-01-04")
+    assert near.exit_code == 1
+    assert near.output.endswith("close matches: --code daily-billing --run-key 2024-01-04\n")
+    for command in ("show", "fail"):
+        lone = run(url, "leases", command, "2024-01-04")
+        assert lone.exit_code == 2
+        assert lone.output.endswith(
+            "Error: '2024-01-04' looks like a run key (a date, a time or a number), not a job code. Give "
+            f"its code too: `joblease leases {command} --code CODE --run-key 2024-01-04`; for an INITIAL job "
+            "whose code really is '2024-01-04', `--code 2024-01-04`; for a lease id, `--id 2024-01-04`.\n"
+        )
+    mixed = run(url, "leases", "fail", "5", "daily-billing")
+    assert mixed.exit_code == 2
+    assert mixed.output.endswith(
+        "Error: 'daily-billing' is neither a v2: key nor a numeric lease id: several positional arguments of "
+        "`leases fail` are keys or ids; a run by its code is CODE [RUN_KEY] alone, or "
+        "`--code CODE --run-key RUN_KEY`.\n"
     )
     both = run(url, "leases", "fail", "--id", "5", "--code", "daily-billing")
     assert both.exit_code == 2
     assert both.output.endswith(
-        "Error: name the lease in exactly one way: --code CODE [--run-key RUN_KEY], --key KEY, --id N, or "
-        "KEY_OR_ID... (got --code, --id)\n"
+        "Error: name the lease in exactly one way: --code CODE [--run-key RUN_KEY], --key KEY, --id N, "
+        "KEY_OR_ID... or CODE [RUN_KEY] (got --code, --id)\n"
     )
+
+
+def test_a_postgres_url_without_a_database_says_what_is_missing_and_the_form() -> None:
+    port = closed_port()
+    result = run(f"postgres://127.0.0.1:{port}", "leases", "list")
+    assert result.exit_code == 2
+    # It said "cannot connect to postgresql database None" and no more than "Check --database-url".
+    assert result.output.startswith(
+        f"Error: cannot connect to postgresql server 127.0.0.1:{port} (the URL names no database): "
+    )
+    assert result.output.endswith(
+        "Name the database in --database-url / $JOBLEASE_DATABASE_URL: "
+        "postgresql+psycopg://USER[:PASSWORD]@HOST[:PORT]/DATABASE.\n"
+    )
+    named = run(f"postgresql+psycopg://app:sekret@127.0.0.1:{port}/app", "leases", "list")
+    assert named.exit_code == 2 and "sekret" not in named.output
+    assert named.output.startswith(
+        f"Error: cannot connect to postgresql database 'app' on 127.0.0.1:{port}: "
+    )
+    assert named.output.endswith(
+        "Check that the server is up and that the host, port, user and database in --database-url / "
+        "$JOBLEASE_DATABASE_URL are right (postgresql+psycopg://USER[:PASSWORD]@HOST[:PORT]/DATABASE).\n"
+    )
+
+
+def test_a_lease_repr_never_shows_its_owner_token(tmp_path: Path) -> None:
+    engine = create_engine(f"sqlite:///{tmp_path / 'j.sqlite'}")
+    migrate(engine)
+    lease = LeaseService(engine).acquire(JobIdentity.schedule("daily-billing", "2024-01-02"))
+    assert lease.owner_token and lease.owner_token not in repr(lease)
+    assert "owner_token" not in repr(lease) and f"id={lease.id}" in repr(lease)
 
 
 def test_no_lease_suggests_close_run_keys_and_codes(url: str) -> None:

@@ -39,6 +39,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 import dagster as dg
+import sqlalchemy as sa
 from dagster.components import Component, ComponentLoadContext, Resolvable, Scaffolder, ScaffoldRequest
 from dagster.components import scaffold_with as _scaffold_with
 
@@ -68,11 +69,26 @@ _KEY = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
 Status = Literal["running", "stopped"]
 
 
+def _shown(value: object) -> str:
+    """What a message may say about a value that should have been a variable's name: it may be the secret
+    itself, so a URL is shown with its password hidden and anything else is not shown at all."""
+    if not isinstance(value, str):
+        return f"a {type(value).__name__}"
+    if "://" in value:
+        try:
+            url = sa.engine.make_url(value)
+        except sa.exc.ArgumentError:
+            return "a URL-like value (not shown: it may hold a secret)"
+        return f"the URL {url.render_as_string(hide_password=True)!r} (password hidden)"
+    return f"a value of {len(value)} characters (not shown: it may be a secret)"
+
+
 def _env_name(where: str, value: object) -> str:
     if not isinstance(value, str) or not _ENV_NAME.match(value):
         raise errors.ConfigurationError(
-            f"{where}={value!r} must be the *name* of an environment variable (letters, digits, "
-            "underscore; e.g. JOBLEASE_DATABASE_URL), never the secret itself"
+            f"{where} must be the *name* of an environment variable (letters, digits, underscore; e.g. "
+            f"JOBLEASE_DATABASE_URL), never the secret itself; got {_shown(value)}. Put the value in "
+            "that variable and write its name here."
         )
     return value
 

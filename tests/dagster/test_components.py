@@ -188,18 +188,23 @@ def test_secrets_are_environment_variable_names_not_values() -> None:
 
     with pytest.raises(errors.ConfigurationError) as raised:
         JobLeaseResourceComponent(database_url_env="postgresql://app:pw@db/app").build_resource()
+    # The message shows a URL with its password hidden, and another non-name value not at all: the old
+    # message printed both back while saying never to put a secret there.
     assert str(raised.value) == (
-        "JobLeaseResourceComponent database_url_env='postgresql://app:pw@db/app' must be the *name* of an "
-        "environment variable (letters, digits, underscore; e.g. JOBLEASE_DATABASE_URL), never the secret "
-        "itself"
+        "JobLeaseResourceComponent database_url_env must be the *name* of an environment variable (letters, "
+        "digits, underscore; e.g. JOBLEASE_DATABASE_URL), never the secret itself; got the URL "
+        "'postgresql://app:***@db/app' (password hidden). Put the value in that variable and write its name "
+        "here."
     )
     with pytest.raises(errors.ConfigurationError) as raised:
         RouteSpec(url="https://x.test/a", secret_headers={"Authorization": "Bearer abc"}).build("billing")
     assert str(raised.value) == (
-        "JobLeaseDeliveryComponent route 'billing' secret_headers['Authorization']='Bearer abc' must be the "
-        "*name* of an environment variable (letters, digits, underscore; e.g. JOBLEASE_DATABASE_URL), never "
-        "the secret itself"
+        "JobLeaseDeliveryComponent route 'billing' secret_headers['Authorization'] must be the *name* of an "
+        "environment variable (letters, digits, underscore; e.g. JOBLEASE_DATABASE_URL), never the secret "
+        "itself; got a value of 10 characters (not shown: it may be a secret). Put the value in that "
+        "variable and write its name here."
     )
+    assert "abc" not in str(raised.value)
     resource = JobLeaseResourceComponent(database_url_env="BILLING_DB_URL").build_resource()
     assert isinstance(resource.database_url, dg.EnvVar)
     assert resource.database_url.env_var_name == "BILLING_DB_URL"
