@@ -4,8 +4,13 @@ not started by a claim given back undelivered. Assertions are bounds on what the
 
 from __future__ import annotations
 
-import sqlalchemy as sa
+import time
+from pathlib import Path
 
+import sqlalchemy as sa
+from click.testing import CliRunner, Result
+
+from dagster_joblease import cli
 from dagster_joblease.dispatch import Dispatcher, Route
 from dagster_joblease.storage.clock import db_now_plus_ms
 from dagster_joblease.storage.schema import outbox_table
@@ -49,3 +54,41 @@ def test_the_dedupe_window_is_checked_when_a_request_starts_not_only_at_claim(pg
         assert "dedupe_window" in rows[key].last_error and "forgotten the key" in rows[key].last_error
         assert rows[key].attempts == 1  # the claim's count is undone: nothing was sent
     assert report.dead == report.expired == len(dead) and report.sent == len(started)
+
+
+def test_a_claim_given_back_undelivered_does_not_start_the_dedupe_window(
+    pg_url: str, pg_engine: sa.Engine, tmp_path: Path
+) -> None:
+    # One limit group, two topics: the first row sent (topic a) is answered 429 with Retry-After, which
+    # pauses the group, so the four rows of topic w waiting behind it (concurrency 1) are given back
+    # unsent. Their window (2 s) must not have started: after it, `dispatch --once` sends them, exit 0.
+    enqueue_many(pg_engine, 1, topic="a", prefix="v2:a")
+    keys = enqueue_many(pg_engine, 4, topic="w", prefix="v2:w")
+
+    def respond(path: str, number: int) -> tuple[int, dict[str, str]]:
+        return (429, {"Retry-After": "1"}) if path == "/a" and number == 1 else (200, {})
+
+    with serve(latency_s=0.0, respond=respond) as server:
+        routes = tmp_path / "routes.toml"
+        routes.write_text(
+            f'[a]\nurl = "{server.url}/a"\nlimit_group = "g"\n'
+            f'[w]\nurl = "{server.url}/w"\nlimit_group = "g"\ndedupe_window = 2\ntimeout_s = 1\n'
+        )
+        first = _cli(pg_url, "dispatch", "--once", "--concurrency", "1", "--routes", str(routes))
+        assert first.exit_code == 0, first.output
+        assert server.per_path == {"/a": 1}  # the rows of w never reached the downstream
+        rows = _rows(pg_engine)
+        assert [rows[k].status for k in keys] == ["PENDING"] * 4
+        assert [rows[k].first_attempt_at for k in keys] == [None] * 4
+        assert [rows[k].attempts for k in keys] == [0] * 4
+        time.sleep(2.5)  # past the window (and the 1 s pause) had a give-back started it
+        second = _cli(pg_url, "dispatch", "--once", "--concurrency", "1", "--routes", str(routes))
+        assert second.exit_code == 0, second.output
+        assert server.per_path == {"/a": 2, "/w": 4}
+    rows = _rows(pg_engine)
+    assert {r.status for r in rows.values()} == {"SENT"}
+    assert all(rows[k].first_attempt_at is not None for k in keys)  # stamped by the claim that sent them
+
+
+def _cli(url: str, *args: str) -> Result:
+    return CliRunner().invoke(cli.main, ["--database-url", url, *args], catch_exceptions=False)

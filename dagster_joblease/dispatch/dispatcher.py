@@ -1656,10 +1656,10 @@ SELECT 'group', NULL, NULL, NULL, NULL, NULL, NULL, NULL::timestamptz, NULL::tim
         cleared = {"claim_token": None, "claim_expires_at": None, "claim_group": None, "updated_at": db_now()}
         sent: dict[int | None, list[int]] = {}
         statements: list[tuple[sa.Executable, dict[str, Any] | None, bool]] = []
-        released: list[int] = []
+        released: list[_Claimed] = []
         for row, decision in finished:
             if decision is None:
-                released.append(row.id)
+                released.append(row)
             elif decision.outcome is policy.Outcome.SENT:
                 sent.setdefault(decision.status_code, []).append(row.id)
             else:
@@ -1683,9 +1683,16 @@ SELECT 'group', NULL, NULL, NULL, NULL, NULL, NULL, NULL::timestamptz, NULL::tim
             for status_code, ids in sent.items():
                 statements.append((mark_sent, {"ids": ids, "token": token, "status_code": status_code}, True))
         if released:
-            # Given back undelivered: the attempt the claim counted is taken back too.
-            give_back = sa.update(t).where(t.c.id.in_(released), *fence)
-            statements.append((give_back.values(**cleared, attempts=t.c.attempts - 1), None, False))
+            # Given back undelivered: the attempt the claim counted is taken back too, and so is the first
+            # attempt's time it stamped (the downstream never saw the row: its dedupe_window has not begun).
+            for ids, first in (
+                ([r.id for r in released if not r.stamped], {}),
+                ([r.id for r in released if r.stamped], {"first_attempt_at": None}),
+            ):
+                if ids:
+                    give_back = sa.update(t).where(t.c.id.in_(ids), *fence)
+                    values = {**cleared, "attempts": t.c.attempts - 1, **first}
+                    statements.append((give_back.values(**values), None, False))
         return statements
 
     def _group_writes(self, finished: list[_Finished]) -> list[Callable[[sa.Connection], object]]:
