@@ -32,6 +32,7 @@ import sqlalchemy as sa
 from psycopg.rows import tuple_row
 from sqlalchemy.dialects.postgresql import psycopg as psycopg_dialect
 
+from dagster_joblease import errors
 from dagster_joblease.storage.autocommit import AutocommitConnections, autocommit_connections
 from dagster_joblease.storage.engine import is_psycopg, translate_errors
 from dagster_joblease.storage.transaction import CallersTransaction
@@ -152,20 +153,59 @@ class _Alchemy:
         return int(self.connection.execute(query.statement(self.dialect), params).rowcount)
 
 
+def lost_plan(exc: BaseException) -> bool:
+    """``exc`` says a statement prepared on the server can no longer run as prepared: its result type
+    changed under it (0A000 "cached plan must not change result type": a migration retyped a column it
+    returns), or the server session does not have it (26000: a pooler moved the session, or someone ran
+    ``DEALLOCATE``). Preparing the statement afresh cures both."""
+    if isinstance(exc, psycopg.errors.InvalidSqlStatementName):
+        return True
+    if not isinstance(exc, psycopg.errors.FeatureNotSupported):
+        return False
+    # 0A000 has other causes too; this one is raised where PostgreSQL revalidates a cached plan. The
+    # function name does not depend on the server's lc_messages, the text does.
+    return exc.diag.source_function == "RevalidateCachedQuery" or "cached plan" in str(exc)
+
+
+def forget_prepared(connection: psycopg.Connection[Any]) -> None:
+    """Drop every statement psycopg prepared on ``connection`` (an autocommit connection outside a
+    transaction, e.g. one of our own): a transaction rolled back at once makes psycopg clear its cache and
+    send ``DEALLOCATE ALL``, so the next execution prepares afresh."""
+    with connection.transaction(force_rollback=True):
+        pass
+
+
+#: The error a caller's transaction gets when a statement prepared in it before a schema change can no
+#: longer run (the transaction is aborted by then: only the caller can roll it back and run it again).
+REPLAN_IN_TRANSACTION = (
+    "a statement prepared on this connection before a schema change (`joblease db upgrade` retyped a "
+    "column) could not run: {error}. Your transaction is aborted and nothing it wrote "
+    "will commit; roll it back and retry the transaction (the rollback drops the stale statements, the "
+    "retry prepares them afresh)"
+)
+
+
 class _Driver:
     """Statements on a psycopg connection: positional, tuple rows, one cursor per query.
 
     ``prepare``: ask psycopg to prepare each statement on the server at its first execution (it
-    prepares nothing when the connection's ``prepare_threshold`` is None).
+    prepares nothing when the connection's ``prepare_threshold`` is None). ``own``: one of our own
+    autocommit connections, where each statement is its own transaction: a statement whose prepared form
+    was lost (:func:`lost_plan`) is prepared afresh and run once more (a second loss in a row, a pooler in
+    transaction mode, is the ConfigurationError of ``translate_errors``). On a caller's connection the
+    failure aborted the caller's transaction: a retyped result becomes a :class:`StorageError` saying to
+    retry the transaction (its rollback drops psycopg's prepared statements); a statement missing within
+    one transaction can only be a pooler's doing, the ConfigurationError naming ``prepare_threshold``.
     """
 
-    __slots__ = ("_cursors", "connection", "prepare")
+    __slots__ = ("_cursors", "connection", "own", "prepare")
 
     dialect = "postgresql"
 
-    def __init__(self, connection: psycopg.Connection[Any], *, prepare: bool) -> None:
+    def __init__(self, connection: psycopg.Connection[Any], *, prepare: bool, own: bool = False) -> None:
         self.connection = connection
         self.prepare = prepare
+        self.own = own
         self._cursors: dict[Query, psycopg.Cursor[tuple[Any, ...]]] = {}
 
     def _cursor(self, query: Query) -> psycopg.Cursor[tuple[Any, ...]]:
@@ -177,20 +217,40 @@ class _Driver:
             cursor = self._cursors[query] = psycopg.Cursor(self.connection, row_factory=tuple_row)
         return cursor
 
-    def _execute(self, query: Query, params: Mapping[str, Any]) -> psycopg.Cursor[tuple[Any, ...]]:
+    def _run(self, query: Query, params: Mapping[str, Any], fetch: bool) -> Any:
+        """Execute ``query``; its rows (``fetch``) or its row count. In a pipeline the result (and any
+        error) arrives at the fetch: both are inside the one place that handles a lost plan."""
         cursor = self._cursor(query)
-        cursor.execute(query.sql, query.args(params), prepare=self.prepare)
-        return cursor
+        args = query.args(params)
+        try:
+            cursor.execute(query.sql, args, prepare=self.prepare)
+            return cursor.fetchall() if fetch else cursor.rowcount
+        except psycopg.Error as exc:
+            if not lost_plan(exc):
+                raise
+            if not self.own:
+                if isinstance(exc, psycopg.errors.InvalidSqlStatementName):
+                    raise  # in one transaction: a pooler in transaction mode (translate_errors says so)
+                raise errors.StorageError(REPLAN_IN_TRANSACTION.format(error=_first_line(exc))) from exc
+        # Our own autocommit connection: the failed statement was its own transaction and wrote nothing.
+        forget_prepared(self.connection)
+        cursor.execute(query.sql, args, prepare=self.prepare)
+        return cursor.fetchall() if fetch else cursor.rowcount
 
     def rows(self, query: Query, params: Mapping[str, Any]) -> list[Any]:
-        return self._execute(query, params).fetchall()
+        rows: list[Any] = self._run(query, params, True)
+        return rows
 
     def first(self, query: Query, params: Mapping[str, Any]) -> Any | None:
-        rows = self._execute(query, params).fetchall()
+        rows = self._run(query, params, True)
         return rows[0] if rows else None
 
     def rowcount(self, query: Query, params: Mapping[str, Any]) -> int:
-        return self._execute(query, params).rowcount
+        return int(self._run(query, params, False))
+
+
+def _first_line(exc: BaseException) -> str:
+    return (str(exc).strip().splitlines() or [type(exc).__name__])[0]
 
 
 @contextlib.contextmanager
@@ -232,7 +292,7 @@ def _own(handle: Any) -> _Driver:
     """The statements of one of our own autocommit connections, kept with it (its cursors are reused)."""
     own: _Driver | None = getattr(handle, "statements", None)
     if own is None:
-        own = handle.statements = _Driver(handle.connection, prepare=True)
+        own = handle.statements = _Driver(handle.connection, prepare=True, own=True)
     return own
 
 

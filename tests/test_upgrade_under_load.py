@@ -1,0 +1,180 @@
+"""A worker that keeps claiming, enqueuing and processing inbox keys while `joblease db upgrade` retypes
+columns under it (0006: status, job_type, attempt and attempts become domains) sees no error.
+
+Retyping a column that a prepared statement returns invalidates the statement on the server ("cached plan
+must not change result type", SQLSTATE 0A000). Before storage.driver handled it, the library's autocommit
+connections kept the stale statement (psycopg drops its prepared statements only on a rollback, and an
+autocommit statement never rolls back): ``claim_many`` failed on every call until the process restarted.
+"""
+
+from __future__ import annotations
+
+import threading
+import uuid
+from collections.abc import Iterator
+from typing import Any
+
+import psycopg
+import psycopg.sql
+import pytest
+import sqlalchemy as sa
+
+from dagster_joblease import batch, errors, outbox
+from dagster_joblease.identity import JobIdentity
+from dagster_joblease.inbox import Inbox
+from dagster_joblease.lease import LeaseService
+from dagster_joblease.storage import create_engine, current_revision, driver, migrate
+from dagster_joblease.storage.driver import lost_plan
+from dagster_joblease.storage.schema import outbox_table
+from dagster_joblease.storage.transaction import callers_transaction
+from tests.conftest import _admin_execute, admin_url, wait_until
+
+#: 0007's nullable inbox columns, added ahead so that this code's inbox runs on the 0005 schema (0007 adds
+#: nothing else; the retype under test is 0006's).
+_INBOX_0007 = (
+    "ALTER TABLE joblease_inbox ADD COLUMN response_headers TEXT, ADD COLUMN response_content BYTEA, "
+    "ADD COLUMN fence BIGINT"
+)
+
+
+@pytest.fixture
+def url_at_0005() -> Iterator[str]:
+    name = f"joblease_up_{uuid.uuid4().hex[:10]}"
+    _admin_execute(f'CREATE DATABASE "{name}"')
+    url = admin_url().set(database=name).render_as_string(hide_password=False)
+    engine = create_engine(url, poolclass=sa.pool.NullPool)
+    try:
+        migrate(engine, "0005")
+        with engine.begin() as conn:
+            conn.exec_driver_sql(_INBOX_0007)
+    finally:
+        engine.dispose()
+    yield url
+    _admin_execute(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
+
+
+class Worker(threading.Thread):
+    """Rounds of claims (a set, a reclaim, one lease), enqueues (a set, one row with a backlog bound) and
+    inbox keys (new and replayed), each checked; every exception is kept."""
+
+    def __init__(self, engine: sa.Engine) -> None:
+        super().__init__(daemon=True)
+        self.engine = engine
+        self.service = LeaseService(engine)
+        self.inbox = Inbox(engine)
+        self.rounds = 0
+        self.errors: list[BaseException] = []
+        self.stop = threading.Event()
+
+    def run(self) -> None:
+        while not self.stop.is_set():
+            try:
+                self.round(self.rounds)
+            except BaseException as exc:
+                self.errors.append(exc)
+            self.rounds += 1
+
+    def round(self, i: int) -> None:
+        keys = [JobIdentity.schedule("up", f"{i}-{j}") for j in range(3)]
+        claim = batch.claim_many(self.service, [*keys, JobIdentity.schedule("up", f"{i - 1}-0")])
+        assert len(claim.leases) == 4, [(k.idempotency_key, k.reason) for k in claim]
+        with batch.fenced_transaction_many(self.service, claim.leases) as conn:
+            rows = [(f"{lease.idempotency_key}/{lease.attempt}", "up", {"i": i}) for lease in claim.leases]
+            assert outbox.enqueue_many(conn, rows) == (True, True, True, True)
+            assert outbox.enqueue_once(
+                conn, idempotency_key=f"one-{i}", topic="up", payload={}, max_pending=10**6
+            )
+        batch.complete_many(self.service, claim.leases[1:]).raise_if_lost()
+        batch.fail_many(self.service, claim.leases[:1], "again next round").raise_if_lost()
+        single = self.service.run_exclusive(JobIdentity.schedule("one", str(i)), lambda lease: lease.attempt)
+        assert single.acquired and single.result == 1
+
+        def effect(conn: sa.Connection) -> tuple[int, str]:
+            return 201, f'{{"i": {i}}}'
+
+        first = self.inbox.process(f"in-{i}", {"i": i}, effect)
+        again = self.inbox.process(f"in-{i}", {"i": i}, effect)
+        assert (first.status_code, first.replayed, again.replayed) == (201, False, True)
+
+
+def test_a_running_worker_survives_the_retyping_upgrade(url_at_0005: str) -> None:
+    engine = create_engine(url_at_0005)
+    worker = Worker(engine)
+    try:
+        worker.start()
+        # Enough rounds that every statement is prepared (the library's at their first execution,
+        # psycopg's own preparation of SQLAlchemy's after five).
+        wait_until(lambda: worker.rounds >= 8 or bool(worker.errors), timeout=120)
+        assert not worker.errors, worker.errors
+        admin = create_engine(url_at_0005, poolclass=sa.pool.NullPool)
+        try:
+            migrate(admin, "0006")  # `joblease db upgrade`'s call, in place, under the worker
+            assert current_revision(admin) == "0006"
+        finally:
+            admin.dispose()
+        after = worker.rounds + 1  # the round in flight may have run before the retype
+        wait_until(lambda: worker.rounds >= after + 8 or len(worker.errors) > 20, timeout=120)
+    finally:
+        worker.stop.set()
+        worker.join(timeout=60)
+        engine.dispose()
+    assert worker.errors == []
+
+
+def test_lost_plan_is_the_retype_and_the_missing_statement(pg_url: str) -> None:
+    """What :func:`lost_plan` recognises, from the server itself (and another 0A000 it does not)."""
+    url = sa.make_url(pg_url)
+    args: dict[str, Any] = {"host": url.host, "port": url.port, "user": url.username, "dbname": url.database}
+    with psycopg.connect(**args, autocommit=True) as pg, psycopg.connect(**args, autocommit=True) as ddl:
+        ddl.execute("CREATE TABLE probe (v varchar(4))")
+        pg.execute("SELECT v FROM probe", prepare=True)
+        ddl.execute("ALTER TABLE probe ALTER COLUMN v TYPE text")  # another session: a migration
+        with pytest.raises(psycopg.errors.FeatureNotSupported) as retyped:
+            pg.execute("SELECT v FROM probe", prepare=True)
+        assert lost_plan(retyped.value), retyped.value
+        # The server forgets a statement behind psycopg's back (as a pooler's other session would).
+        pg.execute("SELECT 1 FROM probe", prepare=True)
+        found = pg.execute("SELECT name FROM pg_prepared_statements WHERE statement = 'SELECT 1 FROM probe'")
+        name = found.fetchone()
+        assert name is not None
+        pg.execute(psycopg.sql.SQL("DEALLOCATE {}").format(psycopg.sql.Identifier(name[0])))
+        with pytest.raises(psycopg.errors.InvalidSqlStatementName) as missing:
+            pg.execute("SELECT 1 FROM probe", prepare=True)
+        assert lost_plan(missing.value), missing.value
+        with pytest.raises(psycopg.errors.FeatureNotSupported) as other:
+            pg.execute("SELECT 1 FROM probe a LEFT JOIN probe b ON true FOR UPDATE OF b")
+        assert not lost_plan(other.value), other.value
+
+
+_ATTEMPTS = driver.query(
+    sa.select(outbox_table.c.attempts).where(outbox_table.c.idempotency_key == sa.bindparam("key"))
+)
+
+
+def test_a_retyped_column_in_a_callers_transaction_and_on_our_own_connection(
+    pg_engine: sa.Engine, pg_url: str
+) -> None:
+    """Every statement the library prepares: on its own autocommit connections the stale statement is
+    prepared afresh and run again (no error); in a caller's transaction, which the failure aborted, a
+    StorageError says to retry the transaction, and the retry works."""
+    url = sa.make_url(pg_url)
+    args: dict[str, Any] = {"host": url.host, "port": url.port, "user": url.username, "dbname": url.database}
+    with pg_engine.begin() as conn:
+        outbox.enqueue_once(conn, idempotency_key="v1:r", topic="t", payload={})
+    with driver.statements(pg_engine, "read") as db:
+        assert db.first(_ATTEMPTS, {"key": "v1:r"}) == (0,)
+    with psycopg.connect(**args) as pg:
+        db = driver.in_transaction(callers_transaction(pg))
+        assert db.first(_ATTEMPTS, {"key": "v1:r"}) == (0,)
+        pg.commit()
+        with psycopg.connect(**args, autocommit=True) as ddl:
+            ddl.execute("ALTER TABLE joblease_outbox ALTER COLUMN attempts TYPE bigint")
+        db = driver.in_transaction(callers_transaction(pg))
+        with pytest.raises(errors.StorageError, match="retry the transaction"):
+            db.first(_ATTEMPTS, {"key": "v1:r"})
+        pg.rollback()
+        db = driver.in_transaction(callers_transaction(pg))
+        assert db.first(_ATTEMPTS, {"key": "v1:r"}) == (0,)
+        pg.commit()
+    with driver.statements(pg_engine, "read") as db:
+        assert db.first(_ATTEMPTS, {"key": "v1:r"}) == (0,)
