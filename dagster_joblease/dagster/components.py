@@ -143,8 +143,9 @@ class _ResourceScaffolder(_TemplateScaffolder):
 @_scaffold_with(_ResourceScaffolder)
 @dataclasses.dataclass
 class JobLeaseResourceComponent(Component, Resolvable):
-    """The ``joblease`` resource (:class:`JobLeaseResource`), declared once; others use its ``resource_key``.
+    """The joblease resource of this code location, declared once.
 
+    The :class:`JobLeaseResource`; every other component names it by ``resource_key``.
     ``database_url_env`` names the environment variable that holds the URL, read when a run or tick
     starts. With the default (``JOBLEASE_DATABASE_URL``) an unset variable means the embedded SQLite file
     under ``$DAGSTER_HOME``, as in Python; any other name must be set (the run fails naming it).
@@ -242,7 +243,8 @@ class OutboxSensorSpec(Resolvable):
 
     name: str = "outbox_dispatch_sensor"
     minimum_interval_seconds: int = 30
-    default_status: Status = "running"
+    #: Stopped until a person turns it on: a new project's route points at a receiver nobody started yet.
+    default_status: Status = "stopped"
     checks_interval_seconds: int = 300
 
 
@@ -269,7 +271,9 @@ class _DeliveryScaffolder(_TemplateScaffolder):
           name: outbox_dispatch_job
         sensor:
           name: outbox_dispatch_sensor
-          default_status: running
+          # Stopped: turn it on (UI > Automation, or `running` here) once the route's URL answers, e.g.
+          # after `joblease receiver` (the reference receiver on 127.0.0.1:8765) or your own API is up.
+          default_status: stopped
         checks:
           stale_due_ms: 300000
         """
@@ -278,8 +282,12 @@ class _DeliveryScaffolder(_TemplateScaffolder):
 @_scaffold_with(_DeliveryScaffolder)
 @dataclasses.dataclass
 class JobLeaseDeliveryComponent(Component, Resolvable):
-    """Routes, the dispatcher job, the outbox sensor (``sensor: null`` for none) and the outbox checks
-    (``checks: null`` for none), all on the resource named by ``resource_key``."""
+    """Outbox delivery: routes, the dispatcher job, its sensor and the outbox checks.
+
+    The outbox sensor (``sensor: null`` for none) and the outbox checks (``checks: null`` for none) run on
+    the resource named by ``resource_key``. The sensor is stopped by default: turn it on (in the UI, or
+    ``default_status: running``) once every route's downstream answers, e.g. ``joblease receiver``.
+    """
 
     routes: dict[str, RouteSpec]
     resource_key: str = "joblease"
@@ -362,31 +370,46 @@ class TargetSpec(Resolvable):
                 f"{where}: target needs exactly one of `job` (a job name) or `asset` (an asset key, a/b), "
                 f"got job={self.job!r}, asset={self.asset!r}"
             )
+        defs = context.build_defs(self._checked_path(context, where))
+        found = self._find(defs)
+        if isinstance(found, dg.JobDefinition | dg.AssetsDefinition):
+            return found
+        raise errors.ConfigurationError(
+            f"{where}: {self.describe()} not found; that path defines {found or 'none'}"
+        )
+
+    def _checked_path(self, context: ComponentLoadContext, where: str) -> Path:
         path = Path(self.defs_path)
         if path.is_absolute() or ".." in path.parts:
             raise errors.ConfigurationError(
                 f"{where}: target defs_path {self.defs_path!r} must be relative to the defs folder, inside it"
             )
-        defs = context.build_defs(path)
-        if self.job is not None:
-            for job in defs.jobs or []:
-                if isinstance(job, dg.JobDefinition) and job.name == self.job:
-                    return job
-            found = sorted(j.name for j in defs.jobs or [])
-        else:
-            key = dg.AssetKey.from_user_string(self.asset or "")
-            for asset in defs.assets or []:
-                if isinstance(asset, dg.AssetsDefinition) and key in asset.keys:
-                    return asset
-            found = sorted(
-                k.to_user_string()
-                for a in defs.assets or []
-                if isinstance(a, dg.AssetsDefinition)
-                for k in a.keys
+        if not (context.defs_module_path / path).exists():
+            what = (
+                f"a partitioned job {self.job!r}"
+                if self.job is not None
+                else f"a leased asset {self.asset!r}"
             )
-        raise errors.ConfigurationError(
-            f"{where}: {self.describe()} not found; that path defines {found or 'none'}"
-        )
+            raise errors.ConfigurationError(
+                f"{where}: target defs_path {self.defs_path!r} does not exist in the defs folder "
+                f"{str(context.defs_module_path)!r}; write the Python module that defines {what} there "
+                "first (docs/components.md shows one), or point defs_path at the module that does"
+            )
+        return path
+
+    def _find(self, defs: dg.Definitions) -> dg.JobDefinition | dg.AssetsDefinition | list[str]:
+        """The target in ``defs``, or the names that path defines instead."""
+        return _find_job(defs, self.job) if self.job is not None else _find_asset(defs, self.asset or "")
+
+
+def _find_job(defs: dg.Definitions, name: str) -> dg.JobDefinition | list[str]:
+    jobs = {j.name: j for j in defs.jobs or [] if isinstance(j, dg.JobDefinition)}
+    return jobs.get(name) or sorted(j.name for j in defs.jobs or [])
+
+
+def _find_asset(defs: dg.Definitions, name: str) -> dg.AssetsDefinition | list[str]:
+    assets = {k: a for a in defs.assets or [] if isinstance(a, dg.AssetsDefinition) for k in a.keys}
+    return assets.get(dg.AssetKey.from_user_string(name)) or sorted(k.to_user_string() for k in assets)
 
 
 class _ScheduleScaffolder(_TemplateScaffolder):
@@ -404,9 +427,12 @@ class _ScheduleScaffolder(_TemplateScaffolder):
 @_scaffold_with(_ScheduleScaffolder)
 @dataclasses.dataclass
 class LeasedScheduleComponent(Component, Resolvable):
-    """A leased schedule (:func:`build_leased_schedule`): each tick requests the last complete partition,
-    partition key = Dagster run key = lease run key. For an asset target the component also defines the
-    asset job it launches (``<asset>_job`` unless ``job_name`` says otherwise)."""
+    """A leased schedule: each tick runs the last complete partition once.
+
+    :func:`build_leased_schedule`: partition key = Dagster run key = lease run key. For an asset target
+    the component also defines the asset job it launches (``<asset>_job`` unless ``job_name`` says
+    otherwise).
+    """
 
     target: TargetSpec
     code: str
@@ -468,9 +494,10 @@ class _ReconcileScaffolder(_TemplateScaffolder):
 @_scaffold_with(_ReconcileScaffolder)
 @dataclasses.dataclass
 class ReconciliationSensorComponent(Component, Resolvable):
-    """A reconciliation sensor (:func:`build_reconciliation_sensor`) for a partitioned job or leased asset:
-    relaunches partitions whose lease failed or expired, whose holder's run is finished, or that ended
-    ``held``; durations in seconds."""
+    """Relaunches partitions whose lease failed, expired, lost its holder or ended held.
+
+    :func:`build_reconciliation_sensor` for a partitioned job or leased asset; durations in seconds.
+    """
 
     target: TargetSpec
     code: str

@@ -9,6 +9,7 @@ dispatcher run delivers its effect once, all against real PostgreSQL and a real 
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -118,6 +119,14 @@ def test_a_scaffolded_project_declares_runs_and_delivers_with_the_components(
     listed = _dg([str(BIN / "dg"), "list", "components"], project, env).stdout
     for type_name in TYPES:
         assert f"{COMPONENTS}.{type_name}" in listed
+    # One plain line each (dg shows a docstring's first paragraph; RST markup would show raw).
+    out = _dg([str(BIN / "dg"), "list", "components", "--json"], project, env).stdout
+    items = json.loads(out[out.index('{"items"') :])["items"]
+    summaries = {i["key"].rsplit(".", 1)[-1]: i["summary"] for i in items if i["key"].startswith(COMPONENTS)}
+    assert sorted(summaries) == sorted(TYPES)
+    for type_name, summary in summaries.items():
+        assert 0 < len(summary) <= 90 and "\n" not in summary, (type_name, summary)
+        assert not any(mark in summary for mark in ("`", ":class:", ":func:")), (type_name, summary)
     checked = _dg([str(BIN / "dg"), "check", "defs"], project, env)
     assert "All definitions loaded successfully" in checked.stdout + checked.stderr
 
@@ -126,6 +135,8 @@ def test_a_scaffolded_project_declares_runs_and_delivers_with_the_components(
     repo = defs.get_repository_def()
     assert sorted(s.name for s in repo.schedule_defs) == ["daily_billing_job_schedule"]
     assert sorted(s.name for s in repo.sensor_defs) == ["daily_report_reconcile", "outbox_dispatch_sensor"]
+    # Scaffolded stopped: a new project's route points at a receiver nobody has started yet.
+    assert repo.get_sensor_def("outbox_dispatch_sensor").default_status == dg.DefaultSensorStatus.STOPPED
     assert {c.name for spec in repo.asset_checks_defs_by_key.values() for c in spec.check_specs} >= {
         "no_dead_rows",
         "delivery_backlog",
@@ -170,17 +181,40 @@ def test_a_component_names_what_it_cannot_find(project: Path) -> None:
             dg.load_from_defs_folder(path_within_project=project)
     finally:
         schedule.write_text(original)
-    chain: list[BaseException] = []
-    exc: BaseException | None = raised.value
-    while exc is not None:
-        chain.append(exc)
-        exc = exc.__cause__ or exc.__context__
+    chain = _chain(raised.value)
     found = [e for e in chain if isinstance(e, errors.ConfigurationError)]
     assert found, chain
     assert str(found[0]) == (
         "LeasedScheduleComponent 'daily-billing': job 'daily_biling_job' of defs path 'billing.py' not "
         "found; that path defines ['daily_billing_job']"
     )
+
+
+def test_a_target_module_not_written_yet_says_what_to_write(project: Path) -> None:
+    """Scaffolds written before billing.py: the first check says what to write."""
+    billing = next(project.glob("src/*/defs/billing.py"))
+    moved = billing.with_name("billing.py.later")
+    billing.rename(moved)
+    try:
+        with pytest.raises(Exception) as raised:
+            dg.load_from_defs_folder(path_within_project=project)
+    finally:
+        moved.rename(billing)
+    found = [e for e in _chain(raised.value) if isinstance(e, errors.ConfigurationError)]
+    assert found, _chain(raised.value)
+    message = str(found[0])
+    assert message.startswith(
+        "LeasedScheduleComponent 'daily-billing': target defs_path 'billing.py' does not "
+    )
+    assert "write the Python module that defines a partitioned job 'daily_billing_job' there first" in message
+
+
+def _chain(exc: BaseException | None) -> list[BaseException]:
+    chain: list[BaseException] = []
+    while exc is not None:
+        chain.append(exc)
+        exc = exc.__cause__ or exc.__context__
+    return chain
 
 
 def test_secrets_are_environment_variable_names_not_values() -> None:
