@@ -13,7 +13,7 @@ from click.testing import CliRunner, Result
 from dagster_joblease import cli
 from dagster_joblease.dispatch import Dispatcher, Route
 from dagster_joblease.storage.clock import db_now_plus_ms
-from dagster_joblease.storage.schema import outbox_table
+from dagster_joblease.storage.schema import outbox_table, route_group_table
 from tests.dispatch_workers import enqueue_many
 from tests.limit_server import serve
 
@@ -92,3 +92,41 @@ def test_a_claim_given_back_undelivered_does_not_start_the_dedupe_window(
 
 def _cli(url: str, *args: str) -> Result:
     return CliRunner().invoke(cli.main, ["--database-url", url, *args], catch_exceptions=False)
+
+
+def test_max_deferrals_2_dead_letters_after_two_deferrals_not_one(pg_engine: sa.Engine) -> None:
+    (key,) = enqueue_many(pg_engine, 1, topic="busy")
+    with serve(latency_s=0.0, respond=lambda path, n: (429, {"Retry-After": "0"})) as server:
+        route = Route(server.url + "/busy", max_pause_s=1)
+        with Dispatcher(pg_engine, {"busy": route}, max_deferrals=2, backoff_base_ms=10) as dispatcher:
+            outcomes = []
+            for _ in range(10):
+                report = dispatcher.dispatch()
+                outcomes += [r.outcome for r in report.rows]
+                if report.dead:
+                    break
+                time.sleep(0.01)  # past the 1 ms pause and deferral
+    row = _rows(pg_engine)[key]
+    assert outcomes == ["retry", "retry", "dead"], outcomes
+    assert row.status == "DEAD" and row.deferrals == 2
+    assert "gave up after 2 Retry-After deferrals" in row.last_error
+    assert server.per_path == {"/busy": 3}
+
+
+def test_a_retry_after_of_unicode_digits_is_an_http_429_not_a_connection_failure(
+    pg_engine: sa.Engine,
+) -> None:
+    # "²" passes str.isdigit(); the old parser's int() raised, and the dispatcher judged the exception as a
+    # failure to get any answer (status None: what pause_after_failures counts).
+    (key,) = enqueue_many(pg_engine, 1, topic="odd")
+    with serve(latency_s=0.0, respond=lambda path, n: (429, {"Retry-After": "²"})) as server:
+        route = Route(server.url + "/odd", pause_after_failures=1)
+        with Dispatcher(pg_engine, {"odd": route}, backoff_base_ms=10) as dispatcher:
+            report = dispatcher.dispatch()
+    (outcome,) = report.rows
+    assert (outcome.outcome, outcome.status_code) == ("retry", 429)
+    row = _rows(pg_engine)[key]
+    assert row.last_status == 429 and row.last_error.startswith("HTTP 429") and row.deferrals == 0
+    with pg_engine.connect() as conn:
+        group = conn.execute(sa.select(route_group_table)).first()
+    assert group is None or (group.failures == 0 and group.paused_until is None)  # not a connection failure

@@ -92,14 +92,43 @@ def test_an_invalid_request_is_dead() -> None:
     assert c.outcome is Outcome.DEAD and "fix the route" in c.reason
 
 
-def test_retry_after_seconds_and_http_date() -> None:
-    assert policy.parse_retry_after_ms("7") == 7_000
-    assert policy.parse_retry_after_ms(" 0 ") == 0
-    now = datetime(2026, 1, 1, 12, 0, 0, tzinfo=UTC)
-    assert policy.parse_retry_after_ms("Thu, 01 Jan 2026 12:00:30 GMT", now=now) == 30_000
-    assert policy.parse_retry_after_ms("Thu, 01 Jan 2026 11:00:00 GMT", now=now) == 0
-    for bad in (None, "", "soon", "-5", "1.5"):
-        assert policy.parse_retry_after_ms(bad) is None
+_NOW = datetime(2026, 1, 1, 12, 0, 0, tzinfo=UTC)
+_YEAR_MS = policy.MAX_RETRY_AFTER_S * 1000
+
+
+@pytest.mark.parametrize(
+    ("header", "expected_ms"),
+    [
+        ("7", 7_000),
+        (" 0 ", 0),
+        ("\t120", 120_000),
+        ("007", 7_000),
+        ("Thu, 01 Jan 2026 12:00:30 GMT", 30_000),
+        ("Thu, 01 Jan 2026 11:00:00 GMT", 0),  # in the past: at once
+        ("31536000000", _YEAR_MS),  # absurdly long: capped (a route's max_pause_s caps it further)
+        ("9" * 5000, _YEAR_MS),  # int() would refuse this many digits
+        ("Fri, 31 Dec 9999 23:59:59 GMT", _YEAR_MS),
+        (None, None),
+        ("", None),
+        ("soon", None),
+        ("-5", None),
+        ("+5", None),
+        ("1.5", None),
+        ("1e3", None),
+        ("5 s", None),
+        ("²", None),  # str.isdigit() says True, int() raises: the old parser crashed here
+        ("1²", None),
+        ("\u0663", None),  # ARABIC-INDIC DIGIT THREE
+        ("\uff13", None),  # FULLWIDTH DIGIT THREE: int() would accept it, HTTP does not
+        ("\u00a05", None),
+        ("Thu, 01 Jan 2026 12:00:30 GMT²", None),
+        ("Thu, 99 Foo 2026 99:99:99 GMT", None),
+    ],
+)
+def test_retry_after_is_ascii_delta_seconds_or_an_http_date(
+    header: str | None, expected_ms: int | None
+) -> None:
+    assert policy.parse_retry_after_ms(header, now=_NOW) == expected_ms
 
 
 def test_retry_after_date_is_relative_to_the_servers_date_header() -> None:
@@ -196,7 +225,23 @@ def test_retry_after_on_429_or_503_pauses_and_defers_without_counting() -> None:
     assert capped.pause_ms == 5_000
 
 
-def test_deferrals_are_bounded() -> None:
+@pytest.mark.parametrize(
+    ("deferrals", "max_deferrals", "outcome"),
+    [
+        (0, 1, Outcome.RETRY),
+        (1, 1, Outcome.DEAD),
+        (0, 2, Outcome.RETRY),
+        (1, 2, Outcome.RETRY),  # the old rule dead-lettered here, after one deferral
+        (2, 2, Outcome.DEAD),
+        (4, 5, Outcome.RETRY),
+        (5, 5, Outcome.DEAD),
+        (99, 100, Outcome.RETRY),
+        (100, 100, Outcome.DEAD),
+    ],
+)
+def test_max_deferrals_is_how_many_deferrals_a_row_gets(
+    deferrals: int, max_deferrals: int, outcome: Outcome
+) -> None:
     c = policy.classify_response(_response(503, "", headers={"Retry-After": "1"}))
     d = policy.decide(
         c,
@@ -205,10 +250,14 @@ def test_deferrals_are_bounded() -> None:
         base_ms=100,
         max_ms=1000,
         max_pause_ms=5_000,
-        deferrals=4,
-        max_deferrals=5,
+        deferrals=deferrals,
+        max_deferrals=max_deferrals,
     )
-    assert d.outcome is Outcome.DEAD and "5 Retry-After deferrals" in d.reason
+    assert d.outcome is outcome
+    if outcome is Outcome.DEAD:
+        assert f"gave up after {max_deferrals} Retry-After deferrals" in d.reason
+    else:
+        assert d.deferred and d.pause_ms == 1000
 
 
 def test_no_group_pause_when_turned_off_or_without_retry_after() -> None:

@@ -23,12 +23,14 @@ import dataclasses
 import email.utils
 import enum
 import random
+import re
 from datetime import UTC, datetime
 
 import httpx
 
 __all__ = [
     "MAX_REASON_CHARS",
+    "MAX_RETRY_AFTER_S",
     "PAUSING_STATUSES",
     "RETRYABLE_STATUSES",
     "Classification",
@@ -47,6 +49,9 @@ MAX_REASON_CHARS = 500
 RETRYABLE_STATUSES = frozenset({408, 409, 425, 429})
 #: Answers whose Retry-After pauses the whole limit group.
 PAUSING_STATUSES = frozenset({429, 503})
+#: Longest Retry-After taken as given (a year); a route's max_pause_s caps a pause much sooner.
+MAX_RETRY_AFTER_S = 366 * 86_400
+_DELTA_SECONDS = re.compile(r"[0-9]+")
 
 
 class Outcome(enum.StrEnum):
@@ -95,23 +100,33 @@ def _bound(text: str, limit: int = MAX_REASON_CHARS) -> str:
     return text if len(text) <= limit else text[: limit - 1] + "…"
 
 
-def parse_retry_after_ms(value: str | None, *, now: datetime | None = None) -> int | None:
-    """``Retry-After`` as milliseconds from ``now``: delta-seconds or an HTTP date; None if absent/invalid."""
+def parse_retry_after_ms(value: str | None, *, now: datetime) -> int | None:
+    """``Retry-After`` as milliseconds from ``now`` (the server's clock: its ``Date`` header, else ours):
+    delta-seconds (ASCII digits only, RFC 9110) or an HTTP date; None if absent or invalid. Pure: never
+    raises, whatever the header holds (``str.isdigit`` would accept ``²`` and other Unicode digits, which
+    ``int`` then refuses)."""
     if value is None:
         return None
-    value = value.strip()
+    value = value.strip(" \t")
     if not value:
         return None
-    if value.isdigit():
-        return int(value) * 1000
+    if _DELTA_SECONDS.fullmatch(value):
+        # Longer than MAX_RETRY_AFTER_S's digits is longer than any pause (and int() refuses 4,300+ digits).
+        seconds = int(value) if len(value) <= len(str(MAX_RETRY_AFTER_S)) else MAX_RETRY_AFTER_S
+        return min(seconds, MAX_RETRY_AFTER_S) * 1000
+    if not value.isascii():
+        return None
     try:
         when = email.utils.parsedate_to_datetime(value)
-    except (TypeError, ValueError, IndexError):
+    except (TypeError, ValueError, IndexError, OverflowError):
         return None
     if when.tzinfo is None:
         when = when.replace(tzinfo=UTC)
-    reference = now or datetime.now(UTC)
-    return max(0, int((when - reference).total_seconds() * 1000))
+    try:
+        delta_ms = int((when - now).total_seconds() * 1000)
+    except (OverflowError, TypeError):
+        return None
+    return min(max(0, delta_ms), MAX_RETRY_AFTER_S * 1000)
 
 
 def _response_now(response: httpx.Response) -> datetime | None:
@@ -148,7 +163,9 @@ def classify_response(response: httpx.Response, body_snippet: str | None = None)
             ),
         )
     if status in RETRYABLE_STATUSES or status >= 500:
-        retry_after = parse_retry_after_ms(response.headers.get("retry-after"), now=_response_now(response))
+        retry_after = parse_retry_after_ms(
+            response.headers.get("retry-after"), now=_response_now(response) or datetime.now(UTC)
+        )
         return Classification(Outcome.RETRY, status, _bound(detail), retry_after)
     if status == 422:
         return Classification(
@@ -197,7 +214,8 @@ def decide(
 
     With ``max_pause_ms > 0`` a 429/503 carrying ``Retry-After`` pauses the group for ``min(Retry-After,
     max_pause_ms)`` and defers the row as long, without counting the attempt; ``deferrals`` (earlier such
-    deferrals of this row) reaching ``max_deferrals`` makes it ``DEAD`` instead, so a downstream that keeps
+    deferrals of this row) having reached ``max_deferrals`` makes it ``DEAD`` instead (``max_deferrals=2``:
+    two deferrals, and the third such answer is dead-lettered), so a downstream that keeps
     answering "later" cannot keep a row forever.
     """
     c = classification
@@ -205,11 +223,11 @@ def decide(
         return Decision(c.outcome, c.status_code, c.reason)
     if max_pause_ms > 0 and c.asks_pause:
         assert c.retry_after_ms is not None
-        if deferrals + 1 >= max_deferrals:
+        if deferrals >= max_deferrals:
             return Decision(
                 Outcome.DEAD,
                 c.status_code,
-                _bound(f"gave up after {deferrals + 1} Retry-After deferrals; last: {c.reason}"),
+                _bound(f"gave up after {deferrals} Retry-After deferrals; last: {c.reason}"),
             )
         pause = min(max_pause_ms, max(c.retry_after_ms, 1))
         return Decision(Outcome.RETRY, c.status_code, c.reason, pause, pause_ms=pause, deferred=True)
