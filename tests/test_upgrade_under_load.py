@@ -45,8 +45,6 @@ def url_at_0005() -> Iterator[str]:
     engine = create_engine(url, poolclass=sa.pool.NullPool)
     try:
         migrate(engine, "0005")
-        with engine.begin() as conn:
-            conn.exec_driver_sql(_INBOX_0007)
     finally:
         engine.dispose()
     yield url
@@ -99,6 +97,8 @@ class Worker(threading.Thread):
 
 def test_a_running_worker_survives_the_retyping_upgrade(url_at_0005: str) -> None:
     engine = create_engine(url_at_0005)
+    with engine.begin() as conn:
+        conn.exec_driver_sql(_INBOX_0007)
     worker = Worker(engine)
     try:
         worker.start()
@@ -178,3 +178,33 @@ def test_a_retyped_column_in_a_callers_transaction_and_on_our_own_connection(
         pg.commit()
     with driver.statements(pg_engine, "read") as db:
         assert db.first(_ATTEMPTS, {"key": "v1:r"}) == (0,)
+
+
+def _db_upgrade(url: str) -> Any:
+    from click.testing import CliRunner
+
+    from dagster_joblease import cli
+
+    return CliRunner().invoke(cli.main, ["--database-url", url, "db", "upgrade"], catch_exceptions=False)
+
+
+def test_db_upgrade_warns_when_workers_are_connected_and_a_migration_retypes(url_at_0005: str) -> None:
+    worker = create_engine(url_at_0005)
+    try:
+        with worker.connect() as conn:
+            conn.exec_driver_sql("SELECT 1")  # a worker's session: its engine names it dagster-joblease
+            upgraded = _db_upgrade(url_at_0005)
+        assert upgraded.exit_code == 0, upgraded.output
+        assert "upgraded from 0005 to" in upgraded.stdout
+        assert "warning: 1 other session(s) of dagster-joblease" in upgraded.stderr
+        assert "migration 0006 retypes columns" in upgraded.stderr
+        with worker.connect() as conn:
+            again = _db_upgrade(url_at_0005)  # at head: nothing to run, nothing to say
+        assert again.exit_code == 0 and "already at head" in again.stdout and again.stderr == ""
+    finally:
+        worker.dispose()
+
+
+def test_db_upgrade_says_nothing_when_no_worker_is_connected(url_at_0005: str) -> None:
+    upgraded = _db_upgrade(url_at_0005)
+    assert upgraded.exit_code == 0 and upgraded.stderr == "", upgraded.output

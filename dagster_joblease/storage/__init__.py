@@ -15,6 +15,7 @@ from dagster_joblease.storage.migrate import (
     head_revision,
     migrate,
     require_schema,
+    upgrade_warnings,
 )
 from dagster_joblease.storage.schema import (
     inbox_table,
@@ -40,4 +41,5 @@ __all__ = [
     "route_group_table",
     "redact_url",
     "require_schema",
+    "upgrade_warnings",
 ]

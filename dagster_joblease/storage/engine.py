@@ -40,6 +40,9 @@ DATABASE_URL_ENV = "JOBLEASE_DATABASE_URL"
 SQLITE_BUSY_TIMEOUT_MS = 30_000
 #: A pooled PostgreSQL connection idle at least this long is pinged before reuse.
 IDLE_PING_AFTER_S = 1.0
+#: The ``application_name`` of the library's PostgreSQL sessions (unless the URL or ``$PGAPPNAME`` names
+#: one): how ``pg_stat_activity`` (and ``joblease db upgrade``'s warning) tells them apart.
+APPLICATION_NAME = "dagster-joblease"
 _IDLE_SINCE = "joblease_idle_since"
 _PID = "joblease_pid"
 
@@ -270,12 +273,15 @@ def create_engine(url: str | URL | None = None, **kwargs: Any) -> sa.Engine:
 
 def _postgres_connect_args(url: URL) -> tuple[URL, dict[str, Any]]:
     """Driver options a URL cannot carry as text: ``?prepare_threshold=none`` (PgBouncer in transaction
-    mode) becomes psycopg's ``prepare_threshold=None``; a 10 s connect timeout unless the URL sets one."""
+    mode) becomes psycopg's ``prepare_threshold=None``; a 10 s connect timeout and
+    :data:`APPLICATION_NAME` unless the URL (or ``$PGAPPNAME``) sets them."""
     if url.get_backend_name() != "postgresql":
         return url, {}
     args: dict[str, Any] = {}
     if "connect_timeout" not in url.query:
         args["connect_timeout"] = 10
+    if "application_name" not in url.query and not os.environ.get("PGAPPNAME"):
+        args["application_name"] = APPLICATION_NAME
     if "prepare_threshold" in url.query:
         raw = url.query["prepare_threshold"]
         text = (raw if isinstance(raw, str) else raw[-1]).strip().lower()

@@ -20,9 +20,17 @@ from sqlalchemy.dialects import postgresql
 
 from dagster_joblease import errors
 from dagster_joblease.storage import schema
-from dagster_joblease.storage.engine import translate_errors
+from dagster_joblease.storage.engine import APPLICATION_NAME, translate_errors
 
-__all__ = ["SchemaDiff", "check_schema", "current_revision", "head_revision", "migrate", "require_schema"]
+__all__ = [
+    "SchemaDiff",
+    "check_schema",
+    "current_revision",
+    "head_revision",
+    "migrate",
+    "require_schema",
+    "upgrade_warnings",
+]
 
 _MIGRATIONS = Path(__file__).with_name("migrations")
 # An arbitrary constant: "joblease" as a 64-bit int, the advisory lock that serializes migrations.
@@ -56,6 +64,47 @@ def migrate(engine: sa.Engine, revision: str = "head") -> str | None:
         before = _current(connection)
         command.upgrade(_config(connection), revision)
         return before
+
+
+def retyping_revisions(current: str | None, target: str = "head") -> list[str]:
+    """The revisions an upgrade from ``current`` to ``target`` would run that retype columns (their
+    module says ``RETYPES_COLUMNS = True``), oldest first."""
+    script = ScriptDirectory.from_config(_config())
+    pending = script.iterate_revisions(target, current)  # newest first, ``current`` left out
+    return [rev.revision for rev in reversed(list(pending)) if getattr(rev.module, "RETYPES_COLUMNS", False)]
+
+
+#: Other sessions of the library on this database (its engines name themselves APPLICATION_NAME).
+_OTHER_SESSIONS = sa.text(
+    "SELECT count(*) FROM pg_stat_activity WHERE datname = current_database() "
+    "AND application_name = :name AND pid <> pg_backend_pid()"
+)
+
+
+def upgrade_warnings(engine: sa.Engine, target: str = "head") -> list[str]:
+    """What an operator should know before upgrading ``engine``'s database to ``target``: on PostgreSQL,
+    when a pending migration retypes columns while other sessions of the library are connected (workers,
+    dispatchers, receivers; seen in ``pg_stat_activity`` by their ``application_name``). Empty when
+    there is nothing to say."""
+    if engine.dialect.name != "postgresql":
+        return []
+    with translate_errors("read the joblease schema revision"), engine.connect() as connection:
+        current = _current(connection)
+        # A fresh install creates the tables: nothing to rewrite, nobody using them yet.
+        retyping = [] if current is None else retyping_revisions(current, target)
+        if not retyping:
+            return []
+        others = int(connection.execute(_OTHER_SESSIONS, {"name": APPLICATION_NAME}).scalar_one())
+    if not others:
+        return []
+    return [
+        f"{others} other session(s) of dagster-joblease (application_name {APPLICATION_NAME!r}) are "
+        f"connected and migration {', '.join(retyping)} retypes columns: it holds an ACCESS EXCLUSIVE lock "
+        "on the tables it rewrites (claims, enqueues, inbox keys and deliveries wait meanwhile; "
+        "docs/operations.md says for how long). Workers of this version prepare their statements again and "
+        "go on; a worker of an older dagster-joblease may fail statements with 'cached plan must not change "
+        "result type' until it reconnects: restart those after the upgrade."
+    ]
 
 
 def current_revision(engine: sa.Engine) -> str | None:

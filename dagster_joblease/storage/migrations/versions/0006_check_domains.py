@@ -51,6 +51,10 @@ down_revision = "0005"
 branch_labels = None
 depends_on = None
 
+#: ``joblease db upgrade`` warns before running this migration while other sessions of the library are
+#: connected (storage.migrate.upgrade_warnings).
+RETYPES_COLUMNS = True
+
 #: name → (base type, check on VALUE): the rules the table CHECKs held, one domain each.
 DOMAINS = {
     "joblease_lease_status": ("VARCHAR(16)", "VALUE IN ('RUNNING', 'SUCCESS', 'FAIL')"),
