@@ -338,6 +338,8 @@ def db_upgrade() -> None:
     """Upgrade the joblease tables to this package's head revision (idempotent; safe to run concurrently)."""
     state = _state()
     engine = state.engine(require_head=False, create=True)
+    for warning in storage.upgrade_warnings(engine):
+        click.echo(f"warning: {warning}", err=True)
     before = storage.migrate(engine)
     head = storage.head_revision()
     if before == head:
