@@ -921,6 +921,31 @@ def outbox_requeue(row_id: int | None, all_dead: bool, topic: str | None) -> Non
     )
 
 
+@outbox.command("resume", short_help="End a limit group's pause now.")
+@click.argument("group")
+def outbox_resume(group: str) -> None:
+    """End limit group GROUP's pause now (a downstream's Retry-After, or consecutive connection failures),
+    for every dispatcher: each claims the group's rows again at its next claim. Rows the pause deferred
+    keep their next attempt time; rows given back by the pause are due at once.
+
+    Exits 1, naming the groups that are paused, when GROUP has no pause in force.
+    """
+    from dagster_joblease import route_groups
+
+    engine = _state().engine()
+    with storage_engine.translate_errors("end a limit group's pause"), engine.begin() as conn:
+        ended = route_groups.resume(conn, group)
+        paused = [] if ended else sorted(n for n, s in route_groups.read_states(conn).items() if s.paused)
+    if ended is None:
+        others = f"; paused now: {', '.join(paused)}" if paused else "; no limit group is paused now"
+        click.echo(f"limit group {group!r} is not paused{others}", err=True)
+        sys.exit(EXIT_FAILED)
+    click.echo(
+        f"limit group {group}: pause ended (it was paused until {ended.paused_until}: "
+        f"{ended.pause_reason or 'no reason recorded'}); dispatchers claim its rows again at their next claim"
+    )
+
+
 @outbox.command("purge", short_help="Delete SENT rows older than a window.")
 @click.option(
     "--sent-before", type=DURATION, required=True, help="Delete SENT rows delivered longer ago (e.g. 7d)."

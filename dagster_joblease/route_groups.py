@@ -1,5 +1,6 @@
 """The limit groups' shared state in ``joblease_route_group``: read it, lock a group for a claim, record a
-pause or a connection failure. The decisions themselves are in :mod:`dagster_joblease.limits`.
+pause or a connection failure, end a pause early (:func:`resume`). The decisions themselves are in
+:mod:`dagster_joblease.limits`.
 
 Only row locks inside short transactions (``SELECT … FOR UPDATE`` on PostgreSQL; SQLite's ``BEGIN
 IMMEDIATE`` serializes writers anyway): no advisory locks, no LISTEN/NOTIFY, no SQL-level PREPARE, so it
@@ -32,6 +33,7 @@ __all__ = [
     "record_answers",
     "record_connection_failures",
     "record_pause",
+    "resume",
     "slots_left",
     "update_group",
 ]
@@ -274,3 +276,22 @@ def record_connection_failures(
 def record_answers(conn: sa.Connection, group: str) -> None:
     """The downstream answered: its consecutive connection failures start again from 0."""
     conn.execute(sa.update(g).where(g.c.limit_group == group, g.c.failures > 0).values(failures=0))
+
+
+def resume(conn: sa.Connection, group: str) -> GroupState | None:
+    """End ``group``'s pause now, for every dispatcher (an operator's decision: the downstream is back), and
+    start its count of consecutive connection failures again. Returns the group's state as it was (its
+    pause and reason), or None when no pause was in force (nothing is written then)."""
+    locked = sa.select(*_COLUMNS).where(g.c.limit_group == group).with_for_update()
+    row = conn.execute(locked).first()
+    if row is None:
+        return None
+    state = _state(row)
+    if not state.paused:
+        return None
+    conn.execute(
+        sa.update(g)
+        .where(g.c.limit_group == group)
+        .values(paused_until=None, pause_reason=None, failures=0, updated_at=db_now())
+    )
+    return state

@@ -10,7 +10,7 @@ from pathlib import Path
 import sqlalchemy as sa
 from click.testing import CliRunner, Result
 
-from dagster_joblease import cli
+from dagster_joblease import cli, route_groups
 from dagster_joblease.dispatch import Dispatcher, Route
 from dagster_joblease.storage.clock import db_now_plus_ms
 from dagster_joblease.storage.schema import outbox_table, route_group_table
@@ -130,3 +130,28 @@ def test_a_retry_after_of_unicode_digits_is_an_http_429_not_a_connection_failure
     with pg_engine.connect() as conn:
         group = conn.execute(sa.select(route_group_table)).first()
     assert group is None or (group.failures == 0 and group.paused_until is None)  # not a connection failure
+
+
+def test_outbox_resume_ends_a_pause_early_even_for_a_dispatcher_that_knows_of_it(
+    pg_url: str, pg_engine: sa.Engine
+) -> None:
+    keys = enqueue_many(pg_engine, 3, topic="mail")
+    with serve(latency_s=0.0) as server:
+        route = Route(server.url + "/mail", limit_group="mailer")
+        with Dispatcher(pg_engine, {"mail": route}) as dispatcher:
+            with pg_engine.begin() as conn:
+                route_groups.record_pause(
+                    conn, "mailer", 600_000, "HTTP 429 with Retry-After from topic mail"
+                )
+            held = dispatcher.dispatch()
+            assert held.claimed == 0 and "mailer" in held.paused  # the dispatcher knows of the pause now
+            resumed = _cli(pg_url, "outbox", "resume", "mailer")
+            assert resumed.exit_code == 0, resumed.output
+            assert "limit group mailer: pause ended" in resumed.output and "HTTP 429" in resumed.output
+            report = dispatcher.dispatch()
+            assert report.sent == 3 and not report.paused
+        assert server.per_path == {"/mail": 3}
+    assert {_rows(pg_engine)[k].status for k in keys} == {"SENT"}
+    again = _cli(pg_url, "outbox", "resume", "mailer")
+    assert again.exit_code == 1 and "limit group 'mailer' is not paused" in again.output
+    assert "no limit group is paused now" in again.output

@@ -44,6 +44,7 @@ import dataclasses
 import datetime as dt
 import functools
 import logging
+import math
 import queue as queue_mod
 import random
 import secrets
@@ -590,6 +591,9 @@ class Dispatcher:
                 self._windows.setdefault(window, []).append(topic)
         self._mismatch_logged: set[tuple[str, str, int | None]] = set()
         self._local_pause: dict[str, float] = {}
+        #: group → when this dispatcher's own write of a pause finished (inf while it is being written): a
+        #: database read that began later and finds no pause may end the local one (``outbox resume``).
+        self._pause_settled: dict[str, float] = {}
         #: group → (max_in_flight, rate) applied at this dispatcher's last locked claim, trusted until.
         self._applied: dict[str, tuple[int | None, int | None, float]] = {}
         self._warm = False
@@ -1168,6 +1172,12 @@ SELECT 'group', NULL, NULL, NULL, NULL, NULL, NULL, NULL::timestamptz, NULL::tim
         read = self._group_state and not limited_only
         states = route_groups.read_states(conn, self.groups) if read else {}
         paused = {name for name, state in states.items() if state.paused}
+        if read:
+            for name in self.groups - paused:
+                # Not paused in the database as read after this dispatcher's own pause write: the pause
+                # ended, perhaps early (an operator's `joblease outbox resume`).
+                if name in self._local_pause and self._pause_settled.get(name, -math.inf) < started:
+                    del self._local_pause[name]
         for name in paused:
             state = states[name]
             assert state.paused_until is not None
@@ -1485,8 +1495,10 @@ SELECT 'group', NULL, NULL, NULL, NULL, NULL, NULL, NULL::timestamptz, NULL::tim
             # This dispatcher's other threads hold off at once, and the pause is written now (not with the
             # batch's outcomes) so other dispatchers' next claims see it as soon as possible.
             until = time.monotonic() + decision.pause_ms / 1000
+            self._pause_settled[group] = math.inf
             self._local_pause[group] = max(self._local_pause.get(group, 0.0), until)
             self._write_pause_now(group, row, decision)
+            self._pause_settled[group] = time.monotonic()
         return decision
 
     def _write_pause_now(self, group: str, row: _Claimed, decision: policy.Decision) -> None:
