@@ -42,6 +42,7 @@ __all__ = [
     "lock_for_requeue",
     "outbox_rows",
     "pending_count",
+    "pending_total",
     "purge_sent",
     "requeue_dead",
     "requeue_one",
@@ -243,6 +244,11 @@ def due_counts(
 
 def _routed(topics: Sequence[str] | None) -> sa.ColumnElement[bool]:
     return sa.true() if topics is None else _t.c.topic.in_(topics)
+
+
+def pending_total(conn: sa.Connection) -> int:
+    """Rows PENDING, every topic (due or waiting out a backoff, claimed or not)."""
+    return int(conn.execute(sa.select(sa.func.count()).select_from(_t).where(_PENDING)).scalar_one())
 
 
 def dead_count(conn: sa.Connection, topics: Sequence[str] | None) -> int:

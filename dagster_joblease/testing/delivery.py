@@ -8,9 +8,8 @@ import sqlalchemy as sa
 
 from dagster_joblease import errors
 from dagster_joblease.dispatch.dispatcher import Dispatcher, DispatchReport
-from dagster_joblease.outbox import OutboxStatus
+from dagster_joblease.storage import outbox as store
 from dagster_joblease.storage.engine import translate_errors
-from dagster_joblease.storage.schema import outbox_table
 
 __all__ = ["drain_outbox"]
 
@@ -18,13 +17,8 @@ _IDLE_PAUSE_S = 0.02
 
 
 def _pending(engine: sa.Engine) -> int:
-    stmt = (
-        sa.select(sa.func.count())
-        .select_from(outbox_table)
-        .where(outbox_table.c.status == OutboxStatus.PENDING.value)
-    )
     with translate_errors("count pending outbox rows"), engine.connect() as conn:
-        return int(conn.execute(stmt).scalar_one())
+        return store.pending_total(conn)
 
 
 def drain_outbox(dispatcher: Dispatcher, *, timeout_s: float = 30.0, limit: int = 100) -> DispatchReport:
