@@ -208,3 +208,26 @@ def test_db_upgrade_warns_when_workers_are_connected_and_a_migration_retypes(url
 def test_db_upgrade_says_nothing_when_no_worker_is_connected(url_at_0005: str) -> None:
     upgraded = _db_upgrade(url_at_0005)
     assert upgraded.exit_code == 0 and upgraded.stderr == "", upgraded.output
+
+
+def test_a_retyped_column_in_a_pipeline(pg_engine: sa.Engine, pg_url: str) -> None:
+    """In pipeline mode the error arrives with the results: the same retry-the-transaction StorageError."""
+    url = sa.make_url(pg_url)
+    args: dict[str, Any] = {"host": url.host, "port": url.port, "user": url.username, "dbname": url.database}
+    with pg_engine.begin() as conn:
+        outbox.enqueue_once(conn, idempotency_key="v1:p", topic="t", payload={})
+    with psycopg.connect(**args) as pg:
+        with pg.pipeline():
+            db = driver.in_transaction(callers_transaction(pg))
+            assert db.first(_ATTEMPTS, {"key": "v1:p"}) == (0,)
+        pg.commit()
+        with psycopg.connect(**args, autocommit=True) as ddl:
+            ddl.execute("ALTER TABLE joblease_outbox ALTER COLUMN attempts TYPE bigint")
+        with pytest.raises(errors.StorageError, match="retry the transaction"), pg.pipeline():
+            db = driver.in_transaction(callers_transaction(pg))
+            db.first(_ATTEMPTS, {"key": "v1:p"})
+        pg.rollback()
+        with pg.pipeline():
+            db = driver.in_transaction(callers_transaction(pg))
+            assert db.first(_ATTEMPTS, {"key": "v1:p"}) == (0,)
+        pg.commit()
