@@ -38,22 +38,19 @@ _IDLE = TransactionStatus.IDLE
 
 
 class AutocommitConnection:
-    """One driver connection in autocommit, with cursors kept for reuse (a cursor per call costs more
-    than the statement's parameters).
+    """One driver connection in autocommit, reused one caller at a time.
 
-    ``cursor`` for a caller's statement; ``second_cursor`` for a caller that alternates two statements
-    (a claim that meets a row): psycopg keeps a cursor's result loaders only while the cursor runs the
-    same query again, so one cursor per statement spares rebuilding them on every switch.
+    ``statements``: the store modules' statements on it (:mod:`dagster_joblease.storage.driver` keeps
+    its cursors there, one per statement). ``cursor``: a plain cursor for the idle ping and for a
+    caller's own SQL (the dispatcher's pause refresh).
     """
 
-    __slots__ = ("connection", "cursor", "generation", "second_cursor", "statements")
+    __slots__ = ("connection", "cursor", "generation", "statements")
 
     def __init__(self, connection: psycopg.Connection[Any], generation: int) -> None:
         self.connection = connection
         self.cursor = connection.cursor()
-        self.second_cursor = connection.cursor()
         self.generation = generation
-        #: The store modules' statements on this connection (storage.driver keeps its cursors here).
         self.statements: Any = None
 
 
