@@ -7,13 +7,16 @@ from __future__ import annotations
 import time
 from pathlib import Path
 
+import pytest
 import sqlalchemy as sa
 from click.testing import CliRunner, Result
 
 from dagster_joblease import cli, route_groups
 from dagster_joblease.dispatch import Dispatcher, Route
+from dagster_joblease.errors import ConfigurationError
 from dagster_joblease.storage.clock import db_now_plus_ms
 from dagster_joblease.storage.schema import outbox_table, route_group_table
+from tests.conftest import wait_until
 from tests.dispatch_workers import enqueue_many
 from tests.limit_server import serve
 
@@ -155,3 +158,30 @@ def test_outbox_resume_ends_a_pause_early_even_for_a_dispatcher_that_knows_of_it
     again = _cli(pg_url, "outbox", "resume", "mailer")
     assert again.exit_code == 1 and "limit group 'mailer' is not paused" in again.output
     assert "no limit group is paused now" in again.output
+
+
+def test_a_timed_out_request_keeps_its_slot_so_the_downstream_never_sees_more_than_max_in_flight(
+    pg_engine: sa.Engine,
+) -> None:
+    # Cap 3, timeout 0.5 s, a downstream that holds every request 1.0 s: each request times out while the
+    # downstream is still working on it. Freeing its slot at the timeout let the next requests start on
+    # top of it (the downstream saw 6 at once); with a grace of 2 s (timeout + grace > 1.0 s) it sees 3.
+    enqueue_many(pg_engine, 12, topic="slow")
+    with serve(latency_s=1.0) as server:
+        route = Route(server.url + "/slow", max_in_flight=3, timeout_s=0.5, timeout_grace_s=2.0)
+        with Dispatcher(pg_engine, {"slow": route}, concurrency=8, backoff_base_ms=10) as dispatcher:
+            stop_at = time.monotonic() + 6.0
+            while time.monotonic() < stop_at:
+                dispatcher.dispatch()
+                time.sleep(0.01)
+        wait_until(lambda: server.in_flight == 0, timeout=10)
+        assert len(server.spans) >= 6  # the cap was exercised: several rounds of requests
+        assert server.most_at_once("/slow") <= 3, server.most_at_once("/slow")
+
+
+def test_timeout_grace_defaults_to_the_timeout_and_is_validated() -> None:
+    assert Route("http://h/x", timeout_s=4).slot_grace_s == 4.0
+    assert Route("http://h/x", timeout_s=4, timeout_grace_s=0).slot_grace_s == 0.0
+    for bad in (-1, "1s", True, 601):
+        with pytest.raises(ConfigurationError, match="timeout_grace_s"):
+            Route("http://h/x", timeout_grace_s=bad)  # type: ignore[arg-type]

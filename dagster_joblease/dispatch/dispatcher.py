@@ -838,6 +838,8 @@ class Dispatcher:
             group = row.group
             if group is None or decision is None or self._local_pause.get(group, 0.0) > now:
                 continue
+            if self._hold_ms(row, decision):
+                continue  # a timed-out request keeps its slot for a grace: nothing to hand on
             mine_mif, mine_rate = self._group_limits[group]
             known = self._applied.get(group)
             if mine_mif is None or mine_rate is not None or (known is not None and known[1] is not None):
@@ -1681,6 +1683,14 @@ SELECT 'group', NULL, NULL, NULL, NULL, NULL, NULL, NULL::timestamptz, NULL::tim
                         next_attempt_at=db_now_plus_ms(sa.literal(decision.delay_ms, sa.BigInteger())),
                         last_error=decision.reason,
                     )
+                    hold_ms = self._hold_ms(row, decision)
+                    if hold_ms:
+                        # The downstream may still be working on the timed-out request: its slot stays
+                        # counted (an unexpired claim of the group without a token) for the grace.
+                        values.update(
+                            claim_group=row.group,
+                            claim_expires_at=db_now_plus_ms(sa.literal(hold_ms, sa.BigInteger())),
+                        )
                     if decision.deferred:
                         # A Retry-After pause: the attempt is not counted against max_attempts.
                         values.update(attempts=t.c.attempts - 1, deferrals=t.c.deferrals + 1)
@@ -1706,6 +1716,12 @@ SELECT 'group', NULL, NULL, NULL, NULL, NULL, NULL, NULL::timestamptz, NULL::tim
                     values = {**cleared, "attempts": t.c.attempts - 1, **first}
                     statements.append((give_back.values(**values), None, False))
         return statements
+
+    def _hold_ms(self, row: _Claimed, decision: policy.Decision) -> int:
+        """How long a finished row keeps its group's slot after its outcome (a timeout's grace), in ms."""
+        if row.group is None or not decision.timed_out:
+            return 0
+        return int(self.routes[row.topic].slot_grace_s * 1000)
 
     def _group_writes(self, finished: list[_Finished]) -> list[Callable[[sa.Connection], object]]:
         """Writes to the limit groups' rows that ``finished`` calls for: pauses a downstream asked for,

@@ -68,6 +68,8 @@ class Classification:
     status_code: int | None
     reason: str
     retry_after_ms: int | None = None
+    #: The request timed out after it may have reached the downstream, which may still be working on it.
+    timed_out: bool = False
 
     @property
     def connection_failure(self) -> bool:
@@ -94,6 +96,8 @@ class Decision:
     deferred: bool = False
     #: Nothing was sent (a check before sending decided the outcome: a passed dedupe_window).
     unsent: bool = False
+    #: The request timed out while the downstream may still be working on it (it keeps its slot a while).
+    timed_out: bool = False
 
 
 def _bound(text: str, limit: int = MAX_REASON_CHARS) -> str:
@@ -187,7 +191,9 @@ def classify_exception(exc: BaseException) -> Classification:
     if isinstance(exc, httpx.LocalProtocolError | httpx.UnsupportedProtocol | httpx.InvalidURL):
         return Classification(Outcome.DEAD, None, _bound(f"invalid request ({name}: {exc}); fix the route"))
     if isinstance(exc, httpx.TimeoutException):
-        return Classification(Outcome.RETRY, None, _bound(f"timeout ({name}: {exc})"))
+        # A connect or pool timeout never reached the downstream; a read or write timeout may have.
+        started = isinstance(exc, httpx.ReadTimeout | httpx.WriteTimeout)
+        return Classification(Outcome.RETRY, None, _bound(f"timeout ({name}: {exc})"), timed_out=started)
     return Classification(Outcome.RETRY, None, _bound(f"{name}: {exc}"))
 
 
@@ -239,4 +245,4 @@ def decide(
         delay = min(max_ms, c.retry_after_ms)
     else:
         delay = backoff_ms(attempts, base_ms=base_ms, max_ms=max_ms, rng=rng)
-    return Decision(Outcome.RETRY, c.status_code, c.reason, delay)
+    return Decision(Outcome.RETRY, c.status_code, c.reason, delay, timed_out=c.timed_out)

@@ -164,6 +164,17 @@ def _check_timeout(timeout: object, where: str) -> float:
     return float(timeout)
 
 
+def _check_grace(grace: object, where: str) -> float | None:
+    if grace is None:
+        return None
+    if isinstance(grace, bool) or not isinstance(grace, int | float) or not 0 <= grace <= _MAX_TIMEOUT_S:
+        raise errors.ConfigurationError(
+            f"{where}: timeout_grace_s {grace!r} must be None (the route's timeout_s) or a number of seconds "
+            f"in [0, {_MAX_TIMEOUT_S:g}]"
+        )
+    return float(grace)
+
+
 def _check_group(limit_group: object, url: str, where: str) -> str:
     group = origin_of(url) if limit_group is None else limit_group
     if (
@@ -232,6 +243,10 @@ class Route:
             but dead-lettered for a person to reconcile, since a resend could be a second effect.
         key_format: ``"bare"`` (default: ``Idempotency-Key: v2:…``, what Stripe-style APIs expect) or
             ``"sf-string"`` (the IETF draft's RFC 8941 string: ``Idempotency-Key: "v2:…"``).
+        timeout_grace_s: how long a request that timed out keeps its ``max_in_flight`` slot after the
+            timeout (None: ``timeout_s``), since the downstream may still be working on it; the
+            downstream then sees at most ``max_in_flight`` requests unless it keeps one longer than
+            ``timeout_s + timeout_grace_s``.
 
     When dispatchers configure different limits for one group, the smallest applies (and is logged).
     """
@@ -248,6 +263,7 @@ class Route:
     failure_pause_s: float = dataclasses.field(default=30.0, kw_only=True)
     dedupe_window: float | dt.timedelta | str | None = dataclasses.field(default=None, kw_only=True)
     key_format: str = dataclasses.field(default="bare", kw_only=True)
+    timeout_grace_s: float | None = dataclasses.field(default=None, kw_only=True)
 
     def __post_init__(self) -> None:
         where = _check_url(self.url)
@@ -264,6 +280,7 @@ class Route:
             "max_pause_s": _check_pause(self.max_pause_s, where, "max_pause_s"),
             "failure_pause_s": _check_pause(self.failure_pause_s, where, "failure_pause_s"),
             "dedupe_window": _check_window(self.dedupe_window, timeout, where),
+            "timeout_grace_s": _check_grace(self.timeout_grace_s, where),
         }
         if self.key_format not in KEY_FORMATS:
             raise errors.ConfigurationError(
@@ -276,6 +293,12 @@ class Route:
     def limited(self) -> bool:
         """Whether this route configures a global limit (max_in_flight or rate)."""
         return self.max_in_flight is not None or self.rate is not None
+
+    @property
+    def slot_grace_s(self) -> float:
+        """How long a timed-out request keeps its ``max_in_flight`` slot (``timeout_grace_s``, default
+        ``timeout_s``)."""
+        return self.timeout_s if self.timeout_grace_s is None else self.timeout_grace_s
 
     @property
     def dedupe_window_s(self) -> float | None:
@@ -329,6 +352,7 @@ _LIMIT_KEYS = (
     "failure_pause_s",
     "dedupe_window",
     "key_format",
+    "timeout_grace_s",
 )
 _ROUTE_KEYS = ("url", "headers", "secret_headers", "timeout_s", *_LIMIT_KEYS)
 
