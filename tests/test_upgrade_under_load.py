@@ -55,9 +55,10 @@ class Worker(threading.Thread):
     """Rounds of claims (a set, a reclaim, one lease), enqueues (a set, one row with a backlog bound) and
     inbox keys (new and replayed), each checked; every exception is kept."""
 
-    def __init__(self, engine: sa.Engine) -> None:
+    def __init__(self, engine: sa.Engine, *, inbox: bool = True) -> None:
         super().__init__(daemon=True)
         self.engine = engine
+        self.with_inbox = inbox
         self.service = LeaseService(engine)
         self.inbox = Inbox(engine)
         self.rounds = 0
@@ -86,6 +87,9 @@ class Worker(threading.Thread):
         batch.fail_many(self.service, claim.leases[:1], "again next round").raise_if_lost()
         single = self.service.run_exclusive(JobIdentity.schedule("one", str(i)), lambda lease: lease.attempt)
         assert single.acquired and single.result == 1
+
+        if not self.with_inbox:
+            return
 
         def effect(conn: sa.Connection) -> tuple[int, str]:
             return 201, f'{{"i": {i}}}'
@@ -231,3 +235,25 @@ def test_a_retyped_column_in_a_pipeline(pg_engine: sa.Engine, pg_url: str) -> No
             db = driver.in_transaction(callers_transaction(pg))
             assert db.first(_ATTEMPTS, {"key": "v1:p"}) == (0,)
         pg.commit()
+
+
+def test_a_worker_survives_joblease_db_upgrade_from_0005_to_head(url_at_0005: str) -> None:
+    """The operator's command, to head, under a worker that claims and enqueues (this code's inbox needs
+    0007's columns, so it joins only in the test above); the command warns that the worker is there."""
+    engine = create_engine(url_at_0005)
+    worker = Worker(engine, inbox=False)
+    try:
+        worker.start()
+        wait_until(lambda: worker.rounds >= 8 or bool(worker.errors), timeout=120)
+        assert not worker.errors, worker.errors
+        upgraded = _db_upgrade(url_at_0005)
+        assert upgraded.exit_code == 0, upgraded.output
+        assert "upgraded from 0005 to" in upgraded.stdout
+        assert "migration 0006 retypes columns" in upgraded.stderr
+        after = worker.rounds + 1
+        wait_until(lambda: worker.rounds >= after + 8 or len(worker.errors) > 20, timeout=120)
+    finally:
+        worker.stop.set()
+        worker.join(timeout=60)
+        engine.dispose()
+    assert worker.errors == []
