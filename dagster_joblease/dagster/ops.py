@@ -506,110 +506,155 @@ def _held_error(step: _Step, job: identity.JobIdentity, row: _Row | None) -> str
     )
 
 
-def _run_key(step: _Step, job: identity.JobIdentity, deadline: float) -> metadata.LeasedResult:
-    """Settle one key: its result, or the body's exception (re-raised after :class:`_KeyError` records it)."""
-    runs: list[LeasedRun] = []
+class _Backoff:
+    """The waiter's pacing: polls from 50 ms doubling to 1 s, never past the deadline; one log line."""
 
-    def body(held: lease.Lease) -> Any:
-        run = LeasedRun(_key_context(step, job.run_key), step.resource, held, job.run_key)
-        runs.append(run)
-        return step.fn(run)
+    def __init__(self) -> None:
+        self.delay = _FIRST_POLL_S
+        self.announced = False
 
-    def result(outcome: str, attempt: int | None, **extra: Any) -> metadata.LeasedResult:
-        enqueued = runs[0].enqueued if runs else []
+    def announce(self, step: _Step, message: str) -> None:
+        if not self.announced:
+            self.announced = True
+            step.context.log.info(message)
+
+    def sleep(self, deadline: float) -> None:
+        time.sleep(max(0.0, min(self.delay, deadline - time.monotonic())))
+        self.delay = min(self.delay * 2, _MAX_POLL_S)
+
+
+@dataclasses.dataclass
+class _Key:
+    """One key of a per-key step being settled: the body's :class:`LeasedRun`, once it was called."""
+
+    step: _Step
+    job: identity.JobIdentity
+    run: LeasedRun | None = None
+
+    def body(self, held: lease.Lease) -> Any:
+        run_key = self.job.run_key
+        self.run = LeasedRun(_key_context(self.step, run_key), self.step.resource, held, run_key)
+        return self.step.fn(self.run)
+
+    def result(self, outcome: str, attempt: int | None, **extra: Any) -> metadata.LeasedResult:
         return metadata.LeasedResult(
-            code=job.code,
-            partition_key=job.run_key,
-            idempotency_key=job.idempotency_key,
+            code=self.job.code,
+            partition_key=self.job.run_key,
+            idempotency_key=self.job.idempotency_key,
             outcome=outcome,
             attempt=attempt,
-            outbox=metadata.outbox_label(enqueued),
+            outbox=metadata.outbox_label(self.run.enqueued if self.run else []),
             **extra,
         )
 
-    def row_now() -> _Row | None:
+    def done(self, held: lease.Lease, **extra: Any) -> metadata.LeasedResult:
+        """This run did the key (a first claim, or a reclaim)."""
+        outcome = metadata.RECLAIMED if held.reclaimed else metadata.WON
+        return self.result(
+            outcome, held.attempt, holder=self.step.holder, winner_run_id=self.step.run_id, **extra
+        )
+
+    def row_now(self) -> _Row | None:
         try:
-            return _read_row(step.resource.engine, job.idempotency_key)
+            return _read_row(self.step.resource.engine, self.job.idempotency_key)
         except errors.StorageError:
             return None
 
-    def attempt_so_far() -> int | None:
-        if runs:
-            return runs[0].lease.attempt
-        row = row_now()
+    def attempt_so_far(self) -> int | None:
+        if self.run is not None:
+            return self.run.lease.attempt
+        row = self.row_now()
         return None if row is None else row.attempt
 
-    log = step.context.log
-    delay = _FIRST_POLL_S
-    announced = False
-    while True:
+    def failed(self, outcome: str, exc: BaseException) -> _KeyError:
+        return _KeyError(
+            self.result(outcome, self.attempt_so_far(), holder=self.step.holder, error=_error_text(exc))
+        )
+
+    def interrupted(self, exc: BaseException) -> metadata.LeasedResult:
+        """A termination inside ``run_exclusive`` (which released the lease): done if the lease was
+        completed first; ``not-attempted`` if the body never ran; else ``failed`` (released for a retry)."""
+        name = type(exc).__name__
+        if self.run is None:
+            return _plain_result(
+                self.job, metadata.NOT_ATTEMPTED, error=f"interrupted by {name} before the body ran"
+            )
+        row = self.row_now()
+        if row is not None and row.status == lease.LeaseStatus.SUCCESS.value:
+            if row.owner_token == self.run.lease.owner_token:  # the interrupt came after completion
+                return self.done(self.run.lease)
+        error = f"interrupted by {name}; the lease was released"
+        return self.result(metadata.FAILED, self.run.lease.attempt, holder=self.step.holder, error=error)
+
+    def claim(self) -> metadata.LeasedResult | None:
+        """Claim the key and run the body: its result, or None when another holder has it."""
+        step = self.step
         try:
             outcome = step.service.run_exclusive(
-                job, body, lease_ms=step.timing.lease_ms, heartbeat_ms=step.timing.heartbeat_ms
+                self.job, self.body, lease_ms=step.timing.lease_ms, heartbeat_ms=step.timing.heartbeat_ms
             )
         except errors.LostLeaseError as exc:
-            lost = result(metadata.LOST, attempt_so_far(), holder=step.holder, error=_error_text(exc))
-            raise _KeyError(lost) from exc
+            raise self.failed(metadata.LOST, exc) from exc
         except Exception as exc:
-            failed = result(metadata.FAILED, attempt_so_far(), holder=step.holder, error=_error_text(exc))
-            raise _KeyError(failed) from exc
+            raise self.failed(metadata.FAILED, exc) from exc
         except BaseException as exc:  # Dagster's run termination: run_exclusive released the lease
-            row = row_now()
-            if (
-                runs
-                and row is not None
-                and row.status == lease.LeaseStatus.SUCCESS.value
-                and (row.owner_token == runs[0].lease.owner_token)
-            ):
-                # The interrupt came after the lease was completed: this key is done.
-                done = result(
-                    metadata.RECLAIMED if runs[0].lease.reclaimed else metadata.WON,
-                    runs[0].lease.attempt,
-                    holder=step.holder,
-                    winner_run_id=step.run_id,
-                )
-            else:
-                done = result(
-                    metadata.FAILED,
-                    attempt_so_far(),
-                    holder=step.holder,
-                    error=f"interrupted by {type(exc).__name__}; the lease was released",
-                )
-            step.interrupted = done
+            step.interrupted = self.interrupted(exc)
             raise
-        if outcome.lease is not None:
-            return result(
-                metadata.RECLAIMED if outcome.lease.reclaimed else metadata.WON,
-                outcome.lease.attempt,
-                result=outcome.result,
-                holder=step.holder,
-                winner_run_id=step.run_id,
-            )
+        if outcome.lease is None:
+            return None
+        return self.done(outcome.lease, result=outcome.result)
+
+
+_RETRY = "retry"
+
+
+def _refused_key(key: _Key, row: _Row | None, deadline: float) -> metadata.LeasedResult | str | None:
+    """After a refused claim: the key's result (skipped, or held once the wait is over), ``_RETRY`` to
+    claim again at once (its dead holder was failed), or None to wait and claim again."""
+    step, job = key.step, key.job
+    if row is not None and row.status == lease.LeaseStatus.SUCCESS.value:
+        return key.result(
+            metadata.SKIPPED_SUCCEEDED,
+            row.attempt,
+            holder=row.holder,
+            winner_run_id=_winner_run_id(row.holder),
+        )
+    running = row is not None and row.status == lease.LeaseStatus.RUNNING.value
+    if running and row is not None and _take_over_if_dead(step, job, row):
+        return _RETRY  # reclaim it now (or see who did)
+    if time.monotonic() < deadline:
+        return None
+    holder = row.holder if running and row is not None else None
+    return key.result(
+        metadata.HELD, row.attempt if row else None, holder=holder, error=_held_error(step, job, row)
+    )
+
+
+def _run_key(step: _Step, job: identity.JobIdentity, deadline: float) -> metadata.LeasedResult:
+    """Settle one key: its result, or the body's exception (re-raised after :class:`_KeyError` records it).
+
+    A key a live holder has is claimed again until ``deadline`` (then ``held``); one whose holder is dead
+    is taken over at once. An interrupt while waiting leaves the key ``not-attempted`` (see
+    :func:`_settle_per_key`)."""
+    key = _Key(step, job)
+    backoff = _Backoff()
+    while True:
+        done = key.claim()
+        if done is not None:
+            return done
         row = _read_row(step.resource.engine, job.idempotency_key)
-        if row is not None and row.status == lease.LeaseStatus.SUCCESS.value:
-            return result(
-                metadata.SKIPPED_SUCCEEDED,
-                row.attempt,
-                holder=row.holder,
-                winner_run_id=_winner_run_id(row.holder),
-            )
+        settled = _refused_key(key, row, deadline)
+        if isinstance(settled, metadata.LeasedResult):
+            return settled
+        if settled == _RETRY:
+            continue
         if row is not None and row.status == lease.LeaseStatus.RUNNING.value:
-            if _take_over_if_dead(step, job, row):
-                continue  # reclaim it now (or see who did)
-            if time.monotonic() >= deadline:
-                return result(
-                    metadata.HELD, row.attempt, holder=row.holder, error=_held_error(step, job, row)
-                )
-            if not announced:
-                announced = True
-                log.info(
-                    f"joblease {job}: held by {row.holder} (attempt {row.attempt}); waiting up to "
-                    f"{step.held_wait_ms} ms for it to finish"
-                )
-        elif time.monotonic() >= deadline:  # FAIL or gone, yet other claims kept winning the race
-            return result(metadata.HELD, row.attempt if row else None, error=_held_error(step, job, row))
-        time.sleep(max(0.0, min(delay, deadline - time.monotonic())))
-        delay = min(delay * 2, _MAX_POLL_S)
+            backoff.announce(
+                step,
+                f"joblease {job}: held by {row.holder} (attempt {row.attempt}); waiting up to "
+                f"{step.held_wait_ms} ms for it to finish",
+            )
+        backoff.sleep(deadline)
 
 
 class _KeyError(Exception):
@@ -656,9 +701,11 @@ def _settle_per_key(step: _Step, jobs: Sequence[identity.JobIdentity]) -> _Settl
             results[i] = _plain_result(job, metadata.FAILED, holder=step.holder, error=_error_text(exc))
             settled.error = settled.error or exc
             in_a_row += 1
-        except BaseException as exc:
+        except BaseException as exc:  # outside the body's claim (e.g. waiting for a holder): never held
             interrupted = step.interrupted or _plain_result(
-                job, metadata.FAILED, holder=step.holder, error=f"interrupted by {type(exc).__name__}"
+                job,
+                metadata.NOT_ATTEMPTED,
+                error=f"interrupted by {type(exc).__name__} before this run held the key",
             )
             results[i] = interrupted
             settled.interrupt = exc
@@ -772,6 +819,16 @@ def _batch_result(
     )
 
 
+def _refused_set_result(step: _Step, held: lease.Lease, exc: errors.LostLeaseError) -> metadata.LeasedResult:
+    """A key of a set whose fenced transaction was refused: ``lost`` if it was taken over, else ``failed``
+    (this run failed it with the rest of the set, for a retry). Nothing of the set was written."""
+    lost_keys = exc.lost_keys if isinstance(exc, errors.LostBatchLeaseError) else None
+    if lost_keys is None or held.idempotency_key in lost_keys:
+        return _batch_result(step, held, metadata.LOST, enqueued={}, error=_error_text(exc))
+    error = f"failed by this run with its set: another key of the set was lost ({_error_text(exc)})"
+    return _batch_result(step, held, metadata.FAILED, enqueued={}, error=error)
+
+
 def _call_batch(
     step: _Step, won: Sequence[lease.Lease], results: dict[str, metadata.LeasedResult], settled: _Settled
 ) -> bool:
@@ -782,9 +839,7 @@ def _call_batch(
             value = step.fn(run)  # type: ignore[arg-type]
     except errors.LostLeaseError as exc:  # the set's fenced transaction refused (and failed the set)
         for x in won:
-            results[x.idempotency_key] = _batch_result(
-                step, x, metadata.LOST, enqueued={}, error=_error_text(exc)
-            )
+            results[x.idempotency_key] = _refused_set_result(step, x, exc)
         settled.error = settled.error or exc
         return False
     except Exception as exc:
@@ -839,74 +894,124 @@ def _call_batch(
     return True
 
 
+def _skipped(refused: batch_leases.KeyClaim) -> metadata.LeasedResult:
+    job = refused.identity
+    return metadata.LeasedResult(
+        code=job.code,
+        partition_key=job.run_key,
+        idempotency_key=job.idempotency_key,
+        outcome=metadata.SKIPPED_SUCCEEDED,
+        attempt=refused.attempt,
+        outbox=metadata.OUTBOX_NOT_ENQUEUED,
+        holder=refused.holder,
+        winner_run_id=_winner_run_id(refused.holder),
+    )
+
+
+def _claim_round(
+    step: _Step,
+    pending: Sequence[identity.JobIdentity],
+    results: dict[str, metadata.LeasedResult],
+    settled: _Settled,
+) -> tuple[list[identity.JobIdentity], bool]:
+    """Claim every pending key (in chunks) and call the body with each chunk's keys won; keys already
+    succeeded are recorded skips. The keys still held by another, and False when the range must stop."""
+    waiting: list[identity.JobIdentity] = []
+    for start in range(0, len(pending), batch_leases.MAX_BATCH_KEYS):
+        chunk = pending[start : start + batch_leases.MAX_BATCH_KEYS]
+        claim = batch_leases.claim_many(
+            step.service, chunk, lease_ms=step.timing.lease_ms, heartbeat_ms=step.timing.heartbeat_ms
+        )
+        for refused in claim.refused:
+            if refused.reason is lease.NotAcquiredReason.SUCCEEDED:
+                results[refused.identity.idempotency_key] = _skipped(refused)
+            else:
+                waiting.append(refused.identity)
+        if claim.leases and not _call_batch(step, claim.leases, results, settled):
+            return waiting, False
+    return waiting, True
+
+
+def _take_over_dead_holders(step: _Step, waiting: Sequence[identity.JobIdentity]) -> bool:
+    """Fail the leases of the waited-for keys whose holder is dead; True if any should be claimed now."""
+    retry_now = False
+    for job in waiting:
+        row = _read_row(step.resource.engine, job.idempotency_key)
+        if row is not None and row.status == lease.LeaseStatus.RUNNING.value:
+            retry_now = _take_over_if_dead(step, job, row) or retry_now
+    return retry_now
+
+
+def _batch_rounds(
+    step: _Step,
+    jobs: Sequence[identity.JobIdentity],
+    results: dict[str, metadata.LeasedResult],
+    settled: _Settled,
+) -> tuple[list[identity.JobIdentity], bool]:
+    """Claim rounds until every key is settled, the range must stop, or a round that began after the
+    bounded wait ended still finds keys held (so a key freed while a long call ran is looked at once
+    more). The keys still held, and whether the range went on."""
+    deadline = time.monotonic() + step.held_wait_ms / 1000
+    backoff = _Backoff()
+    pending = list(jobs)
+    while True:
+        began = time.monotonic()
+        pending, go_on = _claim_round(step, pending, results, settled)
+        if not go_on or not pending:
+            return pending, go_on
+        retry_now = _take_over_dead_holders(step, pending)
+        if began >= deadline and not retry_now:
+            return pending, True
+        if not retry_now:
+            backoff.announce(
+                step,
+                f"joblease: {len(pending)} keys are held by another holder; waiting up to "
+                f"{step.held_wait_ms} ms for them (the keys won then go to a further call)",
+            )
+            backoff.sleep(deadline)
+
+
+def _held_result(step: _Step, job: identity.JobIdentity) -> metadata.LeasedResult:
+    row = None
+    with contextlib.suppress(errors.StorageError):
+        row = _read_row(step.resource.engine, job.idempotency_key)
+    return _plain_result(
+        job, metadata.HELD, holder=row.holder if row else None, error=_held_error(step, job, row)
+    )
+
+
+def _stopped_while_waiting(job: identity.JobIdentity, exc: BaseException) -> metadata.LeasedResult:
+    """A key this run did not get to before an error or an interrupt ended the range."""
+    if isinstance(exc, Exception):  # e.g. the database went away while waiting: not done, retryable
+        return _plain_result(job, metadata.FAILED, error=_error_text(exc))
+    return _plain_result(
+        job, metadata.NOT_ATTEMPTED, error=f"interrupted by {type(exc).__name__} before this run held it"
+    )
+
+
 def _settle_batch(step: _Step, jobs: Sequence[identity.JobIdentity]) -> _Settled:
     """Batch mode: claim every key in one statement, call the body once with the keys won; keys held by a
     live holder are claimed again until the bounded wait ends, and the keys won then go to a further
-    call. Keys already succeeded are skipped. Ranges above the batch size are claimed in chunks."""
+    call. Keys already succeeded are skipped. Ranges above the batch size are claimed in chunks. An
+    error or an interrupt while waiting keeps what was done: every key ends with its true outcome."""
     results: dict[str, metadata.LeasedResult] = {}
     settled = _Settled([])
-    deadline = time.monotonic() + step.held_wait_ms / 1000
-    delay = _FIRST_POLL_S
-    pending = list(jobs)
-    announced = False
-    go_on = True
-    while pending and go_on:
-        waiting: list[identity.JobIdentity] = []
-        for start in range(0, len(pending), batch_leases.MAX_BATCH_KEYS):
-            chunk = pending[start : start + batch_leases.MAX_BATCH_KEYS]
-            claim = batch_leases.claim_many(
-                step.service, chunk, lease_ms=step.timing.lease_ms, heartbeat_ms=step.timing.heartbeat_ms
-            )
-            for refused in claim.refused:
-                job = refused.identity
-                if refused.reason is lease.NotAcquiredReason.SUCCEEDED:
-                    results[job.idempotency_key] = metadata.LeasedResult(
-                        code=job.code,
-                        partition_key=job.run_key,
-                        idempotency_key=job.idempotency_key,
-                        outcome=metadata.SKIPPED_SUCCEEDED,
-                        attempt=refused.attempt,
-                        outbox=metadata.OUTBOX_NOT_ENQUEUED,
-                        holder=refused.holder,
-                        winner_run_id=_winner_run_id(refused.holder),
-                    )
-                else:
-                    waiting.append(job)
-            if claim.leases and not _call_batch(step, claim.leases, results, settled):
-                go_on = False
-                break
-        if not go_on or not waiting:
-            pending = waiting
-            break
-        retry_now = False
-        for job in waiting:
-            row = _read_row(step.resource.engine, job.idempotency_key)
-            if row is not None and row.status == lease.LeaseStatus.RUNNING.value:
-                retry_now = _take_over_if_dead(step, job, row) or retry_now
-        pending = waiting
-        if time.monotonic() >= deadline and not retry_now:
-            break
-        if not announced:
-            announced = True
-            step.context.log.info(
-                f"joblease: {len(waiting)} keys are held by another holder; waiting up to "
-                f"{step.held_wait_ms} ms for them (the keys won then go to a further call)"
-            )
-        if not retry_now:
-            time.sleep(max(0.0, min(delay, deadline - time.monotonic())))
-            delay = min(delay * 2, _MAX_POLL_S)
-    for job in pending:
-        if job.idempotency_key in results:
-            continue
-        row = None
-        with contextlib.suppress(errors.StorageError):
-            row = _read_row(step.resource.engine, job.idempotency_key)
-        if go_on:
-            results[job.idempotency_key] = _plain_result(
-                job, metadata.HELD, holder=row.holder if row else None, error=_held_error(step, job, row)
-            )
+    held: list[identity.JobIdentity] = []
+    stopped: BaseException | None = None
+    try:
+        held, go_on = _batch_rounds(step, jobs, results, settled)
+    except Exception as exc:
+        stopped, settled.error = exc, settled.error or exc
+    except BaseException as exc:  # Dagster's run termination while claiming or waiting
+        stopped, settled.interrupt = exc, exc
+    else:
+        for job in held if go_on else ():
+            results[job.idempotency_key] = _held_result(step, job)
     settled.results = [
-        results.get(job.idempotency_key) or _plain_result(job, metadata.NOT_ATTEMPTED) for job in jobs
+        results.get(job.idempotency_key)
+        or (_stopped_while_waiting(job, stopped) if stopped else None)
+        or _plain_result(job, metadata.NOT_ATTEMPTED)
+        for job in jobs
     ]
     return settled
 

@@ -2,8 +2,9 @@
 
 Every body writes one outbox row per key in its fenced transaction. Environment variables steer a body
 from the test: ``JOBLEASE_RANGE_FAIL`` (comma-separated keys whose body raises), ``JOBLEASE_RANGE_BLOCK``
-(a key whose body writes ``JOBLEASE_RANGE_READY`` and then waits up to 120 s, for a test to terminate the
-run) and ``JOBLEASE_RANGE_LOG`` (a file each body call appends its keys to, one line per call).
+(a key whose body writes ``JOBLEASE_RANGE_READY`` and then waits until the file ``JOBLEASE_RANGE_RELEASE``
+exists, or up to 120 s, for a test to act meanwhile or terminate the run) and ``JOBLEASE_RANGE_LOG``
+(a file each body call appends its keys to, one line per call).
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ from dagster_joblease.dagster import JobLeaseResource, LeasedBatch, LeasedRun, l
 FAIL_ENV = "JOBLEASE_RANGE_FAIL"
 BLOCK_ENV = "JOBLEASE_RANGE_BLOCK"
 READY_ENV = "JOBLEASE_RANGE_READY"
+RELEASE_ENV = "JOBLEASE_RANGE_RELEASE"
 LOG_ENV = "JOBLEASE_RANGE_LOG"
 TOPIC = "test.range"
 
@@ -36,8 +38,9 @@ def _steer(keys: list[str]) -> None:
         raise RuntimeError(f"failing {sorted(failing & set(keys))} on purpose")
     if os.environ.get(BLOCK_ENV) in keys:
         Path(os.environ[READY_ENV]).write_text(str(os.getpid()))
+        release = os.environ.get(RELEASE_ENV)
         deadline = time.monotonic() + 120
-        while time.monotonic() < deadline:
+        while time.monotonic() < deadline and not (release and os.path.exists(release)):
             time.sleep(0.05)
 
 

@@ -38,6 +38,17 @@ def race(asset: str, ranges: Sequence[Sequence[str]], env: Mapping[str, str]) ->
     return results
 
 
+def logged_run(instance: Any, keys: Sequence[str], text: str) -> str | None:
+    """The id of the range run over ``keys`` once it has logged ``text`` (e.g. that it waits for a key)."""
+    import dagster as dg
+
+    tags = {"dagster/asset_partition_range_start": keys[0], "dagster/asset_partition_range_end": keys[-1]}
+    for run in instance.get_runs(filters=dg.RunsFilter(tags=tags)):
+        if any(text in (entry.user_message or "") for entry in instance.all_logs(run.run_id)):
+            return str(run.run_id)
+    return None
+
+
 def main(argv: list[str]) -> int:
     warnings.simplefilter("ignore")
     import dagster as dg

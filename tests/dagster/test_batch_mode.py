@@ -8,10 +8,16 @@ in two processes give one effect per key.
 
 from __future__ import annotations
 
+import json
 import os
+import signal
+import subprocess
+import sys
 import threading
+import time
 from collections.abc import Iterator, Sequence
 from pathlib import Path
+from typing import Any
 
 import dagster as dg
 import pytest
@@ -26,6 +32,7 @@ from tests.conftest import wait_until
 from tests.dagster import range_assets, range_worker
 from tests.dagster.conftest import DagsterPg
 
+REPO = Path(__file__).resolve().parents[2]
 QUIET = {"loggers": {"console": {"config": {"log_level": "ERROR"}}}}
 ASSET = range_assets.batch_asset
 
@@ -173,3 +180,148 @@ def test_two_overlapping_batch_range_runs_race_with_one_effect_per_key(
         assert isinstance(outcomes, dict)
         did += outcomes.get("won", 0) + outcomes.get("reclaimed", 0)
     assert did == len(every)
+
+
+@pytest.fixture
+def steer() -> Iterator[dict[str, str]]:
+    """Environment variables for the bodies (see range_assets), removed after the test."""
+    env: dict[str, str] = {}
+    yield env
+    for key in env:
+        os.environ.pop(key, None)
+
+
+def _set(steer: dict[str, str], **values: str) -> None:
+    for key, value in values.items():
+        steer[key] = value
+        os.environ[key] = value
+
+
+def _hold(engine: sa.Engine, key: str, holder: str) -> tuple[LeaseService, Any]:
+    """A live holder outside Dagster (no heartbeat, a 10-minute lease): only it can free the key."""
+    other = LeaseService(engine, holder=holder, lease_ms=600_000, heartbeat_ms=0)
+    held = other.acquire(JobIdentity.schedule("t-batch", key))
+    assert held is not None
+    return other, held
+
+
+def test_a_held_key_freed_while_a_long_call_runs_is_looked_at_once_more(
+    dagster_pg: DagsterPg, engine: sa.Engine, tmp_path: Path, steer: dict[str, str]
+) -> None:
+    """Finding 5: the first call outlasts ``held_wait_ms``; the held key succeeded meanwhile. The range
+    looks at it once more after the call (as per-key mode does): a recorded skip, the run green."""
+    keys = _days(11, 1, 3)
+    other, held = _hold(engine, keys[2], "worker:11")
+    ready, release = tmp_path / "ready", tmp_path / "release"
+    _set(
+        steer,
+        **{
+            range_assets.BLOCK_ENV: keys[0],
+            range_assets.READY_ENV: str(ready),
+            range_assets.RELEASE_ENV: str(release),
+        },
+    )
+
+    def finish_then_release() -> None:
+        wait_until(ready.exists, timeout=120)
+        other.complete(held)
+        time.sleep(1.0)  # the call runs past the run's 0.5 s wait (a lower bound: it cannot end sooner)
+        release.write_text("")
+
+    finisher = threading.Thread(target=finish_then_release)
+    finisher.start()
+    try:
+        result = _materialize(dagster_pg, keys, held_wait_ms=500)
+    finally:
+        finisher.join()
+    assert result.success
+    assert _tags(dagster_pg, result.run_id)[TAG_WORK] == "won:2,skipped-succeeded:1"
+    assert {k: s for k, (s, _a) in _leases(engine, keys).items()} == dict.fromkeys(keys, "SUCCESS")
+
+
+def test_one_key_taken_over_mid_call_is_lost_and_the_rest_of_its_set_failed(
+    dagster_pg: DagsterPg, engine: sa.Engine, tmp_path: Path, steer: dict[str, str]
+) -> None:
+    """Finding 7: one key of a set of five is taken over while the call runs; the set's fenced transaction
+    is refused and this run fails the other four itself. One ``lost``, four ``failed`` (not ``lost:5``)."""
+    keys = _days(11, 10, 14)
+    taken = JobIdentity.schedule("t-batch", keys[2])
+    ready, release = tmp_path / "ready", tmp_path / "release"
+    _set(
+        steer,
+        **{
+            range_assets.BLOCK_ENV: keys[0],
+            range_assets.READY_ENV: str(ready),
+            range_assets.RELEASE_ENV: str(release),
+        },
+    )
+
+    def take_over_one_key() -> None:
+        wait_until(ready.exists, timeout=120)
+        with engine.begin() as conn:  # its lease runs out (on the database clock) ...
+            conn.execute(
+                sa.update(lease_table)
+                .where(lease_table.c.lock_key == taken.idempotency_key)
+                .values(expires_at=sa.func.clock_timestamp() - sa.text("interval '1 minute'"))
+            )
+        assert LeaseService(engine, holder="worker:13").acquire(taken) is not None  # ... another takes it
+        release.write_text("")
+
+    taker = threading.Thread(target=take_over_one_key)
+    taker.start()
+    try:
+        result = _materialize(dagster_pg, keys)
+    finally:
+        taker.join()
+    assert not result.success
+    (record,) = step_records(dagster_pg.instance, result.run_id).values()
+    assert record[META_OUTCOMES] == {"failed": 4, "lost": 1}
+    assert _leases(engine, keys) == {
+        **{k: ("FAIL", 1) for k in keys if k != keys[2]},
+        keys[2]: ("RUNNING", 2),
+    }
+    assert _outbox(engine, keys) == {}
+
+
+@pytest.mark.chaos
+def test_a_run_terminated_while_waiting_for_a_held_key_records_what_it_did(
+    dagster_pg: DagsterPg, engine: sa.Engine
+) -> None:
+    """Finding 6: a batch range run is terminated while it waits for a key a live worker holds. The keys
+    it did are materialized and recorded ``won``, the held one ``not-attempted`` (not ``pending:3``)."""
+    keys = _days(11, 20, 22)
+    _hold(engine, keys[1], "worker:12")
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "tests.dagster.range_worker", "batch_asset", keys[0], keys[-1]],
+        cwd=REPO,
+        env=dagster_pg.env(),  # the resource's default held_wait_ms: 5 minutes
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        waiting = "keys are held by another holder; waiting up to"
+        wait_until(
+            lambda: (
+                range_worker.logged_run(dagster_pg.instance, keys, waiting) is not None
+                or proc.poll() is not None
+            ),
+            timeout=120,
+        )
+        proc.send_signal(signal.SIGTERM)
+        out, err = proc.communicate(timeout=120)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    run_id = json.loads(out.splitlines()[-1])["run_id"]
+    run = dagster_pg.instance.get_run_by_id(run_id)
+    assert run is not None and run.status != dg.DagsterRunStatus.SUCCESS, err[-2000:]
+    assert _tags(dagster_pg, run_id)[TAG_WORK] == "not-attempted:1,won:2"
+    materialized = dagster_pg.instance.get_materialized_partitions(ASSET.key)
+    assert {keys[0], keys[2]} <= materialized and keys[1] not in materialized
+    assert {k: s for k, (s, _a) in _leases(engine, keys).items()} == {
+        keys[0]: "SUCCESS",
+        keys[1]: "RUNNING",  # still the other worker's
+        keys[2]: "SUCCESS",
+    }

@@ -464,3 +464,44 @@ def test_a_per_key_body_of_a_range_sees_its_own_key_and_time_window(
             "window": [day.start.isoformat(), day.end.isoformat()],
             "run_id": result.run_id,
         }
+
+
+# ---- Terminated while waiting for a held key (issue 29, finding 8) --------------------------------------
+
+
+@pytest.mark.chaos
+def test_a_range_run_terminated_while_waiting_for_a_held_key_records_it_not_attempted(
+    dagster_pg: DagsterPg, engine: sa.Engine
+) -> None:
+    """The key is a live worker's (its lease RUNNING, not this run's): this run never held it, so it is
+    ``not-attempted``, not ``failed`` ("the lease was released"); the keys done are materialized."""
+    keys = _days(8, 1, 3)
+    other = LeaseService(engine, holder="worker:8", lease_ms=600_000, heartbeat_ms=0)
+    assert other.acquire(JobIdentity.schedule("t-range", keys[1])) is not None
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "tests.dagster.range_worker", "range_asset", keys[0], keys[-1]],
+        cwd=REPO,
+        env=dagster_pg.env(),  # the resource's default held_wait_ms: 5 minutes
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        waiting = "held by worker:8 (attempt 1); waiting up to"
+        wait_until(
+            lambda: (
+                range_worker.logged_run(dagster_pg.instance, keys, waiting) is not None
+                or proc.poll() is not None
+            ),
+            timeout=120,
+        )
+        proc.send_signal(signal.SIGTERM)
+        out, err = proc.communicate(timeout=120)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    run_id = json.loads(out.splitlines()[-1])["run_id"]
+    assert _tags(dagster_pg, run_id)[TAG_WORK] == "not-attempted:1,won:2", err[-2000:]
+    assert _materialized(dagster_pg.instance, range_assets.range_asset, keys) == [1, 0, 1]
+    assert _leases(engine, "t-range", keys) == {keys[0]: "SUCCESS", keys[1]: "RUNNING", keys[2]: "SUCCESS"}
