@@ -35,9 +35,10 @@ rewrites each of the three tables once (a domain with a check forces a rewrite).
 checked by the rewrite, so a row that broke a rule fails the upgrade instead of passing silently.
 
 Locks: ACCESS EXCLUSIVE on joblease_lease, joblease_outbox and joblease_inbox, held until the migration
-commits (one transaction): every read and write of them waits meanwhile. Measured: 3.6 s for 200,000
-leases and 200,000 outbox rows on a 2-CPU machine (about 9 s per million rows of the two tables); a
-concurrent claim loop waited 57 s at 1,000,000 leases and 1,000,000 outbox rows on a loaded machine.
+commits (one transaction): every read and write of them waits meanwhile. Measured on a 2-CPU machine:
+3.6 s for 200,000 leases and 200,000 outbox rows when quiet (about 9 s per million rows of the two
+tables); 54.9 s for 1,000,000 leases and 1,000,000 outbox rows under heavy load (load average 10-15),
+a concurrent claim waiting 52.9 s and then succeeding.
 
 Running workers: the retype changes the result type of statements that return these columns, so a
 statement prepared before it fails once with "cached plan must not change result type" (0A000). Workers
