@@ -4,6 +4,7 @@ not started by a claim given back undelivered. Assertions are bounds on what the
 
 from __future__ import annotations
 
+import threading
 import time
 from pathlib import Path
 
@@ -185,3 +186,31 @@ def test_timeout_grace_defaults_to_the_timeout_and_is_validated() -> None:
     for bad in (-1, "1s", True, 601):
         with pytest.raises(ConfigurationError, match="timeout_grace_s"):
             Route("http://h/x", timeout_grace_s=bad)  # type: ignore[arg-type]
+
+
+def test_a_slow_limited_route_never_holds_back_an_unlimited_rows_enqueued_mid_batch(
+    pg_engine: sa.Engine,
+) -> None:
+    # 30 rows of a max_in_flight=1 route answered in 0.4 s each keep one batch busy for 12 s; a row of an
+    # unlimited route enqueued once that batch runs must not wait for it to end (the old refills claimed
+    # only limited topics: it arrived after all 30).
+    enqueue_many(pg_engine, 30, topic="slow", prefix="v2:slow")
+    with serve(latency_s=0.4) as server:
+        routes = {
+            "slow": Route(server.url + "/slow", max_in_flight=1, limit_group="slow"),
+            "fast": Route(server.url + "/fast"),  # its own group (the URL's origin), no limits
+        }
+        stop = threading.Event()
+        with Dispatcher(pg_engine, routes, concurrency=4) as dispatcher:
+            worker = threading.Thread(target=dispatcher.run, kwargs={"stop": stop, "poll_interval_s": 0.05})
+            worker.start()
+            try:
+                wait_until(lambda: len(server.arrivals("/slow")) >= 3, timeout=60)
+                (fast,) = enqueue_many(pg_engine, 1, topic="fast", prefix="v2:fast")
+                wait_until(lambda: server.per_path.get("/fast", 0) == 1, timeout=60)
+                slow_before = len(server.arrivals("/slow"))
+            finally:
+                stop.set()
+                worker.join(60)
+    assert slow_before <= 15, f"the unlimited row waited for {slow_before} of the limited route's 30 requests"
+    assert _rows(pg_engine)[fast].status == "SENT"

@@ -87,6 +87,9 @@ RECORD_RETRY_PAUSES_S = (0.05, 0.25, 1.0)
 MAX_RECORD_DELAY_S = 0.25
 #: How often a batch with undelivered rows re-reads its groups' pauses (another dispatcher may open one).
 PAUSE_REFRESH_S = 0.05
+#: While a batch runs rows of limited groups, how often idle workers look for due rows of any routed topic
+#: (a limited route must not hold an unlimited one's rows back until its own backlog is done).
+ANY_ROW_POLL_S = 0.25
 #: Longest one batch waits, in total, for a limited group's capacity while its rows are due.
 LIMIT_WAIT_S = 1.0
 #: Pause between two looks at a full in-flight limit held by other dispatchers.
@@ -695,6 +698,10 @@ class Dispatcher:
         waited = 0.0
         flushed_at = time.monotonic()
         refresh_at = flushed_at + PAUSE_REFRESH_S
+        # Refills claim only limited groups; with topics outside them too, idle workers also look for any
+        # due row now and then (see ANY_ROW_POLL_S).
+        mixed = bool(self._limited_seen) and any(g not in self._limited_seen for g in self.groups)
+        any_at = flushed_at + ANY_ROW_POLL_S
         # Rows of limited groups first: they were claimed for idle workers and hold capacity.
         pending = sorted(rows, key=lambda r: (r.group is None, r.id))
         while True:
@@ -712,6 +719,9 @@ class Dispatcher:
                     finished.append((row, self._deliver(row)))
             elif inflight:
                 timeout = PAUSE_REFRESH_S if self._unstarted(inflight) else None
+                if mixed and len(inflight) < self.concurrency and budget > 0:
+                    left = max(0.0, any_at - time.monotonic())
+                    timeout = left if timeout is None else min(timeout, left)
                 if finished:
                     left = max(0.0, flushed_at + self._record_delay_s - time.monotonic())
                     timeout = left if timeout is None else min(timeout, left)
@@ -772,6 +782,17 @@ class Dispatcher:
                 refill = self._claim(
                     token, budget, free, report, limited_only=True, busy=self._busy_groups(inflight)
                 )
+            if refill is None and can_refill and mixed and time.monotonic() >= any_at:
+                # Idle workers take any due row, not only the limited groups' (no more than are idle).
+                refill = self._claim(
+                    token,
+                    min(budget, free),
+                    free,
+                    report,
+                    limited_only=False,
+                    busy=self._busy_groups(inflight),
+                )
+                any_at = time.monotonic() + ANY_ROW_POLL_S
             if refill is not None:
                 more, blocked = refill
                 report.claimed += len(more)
