@@ -9,6 +9,8 @@ autocommit statement never rolls back): ``claim_many`` failed on every call unti
 
 from __future__ import annotations
 
+import subprocess
+import sys
 import threading
 import uuid
 from collections.abc import Iterator
@@ -257,3 +259,37 @@ def test_a_worker_survives_joblease_db_upgrade_from_0005_to_head(url_at_0005: st
         worker.join(timeout=60)
         engine.dispose()
     assert worker.errors == []
+
+
+def test_migrate_logs_the_warning(url_at_0005: str, caplog: pytest.LogCaptureFixture) -> None:
+    """A JobLeaseResource that upgrades on first use calls migrate(): the warning goes to the log."""
+    worker = create_engine(url_at_0005)
+    admin = create_engine(url_at_0005, poolclass=sa.pool.NullPool)
+    try:
+        with worker.connect() as conn:
+            conn.exec_driver_sql("SELECT 1")
+            with caplog.at_level("WARNING", logger="dagster_joblease"):
+                migrate(admin, "0006")
+            logged = [r.getMessage() for r in caplog.records if r.name == "dagster_joblease.storage.migrate"]
+            assert len(logged) == 1 and "migration 0006 retypes columns" in logged[0], logged
+            caplog.clear()
+            migrate(admin)  # 0007 retypes nothing: nothing to say
+            assert not caplog.records
+    finally:
+        admin.dispose()
+        worker.dispose()
+
+
+def test_the_cli_prints_the_warning_once(url_at_0005: str) -> None:
+    """In a process of its own (pytest's log capture would hide a logged copy): the command prints the
+    warning and migrate() does not log it again."""
+    worker = create_engine(url_at_0005)
+    try:
+        with worker.connect() as conn:
+            conn.exec_driver_sql("SELECT 1")
+            argv = [sys.executable, "-m", "dagster_joblease", "--database-url", url_at_0005, "db", "upgrade"]
+            done = subprocess.run(argv, capture_output=True, text=True, timeout=300, check=False)
+        assert done.returncode == 0, done.stderr
+        assert done.stderr.count("retypes columns") == 1, done.stderr
+    finally:
+        worker.dispose()

@@ -7,6 +7,7 @@ with a transaction-scoped advisory lock, SQLite with ``BEGIN IMMEDIATE``.
 from __future__ import annotations
 
 import dataclasses
+import logging
 from pathlib import Path
 from typing import Any
 
@@ -16,6 +17,7 @@ from alembic.autogenerate import compare_metadata
 from alembic.config import Config
 from alembic.migration import MigrationContext
 from alembic.script import ScriptDirectory
+from alembic.script.revision import RevisionError
 from sqlalchemy.dialects import postgresql
 
 from dagster_joblease import errors
@@ -31,6 +33,8 @@ __all__ = [
     "require_schema",
     "upgrade_warnings",
 ]
+
+logger = logging.getLogger(__name__)
 
 _MIGRATIONS = Path(__file__).with_name("migrations")
 # An arbitrary constant: "joblease" as a 64-bit int, the advisory lock that serializes migrations.
@@ -56,12 +60,21 @@ def _current(connection: sa.Connection) -> str | None:
     return ctx.get_current_revision()
 
 
-def migrate(engine: sa.Engine, revision: str = "head") -> str | None:
-    """Upgrade the joblease tables to ``revision`` (default: the newest). Returns the revision before."""
+def migrate(engine: sa.Engine, revision: str = "head", *, warn: bool = True) -> str | None:
+    """Upgrade the joblease tables to ``revision`` (default: the newest). Returns the revision before.
+
+    ``warn``: log :func:`upgrade_warnings`' text (logger ``dagster_joblease.storage.migrate``, WARNING)
+    before a migration that retypes columns runs while other sessions of the library are connected: what
+    a ``JobLeaseResource`` that upgrades on first use, in a deployment whose workers are running, says.
+    ``joblease db upgrade`` prints it itself and passes False.
+    """
     with translate_errors("migrate the joblease schema"), engine.begin() as connection:
         if connection.dialect.name == "postgresql":
             connection.execute(sa.text("SELECT pg_advisory_xact_lock(:id)"), {"id": _ADVISORY_LOCK_ID})
         before = _current(connection)
+        if warn:
+            for warning in _warnings(connection, before, revision):
+                logger.warning("%s", warning, extra={"action": "upgrade_warning"})
         command.upgrade(_config(connection), revision)
         return before
 
@@ -89,12 +102,19 @@ def upgrade_warnings(engine: sa.Engine, target: str = "head") -> list[str]:
     if engine.dialect.name != "postgresql":
         return []
     with translate_errors("read the joblease schema revision"), engine.connect() as connection:
-        current = _current(connection)
-        # A fresh install creates the tables: nothing to rewrite, nobody using them yet.
-        retyping = [] if current is None else retyping_revisions(current, target)
-        if not retyping:
-            return []
-        others = int(connection.execute(_OTHER_SESSIONS, {"name": APPLICATION_NAME}).scalar_one())
+        return _warnings(connection, _current(connection), target)
+
+
+def _warnings(connection: sa.Connection, current: str | None, target: str) -> list[str]:
+    if connection.dialect.name != "postgresql" or current is None:
+        return []  # a fresh install creates the tables: nothing to rewrite, nobody using them yet
+    try:
+        retyping = retyping_revisions(current, target)
+    except RevisionError:
+        return []  # not an upgrade (the target is behind): Alembic's own error says so
+    if not retyping:
+        return []
+    others = int(connection.execute(_OTHER_SESSIONS, {"name": APPLICATION_NAME}).scalar_one())
     if not others:
         return []
     return [
