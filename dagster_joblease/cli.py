@@ -340,7 +340,7 @@ def db_upgrade() -> None:
     engine = state.engine(require_head=False, create=True)
     for warning in storage.upgrade_warnings(engine):
         click.echo(f"warning: {warning}", err=True)
-    before = storage.migrate(engine)
+    before = storage.migrate(engine, warn=False)  # the warnings above, printed, not logged
     head = storage.head_revision()
     if before == head:
         click.echo(f"{_target(state.url)}: already at head revision {head}")
