@@ -519,10 +519,6 @@ class Dispatcher:
             totals = dispatcher.run(poll_interval_s=1.0)
     """
 
-    #: Read the limit groups' state (pauses, limits) at every claim. Off only in benchmarks/limits.py, to
-    #: measure what that read costs the unlimited path.
-    _group_state = True
-
     def __init__(
         self,
         engine: sa.Engine,
@@ -773,7 +769,7 @@ class Dispatcher:
                 else:
                     self._record(token, finished, report)
                 finished, flushed_at = [], time.monotonic()
-            if busy and self._group_state and time.monotonic() >= refresh_at:
+            if busy and time.monotonic() >= refresh_at:
                 if self._unstarted(inflight) or queue:
                     # Rows still waiting to start: learn of pauses other dispatchers opened meanwhile.
                     self._refresh_pauses()
@@ -851,7 +847,7 @@ class Dispatcher:
         an outcome (a claim given back undelivered is not among them) of groups limited by
         ``max_in_flight`` alone, on PostgreSQL, and with no ``dedupe_window`` on the group's routes (the
         swap skips the refill's dead-lettering of rows past their window)."""
-        if self.engine.dialect.name != "postgresql" or not self._group_state:
+        if self.engine.dialect.name != "postgresql":
             return {}
         handed: dict[str, list[int]] = {}
         now = time.monotonic()
@@ -1192,8 +1188,8 @@ SELECT 'group', NULL, NULL, NULL, NULL, NULL, NULL, NULL::timestamptz, NULL::tim
         blocked: dict[str, float] = {}
         rows: list[_Claimed] = []
         # A refill claims only limited groups, whose locked row tells their pause: no read before.
-        read = self._group_state and not limited_only
-        states = route_groups.read_states(conn, self.groups) if read else {}
+        read = not limited_only
+        states = self._read_states(conn) if read else {}
         paused = {name for name, state in states.items() if state.paused}
         if read:
             for name in self.groups - paused:
@@ -1245,6 +1241,10 @@ SELECT 'group', NULL, NULL, NULL, NULL, NULL, NULL, NULL::timestamptz, NULL::tim
                 blocked[name] = wait_s
         rows.sort(key=lambda r: r.id)
         return rows, blocked
+
+    def _read_states(self, conn: sa.Connection) -> dict[str, route_groups.GroupState]:
+        """The routed limit groups' rows (pauses, limits): one indexed read of a small table per claim."""
+        return route_groups.read_states(conn, self.groups)
 
     def _claim_limited(
         self,
