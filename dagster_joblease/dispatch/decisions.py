@@ -1,13 +1,56 @@
 """The dispatcher's decisions about one row that are not about an answer: pure functions, no IO, no clock
 of their own (every time is an argument). :mod:`dagster_joblease.dispatch.policy` judges answers.
 
+* :func:`may_start`: may a claimed row's request start now, be given back unsent, or go DEAD unsent?
 * :func:`within_dedupe_window`: may a retried row start now, or would its request outlive the time its
   downstream remembers the key (a second effect)?
 """
 
 from __future__ import annotations
 
-__all__ = ["dedupe_window_reason", "within_dedupe_window"]
+import enum
+
+__all__ = ["Start", "dedupe_window_reason", "may_start", "within_dedupe_window"]
+
+
+class Start(enum.Enum):
+    """What to do with a claimed row at the moment its request would start."""
+
+    GO = "go"
+    #: Give the claim back undelivered (attempt and first-attempt time undone): it is sent later.
+    GIVE_BACK = "give back"
+    #: Dead-letter it unsent: its dedupe_window would pass before its request could end.
+    EXPIRED = "expired"
+
+
+def may_start(
+    *,
+    now: float,
+    stopping: bool,
+    claim_ends_at: float,
+    timeout_s: float,
+    paused_until: float,
+    age_at_claim_ms: float | None,
+    claimed_at: float,
+    window_s: float | None,
+) -> Start:
+    """Whether a claimed row's request may start at local monotonic time ``now``.
+
+    Given back when the dispatcher is stopping, when the request's whole ``timeout_s`` would not end
+    before ``claim_ends_at`` (the claim's end less its safety margin: another dispatcher could send the
+    key meanwhile), or while its group is paused (``paused_until``, local time); expired when
+    :func:`within_dedupe_window` says no (``claimed_at``: local time just before the claim).
+    """
+    if stopping or now + timeout_s > claim_ends_at or paused_until > now:
+        return Start.GIVE_BACK
+    if not within_dedupe_window(
+        age_at_claim_ms=age_at_claim_ms,
+        since_claim_s=now - claimed_at,
+        window_s=window_s,
+        timeout_s=timeout_s,
+    ):
+        return Start.EXPIRED
+    return Start.GO
 
 
 def within_dedupe_window(

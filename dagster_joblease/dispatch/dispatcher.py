@@ -1474,7 +1474,7 @@ SELECT 'group', NULL, NULL, NULL, NULL, NULL, NULL, NULL::timestamptz, NULL::tim
     def _deliver(self, row: _Claimed) -> policy.Decision | None:
         """POST one row and judge the answer (no database work here); None: give the claim back."""
         route = self.routes.get(row.topic)
-        if route is None or self._stop.is_set():
+        if route is None:
             return None
         group = self._group_of[row.topic]
         if row.not_before is not None:
@@ -1482,15 +1482,19 @@ SELECT 'group', NULL, NULL, NULL, NULL, NULL, NULL, NULL::timestamptz, NULL::tim
             if delay > 0 and self._stop.wait(delay):
                 return None
         now = time.monotonic()
-        ends = row.claimed_at + (self.claim_ms - _safety_ms(self.claim_ms)) / 1000
-        if now + route.timeout_s > ends or self._local_pause.get(group, 0.0) > now:
-            return None
-        if not decisions.within_dedupe_window(
-            age_at_claim_ms=row.age_at_claim_ms,
-            since_claim_s=now - row.claimed_at,
-            window_s=route.dedupe_window_s,
+        start = decisions.may_start(
+            now=now,
+            stopping=self._stop.is_set(),
+            claim_ends_at=row.claimed_at + (self.claim_ms - _safety_ms(self.claim_ms)) / 1000,
             timeout_s=route.timeout_s,
-        ):
+            paused_until=self._local_pause.get(group, 0.0),
+            age_at_claim_ms=row.age_at_claim_ms,
+            claimed_at=row.claimed_at,
+            window_s=route.dedupe_window_s,
+        )
+        if start is decisions.Start.GIVE_BACK:
+            return None
+        if start is decisions.Start.EXPIRED:
             # Checked here, at the moment of sending, not only at claim: a row may wait for a worker.
             reason = decisions.dedupe_window_reason(route.dedupe_window_s or 0.0)
             return policy.Decision(policy.Outcome.DEAD, None, reason, unsent=True)
