@@ -114,7 +114,9 @@ def test_sigkill_after_the_effect_redelivers_with_the_same_key_and_applies_once(
 ) -> None:
     engine = create_engine(fast_pg_url)
     keys = enqueue_many(engine, 20, topic="work", prefix="v2:kill")
-    options = {"concurrency": 20, "claim_ms": 2_500, **FAST}
+    # claim_ms leaves 2.5 s to start each of the 20 requests (claim less its 0.5 s margin and the 2 s
+    # timeout): at 2.5 s it was 0.25 s, and on a loaded machine most were given back before the kill.
+    options = {"concurrency": 20, "claim_ms": 5_000, **FAST}
     with start_receiver(fast_pg_url, delay_after_apply_ms=1_500) as receiver:
         routes = {"work": {"url": receiver.url + "/work", "timeout_s": 2.0}}
         first = processes(dispatch_workers.drain, fast_pg_url, routes, options, str(tmp_path / "a.json"))
