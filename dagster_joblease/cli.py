@@ -240,6 +240,11 @@ LAZY_SUBCOMMANDS = {
         "demo_command",
         "Run the end-to-end demo (Dagster, leases, outbox, receiver).",
     ),
+    "demo-ui": LazyCommand(
+        "dagster_joblease.dagster.demo",
+        "demo_ui_command",
+        "Serve the Dagster UI on a kept demo's runs (dg dev and a receiver).",
+    ),
 }
 
 # -- parameters and formatting ---------------------------------------------------------------------

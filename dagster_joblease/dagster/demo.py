@@ -47,7 +47,7 @@ from dagster_joblease import identity
 from dagster_joblease.storage import create_engine, migrate
 from dagster_joblease.storage.schema import any_status, lease_table, outbox_table
 
-__all__ = ["DemoReport", "demo_command", "run_demo", "ui_commands"]
+__all__ = ["DemoReport", "demo_command", "demo_ui_command", "run_demo", "ui_command"]
 
 LOCATION = "dagster_joblease.dagster.demo_location"
 REPOSITORY = "__repository__"
@@ -134,6 +134,8 @@ class DemoReport:
     killed_day: str
     seconds: float
     workdir: str
+    #: Where the time went: (phase, seconds), in order.
+    phases: list[tuple[str, float]] = dataclasses.field(default_factory=list)
 
     @property
     def ok(self) -> bool:
@@ -206,14 +208,70 @@ def demo_days(count: int, today: dt.date | None = None) -> list[str]:
     return [(end - dt.timedelta(days=count - i)).isoformat() for i in range(count)]
 
 
-def _wait_for(predicate: Callable[[], bool], timeout_s: float, what: str, work: Path) -> None:
-    deadline = time.monotonic() + timeout_s
-    while not predicate():
-        if time.monotonic() > deadline:
-            raise click.ClickException(
-                f"demo: timed out after {timeout_s:g} s waiting for {what} (logs in {work})"
-            )
-        time.sleep(0.2)
+#: The demo's waits on an idle 2-core machine take about a minute; its budget is this many seconds times
+#: the machine's load per CPU (at least 1), unless ``--timeout`` says otherwise.
+BASE_TIMEOUT_S = 300.0
+
+
+def default_timeout_s(load: float | None = None, cpus: int | None = None) -> float:
+    """The demo's budget for its waits, scaled to how busy the machine is now (load average per CPU)."""
+    load = os.getloadavg()[0] if load is None else load
+    cpus = cpus or os.cpu_count() or 1
+    return BASE_TIMEOUT_S * max(1.0, load / cpus)
+
+
+@dataclasses.dataclass
+class _Deadline:
+    """One budget for all the demo's waits (``--timeout``); a dead daemon ends a wait at once."""
+
+    timeout_s: float
+    work: Path
+    started: float = dataclasses.field(default_factory=time.monotonic)
+    daemon: subprocess.Popen[Any] | None = None
+
+    def wait_for(self, predicate: Callable[[], bool], what: str) -> None:
+        while not predicate():
+            if self.daemon is not None and self.daemon.poll() is not None:
+                raise click.ClickException(
+                    f"demo: the Dagster daemon exited ({self.daemon.returncode}) while waiting for {what}; "
+                    f"its log: {self.work / 'daemon.log'}"
+                )
+            if time.monotonic() - self.started > self.timeout_s:
+                raise click.ClickException(
+                    f"demo: still waiting for {what} after {self.timeout_s:.0f} s, the demo's budget on this "
+                    f"machine (load average {os.getloadavg()[0]:.1f} on {os.cpu_count()} CPUs); give it "
+                    f"more with `joblease demo --timeout SECONDS`. Logs: {self.work / 'daemon.log'}"
+                )
+            time.sleep(0.2)
+
+
+class _Clock:
+    """Where the demo's time goes: the seconds between one phase mark and the next."""
+
+    def __init__(self) -> None:
+        self.phases: list[tuple[str, float]] = []
+        self.name = ""
+        self.at = time.monotonic()
+
+    def mark(self, name: str) -> None:
+        now = time.monotonic()
+        if self.name:
+            self.phases.append((self.name, now - self.at))
+        self.name, self.at = name, now
+
+
+def time_summary(phases: Sequence[tuple[str, float]]) -> str:
+    """``Where the time went: ...`` as one line per phase, with the total and the machine's load."""
+    width = max((len(name) for name, _ in phases), default=0)
+    lines = [f"  {name.ljust(width)}  {seconds:6.1f} s" for name, seconds in phases]
+    total = sum(seconds for _, seconds in phases)
+    load = os.getloadavg()[0]
+    return "\n".join(
+        [
+            f"Where the time went ({total:.1f} s; load average {load:.1f} on {os.cpu_count()} CPUs):",
+            *lines,
+        ]
+    )
 
 
 def _start_receiver(database_url: str, log: Path) -> tuple[subprocess.Popen[str], str]:
@@ -352,9 +410,14 @@ def _lease_states(engine: sa.Engine, days: Sequence[str]) -> dict[str, str]:
 
 
 def run_demo(
-    *, partitions: int = 3, workdir: Path | None = None, stream: IO[str] | None = None
+    *,
+    partitions: int = 3,
+    workdir: Path | None = None,
+    stream: IO[str] | None = None,
+    timeout_s: float | None = None,
 ) -> DemoReport:
-    """Run the demo in ``workdir`` (created if needed) and return what it counted."""
+    """Run the demo in ``workdir`` (created if needed) and return what it counted. ``timeout_s`` bounds
+    its waits together (default: :func:`default_timeout_s`, scaled to the machine's load)."""
     from dagster_joblease.receiver import effect_count, effects, request_count
 
     if partitions < 2:
@@ -381,7 +444,10 @@ def run_demo(
     procs: list[tuple[subprocess.Popen[Any], bool]] = []
     names = ("DAGSTER_HOME", "BILLING_API_URL", "JOBLEASE_DATABASE_URL")
     saved_env = {k: os.environ.get(k) for k in names}
+    clock = _Clock()
+    deadline = _Deadline(default_timeout_s() if timeout_s is None else timeout_s, work)
     try:
+        clock.mark("preparing the databases, importing Dagster")
         progress.update("[1/6] preparing the joblease database and the Dagster home")
         migrate(engine)
         os.environ["DAGSTER_HOME"] = str(home)
@@ -394,6 +460,7 @@ def run_demo(
         instance = dg.DagsterInstance.get()
         instance.get_runs(limit=1)  # initialise the SQLite home once, before other processes open it
 
+        clock.mark("starting the receiver and the daemon")
         progress.update("[2/6] starting the reference receiver and the Dagster daemon")
         receiver, base = _start_receiver(receiver_url, work / "receiver.log")
         procs.append((receiver, False))
@@ -412,7 +479,9 @@ def run_demo(
             start_new_session=True,
         )
         procs.append((daemon, True))
+        deadline.daemon = daemon
 
+        clock.mark("launching the backfill and the schedule's tick (GraphQL)")
         with _stderr_to(work / "graphql.log"), _graphql(instance) as execute:
             progress.update(f"[3/6] launching a backfill of {ASSET} for {days[0]}..{days[-1]}")
             backfill_id = _launch_backfill(execute, days)
@@ -420,8 +489,9 @@ def run_demo(
             _launch_schedule_tick(execute, tick)
 
         pid_file = kill_dir / f"{killed_day}.pid"
+        clock.mark("the daemon submitting runs, until one is inside its body")
         progress.update(f"[4/6] waiting for the run of {killed_day} to be inside its leased body")
-        _wait_for(pid_file.exists, 150, f"the run of {killed_day} to start its leased body", work)
+        deadline.wait_for(pid_file.exists, f"the run of {killed_day} to start its leased body")
         time.sleep(0.2)  # the file is written before the body waits; the lease is held by then
         os.kill(int(pid_file.read_text()), signal.SIGKILL)
         progress.update(f"[4/6] SIGKILLed the run worker of {killed_day}; reconciliation will redo it")
@@ -441,7 +511,9 @@ def run_demo(
                 and not unfinished
             )
 
-        _wait_for(settled, 180, "every partition to be done and delivered", work)
+        clock.mark("runs, the killed day's reconciliation, delivery")
+        deadline.wait_for(settled, "every partition to be done and delivered")
+        clock.mark("stopping the daemon, counting")
         progress.update("[6/6] stopping the daemon")
         _stop(daemon, group=True)
 
@@ -481,6 +553,8 @@ def run_demo(
             seconds=time.monotonic() - started,
             workdir=str(work),
         )
+        clock.mark("")
+        report.phases = clock.phases
         progress.done(f"done in {report.seconds:.1f} s")
         return report
     finally:
@@ -495,17 +569,74 @@ def run_demo(
                 os.environ[key] = value
 
 
-def ui_commands(work: Path) -> str:
-    """The two commands that show a kept demo in the UI: a receiver kept up (the location's dispatcher and
-    sensors deliver to it) and ``dg dev`` on the packaged demo location, with this environment's
-    executables."""
-    bin_dir = Path(sys.executable).parent
-    receiver_db = f"sqlite:///{work / 'receiver.sqlite'}"
-    return (
-        f"  {bin_dir / 'joblease'} receiver --database-url {receiver_db} --port 8765 &\n"
-        f"  DAGSTER_HOME={work / 'dagster_home'} JOBLEASE_DATABASE_URL=sqlite:///{work / 'joblease.sqlite'} "
-        f"{bin_dir / 'dg'} dev -m {LOCATION}"
+def _default_sigint() -> None:
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
+RUNS_VIEW = "/runs?view=runs"  # the Runs page with "Show runs within backfills" ticked
+
+
+def ui_command(work: Path) -> str:
+    """The one command that serves the Dagster UI on a kept demo's runs (``joblease demo-ui``: a
+    receiver for the location's dispatcher, and ``dg dev``), with this environment's executable."""
+    return f"{Path(sys.executable).parent / 'joblease'} demo-ui {work}"
+
+
+def _demo_env(work: Path) -> dict[str, str]:
+    return {
+        "DAGSTER_HOME": str(work / "dagster_home"),
+        "JOBLEASE_DATABASE_URL": f"sqlite:///{work / 'joblease.sqlite'}",
+    }
+
+
+@click.command("demo-ui")
+@click.argument("workdir", type=click.Path(file_okay=False, exists=True, path_type=Path))
+@click.option("--port", "-p", type=int, default=3000, show_default=True, help="The Dagster UI's port.")
+@click.option("--host", "-h", default="127.0.0.1", show_default=True, help="The Dagster UI's interface.")
+def demo_ui_command(workdir: Path, port: int, host: str) -> None:
+    """Serve the Dagster UI on a kept demo's runs: `dg dev` on the demo location, with a receiver for its
+    dispatcher (on a free port). Ctrl-C stops both."""
+    work = workdir.resolve()
+    if not (work / "dagster_home" / "dagster.yaml").is_file() or not (work / "joblease.sqlite").is_file():
+        raise click.ClickException(
+            f"{work} is not a demo's work directory (no dagster_home/dagster.yaml or joblease.sqlite); "
+            "run `joblease demo` first: it keeps its work directory and prints this command"
+        )
+    dg_exe = Path(sys.executable).parent / "dg"
+    if not dg_exe.exists():
+        raise click.ClickException(
+            f"{dg_exe} not found: the UI needs dagster-dg-cli and dagster-webserver, the [ui] extra "
+            "(pip install 'dagster-joblease[ui]')"
+        )
+    receiver, base = _start_receiver(f"sqlite:///{work / 'receiver.sqlite'}", work / "receiver-ui.log")
+    env = {**os.environ, **_demo_env(work), "BILLING_API_URL": f"{base}/{TOPIC}"}
+    click.echo(f"receiver: {base} (log {work / 'receiver-ui.log'})")
+    click.echo(f"Dagster UI: http://{host}:{port}{RUNS_VIEW} (runs within backfills shown); Ctrl-C stops")
+    # `dg dev` stops cleanly on SIGINT (Ctrl-C); started from a script it would inherit SIGINT ignored.
+    dev = subprocess.Popen(
+        [str(dg_exe), "dev", "-m", LOCATION, "-p", str(port), "-h", host],
+        env=env,
+        cwd=work,
+        preexec_fn=_default_sigint,
     )
+    stopping: list[float] = []
+
+    def interrupt(_signum: int, _frame: object) -> None:
+        """SIGINT or SIGTERM here: stop dg dev as Ctrl-C does (it stops its webserver and daemon)."""
+        stopping.append(time.monotonic())
+        if dev.poll() is None:
+            dev.send_signal(signal.SIGINT)
+
+    previous = {sig: signal.signal(sig, interrupt) for sig in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        while dev.poll() is None:
+            if stopping and time.monotonic() - stopping[0] > 60:
+                dev.kill()
+            time.sleep(0.5)
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+        _stop(receiver, group=False)
 
 
 def explain(report: DemoReport) -> str:
@@ -544,15 +675,30 @@ def explain(report: DemoReport) -> str:
     default=None,
     help="Where the databases and the Dagster home go (default: a new temporary directory).",
 )
-@click.option("--keep/--no-keep", default=False, help="Keep the work directory (to open it in `dg dev`).")
-def demo_command(partitions: int, workdir: Path | None, keep: bool) -> None:
+@click.option(
+    "--keep/--no-keep",
+    default=True,
+    show_default=True,
+    help="Keep the work directory, to see its runs in the Dagster UI (`joblease demo-ui DIR`).",
+)
+@click.option(
+    "--timeout",
+    "timeout_s",
+    type=click.FloatRange(min=1),
+    default=None,
+    metavar="SECONDS",
+    help=f"Budget for the demo's waits (default: {BASE_TIMEOUT_S:.0f} s times the load average per CPU, "
+    "at least 1).",
+)
+def demo_command(partitions: int, workdir: Path | None, keep: bool, timeout_s: float | None) -> None:
     """End-to-end demo with Dagster's daemon: a backfill, a schedule tick, a killed run, one effect each."""
     work = (workdir or Path(tempfile.mkdtemp(prefix="joblease-demo-"))).resolve()
     try:
-        report = run_demo(partitions=partitions, workdir=work)
+        report = run_demo(partitions=partitions, workdir=work, timeout_s=timeout_s)
         click.echo()
         click.echo(report.table())
         click.echo("\n" + explain(report))
+        click.echo("\n" + time_summary(report.phases))
         if report.ok:
             click.echo(f"OK: one effect per partition ({report.effects}/{report.partitions}).")
         else:
@@ -561,11 +707,10 @@ def demo_command(partitions: int, workdir: Path | None, keep: bool) -> None:
                 f"redone, {partitions} outbox rows and {partitions} effects; see {work}"
             )
         if keep:
-            click.echo(f"\nKept {work}. To see the same runs in the Dagster UI, run:\n{ui_commands(work)}")
-        else:
             click.echo(
-                "\nTo see these runs in the Dagster UI, run `joblease demo --keep --workdir DIR`: it prints "
-                "the receiver and `dg dev` commands."
+                f"\nKept {work}. To see these runs in the Dagster UI (a receiver included), run:\n"
+                f"  {ui_command(work)}\n"
+                f"and open http://127.0.0.1:3000{RUNS_VIEW} (the Runs page, runs within backfills shown)."
             )
     finally:
         if not keep:

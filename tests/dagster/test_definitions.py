@@ -19,7 +19,7 @@ ROOT = Path(__file__).resolve().parents[2]
 NOISY = ("BetaWarning", "ExperimentalWarning", "PreviewWarning")
 
 
-@pytest.mark.timeout(900)
+@pytest.mark.timeout(2400)
 def test_definitions_validate_and_the_demo_pass_in_subprocesses(tmp_path: Path) -> None:
     env = {k: v for k, v in os.environ.items() if k not in ("DAGSTER_HOME", "PYTHONWARNINGS")}
     dagster = Path(sys.executable).with_name("dagster")
@@ -59,9 +59,12 @@ def test_definitions_validate_and_the_demo_pass_in_subprocesses(tmp_path: Path) 
             "dagster_joblease.dagster.demo",
             "--partitions",
             "3",
-            "--keep",
             "--workdir",
             str(tmp_path / "demo"),
+            # A generous budget for a loaded CI machine (the default scales with the load average, which
+            # lags a sudden burst); a passing run waits no longer.
+            "--timeout",
+            "1500",
         ],
         env=env,
         stdout=subprocess.PIPE,
@@ -83,7 +86,7 @@ def test_definitions_validate_and_the_demo_pass_in_subprocesses(tmp_path: Path) 
         assert stored.status == dg.DagsterRunStatus.SUCCESS, run_out
         events = {e.dagster_event.event_type for e in instance.all_logs(stored.run_id) if e.dagster_event}
         assert {dg.DagsterEventType.STEP_SUCCESS, dg.DagsterEventType.RUN_SUCCESS} <= events, run_out
-    demo_out = demo.communicate(timeout=600)[0]
+    demo_out = demo.communicate(timeout=1800)[0]
     assert demo.returncode == 0, demo_out
     assert "OK: one effect per partition (3/3)." in demo_out
     header = (
@@ -97,8 +100,9 @@ def test_definitions_validate_and_the_demo_pass_in_subprocesses(tmp_path: Path) 
     assert (partitions, runs, killed, rows, effects) == (3, 5, 1, 3, 3)
     assert won + reclaimed == 3 and reclaimed >= 1 and runs == won + reclaimed + skipped + killed
     assert posts >= 3
-    assert "joblease receiver --database-url sqlite:///" in demo_out
-    assert "dg dev -m dagster_joblease.dagster.demo_location" in demo_out
+    # It keeps its work directory by default, says where its time went, and ends with one command.
+    assert "Where the time went (" in demo_out
+    assert f"joblease demo-ui {tmp_path / 'demo'}\n" in demo_out
 
     # What the UI shows afterwards is in the kept Dagster home: a real backfill (the daemon submitted its
     # runs), a run the schedule's evaluation requested, the killed run and the sensor's relaunch.

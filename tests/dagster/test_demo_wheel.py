@@ -1,9 +1,10 @@
 """The demo's UI path (docs/quickstart.md), end to end, from a wheel installed outside the checkout.
 
 Build the wheel (``pip wheel --no-deps``), install it into a fresh venv in a temporary directory, run
-``joblease demo --keep`` there, then run the two commands the demo prints: the receiver and
-``dg dev -m dagster_joblease.dagster.demo_location``. The UI's own GraphQL API must then show the demo's
-partitions of ``daily_invoice`` materialized (what the asset's partition bar shows).
+``joblease demo`` there (it keeps its work directory), then the one command it prints, ``joblease
+demo-ui DIR`` (a receiver and ``dg dev -m dagster_joblease.dagster.demo_location``). The UI's own GraphQL
+API must then show the demo's partitions of ``daily_invoice`` materialized (what the asset's partition
+bar shows).
 
 To avoid a full reinstall, the fresh venv sees this venv's site-packages through a ``.pth`` line (appended
 after its own site-packages, so the wheel's ``dagster_joblease`` wins, and ``.pth`` files there, like the
@@ -72,7 +73,7 @@ def _clean_env() -> dict[str, str]:
 
 
 @pytest.mark.chaos
-@pytest.mark.timeout(1200)
+@pytest.mark.timeout(2700)
 def test_the_demo_runs_from_a_wheel_and_its_partitions_show_materialized(tmp_path: Path) -> None:
     env = _clean_env()
     subprocess.run(
@@ -119,63 +120,48 @@ def test_the_demo_runs_from_a_wheel_and_its_partitions_show_materialized(tmp_pat
 
     work = tmp_path / "demo"
     demo = subprocess.run(
-        [str(venv / "bin" / "joblease"), "demo", "--partitions", "3", "--keep", "--workdir", str(work)],
+        # The work directory is kept by default; a generous budget for a loaded CI machine (the default
+        # scales with the load average, which lags a sudden burst); a passing run waits no longer.
+        [
+            str(venv / "bin" / "joblease"),
+            "demo",
+            "--partitions",
+            "3",
+            "--workdir",
+            str(work),
+            "--timeout",
+            "1500",
+        ],
         capture_output=True,
         text=True,
         cwd=tmp_path,
         env=env,
-        timeout=900,
+        timeout=1800,
     )
     assert demo.returncode == 0, demo.stdout + demo.stderr
     assert "OK: one effect per partition (3/3)." in demo.stdout
-    receiver_cmd, dagster_cmd = [
-        line.strip() for line in demo.stdout.splitlines() if line.startswith("  ") and str(venv) in line
+    (ui_cmd,) = [
+        line.strip() for line in demo.stdout.splitlines() if line.startswith("  ") and "demo-ui" in line
     ]
-    assert receiver_cmd == (
-        f"{venv}/bin/joblease receiver --database-url sqlite:///{work}/receiver.sqlite --port 8765 &"
-    )
-    assert dagster_cmd.endswith(f"{venv}/bin/dg dev -m dagster_joblease.dagster.demo_location")
+    assert ui_cmd == f"{venv}/bin/joblease demo-ui {work}"
 
-    # The printed receiver command starts a receiver (on a free port here: 8765 may be taken).
-    receiver = subprocess.Popen(
-        receiver_cmd.removesuffix(" &").replace("--port 8765", "--port 0").split(),
-        stdout=subprocess.PIPE,
-        stderr=subprocess.DEVNULL,
-        text=True,
-        env=env,
-    )
+    # The printed command serves the UI (and a receiver) on the demo's runs; here on a free port.
     port = _free_port()
-    assignments, command = dagster_cmd.split(f" {venv}/bin/dg ")
-    ui_env = {**env, **dict(a.split("=", 1) for a in assignments.split())}
-    # `dg dev` ignores SIGINT when started from a script; restore it so it can shut down cleanly.
-    dev = subprocess.Popen(
-        [
-            str(python),
-            "-c",
-            "import os, signal, sys; signal.signal(signal.SIGINT, signal.SIG_DFL); "
-            "os.execv(sys.argv[1], sys.argv[1:])",
-            str(venv / "bin" / "dg"),
-            *command.split(),
-            "-p",
-            str(port),
-            "-h",
-            "127.0.0.1",
-        ],
+    ui = subprocess.Popen(
+        [*ui_cmd.split(), "--port", str(port)],
         cwd=tmp_path,
-        env=ui_env,
+        env=env,
         stdout=subprocess.DEVNULL,
         stderr=subprocess.PIPE,
         text=True,
         start_new_session=True,
     )
     try:
-        assert receiver.stdout is not None
-        assert receiver.stdout.readline().startswith("listening on http://127.0.0.1:")
         days = demo_days(3)
-        deadline = time.monotonic() + 300
+        deadline = time.monotonic() + 900
         ranges: list[dict[str, str]] = []
         while time.monotonic() < deadline:
-            assert dev.poll() is None, dev.communicate()[1][-3000:]
+            assert ui.poll() is None, ui.communicate()[1][-3000:]
             try:
                 data = _graphql(port, PARTITIONS_QUERY, {"key": {"path": ["daily_invoice"]}})
             except (urllib.error.URLError, ConnectionError, TimeoutError, KeyError):
@@ -190,16 +176,19 @@ def test_the_demo_runs_from_a_wheel_and_its_partitions_show_materialized(tmp_pat
             time.sleep(1)
         # The demo's days, and nothing before them, are materialized (each once, by the run that did it).
         assert ranges == [{"status": "MATERIALIZED", "startKey": days[0], "endKey": days[-1]}], ranges
+        assert (work / "receiver-ui.log").exists()  # the receiver came up beside the UI
     finally:
-        receiver.terminate()
-        receiver.wait(timeout=10)
-        if dev.poll() is None:
-            os.killpg(dev.pid, signal.SIGINT)
+        if ui.poll() is None:
+            os.killpg(ui.pid, signal.SIGTERM)
             try:
-                dev.wait(timeout=30)
+                ui.wait(timeout=60)
             except subprocess.TimeoutExpired:
-                os.killpg(dev.pid, signal.SIGKILL)
-                dev.wait(timeout=10)
+                pass
+        try:
+            os.killpg(ui.pid, signal.SIGKILL)  # anything dg dev left behind in the session
+        except ProcessLookupError:
+            pass
+        ui.wait(timeout=10)
 
 
 def test_readmes_first_command_installs_what_its_ui_step_needs() -> None:
@@ -227,8 +216,6 @@ def test_readmes_first_command_installs_what_its_ui_step_needs() -> None:
     first, ui = re.findall(r"```bash\n(.*?)```", demo, re.S)
     assert first == commands[0]
     assert ui.splitlines() == [
-        ".venv/bin/joblease demo --keep --workdir /tmp/jl-demo",
-        ".venv/bin/joblease receiver --database-url sqlite:////tmp/jl-demo/receiver.sqlite --port 8765 &",
-        "DAGSTER_HOME=/tmp/jl-demo/dagster_home JOBLEASE_DATABASE_URL=sqlite:////tmp/jl-demo/joblease.sqlite "
-        ".venv/bin/dg dev -m dagster_joblease.dagster.demo_location",
+        ".venv/bin/joblease demo --workdir /tmp/jl-demo",
+        ".venv/bin/joblease demo-ui /tmp/jl-demo",
     ]
