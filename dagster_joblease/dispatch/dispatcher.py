@@ -40,6 +40,7 @@ A row whose route has a ``dedupe_window`` and whose first attempt is older is no
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import datetime as dt
 import functools
@@ -51,7 +52,7 @@ import secrets
 import signal
 import threading
 import time
-from collections.abc import Callable, Collection, Mapping
+from collections.abc import Callable, Collection, Iterable, Iterator, Mapping
 from concurrent.futures import Future, ThreadPoolExecutor
 from types import FrameType, TracebackType
 from typing import Any
@@ -466,18 +467,83 @@ class _DeadlineBackend(httpcore.NetworkBackend):
         self._inner.sleep(seconds)
 
 
-class _DeadlineTransport(httpx.HTTPTransport):
-    """httpx's own transport (TLS, pooling, keep-alive) on the deadline-bounded network backend."""
+#: httpcore's exceptions as httpx's (most specific first): the policy judges httpx's.
+_HTTPX_ERRORS: tuple[tuple[type[Exception], type[httpx.TransportError]], ...] = (
+    (httpcore.ConnectTimeout, httpx.ConnectTimeout),
+    (httpcore.ReadTimeout, httpx.ReadTimeout),
+    (httpcore.WriteTimeout, httpx.WriteTimeout),
+    (httpcore.PoolTimeout, httpx.PoolTimeout),
+    (httpcore.TimeoutException, httpx.TimeoutException),
+    (httpcore.ConnectError, httpx.ConnectError),
+    (httpcore.ReadError, httpx.ReadError),
+    (httpcore.WriteError, httpx.WriteError),
+    (httpcore.NetworkError, httpx.NetworkError),
+    (httpcore.UnsupportedProtocol, httpx.UnsupportedProtocol),
+    (httpcore.LocalProtocolError, httpx.LocalProtocolError),
+    (httpcore.RemoteProtocolError, httpx.RemoteProtocolError),
+    (httpcore.ProtocolError, httpx.ProtocolError),
+)
+
+
+@contextlib.contextmanager
+def _as_httpx_errors() -> Iterator[None]:
+    try:
+        yield
+    except Exception as exc:
+        for core, mapped in _HTTPX_ERRORS:
+            if isinstance(exc, core):
+                raise mapped(str(exc)) from exc
+        raise
+
+
+class _ResponseStream(httpx.SyncByteStream):
+    def __init__(self, inner: Iterable[bytes]) -> None:
+        self._inner = inner
+
+    def __iter__(self) -> Iterator[bytes]:
+        with _as_httpx_errors():
+            yield from self._inner
+
+    def close(self) -> None:
+        close = getattr(self._inner, "close", None)
+        if close is not None:
+            close()
+
+
+class _DeadlineTransport(httpx.BaseTransport):
+    """An httpx transport over httpcore's connection pool (TLS, pooling, keep-alive) on the
+    deadline-bounded network backend, through public httpx and httpcore APIs only."""
 
     def __init__(self, limits: httpx.Limits) -> None:
-        super().__init__(limits=limits)
-        self._pool = httpcore.ConnectionPool(
+        self._connections = httpcore.ConnectionPool(
             ssl_context=httpx.create_ssl_context(),
             max_connections=limits.max_connections,
             max_keepalive_connections=limits.max_keepalive_connections,
             keepalive_expiry=limits.keepalive_expiry,
             network_backend=_DeadlineBackend(),
         )
+
+    def handle_request(self, request: httpx.Request) -> httpx.Response:
+        url = request.url
+        core_request = httpcore.Request(
+            method=request.method,
+            url=httpcore.URL(scheme=url.raw_scheme, host=url.raw_host, port=url.port, target=url.raw_path),
+            headers=request.headers.raw,
+            content=request.stream,
+            extensions=request.extensions,
+        )
+        with _as_httpx_errors():
+            response = self._connections.handle_request(core_request)
+        assert isinstance(response.stream, Iterable)
+        return httpx.Response(
+            status_code=response.status,
+            headers=response.headers,
+            stream=_ResponseStream(response.stream),
+            extensions=response.extensions,
+        )
+
+    def close(self) -> None:
+        self._connections.close()
 
 
 class Dispatcher:
