@@ -442,6 +442,8 @@ class LeasedScheduleComponent(Component, Resolvable):
     job_name: str | None = None
     description: str | None = None
     default_status: Status = "stopped"
+    #: The resource a tick reads the partition's lease through (a done partition skips, naming its run).
+    resource_key: str = "joblease"
 
     def build_defs(self, context: ComponentLoadContext) -> dg.Definitions:
         where = f"LeasedScheduleComponent {self.name or self.code!r}"
@@ -474,6 +476,7 @@ class LeasedScheduleComponent(Component, Resolvable):
                 else dg.DefaultScheduleStatus.STOPPED
             ),
             job_by_name=True,
+            resource_key=_resource_key(where, self.resource_key),
         )
         return dg.Definitions(jobs=jobs, schedules=[schedule])
 

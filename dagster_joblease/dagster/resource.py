@@ -119,6 +119,13 @@ class JobLeaseResource(dg.ConfigurableResource):  # type: ignore[type-arg]
         )
 
     def setup_for_execution(self, context: dg.InitResourceContext) -> None:
+        # A run connects (and migrates) before its first step, so a bad URL fails the run at once. A tick
+        # (schedule or sensor: no run) connects on first use, so one that can do without the database
+        # (a leased schedule whose look-up fails requests its run anyway) is not failed by an outage.
+        if context.dagster_run is None:
+            self.timing()
+            self.resolved_held_wait_ms()
+            return
         self._start()
 
     def teardown_after_execution(self, context: dg.InitResourceContext) -> None:

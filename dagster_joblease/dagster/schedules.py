@@ -8,12 +8,16 @@ partition key onto the lease's run key is what makes all of those paths one logi
 from __future__ import annotations
 
 import datetime as dt
+import logging
 from typing import Any
 
 import dagster as dg
 
 from dagster_joblease import errors, identity
 from dagster_joblease.dagster import metadata
+from dagster_joblease.dagster.holders import decode_holder
+from dagster_joblease.storage import leases
+from dagster_joblease.storage.engine import translate_errors
 
 __all__ = ["build_leased_schedule", "partition_for_tick"]
 
@@ -47,6 +51,7 @@ def build_leased_schedule(
     description: str | None = None,
     default_status: dg.DefaultScheduleStatus = dg.DefaultScheduleStatus.STOPPED,
     job_by_name: bool = False,
+    resource_key: str | None = "joblease",
 ) -> dg.ScheduleDefinition:
     """A schedule that requests, on each tick, the last complete partition of ``job``.
 
@@ -55,6 +60,13 @@ def build_leased_schedule(
     (what a queued run shows until its leased step writes the real outcome). The cron defaults to the
     partitions' own cadence and the time zone to the partitions' time zone; e.g.
     ``cron_schedule="0 2 * * *"`` on daily UTC partitions bills yesterday at 02:00 UTC.
+
+    A tick whose partition's lease is already SUCCESS (done by a backfill, a manual launch or another
+    deployment) launches nothing: it skips with a reason naming the run that did it, so the Runs page
+    shows no green run that did nothing. That look-up reads the lease through the resource under
+    ``resource_key`` (the one the leased step uses); ``resource_key=None`` turns it off (every tick
+    requests its partition and the run itself skips, tagged ``skipped-succeeded``). When the look-up
+    fails (the database is down), the tick requests the run anyway and logs why: the lease still decides.
 
     ``job_by_name=True`` makes the schedule name its job instead of holding it, so the job must be in the
     same ``Definitions``' ``jobs``; the Components use it (a defs folder rebuilds the job objects it loads,
@@ -66,6 +78,8 @@ def build_leased_schedule(
     timezone = execution_timezone or partitions_def.timezone
 
     target: dict[str, Any] = {"job_name": job.name} if job_by_name else {"job": job}
+    if resource_key is not None:
+        target["required_resource_keys"] = {resource_key}
 
     @dg.schedule(
         cron_schedule=cron,
@@ -77,10 +91,38 @@ def build_leased_schedule(
         tags={metadata.TAG_CODE: identity.JobIdentity.initial(code).code},
         **target,
     )
-    def _schedule(context: dg.ScheduleEvaluationContext) -> dg.RunRequest | dg.SkipReason:
+    def _schedule(context: dg.ScheduleEvaluationContext, **_: Any) -> dg.RunRequest | dg.SkipReason:
+        # (**_: a schedule called directly is handed its required resources as keywords too.)
         key = partition_for_tick(partitions_def, context.scheduled_execution_time)
         if key is None:
             return dg.SkipReason(f"no complete partition of {job.name} at this tick yet")
+        winner = None
+        if resource_key is not None:
+            winner = _done_by(getattr(context.resources, resource_key), code, key, context.log)
+        if winner is not None:
+            return dg.SkipReason(
+                f"{code}@{key} is already done by {winner} (lease SUCCESS); nothing launched"
+            )
         return dg.RunRequest(run_key=key, partition_key=key, tags=metadata.schedule_tags(code, key))
 
     return _schedule
+
+
+def _done_by(resource: Any, code: str, key: str, log: logging.Logger | dg.DagsterLogManager) -> str | None:
+    """Who did ``code@key`` when its lease is SUCCESS (``run <id>`` of a deployment, or the holder), else
+    None; None too, logged, when the lease cannot be read (the run then asks the lease itself)."""
+    lock_key = identity.JobIdentity.schedule(code, key).idempotency_key
+    try:
+        with translate_errors("read the partition's lease"), resource.engine.connect() as conn:
+            state = leases.states_of(conn, {lock_key: key}).get(key)
+    except errors.JobLeaseError as exc:
+        log.warning(
+            "could not read the lease of %s@%s (%s); requesting the run, which asks it itself", code, key, exc
+        )
+        return None
+    if state is None or state.status != "SUCCESS":
+        return None
+    holder = decode_holder(state.holder)
+    if holder is None:
+        return f"holder {state.holder}" if state.holder else "a worker outside Dagster"
+    return f"run {holder.run_id} of deployment {holder.deployment!r}"

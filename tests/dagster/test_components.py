@@ -145,11 +145,11 @@ def test_a_scaffolded_project_declares_runs_and_delivers_with_the_components(
 
     # The schedule's own evaluation asks for yesterday's partition under the lease's run key.
     schedule = repo.get_schedule_def("daily_billing_job_schedule")
+    window = dg.DailyPartitionsDefinition(start_date="2024-01-01").time_window_for_partition_key("2024-01-03")
+    tick = window.start.replace(hour=2)
+    resources = dict(defs.resources or {})  # the daemon gives a tick the location's resources
     with dg.build_schedule_context(
-        scheduled_execution_time=dg.DailyPartitionsDefinition(start_date="2024-01-01")
-        .time_window_for_partition_key("2024-01-03")
-        .start.replace(hour=2),
-        repository_def=repo,
+        scheduled_execution_time=tick, repository_def=repo, resources=resources
     ) as context:
         requests = schedule.evaluate_tick(context).run_requests or []
     assert [(r.run_key, r.partition_key) for r in requests] == [("2024-01-02", "2024-01-02")]
@@ -162,6 +162,13 @@ def test_a_scaffolded_project_declares_runs_and_delivers_with_the_components(
     assert all(r.success for r in runs)
     outcomes = [dagster_pg.instance.get_run_by_id(r.run_id).tags[TAG_OUTCOME] for r in runs]  # type: ignore[union-attr]
     assert outcomes == ["won", "skipped-succeeded"]
+    # Done now: the next tick for that partition launches nothing and names the run that did it.
+    with dg.build_schedule_context(
+        scheduled_execution_time=tick, repository_def=repo, resources=resources
+    ) as context:
+        again = schedule.evaluate_tick(context)
+    assert not again.run_requests
+    assert f"daily-billing@2024-01-02 is already done by run {runs[0].run_id}" in (again.skip_message or "")
 
     dispatched = defs.resolve_job_def("outbox_dispatch_job").execute_in_process(
         instance=dagster_pg.instance, raise_on_error=False

@@ -3,15 +3,20 @@
 from __future__ import annotations
 
 import datetime as dt
+import uuid
+from pathlib import Path
 from zoneinfo import ZoneInfo
 
 import dagster as dg
 import pytest
 
-from dagster_joblease import ConfigurationError, JobIdentity
-from dagster_joblease.dagster import TAG_OUTCOME, build_leased_schedule
+from dagster_joblease import ConfigurationError, JobIdentity, LeaseService, create_engine
+from dagster_joblease.dagster import TAG_OUTCOME, JobLeaseResource, build_leased_schedule, encode_holder
 
 UTC = dt.UTC
+#: The resource the ticks read leases through: an SQLite file of this module's own.
+_DB = Path(__import__("tempfile").mkdtemp(prefix="joblease-schedules-")) / "leases.db"
+RESOURCES = {"joblease": JobLeaseResource(database_url=f"sqlite:///{_DB}")}
 
 
 @dg.op
@@ -27,9 +32,13 @@ def _job(name: str, partitions_def: dg.PartitionsDefinition | None) -> dg.JobDef
     return the_job
 
 
+def _evaluate(schedule: dg.ScheduleDefinition, at: dt.datetime, **resources: object) -> object:
+    with dg.build_schedule_context(scheduled_execution_time=at, resources=resources or RESOURCES) as context:
+        return schedule(context)
+
+
 def _tick(schedule: dg.ScheduleDefinition, at: dt.datetime) -> dg.RunRequest:
-    with dg.build_schedule_context(scheduled_execution_time=at) as context:
-        request = schedule(context)
+    request = _evaluate(schedule, at)
     assert isinstance(request, dg.RunRequest)
     return request
 
@@ -97,8 +106,39 @@ def test_no_complete_partition_yet_is_a_skip() -> None:
     schedule = build_leased_schedule(
         _job("future", dg.DailyPartitionsDefinition(start_date="2030-01-01")), code="x"
     )
-    with dg.build_schedule_context(scheduled_execution_time=dt.datetime(2029, 1, 1, tzinfo=UTC)) as context:
-        assert isinstance(schedule(context), dg.SkipReason)
+    assert isinstance(_evaluate(schedule, dt.datetime(2029, 1, 1, tzinfo=UTC)), dg.SkipReason)
+
+
+def test_a_tick_whose_partition_is_done_skips_naming_the_winner() -> None:
+    """A partition done elsewhere (a backfill, another deployment) launches no green run that did nothing."""
+    job = _job("done_elsewhere", dg.DailyPartitionsDefinition(start_date="2024-01-01"))
+    code, tick = f"done-{uuid.uuid4().hex[:6]}", dt.datetime(2024, 3, 2, 2, 0, tzinfo=UTC)
+    schedule = build_leased_schedule(job, code=code, cron_schedule="0 2 * * *")
+    _assert_request(_tick(schedule, tick), code, "2024-03-01")  # no lease yet: requested
+
+    run_id = str(uuid.uuid4())
+    engine = create_engine(f"sqlite:///{_DB}")
+    try:
+        service = LeaseService(engine, holder=encode_holder("prod-eu", run_id))
+        lease = service.acquire(JobIdentity.schedule(code, "2024-03-01"))
+        assert lease is not None
+        assert isinstance(_evaluate(schedule, tick), dg.RunRequest)  # RUNNING: not done, requested
+        service.complete(lease)
+    finally:
+        engine.dispose()
+    skipped = _evaluate(schedule, tick)
+    assert isinstance(skipped, dg.SkipReason)
+    assert skipped.skip_message == (
+        f"{code}@2024-03-01 is already done by run {run_id} of deployment 'prod-eu' (lease SUCCESS); "
+        "nothing launched"
+    )
+    # Turned off, the tick requests the partition (the run itself then skips, tagged skipped-succeeded).
+    plain = build_leased_schedule(job, code=code, cron_schedule="0 2 * * *", resource_key=None, name="plain")
+    _assert_request(_tick(plain, tick), code, "2024-03-01")
+    # A lease that cannot be read never stops the tick: the run asks the lease itself.
+    down = JobLeaseResource(database_url="postgresql+psycopg://nobody@127.0.0.1:1/none")
+    request = _evaluate(schedule, tick, joblease=down)  # (the tick's log says it could not read the lease)
+    assert isinstance(request, dg.RunRequest) and request.partition_key == "2024-03-01"
 
 
 def test_rejects_jobs_without_time_partitions() -> None:
