@@ -206,6 +206,7 @@ def test_readmes_first_command_installs_what_its_ui_step_needs() -> None:
     assert project["optional-dependencies"]["ui"] == [
         dagster_range.replace("dagster", "dagster-webserver"),
         dagster_range.replace("dagster", "dagster-dg-cli"),
+        dagster_range.replace("dagster", "create-dagster"),  # docs/components.md's first command
         "dagster-joblease[receiver]",  # the demo's receiver: Starlette on uvicorn
     ]
     assert not [
