@@ -15,9 +15,10 @@
 6. print the table and exit non-zero unless every partition has exactly one winner, one outbox row and
    one effect at the receiver.
 
-With ``--keep`` the work directory stays and the demo prints the two commands that show the same runs,
-backfill, ticks and the killed run in the Dagster UI (a receiver, and ``dg dev``). Nothing here needs
-the source checkout.
+The waits share one budget scaled to the machine's load (``--timeout`` sets it), and the demo prints
+where its time went. The work directory stays (``--no-keep`` removes it), and the demo ends with the one
+command that shows the same runs, backfill, ticks and the killed run in the Dagster UI: ``joblease
+demo-ui DIR`` (a receiver, and ``dg dev``). Nothing here needs the source checkout.
 """
 
 from __future__ import annotations
