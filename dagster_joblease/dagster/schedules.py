@@ -101,7 +101,7 @@ def build_leased_schedule(
             winner = _done_by(getattr(context.resources, resource_key), code, key, context.log)
         if winner is not None:
             return dg.SkipReason(
-                f"{code}@{key} is already done by {winner} (lease SUCCESS); nothing launched"
+                f"skipped: {code}@{key} is already done by {winner} (lease SUCCESS); nothing launched"
             )
         return dg.RunRequest(run_key=key, partition_key=key, tags=metadata.schedule_tags(code, key))
 

@@ -129,8 +129,8 @@ def test_a_tick_whose_partition_is_done_skips_naming_the_winner() -> None:
     skipped = _evaluate(schedule, tick)
     assert isinstance(skipped, dg.SkipReason)
     assert skipped.skip_message == (
-        f"{code}@2024-03-01 is already done by run {run_id} of deployment 'prod-eu' (lease SUCCESS); "
-        "nothing launched"
+        f"skipped: {code}@2024-03-01 is already done by run {run_id} of deployment 'prod-eu' "
+        "(lease SUCCESS); nothing launched"
     )
     # Turned off, the tick requests the partition (the run itself then skips, tagged skipped-succeeded).
     plain = build_leased_schedule(job, code=code, cron_schedule="0 2 * * *", resource_key=None, name="plain")
