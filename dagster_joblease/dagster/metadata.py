@@ -417,3 +417,20 @@ def step_metadata(
                 shown.append(r.partition_key or "(initial)")
         meta[META_FIRST_KEYS] = dg.MetadataValue.json({o: first[o] for o in OUTCOMES if o in first})
     return meta
+
+
+#: What each materialization of a range carries: the range's outcome, the range and its counts. The rest
+#: (winner, code, outbox counts, error, first keys or per-key table) is in the step's ``joblease step
+#: outcome`` engine event, once per step; the materialization's own run is the step's run.
+RANGE_MATERIALIZATION_KEYS = (META_OUTCOME, META_RUN_KEY, META_OUTCOMES)
+
+
+def materialization_metadata(results: Sequence[LeasedResult]) -> dict[str, dg.MetadataValue]:
+    """The metadata of the asset output's materializations: one key's every fact (as
+    :func:`step_metadata`); for a range, Dagster repeats it on each key's materialization, so only the
+    range's summary (:data:`RANGE_MATERIALIZATION_KEYS`, the same few hundred bytes whatever the range's
+    size): a 10,000-key range would otherwise repeat its whole metadata 10,000 times (~17 MB)."""
+    meta = step_metadata(results, per_key_table=False)
+    if len(results) <= 1:
+        return meta
+    return {k: v for k, v in meta.items() if k in RANGE_MATERIALIZATION_KEYS}

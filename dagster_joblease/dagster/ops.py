@@ -1308,7 +1308,7 @@ def _asset_events(
             and not (context.assets_def.partitions_def is None and not materialized)
         ):
             return
-        yield dg.MaterializeResult(metadata=metadata.step_metadata(results, per_key_table=False))
+        yield dg.MaterializeResult(metadata=metadata.materialization_metadata(results))
         return
     for r in results:
         if r.acquired or (r.skipped and r.partition_key not in materialized):
