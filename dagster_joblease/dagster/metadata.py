@@ -11,7 +11,8 @@ step's metadata. This module owns their names and values; other modules import t
 - ``held``: a live holder still had it when the bounded wait ended (retryable failure);
 - ``failed``: the body raised (the lease is FAIL, retryable);
 - ``lost``: the lease was taken over from under this run, or the run was killed;
-- ``not-attempted``: a range run stopped before trying this key;
+- ``not-attempted``: this run never held the key (a range stopped before it, or the run was terminated
+  before its body ran, also while waiting for a live holder);
 - ``not-run``: the run's leased step never ran (a re-execution from failure in which only a later step
   ran; an earlier step failed). Written by the reconciliation side (a run-status sensor), not by the step;
 - ``pending``: the step has not finished, or the run died before it could say.
@@ -145,7 +146,7 @@ SKIPPED_SUCCEEDED = "skipped-succeeded"  #: another run already did it (see jobl
 HELD = "held"  #: a live holder still had it when the wait ended: this run failed, retryably
 FAILED = "failed"  #: this run's body raised (or it was interrupted): the lease is FAIL, retryable
 LOST = "lost"  #: this run lost its lease (reclaimed from under it, or it was killed)
-NOT_ATTEMPTED = "not-attempted"  #: a range run stopped before trying this key
+NOT_ATTEMPTED = "not-attempted"  #: this run never held the key (a range stopped, or terminated first)
 NOT_RUN = "not-run"  #: the run's leased step never ran (written by the reconciliation side)
 PENDING = "pending"  #: the leased step has not finished yet (or the run died before it could say)
 
