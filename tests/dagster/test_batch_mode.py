@@ -15,6 +15,7 @@ import subprocess
 import sys
 import threading
 import time
+import uuid
 from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
@@ -28,7 +29,7 @@ from dagster_joblease.dagster import TAG_OUTCOME, TAG_WINNER, TAG_WORK, JobLease
 from dagster_joblease.dagster.metadata import META_OUTCOMES
 from dagster_joblease.dagster.ops import step_records
 from dagster_joblease.storage.schema import lease_table, outbox_table
-from tests.conftest import wait_until
+from tests.conftest import _admin_execute, clone_template, wait_until
 from tests.dagster import range_assets, range_worker
 from tests.dagster.conftest import DagsterPg
 
@@ -325,3 +326,56 @@ def test_a_run_terminated_while_waiting_for_a_held_key_records_what_it_did(
         keys[1]: "RUNNING",  # still the other worker's
         keys[2]: "SUCCESS",
     }
+
+
+@pytest.fixture
+def lease_db(pg_template: str) -> Iterator[tuple[str, str]]:
+    """A joblease database of its own (Dagster's storage stays reachable): its name and URL."""
+    name = f"joblease_out_{uuid.uuid4().hex[:10]}"
+    url = clone_template(pg_template, name)
+    yield name, url
+    _admin_execute(f'ALTER DATABASE "{name}" WITH ALLOW_CONNECTIONS true')
+    _admin_execute(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
+
+
+def test_a_lease_database_outage_while_waiting_keeps_what_was_done(
+    dagster_pg: DagsterPg, lease_db: tuple[str, str]
+) -> None:
+    """Finding 6 (the outage): the lease database goes away while a batch range run waits for a key a
+    live worker holds. The keys done are materialized and recorded ``won``, the held one ``failed`` with
+    the error (not ``pending:3`` with nothing materialized); the step fails retryably."""
+    name, url = lease_db
+    keys = _days(11, 25, 27)
+    engine = create_engine(url)
+    try:
+        other = LeaseService(engine, holder="worker:14", lease_ms=600_000, heartbeat_ms=0)
+        assert other.acquire(JobIdentity.schedule("t-batch", keys[1])) is not None
+    finally:
+        engine.dispose()
+
+    def cut_the_lease_database() -> None:
+        waiting = "keys are held by another holder; waiting up to"
+        wait_until(lambda: range_worker.logged_run(dagster_pg.instance, keys, waiting) is not None, 120)
+        _admin_execute(f'ALTER DATABASE "{name}" WITH ALLOW_CONNECTIONS false')
+        _admin_execute(f"SELECT pg_terminate_backend(pid) FROM pg_stat_activity WHERE datname = '{name}'")
+
+    cutter = threading.Thread(target=cut_the_lease_database)
+    cutter.start()
+    try:
+        result = dg.materialize(
+            [ASSET],
+            instance=dagster_pg.instance,
+            resources={"joblease": JobLeaseResource(database_url=url, held_wait_ms=120_000)},
+            run_config=QUIET,
+            raise_on_error=False,
+            tags={
+                "dagster/asset_partition_range_start": keys[0],
+                "dagster/asset_partition_range_end": keys[-1],
+            },
+        )
+    finally:
+        cutter.join()
+    assert not result.success
+    assert _tags(dagster_pg, result.run_id)[TAG_WORK] == "failed:1,won:2"
+    materialized = dagster_pg.instance.get_materialized_partitions(ASSET.key)
+    assert {keys[0], keys[2]} <= materialized and keys[1] not in materialized
