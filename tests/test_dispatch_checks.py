@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import threading
 import time
+import uuid
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -14,10 +16,11 @@ from click.testing import CliRunner, Result
 
 from dagster_joblease import cli, route_groups
 from dagster_joblease.dispatch import Dispatcher, Route
-from dagster_joblease.errors import ConfigurationError
+from dagster_joblease.errors import ConfigurationError, StorageError
+from dagster_joblease.storage import create_engine, migrate
 from dagster_joblease.storage.clock import db_now_plus_ms
 from dagster_joblease.storage.schema import outbox_table, route_group_table
-from tests.conftest import wait_until
+from tests.conftest import _admin_execute, admin_url, wait_until
 from tests.dispatch_workers import enqueue_many
 from tests.limit_server import serve
 
@@ -214,3 +217,46 @@ def test_a_slow_limited_route_never_holds_back_an_unlimited_rows_enqueued_mid_ba
                 worker.join(60)
     assert slow_before <= 15, f"the unlimited row waited for {slow_before} of the limited route's 30 requests"
     assert _rows(pg_engine)[fast].status == "SENT"
+
+
+@pytest.fixture
+def url_at_0005() -> Iterator[str]:
+    name = f"joblease_dispatch_up_{uuid.uuid4().hex[:10]}"
+    _admin_execute(f'CREATE DATABASE "{name}"')
+    url = admin_url().set(database=name).render_as_string(hide_password=False)
+    engine = create_engine(url, poolclass=sa.pool.NullPool)
+    try:
+        migrate(engine, "0005")
+    finally:
+        engine.dispose()
+    yield url
+    _admin_execute(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
+
+
+def test_a_running_dispatcher_survives_the_retyping_upgrade(url_at_0005: str) -> None:
+    # Migration 0006 retypes outbox.attempts to a domain; the claim returns it. A statement psycopg had
+    # prepared (after five runs on the pooled connection) then failed once: "cached plan must not change
+    # result type", a dispatch() that raised StorageError mid-upgrade.
+    engine = create_engine(url_at_0005)
+    errors_seen: list[str] = []
+    sent: list[int] = []
+    with serve(latency_s=0.0) as server, Dispatcher(engine, {"w": Route(server.url + "/w")}) as dispatcher:
+
+        def rounds(count: int, prefix: str) -> None:
+            for i in range(count):
+                enqueue_many(engine, 2, topic="w", prefix=f"v2:{prefix}{i}")
+                try:
+                    sent.append(dispatcher.dispatch().sent)
+                except StorageError as exc:
+                    errors_seen.append(str(exc))
+
+        rounds(8, "before")
+        admin = create_engine(url_at_0005, poolclass=sa.pool.NullPool)
+        try:
+            migrate(admin, "0006")
+        finally:
+            admin.dispose()
+        rounds(8, "after")
+    engine.dispose()
+    assert errors_seen == []
+    assert sent == [2] * 16  # each round's rows, in its own round

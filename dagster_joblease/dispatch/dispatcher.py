@@ -329,7 +329,9 @@ def _claim_template(
         t.c.id,
         t.c.idempotency_key,
         t.c.topic,
-        t.c.attempts,
+        # As plain INTEGER: migration 0006 retypes the column to a domain, and a prepared statement whose
+        # result type changed fails once per connection ("cached plan must not change result type").
+        sa.cast(t.c.attempts, sa.Integer()).label("attempts"),
         payload,
         t.c.deferrals,
         t.c.first_attempt_at,
@@ -1054,7 +1056,8 @@ WITH handed AS (
         claim_expires_at = {now} + :claim_ms * INTERVAL '1 millisecond', claim_group = :grp,
         attempts = t.attempts + 1, first_attempt_at = coalesce(t.first_attempt_at, now()), updated_at = {now}
     FROM due WHERE t.id = due.id
-    RETURNING t.id, t.idempotency_key, t.topic, t.attempts, t.payload::text AS payload, t.deferrals,
+    RETURNING t.id, t.idempotency_key, t.topic, t.attempts::integer AS attempts, t.payload::text AS payload,
+        t.deferrals,
         t.first_attempt_at, now() AS claim_now
 )
 SELECT 'claim' AS kind, id, idempotency_key, topic, attempts, payload, deferrals, first_attempt_at, claim_now,
