@@ -31,13 +31,13 @@ def _rows(engine: sa.Engine) -> dict[str, sa.Row[tuple[object, ...]]]:
         return {r.idempotency_key: r for r in conn.execute(sa.select(t).order_by(t.c.id))}
 
 
-def test_the_dedupe_window_is_checked_when_a_request_starts_not_only_at_claim(pg_engine: sa.Engine) -> None:
+def test_the_dedupe_window_is_checked_when_a_request_starts_not_only_at_claim(engine: sa.Engine) -> None:
     # Ten retried rows whose first attempt was 4 s ago, a 12 s window and a 2.5 s timeout: all may be
     # claimed (4 + 2.5 < 12), but two workers take them two at a time and the downstream holds each request
     # 2 s, so the pairs would start 4, 6, 8, 10 and 12 s after their first attempt. A request may start
     # only while its whole timeout fits in the window (age < 9.5 s): the last pairs go DEAD unsent.
-    keys = enqueue_many(pg_engine, 10, topic="w")
-    with pg_engine.begin() as conn:
+    keys = enqueue_many(engine, 10, topic="w")
+    with engine.begin() as conn:
         conn.execute(
             sa.update(outbox_table).values(
                 first_attempt_at=db_now_plus_ms(sa.literal(-4_000, sa.BigInteger())), attempts=1
@@ -46,9 +46,9 @@ def test_the_dedupe_window_is_checked_when_a_request_starts_not_only_at_claim(pg
     window_s, timeout_s = 12.0, 2.5
     with serve(latency_s=2.0) as server:
         route = Route(server.url + "/w", dedupe_window=window_s, timeout_s=timeout_s)
-        with Dispatcher(pg_engine, {"w": route}, concurrency=2, backoff_base_ms=10) as dispatcher:
+        with Dispatcher(engine, {"w": route}, concurrency=2, backoff_base_ms=10) as dispatcher:
             report = dispatcher.dispatch(limit=100)
-    rows = _rows(pg_engine)
+    rows = _rows(engine)
     first = {key: r.first_attempt_at.timestamp() for key, r in rows.items()}
     started = {key: start for start, _end, _path, key in server.spans}
     late = {key: round(start - first[key], 2) for key, start in started.items() if start - first[key] >= 10.5}
@@ -64,13 +64,13 @@ def test_the_dedupe_window_is_checked_when_a_request_starts_not_only_at_claim(pg
 
 
 def test_a_claim_given_back_undelivered_does_not_start_the_dedupe_window(
-    pg_url: str, pg_engine: sa.Engine, tmp_path: Path
+    db_url: str, engine: sa.Engine, tmp_path: Path
 ) -> None:
     # One limit group, two topics: the first row sent (topic a) is answered 429 with Retry-After, which
     # pauses the group, so the four rows of topic w waiting behind it (concurrency 1) are given back
     # unsent. Their window (2 s) must not have started: after it, `dispatch --once` sends them, exit 0.
-    enqueue_many(pg_engine, 1, topic="a", prefix="v2:a")
-    keys = enqueue_many(pg_engine, 4, topic="w", prefix="v2:w")
+    enqueue_many(engine, 1, topic="a", prefix="v2:a")
+    keys = enqueue_many(engine, 4, topic="w", prefix="v2:w")
 
     def respond(path: str, number: int) -> tuple[int, dict[str, str]]:
         return (429, {"Retry-After": "1"}) if path == "/a" and number == 1 else (200, {})
@@ -81,18 +81,18 @@ def test_a_claim_given_back_undelivered_does_not_start_the_dedupe_window(
             f'[a]\nurl = "{server.url}/a"\nlimit_group = "g"\n'
             f'[w]\nurl = "{server.url}/w"\nlimit_group = "g"\ndedupe_window = 2\ntimeout_s = 1\n'
         )
-        first = _cli(pg_url, "dispatch", "--once", "--concurrency", "1", "--routes", str(routes))
+        first = _cli(db_url, "dispatch", "--once", "--concurrency", "1", "--routes", str(routes))
         assert first.exit_code == 0, first.output
         assert server.per_path == {"/a": 1}  # the rows of w never reached the downstream
-        rows = _rows(pg_engine)
+        rows = _rows(engine)
         assert [rows[k].status for k in keys] == ["PENDING"] * 4
         assert [rows[k].first_attempt_at for k in keys] == [None] * 4
         assert [rows[k].attempts for k in keys] == [0] * 4
         time.sleep(2.5)  # past the window (and the 1 s pause) had a give-back started it
-        second = _cli(pg_url, "dispatch", "--once", "--concurrency", "1", "--routes", str(routes))
+        second = _cli(db_url, "dispatch", "--once", "--concurrency", "1", "--routes", str(routes))
         assert second.exit_code == 0, second.output
         assert server.per_path == {"/a": 2, "/w": 4}
-    rows = _rows(pg_engine)
+    rows = _rows(engine)
     assert {r.status for r in rows.values()} == {"SENT"}
     assert all(rows[k].first_attempt_at is not None for k in keys)  # stamped by the claim that sent them
 
