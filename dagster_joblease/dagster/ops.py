@@ -45,6 +45,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import enum
 import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any, TypeVar, cast
@@ -605,25 +606,38 @@ class _Key:
         return self.done(outcome.lease, result=outcome.result)
 
 
-_RETRY = "retry"
+class Next(enum.Enum):
+    """What a waiter does with a key after a refused claim (see :func:`after_refusal`)."""
+
+    SKIP = "skip"  #: another holder completed it: a recorded skip
+    RETRY = "retry"  #: its dead holder was just failed: claim again at once
+    WAIT = "wait"  #: a live holder (or a lost race) and time left: wait, then claim again
+    HELD = "held"  #: the wait is over and it is still not ours: ``held``
 
 
-def _refused_key(key: _Key, row: _Row | None, deadline: float) -> metadata.LeasedResult | str | None:
-    """After a refused claim: the key's result (skipped, or held once the wait is over), ``_RETRY`` to
-    claim again at once (its dead holder was failed), or None to wait and claim again."""
+def after_refusal(status: str | None, *, took_over: bool, past_deadline: bool) -> Next:
+    """The decision after a refused claim, from the row's status as read (None: no row), whether its
+    holder was found dead and failed (``took_over``), and whether the bounded wait has ended."""
+    if status == lease.LeaseStatus.SUCCESS.value:
+        return Next.SKIP
+    if took_over:
+        return Next.RETRY
+    return Next.HELD if past_deadline else Next.WAIT
+
+
+def _refused_key(key: _Key, row: _Row | None, deadline: float) -> metadata.LeasedResult | Next:
+    """After a refused claim: the key's result (skipped, or held once the wait is over), or what to do
+    next (:attr:`Next.RETRY` or :attr:`Next.WAIT`)."""
     step, job = key.step, key.job
-    if row is not None and row.status == lease.LeaseStatus.SUCCESS.value:
-        return key.result(
-            metadata.SKIPPED_SUCCEEDED,
-            row.attempt,
-            holder=row.holder,
-            winner_run_id=_winner_run_id(row.holder),
-        )
     running = row is not None and row.status == lease.LeaseStatus.RUNNING.value
-    if running and row is not None and _take_over_if_dead(step, job, row):
-        return _RETRY  # reclaim it now (or see who did)
-    if time.monotonic() < deadline:
-        return None
+    took_over = running and row is not None and _take_over_if_dead(step, job, row)
+    status = None if row is None else row.status
+    decided = after_refusal(status, took_over=took_over, past_deadline=time.monotonic() >= deadline)
+    if decided is Next.SKIP and row is not None:
+        winner = _winner_run_id(row.holder)
+        return key.result(metadata.SKIPPED_SUCCEEDED, row.attempt, holder=row.holder, winner_run_id=winner)
+    if decided is not Next.HELD:
+        return decided
     holder = row.holder if running and row is not None else None
     return key.result(
         metadata.HELD, row.attempt if row else None, holder=holder, error=_held_error(step, job, row)
@@ -646,7 +660,7 @@ def _run_key(step: _Step, job: identity.JobIdentity, deadline: float) -> metadat
         settled = _refused_key(key, row, deadline)
         if isinstance(settled, metadata.LeasedResult):
             return settled
-        if settled == _RETRY:
+        if settled is Next.RETRY:
             continue
         if row is not None and row.status == lease.LeaseStatus.RUNNING.value:
             backoff.announce(
