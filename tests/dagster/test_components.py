@@ -122,7 +122,7 @@ def test_a_scaffolded_project_declares_runs_and_delivers_with_the_components(
     # One plain line each (dg shows a docstring's first paragraph; RST markup would show raw).
     out = _dg([str(BIN / "dg"), "list", "components", "--json"], project, env).stdout
     # dg 1.13 prints {"items": [...]}, dg 1.12 the bare list.
-    listing = json.loads(out[min(i for i in (out.find('{"items"'), out.find('[{')) if i >= 0) :])
+    listing = json.loads(out[min(i for i in (out.find('{"items"'), out.find("[{")) if i >= 0) :])
     items = listing["items"] if isinstance(listing, dict) else listing
     summaries = {i["key"].rsplit(".", 1)[-1]: i["summary"] for i in items if i["key"].startswith(COMPONENTS)}
     assert sorted(summaries) == sorted(TYPES)
