@@ -62,6 +62,8 @@ class KeyContext:
         self._partitions_def = partitions_def
 
     def __getattr__(self, name: str) -> Any:
+        if name in ("_context", "_key", "_partitions_def"):  # not set yet (copy, pickle): no recursion
+            raise AttributeError(name)
         return getattr(self._context, name)
 
     def __repr__(self) -> str:

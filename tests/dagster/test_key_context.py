@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 from datetime import UTC, datetime
 
 import dagster as dg
@@ -58,3 +59,8 @@ def test_a_partitioning_without_time_gets_dagsters_own_error() -> None:
     view = KeyContext(dg.build_op_context(partition_key="eu"), "eu", static)
     with pytest.raises(dg.DagsterError):
         _ = view.partition_time_window
+
+
+def test_a_key_context_can_be_copied() -> None:
+    view = KeyContext(dg.build_op_context(), "2024-03-02", daily)
+    assert copy.copy(view).partition_key == "2024-03-02"
