@@ -782,21 +782,12 @@ class Dispatcher:
                     row = queue.pop(0)
                     finished.append((row, self._deliver(row)))
             elif inflight:
-                timeout = PAUSE_REFRESH_S if self._unstarted(inflight) else None
+                wake_at = [flushed_at + self._record_delay_s] if finished else []
+                if self._unstarted(inflight):
+                    wake_at.append(time.monotonic() + PAUSE_REFRESH_S)
                 if mixed and len(inflight) < self.concurrency and budget > 0:
-                    left = max(0.0, any_at - time.monotonic())
-                    timeout = left if timeout is None else min(timeout, left)
-                if finished:
-                    left = max(0.0, flushed_at + self._record_delay_s - time.monotonic())
-                    timeout = left if timeout is None else min(timeout, left)
-                done: list[Future[policy.Decision | None]] = []
-                try:
-                    done.append(done_q.get(timeout=timeout))
-                    while True:
-                        done.append(done_q.get_nowait())
-                except queue_mod.Empty:
-                    pass  # the timeout passed with nothing done, or every done delivery is taken
-                finished.extend((inflight.pop(f), f.result()) for f in done)  # each future comes once
+                    wake_at.append(any_at)
+                finished.extend(self._take_done(inflight, done_q, min(wake_at, default=None)))
             busy = bool(inflight or queue)
             freed = {row.group for row, _ in finished if row.group is not None}
             urgent = bool(freed) or any(d is not None and d.pause_ms for _, d in finished)
@@ -805,35 +796,7 @@ class Dispatcher:
             refill: tuple[list[_Claimed], dict[str, float]] | None = None
             if finished and (urgent or not busy or time.monotonic() - flushed_at >= self._record_delay_s):
                 if freed and can_refill and self._mergeable(finished):
-                    # The outcomes that freed slots and the claim that refills them: one transaction, one
-                    # commit (the slots never wait for another dispatcher's poll); in the usual case one
-                    # statement that hands the slots on (a swap), else one transaction.
-                    busy_groups = self._busy_groups(inflight)
-                    refill = self._swap_alone(token, finished, budget, free, report, busy_groups)
-                    if refill is None:
-                        merged = self._record(
-                            token,
-                            finished,
-                            report,
-                            then=self._refill_claim(
-                                token, budget, free, busy_groups, self._handoffs(finished)
-                            ),
-                        )
-                        if merged is not None:
-                            more, blocked_now, sub = merged
-                            self._claim_took()
-                            self._absorb(report, sub)
-                            grow = {name for name, hint in blocked_now.items() if hint == GROW_NOW}
-                            blocked_now = {n: h for n, h in blocked_now.items() if n not in grow}
-                            left, idle = budget - len(more), free - len(more)
-                            if grow and left > 0 and idle > 0:
-                                # Room beside the swapped slots: claimed under the lock, a transaction of
-                                # its own (the swap's held the group row FOR SHARE).
-                                extra, blocked_more = self._claim(
-                                    token, left, idle, report, limited_only=True, busy=busy_groups
-                                )
-                                more, blocked_now = [*more, *extra], {**blocked_now, **blocked_more}
-                            refill = (more, blocked_now)
+                    refill = self._record_and_refill(token, finished, budget, free, report, inflight)
                 else:
                     self._record(token, finished, report)
                 finished, flushed_at = [], time.monotonic()
@@ -887,9 +850,60 @@ class Dispatcher:
         )
         return report
 
+    def _record_and_refill(
+        self,
+        token: str,
+        finished: list[_Finished],
+        budget: int,
+        free: int,
+        report: DispatchReport,
+        inflight: Mapping[Future[Any], _Claimed],
+    ) -> tuple[list[_Claimed], dict[str, float]] | None:
+        """The outcomes that freed slots and the claim that refills them: one transaction, one commit (the
+        slots never wait for another dispatcher's poll); in the usual case one statement that hands the
+        slots on (a swap), else one transaction. None: the outcomes were recorded without a refill."""
+        busy_groups = self._busy_groups(inflight)
+        refill = self._swap_alone(token, finished, budget, free, report, busy_groups)
+        if refill is not None:
+            return refill
+        then = self._refill_claim(token, budget, free, busy_groups, self._handoffs(finished))
+        merged = self._record(token, finished, report, then=then)
+        if merged is None:
+            return None
+        more, blocked, sub = merged
+        self._claim_took()
+        self._absorb(report, sub)
+        grow = {name for name, hint in blocked.items() if hint == GROW_NOW}
+        blocked = {n: h for n, h in blocked.items() if n not in grow}
+        left, idle = budget - len(more), free - len(more)
+        if grow and left > 0 and idle > 0:
+            # Room beside the swapped slots: claimed under the lock, a transaction of its own (the swap's
+            # held the group row FOR SHARE).
+            extra, blocked_more = self._claim(token, left, idle, report, limited_only=True, busy=busy_groups)
+            more, blocked = [*more, *extra], {**blocked, **blocked_more}
+        return more, blocked
+
     @staticmethod
     def _busy_groups(inflight: Mapping[Future[Any], _Claimed]) -> set[str]:
         return {r.group for r in inflight.values() if r.group is not None}
+
+    @staticmethod
+    def _take_done(
+        inflight: dict[Future[policy.Decision | None], _Claimed],
+        done_q: queue_mod.SimpleQueue[Future[policy.Decision | None]],
+        wake_at: float | None,
+    ) -> list[_Finished]:
+        """The deliveries done by now: waits for the first until ``wake_at`` (local monotonic time; None:
+        until one is done), then takes every other one already done."""
+        timeout = None if wake_at is None else max(0.0, wake_at - time.monotonic())
+        done: list[Future[policy.Decision | None]] = []
+        try:
+            done.append(done_q.get(timeout=timeout))
+            while True:
+                done.append(done_q.get_nowait())
+        except queue_mod.Empty:
+            pass  # the timeout passed with nothing done, or every done delivery is taken
+        return [(inflight.pop(f), f.result()) for f in done]  # each future comes once
 
     def _unstarted(self, inflight: Mapping[Future[Any], _Claimed]) -> bool:
         """Whether some submitted row has not started yet (queued behind busy workers, or waiting for its
