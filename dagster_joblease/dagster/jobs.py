@@ -26,8 +26,8 @@ from dagster import AssetCheckExecutionContext, OpExecutionContext
 
 from dagster_joblease import dispatch, errors, outbox
 from dagster_joblease.dagster.ops import real_annotations
+from dagster_joblease.storage import outbox as outbox_store
 from dagster_joblease.storage.engine import translate_errors
-from dagster_joblease.storage.schema import outbox_table
 
 __all__ = [
     "BACKLOG_CHECK",
@@ -92,24 +92,13 @@ REQUEUE_HINT = (
 )
 
 
-def _topic_filter(topics: tuple[str, ...] | None) -> sa.ColumnElement[bool]:
-    return sa.true() if topics is None else outbox_table.c.topic.in_(topics)
-
-
 def dead_rows_evaluation(
     engine: sa.Engine, *, limit: int = DEAD_ROWS_SHOWN, topics: tuple[str, ...] | None = None
 ) -> dg.AssetCheckEvaluation:
     """The ``no_dead_rows`` check: passes when no row (of ``topics``) is DEAD, else names them."""
-    t = outbox_table
-    dead = sa.and_(t.c.status == outbox.OutboxStatus.DEAD.value, _topic_filter(topics))
     with translate_errors("list dead outbox rows"), engine.connect() as connection:
-        count = int(connection.execute(sa.select(sa.func.count()).select_from(t).where(dead)).scalar_one())
-        rows = connection.execute(
-            sa.select(t.c.id, t.c.idempotency_key, t.c.topic, t.c.attempts, t.c.last_status, t.c.last_error)
-            .where(dead)
-            .order_by(t.c.id)
-            .limit(limit)
-        ).all()
+        count = outbox_store.dead_count(connection, topics)
+        rows = outbox_store.dead_rows(connection, topics, limit)
     lines = [
         "| id | idempotency key | topic | attempts | last status | last error |",
         "|---|---|---|---|---|---|",

@@ -60,9 +60,8 @@ from dagster_joblease import errors, identity, lease, options, outbox, staleness
 from dagster_joblease.dagster import holders, metadata
 from dagster_joblease.dagster.key_context import KeyContext
 from dagster_joblease.dagster.resource import JobLeaseResource, check_held_wait_ms
-from dagster_joblease.storage.clock import ms_until
+from dagster_joblease.storage import leases as leases_store
 from dagster_joblease.storage.engine import translate_errors
-from dagster_joblease.storage.schema import lease_table
 
 __all__ = [
     "DEFAULT_MAX_FAILURES_IN_A_ROW",
@@ -165,7 +164,7 @@ class _Row:
 
     status: str
     attempt: int
-    owner_token: str
+    owner_token: str = dataclasses.field(repr=False)  # a fencing capability: never in a repr
     holder: str | None
     heartbeat_age_ms: int
     remaining_ms: int
@@ -173,18 +172,8 @@ class _Row:
 
 
 def _read_row(engine: sa.Engine, key: str) -> _Row | None:
-    t = lease_table
-    stmt = sa.select(
-        t.c.status,
-        t.c.attempt,
-        t.c.owner_token,
-        t.c.holder,
-        (-ms_until(t.c.heartbeat_at)).label("heartbeat_age_ms"),
-        ms_until(t.c.expires_at).label("remaining_ms"),
-        t.c.heartbeat_ms,
-    ).where(t.c.lock_key == key)
     with translate_errors("read a lease"), engine.connect() as connection:
-        row = connection.execute(stmt).first()
+        row = leases_store.waiter_view(connection, key)
     return None if row is None else _Row(*row)
 
 

@@ -515,6 +515,22 @@ def _reclaim_many(dialect_name: str) -> Any:
     )
 
 
+def waiter_view(conn: sa.Connection, lock_key: str) -> tuple[Any, ...] | None:
+    """One row as a waiter sees it: status, attempt, owner_token, holder, heartbeat_age_ms, remaining_ms
+    (both on the database clock) and the holder's heartbeat_ms; None when the key has no row."""
+    stmt = sa.select(
+        _t.c.status,
+        _t.c.attempt,
+        _t.c.owner_token,
+        _t.c.holder,
+        (-ms_until(_t.c.heartbeat_at)).label("heartbeat_age_ms"),
+        ms_until(_t.c.expires_at).label("remaining_ms"),
+        _t.c.heartbeat_ms,
+    ).where(_t.c.lock_key == lock_key)
+    row = conn.execute(stmt).first()
+    return None if row is None else tuple(row)
+
+
 def _report_many(dialect_name: str) -> Any:
     """The rows of keys neither inserted nor reclaimed: status, holder, attempt, expiry, heartbeat age,
     and whether the row is reclaimable now (then the claim lost a race and tries it again)."""

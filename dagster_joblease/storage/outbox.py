@@ -28,6 +28,7 @@ __all__ = [
     "ENQUEUE_COLUMNS",
     "counts_by_topic_and_status",
     "dead_count",
+    "dead_rows",
     "delivery_counts_by_topic",
     "due_backlog",
     "due_by_topic",
@@ -255,6 +256,18 @@ def dead_count(conn: sa.Connection, topics: Sequence[str] | None) -> int:
     """Rows of ``topics`` (None: all) parked DEAD."""
     stmt = sa.select(sa.func.count()).select_from(_t).where(_DEAD, _routed(topics))
     return int(conn.execute(stmt).scalar_one())
+
+
+def dead_rows(conn: sa.Connection, topics: Sequence[str] | None, limit: int) -> list[Any]:
+    """The first ``limit`` DEAD rows of ``topics`` (None: all) by id: id, idempotency_key, topic, attempts,
+    last_status, last_error."""
+    stmt = (
+        sa.select(_t.c.id, _t.c.idempotency_key, _t.c.topic, _t.c.attempts, _t.c.last_status, _t.c.last_error)
+        .where(_DEAD, _routed(topics))
+        .order_by(_t.c.id)
+        .limit(limit)
+    )
+    return list(conn.execute(stmt).all())
 
 
 def _unrouted(topics: Sequence[str], older_than_ms: int) -> sa.ColumnElement[bool]:
