@@ -210,3 +210,18 @@ def processes() -> Iterator[Callable[..., BaseProcess]]:
         if process.is_alive() and process.pid is not None:
             os.kill(process.pid, signal.SIGKILL)
         process.join(10)
+
+
+@pytest.fixture
+def url_at_0005() -> Iterator[str]:
+    """A new PostgreSQL database migrated to 0005 (the revision before 0006 retypes columns)."""
+    name = f"joblease_up_{uuid.uuid4().hex[:10]}"
+    _admin_execute(f'CREATE DATABASE "{name}"')
+    url = admin_url().set(database=name).render_as_string(hide_password=False)
+    engine = create_engine(url, poolclass=sa.pool.NullPool)
+    try:
+        migrate(engine, "0005")
+    finally:
+        engine.dispose()
+    yield url
+    _admin_execute(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')

@@ -6,8 +6,6 @@ from __future__ import annotations
 
 import threading
 import time
-import uuid
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -20,7 +18,7 @@ from dagster_joblease.errors import ConfigurationError, StorageError
 from dagster_joblease.storage import create_engine, migrate
 from dagster_joblease.storage.clock import db_now_plus_ms
 from dagster_joblease.storage.schema import outbox_table, route_group_table
-from tests.conftest import _admin_execute, admin_url, wait_until
+from tests.conftest import wait_until
 from tests.dispatch_workers import enqueue_many
 from tests.limit_server import serve
 
@@ -217,20 +215,6 @@ def test_a_slow_limited_route_never_holds_back_an_unlimited_rows_enqueued_mid_ba
                 worker.join(60)
     assert slow_before <= 15, f"the unlimited row waited for {slow_before} of the limited route's 30 requests"
     assert _rows(pg_engine)[fast].status == "SENT"
-
-
-@pytest.fixture
-def url_at_0005() -> Iterator[str]:
-    name = f"joblease_dispatch_up_{uuid.uuid4().hex[:10]}"
-    _admin_execute(f'CREATE DATABASE "{name}"')
-    url = admin_url().set(database=name).render_as_string(hide_password=False)
-    engine = create_engine(url, poolclass=sa.pool.NullPool)
-    try:
-        migrate(engine, "0005")
-    finally:
-        engine.dispose()
-    yield url
-    _admin_execute(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
 
 
 def test_a_running_dispatcher_survives_the_retyping_upgrade(url_at_0005: str) -> None:

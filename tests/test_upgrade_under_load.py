@@ -12,8 +12,6 @@ from __future__ import annotations
 import subprocess
 import sys
 import threading
-import uuid
-from collections.abc import Iterator
 from typing import Any
 
 import psycopg
@@ -29,7 +27,7 @@ from dagster_joblease.storage import create_engine, current_revision, driver, mi
 from dagster_joblease.storage.driver import lost_plan
 from dagster_joblease.storage.schema import outbox_table
 from dagster_joblease.storage.transaction import callers_transaction
-from tests.conftest import _admin_execute, admin_url, wait_until
+from tests.conftest import wait_until
 
 #: 0007's nullable inbox columns, added ahead so that this code's inbox runs on the 0005 schema (0007 adds
 #: nothing else; the retype under test is 0006's).
@@ -37,20 +35,6 @@ _INBOX_0007 = (
     "ALTER TABLE joblease_inbox ADD COLUMN response_headers TEXT, ADD COLUMN response_content BYTEA, "
     "ADD COLUMN fence BIGINT"
 )
-
-
-@pytest.fixture
-def url_at_0005() -> Iterator[str]:
-    name = f"joblease_up_{uuid.uuid4().hex[:10]}"
-    _admin_execute(f'CREATE DATABASE "{name}"')
-    url = admin_url().set(database=name).render_as_string(hide_password=False)
-    engine = create_engine(url, poolclass=sa.pool.NullPool)
-    try:
-        migrate(engine, "0005")
-    finally:
-        engine.dispose()
-    yield url
-    _admin_execute(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
 
 
 class Worker(threading.Thread):
