@@ -61,16 +61,13 @@ import httpcore
 import httpx
 import sqlalchemy as sa
 from sqlalchemy.dialects import postgresql
-from sqlalchemy.ext.compiler import compiles
-from sqlalchemy.sql.compiler import SQLCompiler
-from sqlalchemy.sql.functions import FunctionElement
 
 from dagster_joblease import errors, limits, outbox, route_groups
 from dagster_joblease.dispatch import decisions, policy
 from dagster_joblease.dispatch.routes import Route
 from dagster_joblease.options import MAX_DURATION_MS
 from dagster_joblease.storage.autocommit import autocommit_connections
-from dagster_joblease.storage.clock import db_now, db_now_plus_ms
+from dagster_joblease.storage.clock import claim_now, db_now, db_now_plus_ms
 from dagster_joblease.storage.engine import is_psycopg, translate_errors
 from dagster_joblease.storage.schema import outbox_table, route_group_table
 
@@ -224,25 +221,6 @@ def _claimed(r: Any, **extra: Any) -> _Claimed:
     return _Claimed(
         r[0], r[1], r[2], r[3], r[4], deferrals=int(r[5] or 0), first_attempt_at=r[6], claim_now=r[7], **extra
     )
-
-
-class claim_now(FunctionElement[Any]):
-    """The database clock as one claim statement reads it, the same value for every row it claims (and
-    for ``first_attempt_at`` it stamps): ``now()`` on PostgreSQL (its transaction's start, never later
-    than the claim), the statement's time on SQLite."""
-
-    type = sa.DateTime(timezone=True)
-    inherit_cache = True
-
-
-@compiles(claim_now, "postgresql")
-def _claim_now_pg(element: claim_now, compiler: SQLCompiler, **kw: Any) -> str:
-    return "now()"
-
-
-@compiles(claim_now, "sqlite")
-def _claim_now_sqlite(element: claim_now, compiler: SQLCompiler, **kw: Any) -> str:
-    return compiler.process(db_now(), **kw)
 
 
 #: A finished row: its verdict, or None when the claim is given back undelivered.

@@ -14,6 +14,7 @@ runs it in a worker thread).
 
 from __future__ import annotations
 
+import abc
 import logging
 from collections.abc import Awaitable, Callable, Generator
 from contextlib import AbstractAsyncContextManager
@@ -42,24 +43,26 @@ PsycopgConnector = Callable[[], AbstractAsyncContextManager[psycopg.AsyncConnect
 C = TypeVar("C")
 
 
-class _Session:
+class _Session(abc.ABC):
     """One async connection with a transaction open on it: run statements, then commit or roll back."""
 
     connection: Any
 
+    @abc.abstractmethod
     async def open(self) -> None:
-        raise NotImplementedError
+        """Check a connection out and begin its transaction."""
 
+    @abc.abstractmethod
     async def first(self, query: Query, params: dict[str, Any]) -> Any:
         """The first row of ``query`` (which returns rows), or None."""
-        raise NotImplementedError
 
+    @abc.abstractmethod
     async def count(self, query: Query, params: dict[str, Any]) -> int:
         """Run ``query`` (which returns no rows); how many rows it changed."""
-        raise NotImplementedError
 
+    @abc.abstractmethod
     async def end(self, commit: bool) -> None:
-        raise NotImplementedError
+        """Commit (``commit``) or roll back, and give the connection back."""
 
 
 class _EngineSession(_Session):

@@ -14,7 +14,7 @@ from sqlalchemy.ext.compiler import compiles
 from sqlalchemy.sql.compiler import SQLCompiler
 from sqlalchemy.sql.functions import FunctionElement
 
-__all__ = ["db_now", "db_now_plus_ms", "ms_until", "readable_ts"]
+__all__ = ["claim_now", "db_now", "db_now_plus_ms", "ms_until", "readable_ts"]
 
 _SQLITE_NOW = "strftime('%Y-%m-%d %H:%M:%f', 'now')"
 
@@ -36,6 +36,25 @@ def _db_now_pg(element: db_now, compiler: SQLCompiler, **kw: Any) -> str:
 @compiles(db_now, "sqlite")
 def _db_now_sqlite(element: db_now, compiler: SQLCompiler, **kw: Any) -> str:
     return _SQLITE_NOW
+
+
+class claim_now(FunctionElement[Any]):
+    """The database clock as one claim statement reads it, the same value for every row it claims (and
+    for ``first_attempt_at`` it stamps): ``now()`` on PostgreSQL (its transaction's start, never later
+    than the claim), the statement's time on SQLite."""
+
+    type = sa.DateTime(timezone=True)
+    inherit_cache = True
+
+
+@compiles(claim_now, "postgresql")
+def _claim_now_pg(element: claim_now, compiler: SQLCompiler, **kw: Any) -> str:
+    return "now()"
+
+
+@compiles(claim_now, "sqlite")
+def _claim_now_sqlite(element: claim_now, compiler: SQLCompiler, **kw: Any) -> str:
+    return compiler.process(db_now(), **kw)
 
 
 class db_now_plus_ms(FunctionElement[Any]):
