@@ -49,6 +49,36 @@ def logged_run(instance: Any, keys: Sequence[str], text: str) -> str | None:
     return None
 
 
+def terminated_while(
+    instance: Any, asset: str, keys: Sequence[str], text: str, env: Mapping[str, str]
+) -> tuple[str, str]:
+    """Run ``asset`` over ``keys`` in a worker process, SIGTERM it once the run has logged ``text`` (or the
+    worker ended), and return the run's id and the worker's stderr."""
+    import signal
+
+    from tests.conftest import wait_until
+
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "tests.dagster.range_worker", asset, keys[0], keys[-1]],
+        cwd=REPO,
+        env=dict(env),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        wait_until(
+            lambda: logged_run(instance, keys, text) is not None or proc.poll() is not None, timeout=120
+        )
+        proc.send_signal(signal.SIGTERM)
+        out, err = proc.communicate(timeout=120)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    return json.loads(out.splitlines()[-1])["run_id"], err
+
+
 def main(argv: list[str]) -> int:
     warnings.simplefilter("ignore")
     import dagster as dg

@@ -8,11 +8,7 @@ in two processes give one effect per key.
 
 from __future__ import annotations
 
-import json
 import os
-import signal
-import subprocess
-import sys
 import threading
 import time
 import uuid
@@ -292,30 +288,14 @@ def test_a_run_terminated_while_waiting_for_a_held_key_records_what_it_did(
     it did are materialized and recorded ``won``, the held one ``not-attempted`` (not ``pending:3``)."""
     keys = _days(11, 20, 22)
     _hold(engine, keys[1], "worker:12")
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "tests.dagster.range_worker", "batch_asset", keys[0], keys[-1]],
-        cwd=REPO,
-        env=dagster_pg.env(),  # the resource's default held_wait_ms: 5 minutes
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
+    waiting = "keys are held by another holder; waiting up to"
+    run_id, err = range_worker.terminated_while(
+        dagster_pg.instance,
+        "batch_asset",
+        keys,
+        waiting,
+        dagster_pg.env(),  # held_wait_ms default: 5 minutes
     )
-    try:
-        waiting = "keys are held by another holder; waiting up to"
-        wait_until(
-            lambda: (
-                range_worker.logged_run(dagster_pg.instance, keys, waiting) is not None
-                or proc.poll() is not None
-            ),
-            timeout=120,
-        )
-        proc.send_signal(signal.SIGTERM)
-        out, err = proc.communicate(timeout=120)
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait()
-    run_id = json.loads(out.splitlines()[-1])["run_id"]
     run = dagster_pg.instance.get_run_by_id(run_id)
     assert run is not None and run.status != dg.DagsterRunStatus.SUCCESS, err[-2000:]
     assert _tags(dagster_pg, run_id)[TAG_WORK] == "not-attempted:1,won:2"

@@ -495,30 +495,14 @@ def test_a_range_run_terminated_while_waiting_for_a_held_key_records_it_not_atte
     keys = _days(8, 1, 3)
     other = LeaseService(engine, holder="worker:8", lease_ms=600_000, heartbeat_ms=0)
     assert other.acquire(JobIdentity.schedule("t-range", keys[1])) is not None
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "tests.dagster.range_worker", "range_asset", keys[0], keys[-1]],
-        cwd=REPO,
-        env=dagster_pg.env(),  # the resource's default held_wait_ms: 5 minutes
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
+    waiting = "held by worker:8 (attempt 1); waiting up to"
+    run_id, err = range_worker.terminated_while(
+        dagster_pg.instance,
+        "range_asset",
+        keys,
+        waiting,
+        dagster_pg.env(),  # held_wait_ms default: 5 minutes
     )
-    try:
-        waiting = "held by worker:8 (attempt 1); waiting up to"
-        wait_until(
-            lambda: (
-                range_worker.logged_run(dagster_pg.instance, keys, waiting) is not None
-                or proc.poll() is not None
-            ),
-            timeout=120,
-        )
-        proc.send_signal(signal.SIGTERM)
-        out, err = proc.communicate(timeout=120)
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait()
-    run_id = json.loads(out.splitlines()[-1])["run_id"]
     assert _tags(dagster_pg, run_id)[TAG_WORK] == "not-attempted:1,won:2", err[-2000:]
     assert _materialized(dagster_pg.instance, range_assets.range_asset, keys) == [1, 0, 1]
     assert _leases(engine, "t-range", keys) == {keys[0]: "SUCCESS", keys[1]: "RUNNING", keys[2]: "SUCCESS"}
