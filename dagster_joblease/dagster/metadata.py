@@ -3,6 +3,9 @@
 Dagster's Partitions view shows the *latest* run per partition, and a recorded skip is a green run there
 too; what tells a win from a skip are the ``joblease/*`` run tags (filterable in the Runs list) and the
 step's metadata. This module owns their names and values; other modules import them, never redefine them.
+A skipped key also says so first, where the run page shows it: the step's log line and engine event
+start with :func:`skip_note` (``skipped: done by run X``), and a leased asset records the skip as an
+asset observation (:func:`skip_observations`), not as a materialization.
 
 **Outcomes.** Per key (partition) of a leased step, exactly one of:
 
@@ -98,6 +101,7 @@ __all__ = [
     "META_OUTCOMES",
     "META_RESULTS",
     "META_RUN_KEY",
+    "META_SKIPPED",
     "META_WINNER",
     "MULTIPLE",
     "NONE",
@@ -132,6 +136,9 @@ __all__ = [
     "pending_run_tags",
     "run_tags",
     "schedule_tags",
+    "skip_note",
+    "skip_observations",
+    "skip_summary",
     "step_metadata",
     "winner_label",
     "winner_of",
@@ -188,6 +195,8 @@ META_OUTCOMES = "joblease/outcomes"  #: JSON object outcome -> count
 META_FIRST_KEYS = "joblease/first_keys"  #: JSON object outcome -> its first keys (past TABLE_MAX_KEYS)
 META_RESULTS = "joblease/results"  #: markdown table, one row per key (up to TABLE_MAX_KEYS)
 META_OP = "joblease/op"  #: the leased op's name (in the step's engine event)
+#: On a skipped key's asset observation: :func:`skip_note` (``skipped: done by run …``).
+META_SKIPPED = "joblease/skipped"
 #: The message of the engine event each leased step logs with its outcome counts (the per-op truth).
 STEP_EVENT_MESSAGE = "joblease step outcome"
 TABLE_MAX_KEYS = 300
@@ -342,6 +351,60 @@ def winner_label(results: Sequence[LeasedResult]) -> str | None:
     if not winners:
         return None
     return winners.pop() if len(winners) == 1 else MULTIPLE
+
+
+def skip_note(result: LeasedResult) -> str | None:
+    """``skipped: done by run <id>; <code>@<partition> was already done …`` for a skipped key, else None.
+
+    What the run page shows first for a key another run did (the step's log line, its engine event, the
+    asset observation's description): the word *skipped* and the winner, before anything else.
+    """
+    if not result.skipped:
+        return None
+    winner = winner_of(result)
+    by = f"run {result.winner_run_id}" if result.winner_run_id else (winner or "another holder")
+    key = f"{result.code}@{result.partition_key}" if result.partition_key else f"{result.code} (initial)"
+    attempt = f", attempt {result.attempt}" if result.attempt is not None else ""
+    return f"skipped: done by {by}; {key} was already done (lease SUCCESS{attempt}), not done again here"
+
+
+def skip_summary(results: Sequence[LeasedResult]) -> str | None:
+    """The step's skip in one line (None when no key was skipped): :func:`skip_note` for one key;
+    ``skipped 2 of 3 keys: done by run <id>`` (or ``by N other runs``) for a range."""
+    skipped = [r for r in results if r.skipped]
+    if not skipped:
+        return None
+    if len(results) == 1:
+        return skip_note(skipped[0])
+    winners = sorted({w for w in (winner_of(r) for r in skipped) if w})
+    if len(winners) == 1:
+        (only,) = winners
+        by = f"run {only}" if any(r.winner_run_id == only for r in skipped) else only
+    else:
+        by = f"{len(winners)} other runs"
+    return f"skipped {len(skipped)} of {len(results)} keys: done by {by}"
+
+
+def skip_observations(asset_key: dg.AssetKey, results: Sequence[LeasedResult]) -> list[dg.AssetObservation]:
+    """One :class:`dagster.AssetObservation` per skipped key (up to :data:`TABLE_MAX_KEYS`): a skip is
+    *observed*, not materialized, so it does not look like a win. Its description and first metadata entry
+    are :func:`skip_note`; the winner is a run link."""
+    observations = []
+    for r in [r for r in results if r.skipped][:TABLE_MAX_KEYS]:
+        note = skip_note(r) or SKIPPED_SUCCEEDED
+        observations.append(
+            dg.AssetObservation(
+                asset_key=asset_key,
+                partition=r.partition_key,
+                description=note,
+                metadata={
+                    META_SKIPPED: dg.MetadataValue.text(note),
+                    META_OUTCOME: dg.MetadataValue.text(r.outcome),
+                    META_WINNER: _winner_value(winner_of(r), [r]),
+                },
+            )
+        )
+    return observations
 
 
 def outcome_counts(results: Iterable[LeasedResult]) -> dict[str, int]:

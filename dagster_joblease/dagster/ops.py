@@ -281,8 +281,9 @@ def _report_step(
     meta[metadata.META_OP] = dg.MetadataValue.text(context.op_def.name)
     meta[metadata.META_OUTCOMES] = dg.MetadataValue.json(metadata.outcome_counts(results))
     counts = metadata.format_counts(metadata.outcome_counts(results))
+    skipped = metadata.skip_summary(results)
     context.instance.report_engine_event(
-        f"{metadata.STEP_EVENT_MESSAGE}: {counts}",
+        f"{metadata.STEP_EVENT_MESSAGE}: {counts}" + (f" ({skipped})" if skipped else ""),
         run,
         EngineEventData(metadata=meta),
         step_key=_step_key(context),
@@ -1059,8 +1060,10 @@ def _step_for(
 def _log_results(step: _Step, results: Sequence[metadata.LeasedResult]) -> None:
     log = step.context.log
     for r in results[:_LOG_KEYS]:
+        note = metadata.skip_note(r)  # a skip says so first: "skipped: done by run X; ..."
         log.info(
-            f"joblease {r.code}/{r.partition_key or '(initial)'}: {r.outcome} (attempt {r.attempt}, outbox "
+            (f"{note}; " if note else "")
+            + f"joblease {r.code}/{r.partition_key or '(initial)'}: {r.outcome} (attempt {r.attempt}, outbox "
             f"{r.outbox}, holder {r.holder}, key {r.idempotency_key})"
         )
     if len(results) > _LOG_KEYS:
@@ -1292,17 +1295,20 @@ def _downstream_in_run(context: AssetExecutionContext) -> bool:
 
 def _asset_events(
     context: AssetExecutionContext, settled: _Settled
-) -> Iterator[dg.MaterializeResult[Any] | dg.AssetMaterialization]:
+) -> Iterator[dg.MaterializeResult[Any] | dg.AssetMaterialization | dg.AssetObservation]:
     """What the asset step yields: the output when every key is done, else one event per key it did.
 
     Every key done: the output (a materialization for every key of the range, so downstream steps of this
     run go ahead), unless every key was a skip this instance already has a materialization for and
     nothing downstream runs here (nothing new to record). Otherwise no output: a materialization for each
     key this run did, and for each skip this instance has none for (the winner ran elsewhere), pointing
-    at the winner.
+    at the winner. Before either, each skipped key is *observed* (an asset observation saying
+    ``skipped: done by run X``), so a skip never shows only as a materialization, like a win.
     """
     results = settled.results
     materialized = _already_materialized(context, results)
+    # A skip is observed first ("skipped: done by run X"), whatever is materialized after it.
+    yield from metadata.skip_observations(context.asset_key, results)
     if not settled.not_done and settled.interrupt is None:
         all_seen = all(r.skipped for r in results) and {r.partition_key for r in results} <= materialized
         if (
@@ -1318,6 +1324,7 @@ def _asset_events(
             yield dg.AssetMaterialization(
                 asset_key=context.asset_key,
                 partition=r.partition_key,
+                description=metadata.skip_note(r),
                 metadata=metadata.step_metadata([r]),
             )
 
@@ -1348,6 +1355,9 @@ def leased_asset(
     for, pointing at the winner), and the step fails naming the keys not done. ``held`` and failed keys
     materialize nothing.
 
+    A skipped key is also recorded as an asset observation (first, before any materialization) whose
+    description says ``skipped: done by run X``: a skip is observed, a win materialized.
+
     With ``backfill_policy=BackfillPolicy.single_run()`` a backfill is one run over a partition range;
     each key in it is still its own logical run (its own lease and idempotency key).
     """
@@ -1360,7 +1370,7 @@ def leased_asset(
     def decorate(fn: Callable[[Any], Any]) -> dg.AssetsDefinition:
         def _leased(
             context: AssetExecutionContext,
-        ) -> Iterator[dg.MaterializeResult[Any] | dg.AssetMaterialization]:
+        ) -> Iterator[dg.MaterializeResult[Any] | dg.AssetMaterialization | dg.AssetObservation]:
             settled = _settle(
                 context,
                 getattr(context.resources, resource_key),
@@ -1390,7 +1400,7 @@ def leased_asset(
         )(
             real_annotations(
                 _leased,
-                Iterator[dg.MaterializeResult[Any] | dg.AssetMaterialization],
+                Iterator[dg.MaterializeResult[Any] | dg.AssetMaterialization | dg.AssetObservation],
                 context=AssetExecutionContext,
             )
         )
