@@ -71,8 +71,8 @@ from benchmarks.plain_receiver import start_plain_receiver_process
 from benchmarks.report import checkpoint, dsn
 from dagster_joblease import outbox
 from dagster_joblease.dispatch import Dispatcher, Route
-from dagster_joblease.dispatch.dispatcher import claim_statement
 from dagster_joblease.storage import create_engine, migrate
+from dagster_joblease.storage.outbox import claim_due
 
 PHYSICAL_DDL = (
     "CREATE TABLE IF NOT EXISTS outbox (id bigserial PRIMARY KEY, idempotency_key text UNIQUE, topic text, "
@@ -330,7 +330,7 @@ def claim_ms(url: str, reps: int = 40) -> float:
     samples = []
     try:
         with engine.connect() as conn:
-            stmt = claim_statement(
+            stmt = claim_due(
                 "postgresql", token=secrets.token_hex(16), limit=100, claim_ms=60_000, topics={"bench"}
             )
             for _ in range(reps):

@@ -47,10 +47,10 @@ from benchmarks.harness import load
 from benchmarks.lease import LEASE_MS, databases, server_url
 from benchmarks.report import dsn
 from dagster_joblease import admin, outbox
-from dagster_joblease.dispatch.dispatcher import claim_statement
 from dagster_joblease.identity import JobIdentity
 from dagster_joblease.storage import create_engine, migrate
 from dagster_joblease.storage import leases as store
+from dagster_joblease.storage.outbox import claim_due
 
 TABLES = ("joblease_lease", "joblease_outbox")
 #: The "before" side of every comparison unless ``--before`` says otherwise: the revision just before the
@@ -160,7 +160,7 @@ def _queries() -> list[tuple[str, Callable[[sa.Engine], object]]]:
 
 
 def _claim(engine: sa.Engine) -> None:
-    stmt = claim_statement("postgresql", token="t" * 32, limit=100, claim_ms=60_000, topics={"topic-1"})
+    stmt = claim_due("postgresql", token="t" * 32, limit=100, claim_ms=60_000, topics={"topic-1"})
     with engine.connect() as conn:
         tx = conn.begin()
         conn.execute(stmt).all()

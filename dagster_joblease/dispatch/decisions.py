@@ -62,7 +62,8 @@ def within_dedupe_window(
     ``age_at_claim_ms`` is the first attempt's age when the row was claimed, on the database clock (None:
     this claim's attempt is the first one, so no earlier request can be repeated); ``since_claim_s`` the
     local monotonic time since just before the claim (so the age is never under-estimated). The same rule
-    dead-letters due rows at claim (``expire_statement``): age + timeout must stay below the window.
+    dead-letters due rows at claim (:func:`dagster_joblease.storage.outbox.expire_past_window`): age +
+    timeout must stay below the window.
     """
     if window_s is None or age_at_claim_ms is None:
         return True

@@ -60,18 +60,16 @@ from typing import Any
 import httpcore
 import httpx
 import sqlalchemy as sa
-from sqlalchemy.dialects import postgresql
 
-from dagster_joblease import errors, limits, outbox, route_groups
+from dagster_joblease import errors, limits, route_groups
 from dagster_joblease.dispatch import decisions, policy
 from dagster_joblease.dispatch.routes import Route
 from dagster_joblease.options import MAX_DURATION_MS
+from dagster_joblease.storage import outbox as store
 from dagster_joblease.storage.autocommit import autocommit_connections
-from dagster_joblease.storage.clock import claim_now, db_now, db_now_plus_ms
 from dagster_joblease.storage.engine import is_psycopg, translate_errors
-from dagster_joblease.storage.schema import outbox_table, route_group_table
 
-__all__ = ["DispatchReport", "Dispatcher", "RowOutcome", "claim_statement"]
+__all__ = ["DispatchReport", "Dispatcher", "RowOutcome"]
 
 logger = logging.getLogger(__name__)
 
@@ -217,7 +215,7 @@ class _Refill:
 
 
 def _claimed(r: Any, **extra: Any) -> _Claimed:
-    """A row returned by :func:`claim_statement`."""
+    """A row returned by a claim (:func:`dagster_joblease.storage.outbox.claim_due`)."""
     return _Claimed(
         r[0], r[1], r[2], r[3], r[4], deferrals=int(r[5] or 0), first_attempt_at=r[6], claim_now=r[7], **extra
     )
@@ -246,137 +244,6 @@ def _as_stored(value: dt.datetime, conn: sa.Connection) -> dt.datetime:
 def _safety_ms(claim_ms: int) -> int:
     """Margin kept between a request's deadline and the claim's expiry (clock skew, recording time)."""
     return min(1_000, claim_ms // 10)
-
-
-def claim_statement(
-    dialect_name: str,
-    *,
-    token: str | sa.BindParameter[str],
-    limit: int | sa.ColumnElement[int],
-    claim_ms: int,
-    topics: Collection[str] | None = None,
-    claim_group: str | None = None,
-) -> sa.Update:
-    """The claim as one statement: lock up to ``limit`` due rows (of ``topics`` only, when given), stamp
-    ``token``, an expiry and ``claim_group`` (the limit group whose capacity the claim holds; ``limit`` may
-    then be an SQL expression, the slots it has left: see :func:`route_groups.slots_left`), record the
-    first attempt's time if this is it (a give-back undoes it), count the attempt, and return ``(id,
-    idempotency_key, topic, attempts, payload as text, deferrals, first_attempt_at, claim_now)``.
-
-    The payload comes back as text (``jsonb::text`` on PostgreSQL) and is sent as-is: decoding it to
-    Python only to encode it again would cost time and could change it.
-
-    The statement is built once per shape (dialect, limit, claim_ms, topics, group) and only the token
-    is set per call: building it afresh cost more client CPU (about 1.2 ms) than the claim's round trip.
-    """
-    key = None if topics is None else tuple(sorted(topics))
-    return _claim_template(dialect_name, limit, claim_ms, key, claim_group).values(claim_token=token)
-
-
-@functools.lru_cache(maxsize=256)
-def _claim_template(
-    dialect_name: str,
-    limit: int | sa.ColumnElement[int],
-    claim_ms: int,
-    topics: tuple[str, ...] | None,
-    claim_group: str | None,
-) -> sa.Update:
-    t = outbox_table
-    due = sa.select(t.c.id).where(outbox.due_clause())
-    if topics is not None:
-        due = due.where(t.c.topic.in_(topics))
-    due = due.order_by(t.c.next_attempt_at, t.c.id).limit(limit)
-    payload: sa.ColumnElement[Any]
-    if dialect_name == "postgresql":
-        # A locking CTE is evaluated exactly once; rows another dispatcher holds are skipped.
-        locked = due.with_for_update(skip_locked=True).cte("due")
-        stmt = sa.update(t).where(t.c.id == locked.c.id)
-        payload = sa.cast(t.c.payload, sa.Text())
-    else:
-        # SQLite: the engine's BEGIN IMMEDIATE already serializes claimers.
-        stmt = sa.update(t).where(t.c.id.in_(due.scalar_subquery()))
-        payload = sa.type_coerce(t.c.payload, sa.Text())
-    return stmt.values(
-        claim_token=None,
-        claim_expires_at=db_now_plus_ms(sa.literal(claim_ms, sa.BigInteger())),
-        claim_group=sa.literal(claim_group, sa.String()) if claim_group is not None else None,
-        attempts=t.c.attempts + 1,
-        first_attempt_at=sa.func.coalesce(t.c.first_attempt_at, claim_now()),
-        updated_at=db_now(),
-    ).returning(
-        t.c.id,
-        t.c.idempotency_key,
-        t.c.topic,
-        # As plain INTEGER: migration 0006 retypes the column to a domain, and a prepared statement whose
-        # result type changed fails once per connection ("cached plan must not change result type").
-        sa.cast(t.c.attempts, sa.Integer()).label("attempts"),
-        payload,
-        t.c.deferrals,
-        t.c.first_attempt_at,
-        claim_now().label("claim_now"),
-    )
-
-
-@functools.cache
-def sent_statement(dialect_name: str) -> sa.Update:
-    """Mark claimed rows ``SENT``, fenced by claim token: one statement for a whole group of outcomes,
-    bound with ``ids`` (the rows), ``token`` (the claim token) and ``status_code``; returns the ids it
-    matched (a row whose claim was lost matches nothing).
-
-    Built once per dialect, so each group of outcomes costs only its parameters: on PostgreSQL the ids
-    travel as one array (``id = ANY(:ids)``), so the SQL text is the same whatever their number (no
-    per-call IN-list expansion, and the compiled statement and the driver's parsed query are reused).
-    """
-    t = outbox_table
-    ids: sa.ColumnElement[bool]
-    if dialect_name == "postgresql":
-        ids = t.c.id == sa.any_(sa.bindparam("ids", type_=postgresql.ARRAY(sa.BigInteger())))
-    else:
-        ids = t.c.id.in_(sa.bindparam("ids", expanding=True))
-    return (
-        sa.update(t)
-        .where(
-            ids,
-            t.c.claim_token == sa.bindparam("token", type_=sa.String()),
-            t.c.status == outbox.OutboxStatus.PENDING.value,
-        )
-        .values(
-            claim_token=None,
-            claim_expires_at=None,
-            claim_group=None,
-            updated_at=db_now(),
-            last_status=sa.bindparam("status_code", type_=sa.Integer()),
-            status=outbox.OutboxStatus.SENT.value,
-            sent_at=db_now(),
-            last_error=None,
-        )
-        .returning(t.c.id)
-    )
-
-
-def expire_statement(*, topics: Collection[str], window_ms: int, margin_ms: int) -> sa.Update:
-    """Dead-letter due, unclaimed rows of ``topics`` whose first attempt is ``window_ms - margin_ms`` or
-    more ago: the downstream may have forgotten the key, so a resend could be a second effect."""
-    t = outbox_table
-    reason = decisions.dedupe_window_reason(window_ms / 1000)
-    return (
-        sa.update(t)
-        .where(
-            outbox.due_clause(),
-            t.c.topic.in_(sorted(topics)),
-            t.c.first_attempt_at.is_not(None),
-            t.c.first_attempt_at <= db_now_plus_ms(sa.literal(margin_ms - window_ms, sa.BigInteger())),
-        )
-        .values(
-            status=outbox.OutboxStatus.DEAD.value,
-            last_error=reason,
-            claim_token=None,
-            claim_expires_at=None,
-            claim_group=None,
-            updated_at=db_now(),
-        )
-        .returning(t.c.id, t.c.idempotency_key, t.c.topic, t.c.last_status)
-    )
 
 
 # -- a total deadline per request ------------------------------------------------------------------------
@@ -937,7 +804,7 @@ class Dispatcher:
     ) -> tuple[list[_Claimed], dict[str, float]] | None:
         """The usual completion of a full group as one autocommit statement (PostgreSQL): ``finished`` are
         rows of one group limited by max_in_flight alone, all sent with one status code; they are marked
-        SENT and their slots handed on (see :meth:`_swap_statement`: the same bounds) in one round trip, no
+        SENT and their slots handed on (see :func:`store.swap`: the same bounds) in one round trip, no
         BEGIN, no COMMIT, no group row lock. Slots it could not hand on, and room the group has beside
         them, are claimed after it by the usual refill. None: not applicable, or the statement failed (it is
         atomic: nothing was written, the caller records the outcomes as usual)."""
@@ -951,20 +818,14 @@ class Dispatcher:
         if len(codes) != 1 or any(d is None or d.outcome is not policy.Outcome.SENT for _, d in finished):
             return None
         want = min(len(ids), budget, free)
-        params = {
-            "ids": ids,
-            "token": token,
-            "status_code": codes.pop(),
-            "want": want,
-            "topics": list(self._group_topics[group]),
-        }
+        params = {"ids": ids, "token": token, "status_code": codes.pop(), "want": want}
         started = self._claim_started = time.monotonic()
         try:
             with translate_errors("record outcomes and hand on their slots"), self.engine.connect() as conn:
                 result = conn.execution_options(isolation_level="AUTOCOMMIT").execute(
                     self._swap_alone_statement(group), params
                 )
-                rows = result.all()
+                swapped = store.swap_result(result.all())
         except errors.StorageError as exc:
             logger.info(
                 "a swap failed, recording the outcomes as usual: %s",
@@ -973,15 +834,14 @@ class Dispatcher:
             )
             return None
         self._claim_took()
-        matched = {int(r.id) for r in rows if r.kind == "done"}
-        taken = [_claimed(r[1:9], group=group, claimed_at=started) for r in rows if r.kind == "claim"]
-        summary = next(r for r in rows if r.kind == "group")
+        matched = swapped.done
+        taken = [_claimed(r, group=group, claimed_at=started) for r in swapped.claimed]
         assert len(taken) <= len(matched), "a swap claimed more rows than it recorded"
         self._tally(finished, matched, report)
         blocked: dict[str, float] = {}
-        if summary.mif is not None:
-            self._applied[group] = (int(summary.mif), None, time.monotonic() + APPLIED_TRUST_S)
-            room = int(summary.mif) - int(summary.others) - len(taken)
+        if swapped.max_in_flight is not None:
+            self._applied[group] = (swapped.max_in_flight, None, time.monotonic() + APPLIED_TRUST_S)
+            room = swapped.max_in_flight - swapped.others - len(taken)
         else:
             room = 1  # the group's row did not allow a swap (paused, a rate, a stale registration): look
         budget, free = budget - len(taken), free - len(taken)
@@ -994,82 +854,25 @@ class Dispatcher:
         return sorted(taken, key=lambda r: r.id), blocked
 
     def _swap_alone_statement(self, group: str) -> sa.Executable:
-        """The statement of :meth:`_swap_alone`: ``handed``, the rows still holding the group's capacity
-        under this claim with half a claim left (read from the snapshot, before ``done`` writes them);
-        ``done``, their outcome, fenced like :func:`sent_statement`; then a claim of no more due rows than
-        ``done`` and ``handed`` share, nor than the group's row allows (as :meth:`_swap_statement`). Returns
-        the claimed rows (kind ``claim``), the recorded ids (``done``) and one ``group`` row: the group's
-        max_in_flight if a swap was allowed, and its other requests in flight."""
-        key = (group, "swap_alone", None)
-        cached = self._statements_cache.get(key)
-        if cached is not None:
-            return cached
-        mine = self._group_limits[group][0]
-        assert mine is not None
-        o, g = outbox_table.name, route_group_table.name
-        pending = "status = 'PENDING'"
-        now = "clock_timestamp()"
-        # async_swap_commit: set for the statement's own (implicit) transaction, in force at its commit.
-        sync = (
-            "\nWHERE set_config('synchronous_commit', 'off', true) = 'off'" if self.async_swap_commit else ""
-        )
-        sql = f"""
-WITH handed AS (
-    SELECT id FROM {o}
-    WHERE id = ANY(:ids) AND claim_token = :token AND {pending} AND claim_group = :grp
-      AND claim_expires_at > {now} + :margin_ms * INTERVAL '1 millisecond'
-), done AS (
-    UPDATE {o} SET claim_token = NULL, claim_expires_at = NULL, claim_group = NULL, updated_at = {now},
-        last_status = :status_code, status = 'SENT', sent_at = {now}, last_error = NULL
-    WHERE id = ANY(:ids) AND claim_token = :token AND {pending}
-    RETURNING id
-), others AS (
-    SELECT count(*) AS n FROM {o}
-    WHERE claim_group = :grp AND claim_expires_at > {now} AND {pending} AND NOT (id = ANY(:ids))
-), grp AS (
-    SELECT max_in_flight AS mif FROM {g}
-    WHERE limit_group = :grp AND (paused_until IS NULL OR paused_until <= {now})
-      AND (rate IS NULL OR rate_until IS NULL OR rate_until <= {now})
-      AND max_in_flight IS NOT NULL AND max_in_flight <= :mine
-      AND max_in_flight_until > {now} + :fresh_ms * INTERVAL '1 millisecond'
-    FOR SHARE
-), due AS (
-    SELECT id FROM {o}
-    WHERE {pending} AND next_attempt_at <= {now}
-      AND (claim_expires_at IS NULL OR claim_expires_at < {now}) AND topic = ANY(:topics)
-    ORDER BY next_attempt_at, id
-    LIMIT greatest(0, least(
-        :want,
-        (SELECT count(*) FROM done JOIN handed USING (id)),
-        coalesce((SELECT mif FROM grp), 0) - (SELECT n FROM others)))
-    FOR UPDATE SKIP LOCKED
-), claimed AS (
-    UPDATE {o} AS t SET claim_token = :token,
-        claim_expires_at = {now} + :claim_ms * INTERVAL '1 millisecond', claim_group = :grp,
-        attempts = t.attempts + 1, first_attempt_at = coalesce(t.first_attempt_at, now()), updated_at = {now}
-    FROM due WHERE t.id = due.id
-    RETURNING t.id, t.idempotency_key, t.topic, t.attempts::integer AS attempts, t.payload::text AS payload,
-        t.deferrals,
-        t.first_attempt_at, now() AS claim_now
-)
-SELECT 'claim' AS kind, id, idempotency_key, topic, attempts, payload, deferrals, first_attempt_at, claim_now,
-    NULL::integer AS mif, NULL::bigint AS others FROM claimed
-UNION ALL
-SELECT 'done', id, NULL, NULL, NULL, NULL, NULL, NULL::timestamptz, NULL::timestamptz, NULL, NULL FROM done
-UNION ALL
-SELECT 'group', NULL, NULL, NULL, NULL, NULL, NULL, NULL::timestamptz, NULL::timestamptz,
-    (SELECT mif FROM grp), (SELECT n FROM others){sync}
-"""
-        stmt = sa.text(sql).bindparams(
-            sa.bindparam("ids", type_=postgresql.ARRAY(sa.BigInteger())),
-            sa.bindparam("topics", type_=postgresql.ARRAY(sa.String())),
-            grp=group,
-            mine=mine,
-            margin_ms=self.claim_ms // 2,
-            fresh_ms=limits.REGISTRATION_MS // 2,
-            claim_ms=self.claim_ms,
-        )
-        self._statements_cache[key] = stmt
+        """The statement of :meth:`_swap_alone` (built once per group): :func:`store.swap` recording the
+        finished rows SENT itself."""
+        return self._swap_of(group, record_sent=True)
+
+    def _swap_of(self, group: str, *, record_sent: bool) -> sa.Executable:
+        key = (group, "swap_alone" if record_sent else "swap", None)
+        stmt = self._statements_cache.get(key)
+        if stmt is None:
+            mine = self._group_limits[group][0]
+            assert mine is not None
+            stmt = self._statements_cache[key] = store.swap(
+                group=group,
+                topics=self._group_topics[group],
+                max_in_flight=mine,
+                claim_ms=self.claim_ms,
+                fresh_ms=limits.REGISTRATION_MS // 2,
+                record_sent=record_sent,
+                async_commit=record_sent and self.async_swap_commit,
+            )
         return stmt
 
     def _refill_claim(
@@ -1095,11 +898,13 @@ SELECT 'group', NULL, NULL, NULL, NULL, NULL, NULL, NULL::timestamptz, NULL::tim
                 want = min(len(ids), workers)
                 if want <= 0:
                     break
-                result = conn.execute(
-                    self._swap_statement(group), {"ids": ids, "joblease_token": token, "joblease_want": want}
-                ).all()
-                swapped[group] = ([r[:8] for r in result], result[0][8] if result else None)
-                workers -= len(result)
+                result = store.swap_result(
+                    conn.execute(
+                        self._swap_statement(group), {"ids": ids, "token": token, "want": want}
+                    ).all()
+                )
+                swapped[group] = (result.claimed, result.max_in_flight)
+                workers -= len(result.claimed)
 
         def claim(
             conn: sa.Connection, matched: set[int]
@@ -1120,80 +925,9 @@ SELECT 'group', NULL, NULL, NULL, NULL, NULL, NULL, NULL::timestamptz, NULL::tim
         return _Refill(swap, claim)
 
     def _swap_statement(self, group: str) -> sa.Executable:
-        """A swap (PostgreSQL): claim up to ``joblease_want`` due rows of ``group``, and never more than
-        the rows of ``ids`` that still hold its capacity under this claim ``joblease_token`` with at least
-        half a claim left on the database clock, reading the group's row ``FOR SHARE`` (swaps do not wait
-        for each other; a pause or a locked claim being written does wait). Run in the transaction
-        that records those rows' outcomes, it leaves the group's count of requests in flight unchanged
-        (or lower), so a counter under the lock sees the same count before and after its commit.
-
-        Only while the group's row says: not paused, no rate in force, a ``max_in_flight`` in force no
-        larger than this dispatcher's and registered for more than half a registration (else the locked
-        claim runs, which refreshes it); and no more than that limit leaves beside the group's other
-        requests in flight (a lowered limit is reached as requests finish). Returns the claim's columns
-        and the group's ``max_in_flight``.
-
-        Half a claim left, not just some: a finished row's slot counts as free for everyone once its claim
-        expires, so a swap must commit before that; the margin covers a dispatcher stalled between the
-        swap's statement and its commit (or a commit waiting on the disk) for up to ``claim_ms / 2``."""
-        key = (group, "swap", None)
-        stmt = self._statements_cache.get(key)
-        if stmt is not None:
-            return stmt
-        t, g = outbox_table, route_group_table
-        ids = sa.bindparam("ids", type_=postgresql.ARRAY(sa.BigInteger()))
-        token = sa.bindparam("joblease_token", type_=sa.String())
-        want = sa.bindparam("joblease_want", type_=sa.Integer())
-        mine = self._group_limits[group][0]
-        assert mine is not None
-        pending = t.c.status == sa.literal_column("'PENDING'")
-        handed = (
-            sa.select(sa.func.count())
-            .select_from(t)
-            .where(
-                t.c.id == sa.any_(ids),
-                t.c.claim_token == token,
-                pending,
-                t.c.claim_group == group,
-                t.c.claim_expires_at > db_now_plus_ms(sa.literal(self.claim_ms // 2, sa.BigInteger())),
-            )
-            .scalar_subquery()
-        )
-        others = (
-            sa.select(sa.func.count())
-            .select_from(t)
-            .where(
-                t.c.claim_group == group, t.c.claim_expires_at > db_now(), pending, ~(t.c.id == sa.any_(ids))
-            )
-            .scalar_subquery()
-        )
-        fresh_ms = sa.literal(limits.REGISTRATION_MS // 2, sa.BigInteger())
-        applied = (
-            sa.select(g.c.max_in_flight)
-            .where(
-                g.c.limit_group == group,
-                sa.or_(g.c.paused_until.is_(None), g.c.paused_until <= db_now()),
-                sa.or_(g.c.rate.is_(None), g.c.rate_until.is_(None), g.c.rate_until <= db_now()),
-                g.c.max_in_flight.is_not(None),
-                g.c.max_in_flight <= mine,
-                g.c.max_in_flight_until > db_now_plus_ms(fresh_ms),
-            )
-            .with_for_update(read=True)
-            .scalar_subquery()
-        )
-        limit = sa.func.greatest(
-            0, sa.func.least(want, handed, sa.func.coalesce(applied, 0) - others), type_=sa.Integer()
-        )
-        stmt = claim_statement(
-            "postgresql",
-            token=token,
-            limit=limit,
-            claim_ms=self.claim_ms,
-            topics=self._group_topics[group],
-            claim_group=group,
-        ).returning(sa.select(g.c.max_in_flight).where(g.c.limit_group == group).scalar_subquery())
-        self._statements_cache[key] = stmt
-        return stmt
+        """The swap run in the transaction that records the finished rows' outcomes (built once per
+        group): :func:`store.swap`, the outcomes written after it by the caller."""
+        return self._swap_of(group, record_sent=False)
 
     @staticmethod
     def _absorb(report: DispatchReport, sub: DispatchReport) -> None:
@@ -1278,7 +1012,7 @@ SELECT 'group', NULL, NULL, NULL, NULL, NULL, NULL, NULL::timestamptz, NULL::tim
         self._expire(conn, open_topics, report)
         plain = [t for t in open_topics if self._group_of[t] not in limited]
         if plain and not limited_only:
-            stmt = claim_statement(
+            stmt = store.claim_due(
                 conn.dialect.name, token=token, limit=budget, claim_ms=self.claim_ms, topics=plain
             )
             rows = [_claimed(r, claimed_at=started) for r in conn.execute(stmt)]
@@ -1394,8 +1128,8 @@ SELECT 'group', NULL, NULL, NULL, NULL, NULL, NULL, NULL::timestamptz, NULL::tim
             else:
                 stmt = self._group_statement(group, "claim_slots", mif.value)
             params = {
-                "joblease_token": token,
-                "joblease_want": want if not isinstance(capacity, int) else capacity,
+                "token": token,
+                "want": want if not isinstance(capacity, int) else capacity,
             }
             claimed = sorted(conn.execute(stmt, params), key=lambda r: r[0])
             offsets = admission.offsets_ms if admission is not None else ()
@@ -1427,40 +1161,28 @@ SELECT 'group', NULL, NULL, NULL, NULL, NULL, NULL, NULL::timestamptz, NULL::tim
     def _group_statement(self, group: str, kind: str, max_in_flight: int | None) -> sa.Executable:
         """The statements a limited group's claims run, built once per group (building one costs more
         than running it): ``look``, a lock-free look at its slots and due rows; ``claim`` (up to
-        ``joblease_want`` rows) and ``claim_slots`` (up to ``joblease_want`` and the slots left)."""
+        ``want`` rows) and ``claim_slots`` (up to ``want`` and the slots left)."""
         key = (group, kind, max_in_flight)
         stmt = self._statements_cache.get(key)
         if stmt is not None:
             return stmt
         dialect = self.engine.dialect.name
-        want = sa.bindparam("joblease_want", type_=sa.Integer())
-        token = sa.bindparam("joblease_token", type_=sa.String())
+        topics = self._group_topics[group]
         if kind == "look":
-            stmt = sa.select(
-                route_groups.in_flight_query(group).scalar_subquery(), self._due_query(group).exists()
-            )
+            stmt = store.slot_look(route_groups.in_flight_query(group), topics)
         else:
-            limit: sa.ColumnElement[int] = want
+            slots = None
             if kind == "claim_slots":
                 assert max_in_flight is not None
-                limit = route_groups.slots_left(dialect, group, max_in_flight, want)
-            stmt = claim_statement(
-                dialect,
-                token=token,
-                limit=limit,
-                claim_ms=self.claim_ms,
-                topics=self._group_topics[group],
-                claim_group=group,
+                slots = functools.partial(route_groups.slots_left, dialect, group, max_in_flight)
+            stmt = store.claim_for_group(
+                dialect, group=group, topics=topics, claim_ms=self.claim_ms, slots=slots
             )
         self._statements_cache[key] = stmt
         return stmt
 
-    def _due_query(self, group: str) -> sa.Select[Any]:
-        t = outbox_table
-        return sa.select(t.c.id).where(outbox.due_clause(), t.c.topic.in_(self._group_topics[group])).limit(1)
-
     def _due_exists(self, conn: sa.Connection, group: str) -> bool:
-        return conn.execute(self._due_query(group)).first() is not None
+        return conn.execute(store.due_in(self._group_topics[group])).first() is not None
 
     def _expire(self, conn: sa.Connection, topics: list[str], report: DispatchReport) -> None:
         """Dead-letter due rows of ``topics`` whose route's dedupe_window has passed (one UPDATE per
@@ -1472,7 +1194,10 @@ SELECT 'group', NULL, NULL, NULL, NULL, NULL, NULL, NULL::timestamptz, NULL::tim
             scoped = [t for t in window_topics if t in allowed]
             if not scoped:
                 continue
-            stmt = expire_statement(topics=scoped, window_ms=window_ms, margin_ms=margin_ms)
+            reason = decisions.dedupe_window_reason(window_ms / 1000)
+            stmt = store.expire_past_window(
+                topics=scoped, window_ms=window_ms, margin_ms=margin_ms, reason=reason
+            )
             for r in conn.execute(stmt):
                 report.dead += 1
                 report.expired += 1
@@ -1751,9 +1476,6 @@ SELECT 'group', NULL, NULL, NULL, NULL, NULL, NULL, NULL::timestamptz, NULL::tim
         """The fenced UPDATEs for ``finished``: ``(statement, parameters, returns ids)``. Sent rows with one
         status code share one statement (the usual case: the whole group in one), built once per dialect
         and bound per call; retries, dead rows and released claims carry their own values."""
-        t = outbox_table
-        fence = (t.c.claim_token == token, t.c.status == outbox.OutboxStatus.PENDING.value)
-        cleared = {"claim_token": None, "claim_expires_at": None, "claim_group": None, "updated_at": db_now()}
         sent: dict[int | None, list[int]] = {}
         statements: list[tuple[sa.Executable, dict[str, Any] | None, bool]] = []
         released: list[_Claimed] = []
@@ -1762,45 +1484,37 @@ SELECT 'group', NULL, NULL, NULL, NULL, NULL, NULL, NULL::timestamptz, NULL::tim
                 released.append(row)
             elif decision.outcome is policy.Outcome.SENT:
                 sent.setdefault(decision.status_code, []).append(row.id)
+            elif decision.outcome is policy.Outcome.RETRY:
+                hold_ms = self._hold_ms(row, decision)
+                # A timed-out request keeps its slot for a grace: the downstream may still be working on it.
+                stmt = store.record_retry(
+                    row.id,
+                    token,
+                    status_code=decision.status_code,
+                    reason=decision.reason,
+                    delay_ms=decision.delay_ms,
+                    deferred=decision.deferred,
+                    hold=(row.group, hold_ms) if hold_ms and row.group is not None else None,
+                )
+                statements.append((stmt, None, True))
             else:
-                values: dict[str, Any] = {**cleared, "last_status": decision.status_code}
-                if decision.outcome is policy.Outcome.RETRY:
-                    values.update(
-                        next_attempt_at=db_now_plus_ms(sa.literal(decision.delay_ms, sa.BigInteger())),
-                        last_error=decision.reason,
-                    )
-                    hold_ms = self._hold_ms(row, decision)
-                    if hold_ms:
-                        # The downstream may still be working on the timed-out request: its slot stays
-                        # counted (an unexpired claim of the group without a token) for the grace.
-                        values.update(
-                            claim_group=row.group,
-                            claim_expires_at=db_now_plus_ms(sa.literal(hold_ms, sa.BigInteger())),
-                        )
-                    if decision.deferred:
-                        # A Retry-After pause: the attempt is not counted against max_attempts.
-                        values.update(attempts=t.c.attempts - 1, deferrals=t.c.deferrals + 1)
-                else:
-                    values.update(status=outbox.OutboxStatus.DEAD.value, last_error=decision.reason)
-                    if decision.unsent:
-                        values.update(attempts=t.c.attempts - 1)  # never sent: the claim's count is undone
-                stmt = sa.update(t).where(t.c.id == row.id, *fence).values(**values).returning(t.c.id)
+                stmt = store.record_dead(
+                    row.id,
+                    token,
+                    status_code=decision.status_code,
+                    reason=decision.reason,
+                    unsent=decision.unsent,
+                )
                 statements.append((stmt, None, True))
         if sent:
-            mark_sent = sent_statement(self.engine.dialect.name)
+            mark_sent = store.mark_sent(self.engine.dialect.name)
             for status_code, ids in sent.items():
                 statements.append((mark_sent, {"ids": ids, "token": token, "status_code": status_code}, True))
-        if released:
-            # Given back undelivered: the attempt the claim counted is taken back too, and so is the first
-            # attempt's time it stamped (the downstream never saw the row: its dedupe_window has not begun).
-            for ids, first in (
-                ([r.id for r in released if not r.stamped], {}),
-                ([r.id for r in released if r.stamped], {"first_attempt_at": None}),
-            ):
-                if ids:
-                    give_back = sa.update(t).where(t.c.id.in_(ids), *fence)
-                    values = {**cleared, "attempts": t.c.attempts - 1, **first}
-                    statements.append((give_back.values(**values), None, False))
+        for stamped in (False, True):
+            # Given back undelivered: the claim's attempt (and a first-attempt time it stamped) is undone.
+            back = [r.id for r in released if r.stamped is stamped]
+            if back:
+                statements.append((store.give_back(back, token, stamped=stamped), None, False))
         return statements
 
     def _hold_ms(self, row: _Claimed, decision: policy.Decision) -> int:
