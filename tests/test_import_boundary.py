@@ -86,3 +86,14 @@ def test_the_core_and_the_inbox_middleware_do_not_import_the_receivers_server() 
     )
     out = subprocess.run([sys.executable, "-c", program], capture_output=True, text=True, check=True)
     assert json.loads(out.stdout) == []
+
+
+def test_the_dagster_layer_holds_no_statement_on_the_joblease_tables() -> None:
+    """Each table's statements live in its store module (storage/*.py): no module of the Dagster layer
+    (the demo included) names a joblease table; it calls the store's functions instead."""
+    tables = ("lease_table", "outbox_table", "inbox_table", "route_group_table")
+    offenders = {
+        str(path.relative_to(PACKAGE_DIR)): [t for t in tables if t in path.read_text(encoding="utf-8")]
+        for path in sorted((PACKAGE_DIR / "dagster").rglob("*.py"))
+    }
+    assert {path: found for path, found in offenders.items() if found} == {}

@@ -45,8 +45,8 @@ import click
 import sqlalchemy as sa
 
 from dagster_joblease import identity
-from dagster_joblease.storage import create_engine, migrate
-from dagster_joblease.storage.schema import any_status, lease_table, outbox_table
+from dagster_joblease.storage import create_engine, leases, migrate
+from dagster_joblease.storage import outbox as outbox_rows
 
 __all__ = ["DemoReport", "demo_command", "demo_ui_command", "run_demo", "ui_command"]
 
@@ -392,22 +392,14 @@ def _launch_schedule_tick(
 
 def _outbox_rows(engine: sa.Engine) -> int:
     with engine.connect() as conn:
-        return int(
-            conn.execute(
-                sa.select(sa.func.count()).select_from(outbox_table).where(outbox_table.c.topic == TOPIC)
-            ).scalar_one()
-        )
+        return outbox_rows.topic_count(conn, TOPIC)
 
 
 def _lease_states(engine: sa.Engine, days: Sequence[str]) -> dict[str, str]:
-    t = lease_table
+    """Each day's lease status (days without a row are absent)."""
+    lock_keys = {identity.JobIdentity.schedule(BILLING_CODE, day).idempotency_key: day for day in days}
     with engine.connect() as conn:
-        rows = conn.execute(
-            sa.select(t.c.run_key, t.c.status).where(
-                t.c.code == BILLING_CODE, t.c.run_key.in_(days), any_status()
-            )
-        ).all()
-    return {str(k): str(s) for k, s in rows}
+        return {day: state.status for day, state in leases.states_of(conn, lock_keys).items()}
 
 
 def run_demo(

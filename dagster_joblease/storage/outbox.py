@@ -267,6 +267,12 @@ def pending_total(conn: sa.Connection) -> int:
     return int(conn.execute(sa.select(sa.func.count()).select_from(_t).where(_PENDING)).scalar_one())
 
 
+def topic_count(conn: sa.Connection, topic: str) -> int:
+    """Rows of ``topic``, any status."""
+    stmt = sa.select(sa.func.count()).select_from(_t).where(_t.c.topic == topic)
+    return int(conn.execute(stmt).scalar_one())
+
+
 def dead_count(conn: sa.Connection, topics: Sequence[str] | None) -> int:
     """Rows of ``topics`` (None: all) parked DEAD."""
     stmt = sa.select(sa.func.count()).select_from(_t).where(_DEAD, _routed(topics))
