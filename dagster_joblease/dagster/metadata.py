@@ -80,6 +80,7 @@ from typing import Any
 import dagster as dg
 
 from dagster_joblease import identity
+from dagster_joblease.waiting import Outcome
 
 __all__ = [
     "DONE_OUTCOMES",
@@ -147,13 +148,19 @@ __all__ = [
 
 # ---- Outcomes --------------------------------------------------------------------------------------------
 
-WON = "won"  #: this run claimed the key first and did it
-RECLAIMED = "reclaimed"  #: this run took over after a failed, expired or dead holder, and did it
-SKIPPED_SUCCEEDED = "skipped-succeeded"  #: another run already did it (see joblease/winner)
-HELD = "held"  #: a live holder still had it when the wait ended: this run failed, retryably
-FAILED = "failed"  #: this run's body raised (or it was interrupted): the lease is FAIL, retryable
-LOST = "lost"  #: this run lost its lease (reclaimed from under it, or it was killed)
-NOT_ATTEMPTED = "not-attempted"  #: this run never held the key (a range stopped, or terminated first)
+# The wait engine's outcomes (dagster_joblease.waiting.Outcome), as the step records them.
+WON: str = Outcome.WON.value  #: this run claimed the key first and did it
+RECLAIMED: str = (
+    Outcome.RECLAIMED.value
+)  #: this run took over after a failed, expired or dead holder, and did it
+SKIPPED_SUCCEEDED: str = Outcome.SKIPPED_SUCCEEDED.value  #: another run already did it (see joblease/winner)
+HELD: str = Outcome.HELD.value  #: a live holder still had it when the wait ended: this run failed, retryably
+#: this run held the key and its body raised (or it was interrupted): the lease is FAIL, retryable
+FAILED: str = Outcome.FAILED.value
+LOST: str = Outcome.LOST.value  #: this run lost its lease (reclaimed from under it, or it was killed)
+#: this run never held the key (a range stopped; or terminated, or its database failed, while it claimed
+#: or waited for another holder, whose lease stays RUNNING)
+NOT_ATTEMPTED: str = Outcome.NOT_ATTEMPTED.value
 NOT_RUN = "not-run"  #: the run's leased step never ran (written by the reconciliation side)
 PENDING = "pending"  #: the leased step has not finished yet (or the run died before it could say)
 

@@ -39,14 +39,17 @@ reconciliation sensor can redo them. Dagster's run termination (``DagsterExecuti
 stops the range at once: the current key's lease is released, the rest are ``not-attempted``, and what
 this run did is recorded (an asset's materializations yielded) before the interrupt is re-raised. A
 SIGKILL cannot be covered from inside the run: reconciliation repairs it from the lease table.
+
+The claiming, waiting, taking over and every key's outcome are the core's wait engine
+(:mod:`dagster_joblease.waiting`, no Dagster in it), used by single, per-key and batch runs alike; this module
+gives it the body, the Dagster side of a dead holder (its run finished; its tags then say ``lost``) and the
+step's log, and records what it reports.
 """
 
 from __future__ import annotations
 
 import contextlib
 import dataclasses
-import enum
-import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any, TypeVar, cast
 
@@ -56,12 +59,10 @@ from dagster import AssetExecutionContext, OpExecutionContext
 from dagster._core.events import EngineEventData  # the per-op truth: a step engine event with metadata
 
 from dagster_joblease import batch as batch_leases
-from dagster_joblease import errors, identity, lease, options, outbox, staleness
+from dagster_joblease import errors, identity, lease, options, outbox, waiting
 from dagster_joblease.dagster import holders, metadata
 from dagster_joblease.dagster.key_context import KeyContext
 from dagster_joblease.dagster.resource import JobLeaseResource, check_held_wait_ms
-from dagster_joblease.storage import leases as leases_store
-from dagster_joblease.storage.engine import translate_errors
 
 __all__ = [
     "DEFAULT_MAX_FAILURES_IN_A_ROW",
@@ -80,8 +81,6 @@ DEFAULT_MAX_FAILURES_IN_A_ROW = 3
 AnyContext = dg.OpExecutionContext | dg.AssetExecutionContext
 F = TypeVar("F", bound=Callable[..., Any])
 EPHEMERAL_RUN_ID = "EPHEMERAL"
-_FIRST_POLL_S = 0.05
-_MAX_POLL_S = 1.0
 #: A range logs one line per key up to this many keys, then a summary.
 _LOG_KEYS = 50
 _SETTLE_ROUNDS = 10
@@ -156,25 +155,6 @@ def _op_context(context: AnyContext) -> dg.OpExecutionContext:
     if isinstance(context, dg.AssetExecutionContext):
         return context.op_execution_context
     return context
-
-
-@dataclasses.dataclass(frozen=True)
-class _Row:
-    """A lease row as a waiter sees it; ages and time left are measured on the database clock."""
-
-    status: str
-    attempt: int
-    owner_token: str = dataclasses.field(repr=False)  # a fencing capability: never in a repr
-    holder: str | None
-    heartbeat_age_ms: int
-    remaining_ms: int
-    heartbeat_ms: int | None  #: the holder's recorded interval (None: a row from before migration 0002)
-
-
-def _read_row(engine: sa.Engine, key: str) -> _Row | None:
-    with translate_errors("read a lease"), engine.connect() as connection:
-        row = leases_store.waiter_view(connection, key)
-    return None if row is None else _Row(*row)
 
 
 def _partition_keys(context: dg.OpExecutionContext, code: str, initial: bool) -> list[str | None]:
@@ -362,28 +342,20 @@ def settle_run_tags(instance: dg.DagsterInstance, run_id: str) -> dict[str, str]
 
 @dataclasses.dataclass
 class _Step:
-    """What every key of one leased step shares."""
+    """What every key of one leased step shares: the Dagster side, and the engine's :class:`Wait`."""
 
     context: dg.OpExecutionContext
     resource: JobLeaseResource
-    service: lease.LeaseService
     fn: Callable[[LeasedRun], Any]
-    timing: options.LeaseTiming
-    held_wait_ms: int
-    holder: str | None
     run_id: str | None
-    max_failures_in_a_row: int = DEFAULT_MAX_FAILURES_IN_A_ROW
+    wait: waiting.Wait
     #: a range run: each key's body sees a :class:`KeyContext` (its own partition), not the range's
     ranged: bool = False
     partitions_def: dg.PartitionsDefinition | None = None
-    #: the key an interrupt stopped, with its result (set just before the interrupt is re-raised)
-    interrupted: metadata.LeasedResult | None = None
 
-    def stale_ms(self, row: _Row) -> int | None:
-        """A finished run's holder is dead once its heartbeat is older than two of *its* intervals
-        (recorded on its row; None: it never heartbeats, only expiry frees it). A row from before
-        migration 0002 keeps the old rule: two of this step's intervals."""
-        return staleness.stale_after_ms(row.heartbeat_ms, legacy_ms=2 * self.timing.heartbeat_ms)
+    @property
+    def holder(self) -> str | None:
+        return self.wait.holder
 
 
 def _key_context(step: _Step, run_key: str | None) -> dg.OpExecutionContext:
@@ -399,7 +371,7 @@ def _winner_run_id(holder: str | None) -> str | None:
     return None if decoded is None else decoded.run_id
 
 
-def _tag_dead_holder_run(instance: dg.DagsterInstance, row: _Row, reason: str) -> None:
+def _tag_dead_holder_run(instance: dg.DagsterInstance, row: waiting.Row, reason: str) -> None:
     """A SIGKILLed run cannot record its own end: the run that took its lease says ``lost`` for it.
 
     It logs, in the dead run's event log, a step record for each of the dead run's leased steps that never
@@ -441,8 +413,23 @@ def _tag_dead_holder_run(instance: dg.DagsterInstance, row: _Row, reason: str) -
     settle_run_tags(instance, run_id)
 
 
-def _error_text(exc: BaseException) -> str:
-    return f"{type(exc).__name__}: {exc}"
+class _DagsterWatcher:
+    """What the wait engine asks Dagster: is a holder's run finished, where to say a dead run was taken
+    over (its own event log and tags), and the step's log."""
+
+    def __init__(self, context: dg.OpExecutionContext) -> None:
+        self.context = context
+        self.log: waiting.Log = context.log
+
+    def dead_because(self, holder: str | None) -> str | None:
+        instance = self.context.instance
+        if not holders.holder_run_finished(instance, holder):
+            return None
+        status = holders.holder_run_status(instance, holder)
+        return f"its Dagster run is {status.value if status else 'finished'}"
+
+    def took_over(self, job: identity.JobIdentity, row: waiting.Row, reason: str) -> None:
+        _tag_dead_holder_run(self.context.instance, row, reason)
 
 
 def _plain_result(
@@ -460,213 +447,29 @@ def _plain_result(
     )
 
 
-def _take_over_if_dead(step: _Step, job: identity.JobIdentity, row: _Row) -> bool:
-    """A ``RUNNING`` row whose holder's Dagster run is finished and whose heartbeat is stale (by the
-    holder's own interval): fail it now so it can be reclaimed. True if the caller should claim again."""
-    stale_ms = step.stale_ms(row)
-    if not (
-        stale_ms is not None
-        and staleness.is_stale(row.heartbeat_age_ms, stale_ms)
-        and holders.holder_run_finished(step.context.instance, row.holder)
-    ):
-        return False
-    status = holders.holder_run_status(step.context.instance, row.holder)
-    reason = (
-        f"attempt {row.attempt}: holder {row.holder} is dead (its Dagster run is "
-        f"{status.value if status else 'finished'} and its last heartbeat was "
-        f"{row.heartbeat_age_ms} ms ago); taken over by run {step.run_id or step.holder}"
+def _leased_result(
+    step: _Step, key: waiting.KeyOutcome, outbox_flags: Sequence[bool]
+) -> metadata.LeasedResult:
+    """The engine's outcome of one key as the step records it (with its outbox result and winner run)."""
+    job = key.job
+    if key.outcome in (waiting.Outcome.WON, waiting.Outcome.RECLAIMED):
+        winner = step.run_id
+    elif key.outcome is waiting.Outcome.SKIPPED_SUCCEEDED:
+        winner = _winner_run_id(key.holder)
+    else:
+        winner = None
+    return metadata.LeasedResult(
+        code=job.code,
+        partition_key=job.run_key,
+        idempotency_key=job.idempotency_key,
+        outcome=key.outcome.value,
+        attempt=key.attempt,
+        outbox=metadata.outbox_label(outbox_flags),
+        result=key.result,
+        holder=key.holder,
+        winner_run_id=winner,
+        error=key.error,
     )
-    if step.service.fail_dead_holder(
-        job, attempt=row.attempt, owner_token=row.owner_token, stale_ms=stale_ms, reason=reason
-    ):
-        step.context.log.warning(f"joblease {job}: {reason}")
-        _tag_dead_holder_run(step.context.instance, row, reason)
-    return True  # reclaim it now (or see who did)
-
-
-def _held_error(step: _Step, job: identity.JobIdentity, row: _Row | None) -> str:
-    if row is None or row.status != lease.LeaseStatus.RUNNING.value:
-        return (
-            f"partition {job.run_key or '(initial)'} of code {job.code!r} could not be claimed "
-            f"within {step.held_wait_ms} ms; retry later"
-        )
-    return (
-        f"partition {job.run_key or '(initial)'} of code {job.code!r} is still held by "
-        f"{row.holder} (attempt {row.attempt}, {max(row.remaining_ms, 0)} ms left on its lease) "
-        f"after waiting {step.held_wait_ms} ms; retry later"
-    )
-
-
-class _Backoff:
-    """The waiter's pacing: polls from 50 ms doubling to 1 s, never past the deadline; one log line."""
-
-    def __init__(self) -> None:
-        self.delay = _FIRST_POLL_S
-        self.announced = False
-
-    def announce(self, step: _Step, message: str) -> None:
-        if not self.announced:
-            self.announced = True
-            step.context.log.info(message)
-
-    def sleep(self, deadline: float) -> None:
-        time.sleep(max(0.0, min(self.delay, deadline - time.monotonic())))
-        self.delay = min(self.delay * 2, _MAX_POLL_S)
-
-
-@dataclasses.dataclass
-class _Key:
-    """One key of a per-key step being settled: the body's :class:`LeasedRun`, once it was called."""
-
-    step: _Step
-    job: identity.JobIdentity
-    run: LeasedRun | None = None
-
-    def body(self, held: lease.Lease) -> Any:
-        run_key = self.job.run_key
-        self.run = LeasedRun(_key_context(self.step, run_key), self.step.resource, held, run_key)
-        return self.step.fn(self.run)
-
-    def result(self, outcome: str, attempt: int | None, **extra: Any) -> metadata.LeasedResult:
-        return metadata.LeasedResult(
-            code=self.job.code,
-            partition_key=self.job.run_key,
-            idempotency_key=self.job.idempotency_key,
-            outcome=outcome,
-            attempt=attempt,
-            outbox=metadata.outbox_label(self.run.enqueued if self.run else []),
-            **extra,
-        )
-
-    def done(self, held: lease.Lease, **extra: Any) -> metadata.LeasedResult:
-        """This run did the key (a first claim, or a reclaim)."""
-        outcome = metadata.RECLAIMED if held.reclaimed else metadata.WON
-        return self.result(
-            outcome, held.attempt, holder=self.step.holder, winner_run_id=self.step.run_id, **extra
-        )
-
-    def row_now(self) -> _Row | None:
-        try:
-            return _read_row(self.step.resource.engine, self.job.idempotency_key)
-        except errors.StorageError:
-            return None
-
-    def attempt_so_far(self) -> int | None:
-        if self.run is not None:
-            return self.run.lease.attempt
-        row = self.row_now()
-        return None if row is None else row.attempt
-
-    def failed(self, outcome: str, exc: BaseException) -> _KeyError:
-        return _KeyError(
-            self.result(outcome, self.attempt_so_far(), holder=self.step.holder, error=_error_text(exc))
-        )
-
-    def interrupted(self, exc: BaseException) -> metadata.LeasedResult:
-        """A termination inside ``run_exclusive`` (which released the lease): done if the lease was
-        completed first; ``not-attempted`` if the body never ran; else ``failed`` (released for a retry)."""
-        name = type(exc).__name__
-        if self.run is None:
-            return _plain_result(
-                self.job, metadata.NOT_ATTEMPTED, error=f"interrupted by {name} before the body ran"
-            )
-        row = self.row_now()
-        if row is not None and row.status == lease.LeaseStatus.SUCCESS.value:
-            if row.owner_token == self.run.lease.owner_token:  # the interrupt came after completion
-                return self.done(self.run.lease)
-        error = f"interrupted by {name}; the lease was released"
-        return self.result(metadata.FAILED, self.run.lease.attempt, holder=self.step.holder, error=error)
-
-    def claim(self) -> metadata.LeasedResult | None:
-        """Claim the key and run the body: its result, or None when another holder has it."""
-        step = self.step
-        try:
-            outcome = step.service.run_exclusive(
-                self.job, self.body, lease_ms=step.timing.lease_ms, heartbeat_ms=step.timing.heartbeat_ms
-            )
-        except errors.LostLeaseError as exc:
-            raise self.failed(metadata.LOST, exc) from exc
-        except Exception as exc:
-            raise self.failed(metadata.FAILED, exc) from exc
-        except BaseException as exc:  # Dagster's run termination: run_exclusive released the lease
-            step.interrupted = self.interrupted(exc)
-            raise
-        if outcome.lease is None:
-            return None
-        return self.done(outcome.lease, result=outcome.result)
-
-
-class Next(enum.Enum):
-    """What a waiter does with a key after a refused claim (see :func:`after_refusal`)."""
-
-    SKIP = "skip"  #: another holder completed it: a recorded skip
-    RETRY = "retry"  #: its dead holder was just failed: claim again at once
-    WAIT = "wait"  #: a live holder (or a lost race) and time left: wait, then claim again
-    HELD = "held"  #: the wait is over and it is still not ours: ``held``
-
-
-def after_refusal(status: str | None, *, took_over: bool, past_deadline: bool) -> Next:
-    """The decision after a refused claim, from the row's status as read (None: no row), whether its
-    holder was found dead and failed (``took_over``), and whether the bounded wait has ended."""
-    if status == lease.LeaseStatus.SUCCESS.value:
-        return Next.SKIP
-    if took_over:
-        return Next.RETRY
-    return Next.HELD if past_deadline else Next.WAIT
-
-
-def _refused_key(key: _Key, row: _Row | None, deadline: float) -> metadata.LeasedResult | Next:
-    """After a refused claim: the key's result (skipped, or held once the wait is over), or what to do
-    next (:attr:`Next.RETRY` or :attr:`Next.WAIT`)."""
-    step, job = key.step, key.job
-    running = row is not None and row.status == lease.LeaseStatus.RUNNING.value
-    took_over = running and row is not None and _take_over_if_dead(step, job, row)
-    status = None if row is None else row.status
-    decided = after_refusal(status, took_over=took_over, past_deadline=time.monotonic() >= deadline)
-    if decided is Next.SKIP and row is not None:
-        winner = _winner_run_id(row.holder)
-        return key.result(metadata.SKIPPED_SUCCEEDED, row.attempt, holder=row.holder, winner_run_id=winner)
-    if decided is not Next.HELD:
-        return decided
-    holder = row.holder if running and row is not None else None
-    return key.result(
-        metadata.HELD, row.attempt if row else None, holder=holder, error=_held_error(step, job, row)
-    )
-
-
-def _run_key(step: _Step, job: identity.JobIdentity, deadline: float) -> metadata.LeasedResult:
-    """Settle one key: its result, or the body's exception (re-raised after :class:`_KeyError` records it).
-
-    A key a live holder has is claimed again until ``deadline`` (then ``held``); one whose holder is dead
-    is taken over at once. An interrupt while waiting leaves the key ``not-attempted`` (see
-    :func:`_settle_per_key`)."""
-    key = _Key(step, job)
-    backoff = _Backoff()
-    while True:
-        done = key.claim()
-        if done is not None:
-            return done
-        row = _read_row(step.resource.engine, job.idempotency_key)
-        settled = _refused_key(key, row, deadline)
-        if isinstance(settled, metadata.LeasedResult):
-            return settled
-        if settled is Next.RETRY:
-            continue
-        if row is not None and row.status == lease.LeaseStatus.RUNNING.value:
-            backoff.announce(
-                step,
-                f"joblease {job}: held by {row.holder} (attempt {row.attempt}); waiting up to "
-                f"{step.held_wait_ms} ms for it to finish",
-            )
-        backoff.sleep(deadline)
-
-
-class _KeyError(Exception):
-    """One key's body or lease handling raised; carries that key's recorded result (failed or lost)."""
-
-    def __init__(self, result: metadata.LeasedResult) -> None:
-        super().__init__(result.error)
-        self.result = result
 
 
 @dataclasses.dataclass
@@ -685,62 +488,22 @@ class _Settled:
 
 
 def _settle_per_key(step: _Step, jobs: Sequence[identity.JobIdentity]) -> _Settled:
-    """Per-key mode: the body once per key; held keys waited for together at the end (one wait)."""
-    results: list[metadata.LeasedResult | None] = [None] * len(jobs)
-    settled = _Settled([])
-    in_a_row = 0
-    started = time.monotonic()
+    """Per-key mode (and a single partition): the engine calls the body once per key won."""
+    runs: dict[str, LeasedRun] = {}
 
-    def attempt(i: int, deadline: float) -> bool:
-        """Try key ``i``; False when the range must stop (an interrupt, or failures repeating)."""
-        nonlocal in_a_row
-        job = jobs[i]
-        try:
-            results[i] = _run_key(step, job, deadline)
-        except _KeyError as exc:
-            results[i] = exc.result
-            settled.error = settled.error or exc.__cause__ or exc
-            in_a_row += 1
-        except Exception as exc:  # outside the body, e.g. the database went away while waiting
-            results[i] = _plain_result(job, metadata.FAILED, holder=step.holder, error=_error_text(exc))
-            settled.error = settled.error or exc
-            in_a_row += 1
-        except BaseException as exc:  # outside the body's claim (e.g. waiting for a holder): never held
-            interrupted = step.interrupted or _plain_result(
-                job,
-                metadata.NOT_ATTEMPTED,
-                error=f"interrupted by {type(exc).__name__} before this run held the key",
-            )
-            results[i] = interrupted
-            settled.interrupt = exc
-            return False
-        else:
-            if results[i] is not None and results[i].done:  # type: ignore[union-attr]
-                in_a_row = 0
-        if in_a_row >= step.max_failures_in_a_row:
-            step.context.log.error(
-                f"joblease: {in_a_row} keys failed one after the other (max_failures_in_a_row="
-                f"{step.max_failures_in_a_row}); the range stops here and the keys after "
-                f"{job.run_key} are not attempted"
-            )
-            return False
-        return True
+    def body(held: lease.Lease) -> Any:
+        run_key = held.identity.run_key
+        run = runs[held.idempotency_key] = LeasedRun(
+            _key_context(step, run_key), step.resource, held, run_key
+        )
+        return step.fn(run)
 
-    go_on = True
-    for i in range(len(jobs)):
-        if not attempt(i, deadline=started):  # first pass: no waiting for live holders
-            go_on = False
-            break
-    if go_on and step.held_wait_ms > 0:
-        deadline = started + step.held_wait_ms / 1000
-        for i, r in enumerate(results):
-            if r is not None and r.outcome == metadata.HELD and not attempt(i, deadline):
-                break
-    settled.results = [
-        r if r is not None else _plain_result(job, metadata.NOT_ATTEMPTED)
-        for r, job in zip(results, jobs, strict=True)
+    report = waiting.settle_each(step.wait, jobs, body)
+    results = [
+        _leased_result(step, key, runs[key.job.idempotency_key].enqueued if key.lease is not None else [])
+        for key in report.outcomes
     ]
-    return settled
+    return _Settled(results, report.error, report.interrupt)
 
 
 class LeasedBatch:
@@ -806,218 +569,30 @@ class LeasedBatch:
         return inserted
 
 
-def _batch_result(
-    step: _Step, held: lease.Lease, outcome: str, *, enqueued: Mapping[str, bool], **extra: Any
-) -> metadata.LeasedResult:
-    job = held.identity
-    flags = [enqueued[held.idempotency_key]] if held.idempotency_key in enqueued else []
-    return metadata.LeasedResult(
-        code=job.code,
-        partition_key=job.run_key,
-        idempotency_key=job.idempotency_key,
-        outcome=outcome,
-        attempt=held.attempt,
-        outbox=metadata.outbox_label(flags),
-        holder=step.holder,
-        **extra,
-    )
-
-
-def _refused_set_result(step: _Step, held: lease.Lease, exc: errors.LostLeaseError) -> metadata.LeasedResult:
-    """A key of a set whose fenced transaction was refused: ``lost`` if it was taken over, else ``failed``
-    (this run failed it with the rest of the set, for a retry). Nothing of the set was written."""
-    lost_keys = exc.lost_keys if isinstance(exc, errors.LostBatchLeaseError) else None
-    if lost_keys is None or held.idempotency_key in lost_keys:
-        return _batch_result(step, held, metadata.LOST, enqueued={}, error=_error_text(exc))
-    error = f"failed by this run with its set: another key of the set was lost ({_error_text(exc)})"
-    return _batch_result(step, held, metadata.FAILED, enqueued={}, error=error)
-
-
-def _call_batch(
-    step: _Step, won: Sequence[lease.Lease], results: dict[str, metadata.LeasedResult], settled: _Settled
-) -> bool:
-    """Call the body with the set ``won``; record every key of it. False when the range must stop."""
-    run = LeasedBatch(step.context, step.resource, step.service, won)
-    try:
-        with batch_leases.BatchHeartbeat(step.service, won, heartbeat_ms=step.timing.heartbeat_ms):
-            value = step.fn(run)  # type: ignore[arg-type]
-    except errors.LostLeaseError as exc:  # the set's fenced transaction refused (and failed the set)
-        for x in won:
-            results[x.idempotency_key] = _refused_set_result(step, x, exc)
-        settled.error = settled.error or exc
-        return False
-    except Exception as exc:
-        try:
-            write = batch_leases.fail_many(step.service, won, exc)
-            lost = {x.idempotency_key for x in write.lost}
-        except errors.JobLeaseError as failure:  # the leases then expire; the body's error is the news
-            step.context.log.warning(
-                f"joblease: could not record the failure of {len(won)} leases: {failure}"
-            )
-            lost = set()
-        for x in won:
-            outcome = metadata.LOST if x.idempotency_key in lost else metadata.FAILED
-            results[x.idempotency_key] = _batch_result(
-                step, x, outcome, enqueued=run.enqueued, error=_error_text(exc)
-            )
-        settled.error = settled.error or exc
-        return False
-    except BaseException as exc:  # Dagster's run termination: give the set back for a retry at once
-        with contextlib.suppress(errors.JobLeaseError):
-            batch_leases.release_many(step.service, won, f"released: interrupted by {type(exc).__name__}")
-        for x in won:
-            results[x.idempotency_key] = _batch_result(
-                step,
-                x,
-                metadata.FAILED,
-                enqueued=run.enqueued,
-                error=f"interrupted by {type(exc).__name__}; the lease was released",
-            )
-        settled.interrupt = exc
-        return False
-    write = batch_leases.complete_many(step.service, won)
-    lost = {x.idempotency_key for x in write.lost}
-    for x in won:
-        if x.idempotency_key in lost:
-            results[x.idempotency_key] = _batch_result(
-                step,
-                x,
-                metadata.LOST,
-                enqueued=run.enqueued,
-                error="LostLeaseError: the lease was taken over before the set completed",
-            )
-        else:
-            results[x.idempotency_key] = _batch_result(
-                step,
-                x,
-                metadata.RECLAIMED if x.reclaimed else metadata.WON,
-                enqueued=run.enqueued,
-                result=value,
-                winner_run_id=step.run_id,
-            )
-    return True
-
-
-def _skipped(refused: batch_leases.KeyClaim) -> metadata.LeasedResult:
-    job = refused.identity
-    return metadata.LeasedResult(
-        code=job.code,
-        partition_key=job.run_key,
-        idempotency_key=job.idempotency_key,
-        outcome=metadata.SKIPPED_SUCCEEDED,
-        attempt=refused.attempt,
-        outbox=metadata.OUTBOX_NOT_ENQUEUED,
-        holder=refused.holder,
-        winner_run_id=_winner_run_id(refused.holder),
-    )
-
-
-def _claim_round(
-    step: _Step,
-    pending: Sequence[identity.JobIdentity],
-    results: dict[str, metadata.LeasedResult],
-    settled: _Settled,
-) -> tuple[list[identity.JobIdentity], bool]:
-    """Claim every pending key (in chunks) and call the body with each chunk's keys won; keys already
-    succeeded are recorded skips. The keys still held by another, and False when the range must stop."""
-    waiting: list[identity.JobIdentity] = []
-    for start in range(0, len(pending), batch_leases.MAX_BATCH_KEYS):
-        chunk = pending[start : start + batch_leases.MAX_BATCH_KEYS]
-        claim = batch_leases.claim_many(
-            step.service, chunk, lease_ms=step.timing.lease_ms, heartbeat_ms=step.timing.heartbeat_ms
-        )
-        for refused in claim.refused:
-            if refused.reason is lease.NotAcquiredReason.SUCCEEDED:
-                results[refused.identity.idempotency_key] = _skipped(refused)
-            else:
-                waiting.append(refused.identity)
-        if claim.leases and not _call_batch(step, claim.leases, results, settled):
-            return waiting, False
-    return waiting, True
-
-
-def _take_over_dead_holders(step: _Step, waiting: Sequence[identity.JobIdentity]) -> bool:
-    """Fail the leases of the waited-for keys whose holder is dead; True if any should be claimed now."""
-    retry_now = False
-    for job in waiting:
-        row = _read_row(step.resource.engine, job.idempotency_key)
-        if row is not None and row.status == lease.LeaseStatus.RUNNING.value:
-            retry_now = _take_over_if_dead(step, job, row) or retry_now
-    return retry_now
-
-
-def _batch_rounds(
-    step: _Step,
-    jobs: Sequence[identity.JobIdentity],
-    results: dict[str, metadata.LeasedResult],
-    settled: _Settled,
-) -> tuple[list[identity.JobIdentity], bool]:
-    """Claim rounds until every key is settled, the range must stop, or a round that began after the
-    bounded wait ended still finds keys held (so a key freed while a long call ran is looked at once
-    more). The keys still held, and whether the range went on."""
-    deadline = time.monotonic() + step.held_wait_ms / 1000
-    backoff = _Backoff()
-    pending = list(jobs)
-    while True:
-        began = time.monotonic()
-        pending, go_on = _claim_round(step, pending, results, settled)
-        if not go_on or not pending:
-            return pending, go_on
-        retry_now = _take_over_dead_holders(step, pending)
-        if began >= deadline and not retry_now:
-            return pending, True
-        if not retry_now:
-            backoff.announce(
-                step,
-                f"joblease: {len(pending)} keys are held by another holder; waiting up to "
-                f"{step.held_wait_ms} ms for them (the keys won then go to a further call)",
-            )
-            backoff.sleep(deadline)
-
-
-def _held_result(step: _Step, job: identity.JobIdentity) -> metadata.LeasedResult:
-    row = None
-    with contextlib.suppress(errors.StorageError):
-        row = _read_row(step.resource.engine, job.idempotency_key)
-    return _plain_result(
-        job, metadata.HELD, holder=row.holder if row else None, error=_held_error(step, job, row)
-    )
-
-
-def _stopped_while_waiting(job: identity.JobIdentity, exc: BaseException) -> metadata.LeasedResult:
-    """A key this run did not get to before an error or an interrupt ended the range."""
-    if isinstance(exc, Exception):  # e.g. the database went away while waiting: not done, retryable
-        return _plain_result(job, metadata.FAILED, error=_error_text(exc))
-    return _plain_result(
-        job, metadata.NOT_ATTEMPTED, error=f"interrupted by {type(exc).__name__} before this run held it"
-    )
-
-
 def _settle_batch(step: _Step, jobs: Sequence[identity.JobIdentity]) -> _Settled:
-    """Batch mode: claim every key in one statement, call the body once with the keys won; keys held by a
-    live holder are claimed again until the bounded wait ends, and the keys won then go to a further
-    call. Keys already succeeded are skipped. Ranges above the batch size are claimed in chunks. An
-    error or an interrupt while waiting keeps what was done: every key ends with its true outcome."""
-    results: dict[str, metadata.LeasedResult] = {}
-    settled = _Settled([])
-    held: list[identity.JobIdentity] = []
-    stopped: BaseException | None = None
-    try:
-        held, go_on = _batch_rounds(step, jobs, results, settled)
-    except Exception as exc:
-        stopped, settled.error = exc, settled.error or exc
-    except BaseException as exc:  # Dagster's run termination while claiming or waiting
-        stopped, settled.interrupt = exc, exc
-    else:
-        for job in held if go_on else ():
-            results[job.idempotency_key] = _held_result(step, job)
-    settled.results = [
-        results.get(job.idempotency_key)
-        or (_stopped_while_waiting(job, stopped) if stopped else None)
-        or _plain_result(job, metadata.NOT_ATTEMPTED)
-        for job in jobs
+    """Batch mode: the engine calls the body with each set of keys won (see the module docstring)."""
+    enqueued: dict[str, bool] = {}
+
+    def body(won: Sequence[lease.Lease]) -> Any:
+        run = LeasedBatch(step.context, step.resource, step.wait.service, won)
+        try:
+            value = step.fn(run)  # type: ignore[arg-type]
+        except errors.LostLeaseError:  # the set's fenced transaction was refused: nothing was written
+            raise
+        except BaseException:
+            enqueued.update(run.enqueued)
+            raise
+        enqueued.update(run.enqueued)
+        return value
+
+    report = waiting.settle_batch(step.wait, jobs, body)
+    results = [
+        _leased_result(
+            step, key, [enqueued[key.job.idempotency_key]] if key.job.idempotency_key in enqueued else []
+        )
+        for key in report.outcomes
     ]
-    return settled
+    return _Settled(results, report.error, report.interrupt)
 
 
 def _step_for(
@@ -1042,16 +617,20 @@ def _step_for(
     service = lease.LeaseService(
         resource.engine, lease_ms=timing.lease_ms, heartbeat_ms=timing.heartbeat_ms, holder=holder
     )
+    wait = waiting.Wait(
+        service,
+        timing,
+        wait_ms,
+        taker=f"run {run_id or holder}",
+        watcher=_DagsterWatcher(op_context),
+        max_failures_in_a_row=max_failures_in_a_row,
+    )
     return _Step(
         op_context,
         resource,
-        service,
         fn,
-        timing,
-        wait_ms,
-        holder,
         run_id,
-        max_failures_in_a_row,
+        wait,
         ranged=_is_range(op_context),
         partitions_def=_partitions_def(context),
     )

@@ -318,23 +318,32 @@ def lease_db(pg_template: str) -> Iterator[tuple[str, str]]:
     _admin_execute(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
 
 
+@pytest.mark.parametrize(
+    ("asset", "code", "waiting"),
+    [
+        (ASSET, "t-batch", "keys are held by another holder; waiting up to"),
+        (range_assets.range_asset, "t-range", "held by worker:14 (attempt 1); waiting up to"),
+    ],
+    ids=["batch", "per-key"],
+)
 def test_a_lease_database_outage_while_waiting_keeps_what_was_done(
-    dagster_pg: DagsterPg, lease_db: tuple[str, str]
+    dagster_pg: DagsterPg, lease_db: tuple[str, str], asset: dg.AssetsDefinition, code: str, waiting: str
 ) -> None:
-    """Finding 6 (the outage): the lease database goes away while a batch range run waits for a key a
-    live worker holds. The keys done are materialized and recorded ``won``, the held one ``failed`` with
-    the error (not ``pending:3`` with nothing materialized); the step fails retryably."""
+    """Finding 6 (the outage) and finding 8's sibling: the lease database goes away while a range run (batch
+    or per-key mode) waits for a key a live worker holds. The keys done are materialized and recorded
+    ``won``; the held one, which this run never held (its lease stays the worker's), ``not-attempted`` with
+    the error: not ``failed`` (a lease this run released), not ``pending:3`` with nothing materialized. The
+    step fails retryably."""
     name, url = lease_db
-    keys = _days(11, 25, 27)
+    keys = _days(11, 25, 27) if code == "t-batch" else _days(12, 25, 27)
     engine = create_engine(url)
     try:
         other = LeaseService(engine, holder="worker:14", lease_ms=600_000, heartbeat_ms=0)
-        assert other.acquire(JobIdentity.schedule("t-batch", keys[1])) is not None
+        assert other.acquire(JobIdentity.schedule(code, keys[1])) is not None
     finally:
         engine.dispose()
 
     def cut_the_lease_database() -> None:
-        waiting = "keys are held by another holder; waiting up to"
         wait_until(lambda: range_worker.logged_run(dagster_pg.instance, keys, waiting) is not None, 120)
         _admin_execute(f'ALTER DATABASE "{name}" WITH ALLOW_CONNECTIONS false')
         _admin_execute(f"SELECT pg_terminate_backend(pid) FROM pg_stat_activity WHERE datname = '{name}'")
@@ -343,7 +352,7 @@ def test_a_lease_database_outage_while_waiting_keeps_what_was_done(
     cutter.start()
     try:
         result = dg.materialize(
-            [ASSET],
+            [asset],
             instance=dagster_pg.instance,
             resources={"joblease": JobLeaseResource(database_url=url, held_wait_ms=120_000)},
             run_config=QUIET,
@@ -356,6 +365,8 @@ def test_a_lease_database_outage_while_waiting_keeps_what_was_done(
     finally:
         cutter.join()
     assert not result.success
-    assert _tags(dagster_pg, result.run_id)[TAG_WORK] == "failed:1,won:2"
-    materialized = dagster_pg.instance.get_materialized_partitions(ASSET.key)
+    assert _tags(dagster_pg, result.run_id)[TAG_WORK] == "not-attempted:1,won:2"
+    record = step_records(dagster_pg.instance, result.run_id)[asset.key.path[-1]]
+    assert record[META_OUTCOMES] == {"won": 2, "not-attempted": 1}
+    materialized = dagster_pg.instance.get_materialized_partitions(asset.key)
     assert {keys[0], keys[2]} <= materialized and keys[1] not in materialized
