@@ -549,3 +549,53 @@ def test_a_reexecution_whose_leased_step_never_ran_says_not_run_in_a_default_dep
     )
     kept = instance.get_run_by_id(parent_id)
     assert kept is not None and kept.tags[TAG_OUTCOME] == "won"  # the parent's own truth stays
+
+
+def test_an_all_steps_reexecution_failing_before_the_leased_step_says_not_run_in_a_default_deployment(
+    dagster_pg: DagsterPg, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Finding 11, the other shape: an earlier, plain step fails in a re-execution of every step, so the
+    leased step is skipped. The deployment has only the reconciliation sensor (RUNNING by default); the
+    re-execution must not keep the parent's ``won``, and the partition, done by the parent, is not
+    relaunched."""
+    marker = tmp_path / "fail"
+    monkeypatch.setenv(jobs.NOT_RUN_FAIL_ENV, str(marker))
+    job = dg.reconstructable(jobs.not_run_before_job)
+    instance = dagster_pg.instance
+    day = "2024-07-02"
+    with dg.execute_job(job, instance, run_config=QUIET, tags={"dagster/partition": day}) as parent:
+        parent_id = parent.run_id
+    parent_run = instance.get_run_by_id(parent_id)
+    assert parent_run is not None and parent_run.tags[TAG_OUTCOME] == "won"
+    marker.write_text("")  # now the earlier step fails: the leased one is skipped
+    copied = {
+        k: v for k, v in parent_run.tags.items() if not k.startswith("dagster/") or k == "dagster/partition"
+    }
+    with dg.execute_job(
+        job,
+        instance,
+        run_config=QUIET,
+        tags=copied,  # what the UI's re-execution does: the parent's tags come along
+        reexecution_options=dg.ReexecutionOptions(parent_run_id=parent_id),
+    ) as child:
+        child_id = child.run_id
+    run = instance.get_run_by_id(child_id)
+    assert run is not None and run.status == dg.DagsterRunStatus.FAILURE and run.tags[TAG_OUTCOME] == "won"
+
+    target = jobs.not_run_before_job()
+    sensor = build_reconciliation_sensor(target, code="t-not-run-b", name="not_run_before_reconcile")
+    defs = dg.Definitions(jobs=[target], sensors=[sensor], resources={"joblease": JobLeaseResource()})
+    with dg.build_sensor_context(
+        instance=instance, resources={"joblease": JobLeaseResource()}, definitions=defs
+    ) as context:
+        result = sensor.evaluate_tick(context)
+    after = instance.get_run_by_id(child_id)
+    assert after is not None
+    assert (after.tags[TAG_OUTCOME], after.tags["joblease/winner"], after.tags["joblease/work"]) == (
+        "not-run",
+        "none",
+        "not-run:1",
+    )
+    assert [r.partition_key for r in result.run_requests or []] == []  # the parent did the day
+    kept = instance.get_run_by_id(parent_id)
+    assert kept is not None and kept.tags[TAG_OUTCOME] == "won"
