@@ -62,7 +62,14 @@ import httpx
 import sqlalchemy as sa
 
 from dagster_joblease import errors, limits, route_groups
-from dagster_joblease.dispatch import decisions, policy
+from dagster_joblease.dispatch import capacity, decisions, policy
+from dagster_joblease.dispatch.capacity import (
+    ANY_ROW_POLL_S,
+    APPLIED_TRUST_S,
+    GROW_NOW,
+    LIMIT_WAIT_S,
+    SLOT_POLL_S,
+)
 from dagster_joblease.dispatch.routes import Route
 from dagster_joblease.options import MAX_DURATION_MS
 from dagster_joblease.storage import outbox as store
@@ -83,20 +90,7 @@ RECORD_RETRY_PAUSES_S = (0.05, 0.25, 1.0)
 MAX_RECORD_DELAY_S = 0.25
 #: How often a batch with undelivered rows re-reads its groups' pauses (another dispatcher may open one).
 PAUSE_REFRESH_S = 0.05
-#: While a batch runs rows of limited groups, how often idle workers look for due rows of any routed topic
-#: (a limited route must not hold an unlimited one's rows back until its own backlog is done).
-ANY_ROW_POLL_S = 0.25
-#: Longest one batch waits, in total, for a limited group's capacity while its rows are due.
-LIMIT_WAIT_S = 1.0
-#: Pause between two looks at a full in-flight limit held by other dispatchers.
-SLOT_POLL_S = 0.02
-#: A wait hint: a slot is free but was not claimed in this transaction (it holds the group row FOR SHARE).
-GROW_NOW = 0.0
-#: How long a group's applied limits, read under its lock, are trusted for a lock-free look at its slots.
-APPLIED_TRUST_S = 1.0
 DEFAULT_MAX_DEFERRALS = 100
-#: A claim capacity the claim statement counts itself (max_in_flight alone: route_groups.slots_left).
-_SLOTS = object()
 _OutcomeLabel = str
 
 
@@ -212,6 +206,17 @@ class _Refill:
 
     swap: Callable[[sa.Connection], None]
     claim: Callable[[sa.Connection, set[int]], tuple[list[_Claimed], dict[str, float], DispatchReport]]
+
+
+@dataclasses.dataclass(frozen=True)
+class _Admission:
+    """A rate's admissions (``rows``) at database time ``now``, read between local times ``asked`` and
+    ``answered``."""
+
+    rows: limits.RateAdmission
+    now: dt.datetime
+    asked: float
+    answered: float
 
 
 def _claimed(r: Any, **extra: Any) -> _Claimed:
@@ -476,31 +481,22 @@ class Dispatcher:
         self.topics: frozenset[str] = frozenset(self.routes)
         # Limit groups: topic → group, group → its topics, and this dispatcher's own limits per group
         # (the smallest of its routes' when two routes of one group disagree).
-        self._group_of: dict[str, str] = {t: str(r.limit_group) for t, r in self.routes.items()}
-        self._group_topics: dict[str, tuple[str, ...]] = {}
-        for topic, group in sorted(self._group_of.items()):
-            self._group_topics[group] = (*self._group_topics.get(group, ()), topic)
-        self._group_limits: dict[str, tuple[int | None, int | None]] = {}
-        for group, topics in self._group_topics.items():
-            mifs = {m for t in topics if (m := self.routes[t].max_in_flight) is not None}
-            rates = {r for t in topics if (r := self.routes[t].rate) is not None}
-            if len(mifs) > 1 or len(rates) > 1:
-                logger.warning(
-                    "routes of limit group %s configure different limits (max_in_flight %s, rate %s); the "
-                    "smallest applies",
-                    group,
-                    sorted(mifs),
-                    sorted(rates),
-                    extra={"action": "limit_mismatch"},
-                )
-            self._group_limits[group] = (min(mifs, default=None), min(rates, default=None))
+        layout = capacity.layout(self.routes)
+        for group, (mifs, rates) in layout.disagreeing.items():
+            logger.warning(
+                "routes of limit group %s configure different limits (max_in_flight %s, rate %s); the "
+                "smallest applies",
+                group,
+                mifs,
+                rates,
+                extra={"action": "limit_mismatch"},
+            )
+        self._group_of = layout.group_of
+        self._group_topics = layout.group_topics
+        self._group_limits = layout.group_limits
         self.groups: frozenset[str] = frozenset(self._group_topics)
         self._group_list = sorted(self.groups)  # the pause refresh's parameter, built once
-        self._windows: dict[tuple[int, int], list[str]] = {}
-        for topic, route in sorted(self.routes.items()):
-            if route.dedupe_window_s is not None:
-                window = (int(route.dedupe_window_s * 1000), int(route.timeout_s * 1000))
-                self._windows.setdefault(window, []).append(topic)
+        self._windows = layout.windows
         self._mismatch_logged: set[tuple[str, str, int | None]] = set()
         self._local_pause: dict[str, float] = {}
         #: group → when this dispatcher's own write of a pause finished (inf while it is being written): a
@@ -784,13 +780,13 @@ class Dispatcher:
                 continue
             if self._hold_ms(row, decision):
                 continue  # a timed-out request keeps its slot for a grace: nothing to hand on
-            mine_mif, mine_rate = self._group_limits[group]
             known = self._applied.get(group)
-            if mine_mif is None or mine_rate is not None or (known is not None and known[1] is not None):
-                continue  # (a rate another dispatcher registered applies too: the locked claim admits)
-            if any(self.routes[t].dedupe_window_s is not None for t in self._group_topics[group]):
-                continue
-            handed.setdefault(group, []).append(row.id)
+            if capacity.hands_on(
+                self._group_limits[group],
+                known[1] if known is not None else None,
+                any(self.routes[t].dedupe_window_s is not None for t in self._group_topics[group]),
+            ):
+                handed.setdefault(group, []).append(row.id)
         return handed
 
     def _swap_alone(
@@ -980,50 +976,31 @@ class Dispatcher:
         rows and, per limited group whose due rows had to wait for capacity, the seconds worth waiting
         before looking again. ``swapped``: rows a swap already claimed in this transaction, per group
         (with the group's max_in_flight the swap read); they count against budget and workers."""
-        blocked: dict[str, float] = {}
-        rows: list[_Claimed] = []
         # A refill claims only limited groups, whose locked row tells their pause: no read before.
-        read = not limited_only
-        states = self._read_states(conn) if read else {}
-        paused = {name for name, state in states.items() if state.paused}
-        if read:
-            for name in self.groups - paused:
-                # Not paused in the database as read after this dispatcher's own pause write: the pause
-                # ended, perhaps early (an operator's `joblease outbox resume`).
-                if name in self._local_pause and self._pause_settled.get(name, -math.inf) < started:
-                    del self._local_pause[name]
-        for name in paused:
-            state = states[name]
-            assert state.paused_until is not None
-            report.paused[name] = (state.paused_until.isoformat(), state.pause_reason or "")
-            self._local_pause[name] = started + state.pause_remaining_ms / 1000
-        if limited_only:
-            limited = set(self._limited_seen)
-        else:
-            limited = {
-                name
-                for name in self.groups - paused
-                if self._group_limits[name] != (None, None) or (name in states and states[name].limited)
-            }
+        paused: set[str] = set()
+        limited = set(self._limited_seen)
+        if not limited_only:
+            states = self._read_states(conn)
+            paused = self._note_pauses(states, report, started)
+            registered = {name for name, state in states.items() if state.limited}
+            limited = capacity.limited_groups(self.groups, paused, self._group_limits, registered)
             self._limited_seen = frozenset(limited)
         open_topics = [t for t in sorted(self.topics) if self._group_of[t] not in paused]
         if limited_only:
             open_topics = [t for t in open_topics if self._group_of[t] in limited]
         self._expire(conn, open_topics, report)
-        plain = [t for t in open_topics if self._group_of[t] not in limited]
-        if plain and not limited_only:
-            stmt = store.claim_due(
-                conn.dialect.name, token=token, limit=budget, claim_ms=self.claim_ms, topics=plain
-            )
-            rows = [_claimed(r, claimed_at=started) for r in conn.execute(stmt)]
-        workers = free - len(rows)
+        rows: list[_Claimed] = []
+        if not limited_only:
+            plain = [t for t in open_topics if self._group_of[t] not in limited]
+            rows = self._claim_plain(conn, token, budget, plain, started)
         for name, (taken, applied) in sorted((swapped or {}).items()):
             rows.extend(_claimed(r, group=name, claimed_at=started) for r in taken)
-            workers -= len(taken)
             if taken:
                 # The swap read the group's row: its max_in_flight alone is in force, so the look below
                 # (no lock) tells whether a slot is left beside the handed-on ones.
                 self._applied[name] = (applied, None, time.monotonic() + APPLIED_TRUST_S)
+        blocked: dict[str, float] = {}
+        workers = free - len(rows)
         for name in sorted(limited):
             left = min(budget - len(rows), workers)
             if left <= 0:
@@ -1036,6 +1013,39 @@ class Dispatcher:
                 blocked[name] = wait_s
         rows.sort(key=lambda r: r.id)
         return rows, blocked
+
+    def _claim_plain(
+        self, conn: sa.Connection, token: str, budget: int, topics: list[str], started: float
+    ) -> list[_Claimed]:
+        """Claim up to ``budget`` due rows of ``topics``, routes of unlimited groups (one statement)."""
+        if not topics:
+            return []
+        stmt = store.claim_due(
+            conn.dialect.name, token=token, limit=budget, claim_ms=self.claim_ms, topics=topics
+        )
+        return [_claimed(r, claimed_at=started) for r in conn.execute(stmt)]
+
+    def _note_pauses(
+        self, states: Mapping[str, route_groups.GroupState], report: DispatchReport, started: float
+    ) -> set[str]:
+        """The groups ``states`` says are paused, noted in ``report`` and held off locally; a local pause
+        the database no longer has (as read after this dispatcher's own pause write) ends: perhaps early,
+        by an operator's ``joblease outbox resume``."""
+        paused = {name for name, state in states.items() if state.paused}
+        for name in self.groups - paused:
+            if name in self._local_pause and self._pause_settled.get(name, -math.inf) < started:
+                del self._local_pause[name]
+        for name in paused:
+            self._hold_off(name, states[name], report, started)
+        return paused
+
+    def _hold_off(
+        self, group: str, state: route_groups.GroupState, report: DispatchReport, now: float
+    ) -> None:
+        """A group paused in the database: named in ``report``, and held off locally until its end."""
+        assert state.paused_until is not None
+        report.paused[group] = (state.paused_until.isoformat(), state.pause_reason or "")
+        self._local_pause[group] = now + state.pause_remaining_ms / 1000
 
     def _read_states(self, conn: sa.Connection) -> dict[str, route_groups.GroupState]:
         """The routed limit groups' rows (pauses, limits): one indexed read of a small table per claim."""
@@ -1057,28 +1067,102 @@ class Dispatcher:
         ``lock=False``: this transaction already holds the group's row FOR SHARE (a swap); upgrading it
         could deadlock with another swap doing the same, so a free slot is only reported (hint 0.0: claim
         at once, in a transaction of its own)."""
+        go_on, hint = self._unlocked_verdict(conn, group, lock)
+        if not go_on:
+            return [], hint
+        state = route_groups.lock_group(conn, group)
+        local_now = time.monotonic()
+        if state.paused:
+            self._hold_off(group, state, report, local_now)
+            return [], None
+        mif, rate, values = self._applied_limits(group, state, local_now)
+        size = capacity.claim_size(
+            want,
+            mif,
+            rate,
+            route_groups.count_in_flight(conn, group) if mif is not None and rate is not None else None,
+        )
+        admission = None
+        if rate is not None and size is not None and size > 0:
+            admission = self._admit(conn, rate, state, size)
+            size = admission.rows.count
+        rows: list[_Claimed] = []
+        if size is None or size > 0:
+            rows = self._take(
+                conn, token, group, want if size is None else size, size is None, mif, started, admission
+            )
+            if admission is not None and rows:
+                next_ms = admission.rows.next_after(len(rows))
+                values["rate_next_at"] = _as_stored(admission.now + dt.timedelta(milliseconds=next_ms), conn)
+        route_groups.update_group(conn, group, values)
+        # Fewer rows than wanted, and the limit (not the backlog) is why: only if due rows stayed behind
+        # (busy: this batch has requests of the group in flight, whose completions claim again; the hint
+        # only says "look again", and costs no read).
+        rate_rows = admission.rows if admission is not None else None
+        if capacity.held_back(want, len(rows), size, rate_rows) and (busy or self._due_exists(conn, group)):
+            return rows, capacity.wait_hint(rate_rows)
+        return rows, None
+
+    def _admit(self, conn: sa.Connection, rate: int, state: route_groups.GroupState, size: int) -> _Admission:
+        """The rate's admissions for up to ``size`` rows of a locked group. The database clock is read
+        once the group is locked, bracketed by local times: an admission's true local moment lies in
+        [asked, answered] + its offset (see capacity.start_windows), so every dispatcher's requests start
+        within RATE_LATE_S of their admissions whatever a loaded machine does to this round trip."""
+        asked = time.monotonic()
+        now = route_groups.database_now(conn)
+        answered = time.monotonic()
+        rows = limits.admit_rate(rate, state.rate_next_at, now, size, lead_ms=2000 * self._claim_s)
+        return _Admission(rows, now, asked, answered)
+
+    def _take(
+        self,
+        conn: sa.Connection,
+        token: str,
+        group: str,
+        want: int,
+        count_slots: bool,
+        mif: int | None,
+        started: float,
+        admission: _Admission | None,
+    ) -> list[_Claimed]:
+        """Claim up to ``want`` rows of a locked group (``count_slots``: and no more than its
+        max_in_flight ``mif`` leaves, counted by the statement), each with its rate admission's window."""
+        kind, cap = ("claim_slots", mif) if count_slots else ("claim", None)
+        params = {"token": token, "want": want}
+        claimed = sorted(conn.execute(self._group_statement(group, kind, cap), params), key=lambda r: r[0])
+        windows: list[tuple[float | None, float | None]] = [(None, None)] * len(claimed)
+        if admission is not None:
+            windows = capacity.start_windows(
+                admission.rows.offsets_ms, len(claimed), admission.asked, admission.answered
+            )
+        return [
+            _claimed(r, group=group, claimed_at=started, not_before=not_before, send_by=send_by)
+            for r, (not_before, send_by) in zip(claimed, windows, strict=True)
+        ]
+
+    def _unlocked_verdict(self, conn: sa.Connection, group: str, lock: bool) -> tuple[bool, float | None]:
+        """What can be told of ``group`` without its row lock: ``(True, None)``, take the lock and claim;
+        else ``(False, the wait hint)`` (None: nothing to wait for)."""
         local_now = time.monotonic()
         if self._local_pause.get(group, 0.0) > local_now:
             # A downstream's pause this dispatcher knows of, perhaps not committed yet (a delivery thread
             # is writing it): nothing of the group is claimed, whatever its row says.
-            return [], None
-        known = self._applied.get(group)
-        if known is not None and known[0] is not None and known[1] is None and known[2] > local_now:
+            return False, None
+        trusted = capacity.trusted_max_in_flight(self._applied.get(group), local_now)
+        if trusted is not None:
             # Only max_in_flight, its value known a moment ago: a plain read tells whether a slot is free,
             # so a dispatcher waiting for one does not queue for the group's row lock (which the holders'
             # refills and a pause being written need) only to learn that the group is full.
             in_flight, due = conn.execute(self._group_statement(group, "look", None)).one()
-            if in_flight >= known[0]:
-                return [], (SLOT_POLL_S if due else None)
-        if not lock:
-            return [], GROW_NOW
-        state = route_groups.lock_group(conn, group)
-        local_now = time.monotonic()
-        if state.paused:
-            assert state.paused_until is not None
-            report.paused[group] = (state.paused_until.isoformat(), state.pause_reason or "")
-            self._local_pause[group] = local_now + state.pause_remaining_ms / 1000
-            return [], None
+            if in_flight >= trusted:
+                return False, (SLOT_POLL_S if due else None)
+        return (True, None) if lock else (False, GROW_NOW)
+
+    def _applied_limits(
+        self, group: str, state: route_groups.GroupState, local_now: float
+    ) -> tuple[int | None, int | None, dict[str, Any]]:
+        """The max_in_flight and rate in force for ``group`` (its row ``state`` read under the lock), and
+        the registrations this dispatcher writes to the row (its own value in force, not fresh)."""
         mine_mif, mine_rate = self._group_limits[group]
         mif = limits.applied_limit(mine_mif, state.max_in_flight, state.max_in_flight_live)
         rate = limits.applied_limit(mine_rate, state.rate, state.rate_live)
@@ -1099,64 +1183,7 @@ class Dispatcher:
                     applied.value,
                     extra={"action": "limit_mismatch"},
                 )
-        # capacity: how many rows to claim; with max_in_flight alone, an SQL expression (the slots left,
-        # counted by the claim statement itself: its snapshot is taken under the lock).
-        capacity: int | object = want
-        admission: limits.RateAdmission | None = None
-        rate_now, asked, answered = state.now, local_now, local_now
-        if mif.value is not None:
-            if rate.value is None:
-                capacity = _SLOTS  # the claim statement counts the slots left itself
-            else:
-                capacity = min(want, mif.value - route_groups.count_in_flight(conn, group))
-        if rate.value is not None and isinstance(capacity, int) and capacity > 0:
-            # The database clock read once the group is locked, bracketed by local times: an admission's
-            # true local moment lies in [asked, answered] + its offset. A request starts no earlier than
-            # the latest and no later than the earliest + RATE_LATE_S, so every dispatcher's requests start
-            # within RATE_LATE_S of their admissions whatever a loaded machine does to this round trip.
-            asked = time.monotonic()
-            rate_now = route_groups.database_now(conn)
-            answered = time.monotonic()
-            admission = limits.admit_rate(
-                rate.value, state.rate_next_at, rate_now, capacity, lead_ms=2000 * self._claim_s
-            )
-            capacity = admission.count
-        rows: list[_Claimed] = []
-        if not isinstance(capacity, int) or capacity > 0:
-            if isinstance(capacity, int):
-                stmt = self._group_statement(group, "claim", None)
-            else:
-                stmt = self._group_statement(group, "claim_slots", mif.value)
-            params = {
-                "token": token,
-                "want": want if not isinstance(capacity, int) else capacity,
-            }
-            claimed = sorted(conn.execute(stmt, params), key=lambda r: r[0])
-            offsets = admission.offsets_ms if admission is not None else ()
-            for i, r in enumerate(claimed):
-                if i < len(offsets):
-                    not_before: float | None = answered + offsets[i] / 1000
-                    send_by: float | None = asked + offsets[i] / 1000 + limits.RATE_LATE_S
-                else:
-                    not_before = send_by = None
-                rows.append(
-                    _claimed(r, group=group, claimed_at=started, not_before=not_before, send_by=send_by)
-                )
-            if admission is not None and rows:
-                next_ms = admission.next_after(len(rows))
-                values["rate_next_at"] = _as_stored(rate_now + dt.timedelta(milliseconds=next_ms), conn)
-        route_groups.update_group(conn, group, values)
-        wait_s: float | None = None
-        # Fewer rows than wanted, and the limit (not the backlog) is why: only if due rows stayed behind.
-        limit_bound = not isinstance(capacity, int) or capacity <= 0 or admission is not None
-        if len(rows) < want and limit_bound and (busy or self._due_exists(conn, group)):
-            # (busy: this batch has requests of the group in flight, whose completions claim again; the
-            # hint only says "look again", and costs no read.)
-            if admission is not None and admission.count == 0:
-                wait_s = max(admission.wait_ms / 1000, 0.001)
-            else:
-                wait_s = SLOT_POLL_S
-        return rows, wait_s
+        return mif.value, rate.value, values
 
     def _group_statement(self, group: str, kind: str, max_in_flight: int | None) -> sa.Executable:
         """The statements a limited group's claims run, built once per group (building one costs more
