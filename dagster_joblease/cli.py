@@ -935,7 +935,7 @@ def outbox_resume(group: str) -> None:
 
     Exits 1, naming the groups that are paused, when GROUP has no pause in force.
     """
-    from dagster_joblease import route_groups
+    from dagster_joblease.storage import route_groups
 
     engine = _state().engine()
     with storage_engine.translate_errors("end a limit group's pause"), engine.begin() as conn:

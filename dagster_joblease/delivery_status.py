@@ -9,9 +9,7 @@ from typing import Any
 
 import sqlalchemy as sa
 
-from dagster_joblease import route_groups
-from dagster_joblease.storage import outbox
-from dagster_joblease.storage.clock import db_now
+from dagster_joblease.storage import outbox, route_groups
 from dagster_joblease.storage.engine import translate_errors
 
 __all__ = ["DeliveryStatus", "GroupStatus", "TopicStatus", "delivery_status"]
@@ -58,11 +56,10 @@ def delivery_status(engine: sa.Engine, *, topic_groups: Mapping[str, str] | None
     routed topics that have no rows yet."""
     groups_of = dict(topic_groups or {})
     with translate_errors("read the delivery status"), engine.connect() as conn:
-        now = route_groups.as_utc(conn.execute(sa.select(db_now())).scalar_one())
+        now = route_groups.database_now(conn)
         counts = outbox.delivery_counts_by_topic(conn)
         in_flight = outbox.in_flight_by_group(conn)
         states = route_groups.read_states(conn, None)
-    assert now is not None
     topics = [
         TopicStatus(t, groups_of.get(t), *counts.get(t, [0, 0, 0, 0, 0]))
         for t in sorted(set(counts) | set(groups_of))

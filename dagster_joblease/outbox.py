@@ -20,8 +20,8 @@ from typing import TYPE_CHECKING, Any, NamedTuple
 import psycopg
 import sqlalchemy as sa
 
-from dagster_joblease import errors, route_groups
-from dagster_joblease.storage import driver, rowset
+from dagster_joblease import errors
+from dagster_joblease.storage import driver, route_groups, rowset
 from dagster_joblease.storage import outbox as store
 from dagster_joblease.storage.engine import translate_errors
 from dagster_joblease.storage.schema import outbox_table

@@ -1,31 +1,39 @@
-"""The limit groups' shared state in ``joblease_route_group``: read it, lock a group for a claim, record a
-pause or a connection failure, end a pause early (:func:`resume`). The decisions themselves are in
-:mod:`dagster_joblease.limits`.
-
-Only row locks inside short transactions (``SELECT … FOR UPDATE`` on PostgreSQL; SQLite's ``BEGIN
-IMMEDIATE`` serializes writers anyway): no advisory locks, no LISTEN/NOTIFY, no SQL-level PREPARE, so it
-works behind PgBouncer in transaction mode. Every time is the database's.
+"""The limit groups' shared state: its statements live in :mod:`dagster_joblease.storage.route_groups`
+(and the count of a group's claims in flight, a statement on the outbox, in
+:mod:`dagster_joblease.storage.outbox`). This module keeps the names the dispatcher and tests import from
+``dagster_joblease.route_groups``; it holds no SQL.
 """
 
 from __future__ import annotations
 
-import dataclasses
-import datetime as dt
-from collections.abc import Collection
-from typing import Any
-
-import sqlalchemy as sa
-from sqlalchemy.dialects import postgresql, sqlite
-
-from dagster_joblease import limits
-from dagster_joblease.storage.clock import db_now, db_now_plus_ms
-from dagster_joblease.storage.schema import outbox_table, route_group_table
+from dagster_joblease.storage.outbox import count_in_flight, in_flight_query
+from dagster_joblease.storage.route_groups import (
+    MAX_REASON_CHARS,
+    PAUSED_SQL,
+    GroupState,
+    as_utc,
+    database_now,
+    g,
+    lock_group,
+    paused_remaining,
+    read_states,
+    record_answers,
+    record_connection_failures,
+    record_pause,
+    registration_until,
+    resume,
+    slots_left,
+    update_group,
+)
 
 __all__ = [
+    "MAX_REASON_CHARS",
+    "PAUSED_SQL",
     "GroupState",
     "as_utc",
     "count_in_flight",
     "database_now",
+    "g",
     "in_flight_query",
     "lock_group",
     "paused_remaining",
@@ -33,265 +41,8 @@ __all__ = [
     "record_answers",
     "record_connection_failures",
     "record_pause",
+    "registration_until",
     "resume",
     "slots_left",
     "update_group",
 ]
-
-g = route_group_table
-MAX_REASON_CHARS = 500
-
-
-def as_utc(value: object) -> dt.datetime | None:
-    """A timestamp read from either backend as an aware UTC datetime (SQLite hands back text or naive)."""
-    if value is None:
-        return None
-    if isinstance(value, str):
-        value = dt.datetime.fromisoformat(value)
-    assert isinstance(value, dt.datetime), value
-    return value.replace(tzinfo=dt.UTC) if value.tzinfo is None else value.astimezone(dt.UTC)
-
-
-@dataclasses.dataclass(frozen=True)
-class GroupState:
-    """One group's row as of ``now`` (the database clock)."""
-
-    limit_group: str
-    now: dt.datetime
-    max_in_flight: int | None = None
-    max_in_flight_live: bool = False
-    rate: int | None = None
-    rate_live: bool = False
-    rate_next_at: dt.datetime | None = None
-    paused_until: dt.datetime | None = None
-    pause_reason: str | None = None
-    failures: int = 0
-    max_in_flight_until: dt.datetime | None = None
-    rate_until: dt.datetime | None = None
-
-    def registration_fresh(self, name: str, value: int | None) -> bool:
-        """Whether ``name`` (max_in_flight or rate) already holds ``value`` for more than half a
-        registration's life: refreshing it now would be a write for nothing."""
-        until = self.max_in_flight_until if name == "max_in_flight" else self.rate_until
-        stored = self.max_in_flight if name == "max_in_flight" else self.rate
-        if stored != value or until is None:
-            return False
-        return (until - self.now).total_seconds() * 1000 > limits.REGISTRATION_MS / 2
-
-    @property
-    def paused(self) -> bool:
-        return self.paused_until is not None and self.paused_until > self.now
-
-    @property
-    def pause_remaining_ms(self) -> int:
-        if not self.paused:
-            return 0
-        assert self.paused_until is not None
-        return max(0, int((self.paused_until - self.now).total_seconds() * 1000))
-
-    @property
-    def limited(self) -> bool:
-        """A limit registered by some dispatcher is in force."""
-        return (self.max_in_flight is not None and self.max_in_flight_live) or (
-            self.rate is not None and self.rate_live
-        )
-
-
-_COLUMNS = (
-    g.c.limit_group,
-    db_now().label("now"),
-    g.c.max_in_flight,
-    g.c.max_in_flight_until,
-    g.c.rate,
-    g.c.rate_until,
-    g.c.rate_next_at,
-    g.c.paused_until,
-    g.c.pause_reason,
-    g.c.failures,
-)
-
-
-def _state(row: Any) -> GroupState:
-    now = as_utc(row.now)
-    assert now is not None
-    mif_until, rate_until = as_utc(row.max_in_flight_until), as_utc(row.rate_until)
-    return GroupState(
-        limit_group=row.limit_group,
-        now=now,
-        max_in_flight=row.max_in_flight,
-        max_in_flight_live=mif_until is not None and mif_until > now,
-        rate=row.rate,
-        rate_live=rate_until is not None and rate_until > now,
-        rate_next_at=as_utc(row.rate_next_at),
-        paused_until=as_utc(row.paused_until),
-        pause_reason=row.pause_reason,
-        failures=int(row.failures or 0),
-        max_in_flight_until=mif_until,
-        rate_until=rate_until,
-    )
-
-
-def read_states(conn: sa.Connection, groups: Collection[str] | None = None) -> dict[str, GroupState]:
-    """The rows of ``groups`` (None: every group) that exist; a group without a row has no state."""
-    stmt = sa.select(*_COLUMNS)
-    if groups is not None:
-        if not groups:
-            return {}
-        stmt = stmt.where(g.c.limit_group.in_(sorted(groups)))
-    return {row.limit_group: _state(row) for row in conn.execute(stmt.order_by(g.c.limit_group))}
-
-
-#: PostgreSQL (psycopg, positional): the groups among ``%s`` (a list) paused now on the database clock,
-#: each with the pause's remaining milliseconds; one autocommit statement, for the dispatcher's frequent
-#: re-read of pauses other dispatchers opened (a read through SQLAlchemy's pool took a transaction: three
-#: round trips and about 2 ms of client CPU).
-PAUSED_SQL = (
-    "SELECT limit_group, CAST(ceil(extract(epoch FROM paused_until - n.now) * 1000) AS bigint)"
-    " FROM joblease_route_group, (SELECT clock_timestamp() AS now) AS n"
-    " WHERE limit_group = ANY(%s) AND paused_until > n.now"
-)
-
-
-def paused_remaining(conn: sa.Connection, groups: Collection[str]) -> dict[str, int]:
-    """Any backend: the groups among ``groups`` paused now, each with its pause's remaining ms."""
-    return {
-        name: state.pause_remaining_ms for name, state in read_states(conn, groups).items() if state.paused
-    }
-
-
-def _insert(dialect_name: str) -> Any:
-    return (postgresql.insert if dialect_name == "postgresql" else sqlite.insert)(g)
-
-
-def lock_group(conn: sa.Connection, group: str) -> GroupState:
-    """Lock the group's row until the transaction ends (creating it if needed) and return its state:
-    claims of one limited group are serialized across dispatchers, so a count-then-claim is exact."""
-    locked = sa.select(*_COLUMNS).where(g.c.limit_group == group).with_for_update()
-    row = conn.execute(locked).first()
-    if row is None:
-        conn.execute(
-            _insert(conn.dialect.name)
-            .values(limit_group=group, failures=0, updated_at=db_now())
-            .on_conflict_do_nothing(index_elements=[g.c.limit_group])
-        )
-        row = conn.execute(locked).one()
-    return _state(row)
-
-
-def database_now(conn: sa.Connection) -> dt.datetime:
-    """The database clock now (one cheap statement), as an aware UTC datetime."""
-    now = as_utc(conn.execute(sa.select(db_now())).scalar_one())
-    assert now is not None
-    return now
-
-
-def update_group(conn: sa.Connection, group: str, values: dict[str, Any]) -> None:
-    """Write ``values`` to the (locked) group row."""
-    if values:
-        conn.execute(sa.update(g).where(g.c.limit_group == group).values(**values, updated_at=db_now()))
-
-
-def registration_until() -> sa.ColumnElement[Any]:
-    """When a registration written now lapses."""
-    return db_now_plus_ms(sa.literal(limits.REGISTRATION_MS, sa.BigInteger()))
-
-
-def in_flight_query(group: str) -> sa.Select[Any]:
-    """``SELECT count(*)`` of the claims holding ``group``'s capacity now (see :func:`count_in_flight`)."""
-    o = outbox_table
-    return (
-        sa.select(sa.func.count())
-        .select_from(o)
-        .where(
-            o.c.claim_group == group,
-            o.c.claim_expires_at > db_now(),
-            o.c.status == sa.literal_column("'PENDING'"),
-        )
-    )
-
-
-def count_in_flight(conn: sa.Connection, group: str) -> int:
-    """Requests of ``group`` in flight now: unexpired claims holding its capacity (any dispatcher)."""
-    return int(conn.execute(in_flight_query(group)).scalar_one())
-
-
-def slots_left(
-    dialect_name: str, group: str, max_in_flight: int, want: int | sa.ColumnElement[int]
-) -> sa.ColumnElement[int]:
-    """``min(want, max_in_flight - in flight now)``, at least 0, as an SQL expression: a claim's LIMIT, so
-    the count and the claim are one statement (under the group's lock, its snapshot sees every claim and
-    release committed before)."""
-    if isinstance(want, int):
-        want = sa.literal(want, sa.Integer())
-    left = sa.literal(max_in_flight, sa.Integer()) - in_flight_query(group).scalar_subquery()
-    if dialect_name == "postgresql":
-        return sa.func.greatest(0, sa.func.least(want, left), type_=sa.Integer())
-    return sa.func.max(0, sa.func.min(want, left), type_=sa.Integer())
-
-
-def _bound(text: str) -> str:
-    return text if len(text) <= MAX_REASON_CHARS else text[: MAX_REASON_CHARS - 1] + "…"
-
-
-def record_pause(conn: sa.Connection, group: str, pause_ms: int, reason: str) -> None:
-    """Pause ``group`` for every dispatcher until ``now + pause_ms``, unless a longer pause is in force."""
-    until = db_now_plus_ms(sa.literal(pause_ms, sa.BigInteger()))
-    insert = _insert(conn.dialect.name)
-    stmt = insert.values(
-        limit_group=group, paused_until=until, pause_reason=_bound(reason), failures=0, updated_at=db_now()
-    )
-    longer = sa.and_(g.c.paused_until.is_not(None), g.c.paused_until >= stmt.excluded.paused_until)
-    conn.execute(
-        stmt.on_conflict_do_update(
-            index_elements=[g.c.limit_group],
-            set_={
-                "paused_until": sa.case((longer, g.c.paused_until), else_=stmt.excluded.paused_until),
-                "pause_reason": sa.case((longer, g.c.pause_reason), else_=stmt.excluded.pause_reason),
-                "updated_at": db_now(),
-            },
-        )
-    )
-
-
-def record_connection_failures(
-    conn: sa.Connection, group: str, count: int, *, threshold: int, pause_ms: int, reason: str
-) -> bool:
-    """Add ``count`` consecutive connection failures; at ``threshold`` pause the group for ``pause_ms`` and
-    start counting again. Returns whether a pause was opened."""
-    insert = _insert(conn.dialect.name)
-    stmt = insert.values(limit_group=group, failures=count, updated_at=db_now())
-    total = conn.execute(
-        stmt.on_conflict_do_update(
-            index_elements=[g.c.limit_group],
-            set_={"failures": g.c.failures + count, "updated_at": db_now()},
-        ).returning(g.c.failures)
-    ).scalar_one()
-    if int(total) < threshold:
-        return False
-    record_pause(conn, group, pause_ms, f"{int(total)} consecutive connection failures: {reason}")
-    conn.execute(sa.update(g).where(g.c.limit_group == group).values(failures=0))
-    return True
-
-
-def record_answers(conn: sa.Connection, group: str) -> None:
-    """The downstream answered: its consecutive connection failures start again from 0."""
-    conn.execute(sa.update(g).where(g.c.limit_group == group, g.c.failures > 0).values(failures=0))
-
-
-def resume(conn: sa.Connection, group: str) -> GroupState | None:
-    """End ``group``'s pause now, for every dispatcher (an operator's decision: the downstream is back), and
-    start its count of consecutive connection failures again. Returns the group's state as it was (its
-    pause and reason), or None when no pause was in force (nothing is written then)."""
-    locked = sa.select(*_COLUMNS).where(g.c.limit_group == group).with_for_update()
-    row = conn.execute(locked).first()
-    if row is None:
-        return None
-    state = _state(row)
-    if not state.paused:
-        return None
-    conn.execute(
-        sa.update(g)
-        .where(g.c.limit_group == group)
-        .values(paused_until=None, pause_reason=None, failures=0, updated_at=db_now())
-    )
-    return state

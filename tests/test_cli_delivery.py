@@ -9,9 +9,10 @@ from pathlib import Path
 import sqlalchemy as sa
 from click.testing import CliRunner, Result
 
-from dagster_joblease import cli, route_groups
+from dagster_joblease import cli
+from dagster_joblease.storage import route_groups
 from dagster_joblease.storage.clock import db_now, db_now_plus_ms
-from dagster_joblease.storage.schema import outbox_table
+from dagster_joblease.storage.schema import outbox_table, route_group_table
 from tests.dispatch_workers import enqueue_many, status_counts
 from tests.limit_server import serve
 
@@ -79,7 +80,7 @@ def test_dispatch_once_during_a_pause_says_so_and_status_shows_it(
     # The pause ends (written in the past on the database clock): the status says so.
     with engine.begin() as conn:
         conn.execute(
-            sa.update(route_groups.g).values(paused_until=db_now_plus_ms(sa.literal(-1, sa.BigInteger())))
+            sa.update(route_group_table).values(paused_until=db_now_plus_ms(sa.literal(-1, sa.BigInteger())))
         )
         conn.execute(sa.update(outbox_table).values(next_attempt_at=db_now()))
     (group,) = json.loads(run(db_url, "outbox", "status", "--json").stdout)["groups"]

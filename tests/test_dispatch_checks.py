@@ -12,10 +12,10 @@ import pytest
 import sqlalchemy as sa
 from click.testing import CliRunner, Result
 
-from dagster_joblease import cli, route_groups
+from dagster_joblease import cli
 from dagster_joblease.dispatch import Dispatcher, Route
 from dagster_joblease.errors import ConfigurationError, StorageError
-from dagster_joblease.storage import create_engine, migrate
+from dagster_joblease.storage import create_engine, migrate, route_groups
 from dagster_joblease.storage.clock import db_now_plus_ms
 from dagster_joblease.storage.schema import outbox_table, route_group_table
 from tests.conftest import wait_until

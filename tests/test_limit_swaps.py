@@ -22,8 +22,9 @@ from dagster_joblease.dispatch import Dispatcher, Route, policy
 from dagster_joblease.dispatch import dispatcher as dispatcher_module
 from dagster_joblease.dispatch.dispatcher import DispatchReport
 from dagster_joblease.storage import create_engine
+from dagster_joblease.storage import outbox as outbox_store
 from dagster_joblease.storage.clock import db_now_plus_ms
-from dagster_joblease.storage.schema import outbox_table
+from dagster_joblease.storage.schema import outbox_table, route_group_table
 from tests.dispatch_workers import _pending, _routes, enqueue_many, status_counts
 from tests.limit_server import serve
 
@@ -126,7 +127,7 @@ def test_swaps_across_processes_never_exceed_max_in_flight(
     # No write failed (a swap holding the group row FOR SHARE never upgrades it: no deadlock between two).
     assert [m for r in results for m in r["retries"]] == []
     with engine.connect() as conn:
-        assert route_groups.count_in_flight(conn, GROUP) == 0
+        assert outbox_store.count_in_flight(conn, GROUP) == 0
     engine.dispose()
 
 
@@ -172,7 +173,7 @@ def test_a_lost_expired_or_expiring_claim_hands_on_no_slot(
             assert merged is not None
             taken = merged[0]
     with engine.connect() as conn:
-        in_flight = route_groups.count_in_flight(conn, GROUP)
+        in_flight = outbox_store.count_in_flight(conn, GROUP)
     if case == "live":
         assert len(taken) == 1 and taken[0].id != row.id and taken[0].group == GROUP
         assert in_flight == 1
@@ -193,7 +194,7 @@ def test_a_swap_never_raises_the_count_above_a_lowered_limit(pg_url: str) -> Non
     with Dispatcher(engine, {"work": route}, concurrency=4) as dispatcher:
         token = "a" * 32
         first, second = dispatcher._claim(token, 10, 4, DispatchReport(), limited_only=False)[0]
-        g = route_groups.route_group_table
+        g = route_group_table
         with engine.begin() as conn:
             conn.execute(sa.update(g).where(g.c.limit_group == GROUP).values(max_in_flight=1))
         sent = policy.Decision(policy.Outcome.SENT, 200, "HTTP 200")
@@ -203,7 +204,7 @@ def test_a_swap_never_raises_the_count_above_a_lowered_limit(pg_url: str) -> Non
         result = dispatcher._swap_alone(token, [(second, sent)], 10, 4, DispatchReport(), set())
         assert result is not None and len(result[0]) == 1
     with engine.connect() as conn:
-        assert route_groups.count_in_flight(conn, GROUP) == 1
+        assert outbox_store.count_in_flight(conn, GROUP) == 1
     engine.dispose()
 
 
@@ -226,6 +227,6 @@ def test_async_swap_commit_is_a_bool_and_stays_in_the_swaps_own_transaction(pg_u
         assert result is not None and len(result[0]) == 1
         with engine.connect() as conn:  # the one pooled connection, the swap's
             assert conn.exec_driver_sql("SHOW synchronous_commit").scalar_one() == "on"
-            assert route_groups.count_in_flight(conn, GROUP) == 1
+            assert outbox_store.count_in_flight(conn, GROUP) == 1
     assert status_counts(engine) == {"SENT": 1, "PENDING": 2}
     engine.dispose()

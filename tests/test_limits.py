@@ -20,9 +20,10 @@ from typing import Any
 import pytest
 import sqlalchemy as sa
 
-from dagster_joblease import limits, route_groups
+from dagster_joblease import limits
 from dagster_joblease.dispatch import Dispatcher, Route
-from dagster_joblease.storage import create_engine
+from dagster_joblease.storage import create_engine, route_groups
+from dagster_joblease.storage import outbox as outbox_store
 from dagster_joblease.storage.clock import db_now, db_now_plus_ms
 from dagster_joblease.storage.schema import outbox_table, route_group_table
 from tests import dispatch_workers
@@ -73,7 +74,7 @@ def test_max_in_flight_holds_across_dispatcher_processes(
     group = _group(engine, server.url)
     assert group is not None and group.max_in_flight == 3
     with engine.connect() as conn:  # every slot was given back: no claim holds the group any more
-        assert route_groups.count_in_flight(conn, server.url) == 0
+        assert outbox_store.count_in_flight(conn, server.url) == 0
     engine.dispose()
 
 
@@ -95,7 +96,7 @@ def test_slots_of_a_sigkilled_dispatcher_free_by_expiry_on_the_database_clock(
         server.hold.clear()
         server.released.set()
         with engine.connect() as conn:
-            assert route_groups.count_in_flight(conn, server.url) == 2  # the dead dispatcher's claims
+            assert outbox_store.count_in_flight(conn, server.url) == 2  # the dead dispatcher's claims
         with Dispatcher(engine, dispatch_workers._routes(routes), concurrency=8) as survivor:
             report = survivor.dispatch()
             assert report.claimed == 0 and server.url in report.limited  # no slot while the claims live

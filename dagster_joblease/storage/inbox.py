@@ -41,6 +41,7 @@ __all__ = [
     "RECORD_DONE",
     "InboxStatus",
     "KeyRow",
+    "delete_all",
 ]
 
 #: PostgreSQL: the first key of the two-int advisory lock that marks a key in flight ("jlin"), apart from
@@ -158,3 +159,8 @@ RECORD_DONE = driver.query(_record_done("postgresql"), _record_done("sqlite"))
 EXPIRE_CLAIM = driver.query(_expire_claim())
 RAISE_FENCE = driver.query(_raise_fence())
 PURGE_DONE = driver.query(_purge_done())
+
+
+def delete_all(conn: sa.Connection) -> None:
+    """Delete every inbox key's row (the testing kit's reset between tests)."""
+    conn.execute(sa.delete(_t))

@@ -36,6 +36,7 @@ __all__ = [
     "claim_new_many",
     "complete",
     "count_schedules",
+    "delete_all",
     "expire",
     "fail",
     "fail_dead_holder",
@@ -897,3 +898,8 @@ def run_keys_with_rows(conn: sa.Connection, code: str, run_keys: Sequence[str]) 
         )
         found.update(str(k) for k in conn.execute(stmt).scalars())
     return found
+
+
+def delete_all(conn: sa.Connection) -> None:
+    """Delete every lease's row (the testing kit's reset between tests)."""
+    conn.execute(sa.delete(_t))

@@ -32,9 +32,11 @@ __all__ = [
     "SwapResult",
     "claim_due",
     "claim_for_group",
+    "count_in_flight",
     "counts_by_topic_and_status",
     "dead_count",
     "dead_rows",
+    "delete_all",
     "delivery_counts_by_topic",
     "due_backlog",
     "due_by_topic",
@@ -46,6 +48,7 @@ __all__ = [
     "existing",
     "existing_many",
     "in_flight_by_group",
+    "in_flight_query",
     "insert_many",
     "insert_pending",
     "last_id",
@@ -469,6 +472,27 @@ def in_flight_by_group(conn: sa.Connection) -> dict[str, int]:
         .group_by(_t.c.claim_group)
     )
     return {str(group): int(n) for group, n in conn.execute(stmt)}
+
+
+def in_flight_query(group: str) -> sa.Select[Any]:
+    """``SELECT count(*)`` of the claims holding ``group``'s capacity now (see :func:`count_in_flight`);
+    a limited claim counts it as a subquery in its own LIMIT
+    (:func:`dagster_joblease.storage.route_groups.slots_left`)."""
+    return (
+        sa.select(sa.func.count())
+        .select_from(_t)
+        .where(_t.c.claim_group == group, _t.c.claim_expires_at > db_now(), _PENDING)
+    )
+
+
+def count_in_flight(conn: sa.Connection, group: str) -> int:
+    """Requests of ``group`` in flight now: unexpired claims holding its capacity (any dispatcher)."""
+    return int(conn.execute(in_flight_query(group)).scalar_one())
+
+
+def delete_all(conn: sa.Connection) -> None:
+    """Delete every outbox row (the testing kit's reset between tests)."""
+    conn.execute(sa.delete(_t))
 
 
 def last_id(conn: sa.Connection) -> int:

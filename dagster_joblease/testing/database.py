@@ -17,9 +17,9 @@ import sqlalchemy as sa
 from sqlalchemy.engine import URL, make_url
 
 from dagster_joblease import errors
+from dagster_joblease.storage import inbox, leases, outbox, route_groups
 from dagster_joblease.storage.engine import create_engine, translate_errors
 from dagster_joblease.storage.migrate import migrate
-from dagster_joblease.storage.schema import metadata
 
 __all__ = ["TEST_PG_URL_ENV", "clear_joblease_tables", "throwaway_database"]
 
@@ -98,5 +98,5 @@ def _migrate(url: str) -> None:
 def clear_joblease_tables(engine: sa.Engine) -> None:
     """Delete every row of the joblease tables (leases, outbox, inbox); the schema stays migrated."""
     with translate_errors("clear the joblease tables"), engine.begin() as conn:
-        for table in reversed(metadata.sorted_tables):
-            conn.execute(table.delete())
+        for store in (inbox, route_groups, outbox, leases):  # one per table of storage.schema.metadata
+            store.delete_all(conn)

@@ -337,7 +337,7 @@ def test_health_options_are_validated() -> None:
 def test_a_paused_group_is_skipped_by_the_sensor_and_shown_by_the_job_and_checks(
     dagster_pg: DagsterPg, engine: sa.Engine
 ) -> None:
-    from dagster_joblease import route_groups
+    from dagster_joblease.storage import route_groups
 
     topic = f"paused.{uuid.uuid4().hex[:6]}"
     group = f"downstream-{uuid.uuid4().hex[:6]}"
