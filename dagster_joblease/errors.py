@@ -10,7 +10,8 @@ contain a database URL or a credential.
     ├── InvalidJobIdentityError (ValueError)    type / code / run_key broke a rule
     ├── InvalidLeaseOptionsError (ValueError)   lease_ms / heartbeat_ms out of range
     ├── InvalidPayloadError (ValueError)        outbox payload not JSON, too large, bad topic or key
-    │   └── InvalidInboxInputError              inbox key, lock time or effect result broke a rule
+    │   ├── InvalidInboxInputError              inbox key, lock time or effect result broke a rule
+    │   └── InvalidOrderingKeyError             an outbox ordering key broke its rules
     ├── AdminArgumentError (ValueError)         an admin call's argument is out of its rules
     ├── AdminRefusedError                       the row's state makes an admin change unsafe
     ├── ConfigurationError                      bad route, missing environment variable, bad URL
@@ -42,6 +43,7 @@ __all__ = [
     "InvalidInboxInputError",
     "InvalidJobIdentityError",
     "InvalidLeaseOptionsError",
+    "InvalidOrderingKeyError",
     "InvalidPayloadError",
     "JobLeaseError",
     "LostBatchLeaseError",
@@ -105,6 +107,11 @@ class InvalidInboxInputError(InvalidPayloadError):
         self.field = field
         self.rule = rule
         JobLeaseError.__init__(self, f"invalid inbox {field}: {rule}")
+
+
+class InvalidOrderingKeyError(InvalidPayloadError):
+    """An ``ordering_key`` broke its rules (a non-empty str of at most 128 printable characters, no
+    surrounding whitespace); raised before anything is written."""
 
 
 class AdminArgumentError(JobLeaseError, ValueError):
@@ -179,14 +186,20 @@ class OutboxConflictError(JobLeaseError):
         new_sha256: str,
         existing_topic: str | None = None,
         new_topic: str | None = None,
+        existing_ordering_key: str | None = None,
+        new_ordering_key: str | None = None,
     ) -> None:
         self.idempotency_key = idempotency_key
         self.existing_sha256 = existing_sha256
         self.new_sha256 = new_sha256
         self.existing_topic = existing_topic
         self.new_topic = new_topic
+        self.existing_ordering_key = existing_ordering_key
+        self.new_ordering_key = new_ordering_key
         if existing_topic is not None and new_topic is not None and existing_topic != new_topic:
             what = f"an effect for topic {existing_topic!r}, not {new_topic!r}"
+        elif existing_ordering_key != new_ordering_key and existing_sha256 == new_sha256:
+            what = f"an effect with ordering key {existing_ordering_key!r}, not {new_ordering_key!r}"
         else:
             what = f"a different payload (sha256 {existing_sha256[:12]}… vs {new_sha256[:12]}…)"
         super().__init__(

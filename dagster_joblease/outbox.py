@@ -33,12 +33,14 @@ if TYPE_CHECKING:
 __all__ = [
     "DEFAULT_MAX_PAYLOAD_BYTES",
     "MAX_KEY_LENGTH",
+    "MAX_ORDERING_KEY_LENGTH",
     "MAX_TOPIC_LENGTH",
     "DueSummary",
     "GroupPause",
     "OutboxItem",
     "OutboxStatus",
     "canonical_json",
+    "check_ordering_key",
     "due_clause",
     "due_summary",
     "enqueue_many",
@@ -51,6 +53,8 @@ __all__ = [
 DEFAULT_MAX_PAYLOAD_BYTES = 256 * 1024
 MAX_TOPIC_LENGTH = 128
 MAX_KEY_LENGTH = 320
+#: The longest ordering key (characters; the column is VARCHAR(128)).
+MAX_ORDERING_KEY_LENGTH = 128
 #: C0 and C1 control characters (and DEL): never valid in a key or a topic.
 _CONTROL = re.compile("[\x00-\x1f\x7f-\x9f]")
 
@@ -160,6 +164,29 @@ def _check_text(field: str, value: object, max_length: int, *, ascii_only: bool)
     return value
 
 
+def check_ordering_key(value: object) -> str | None:
+    """``value`` if it is a valid ordering key (or None: no ordering), else
+    :class:`~dagster_joblease.errors.InvalidOrderingKeyError` saying what is allowed: a str of 1 to
+    :data:`MAX_ORDERING_KEY_LENGTH` characters, none of them a control character (NUL included), without
+    leading or trailing whitespace and not a lone surrogate."""
+    if value is None:
+        return None
+    allowed = (
+        f"an ordering key is a str of 1 to {MAX_ORDERING_KEY_LENGTH} characters without control characters "
+        "(NUL included) or surrounding whitespace, e.g. 'customer-42'; or None for no ordering"
+    )
+    try:
+        _check_text("ordering_key", value, MAX_ORDERING_KEY_LENGTH, ascii_only=False)
+    except errors.InvalidPayloadError as exc:
+        raise errors.InvalidOrderingKeyError("ordering_key", f"{exc.rule}; {allowed}") from None
+    assert isinstance(value, str)
+    if value != value.strip():
+        raise errors.InvalidOrderingKeyError(
+            "ordering_key", f"{value[:40]!r} has surrounding whitespace; {allowed}"
+        )
+    return value
+
+
 def _check_max_bytes(max_payload_bytes: object) -> int:
     if isinstance(max_payload_bytes, bool) or not isinstance(max_payload_bytes, int) or max_payload_bytes < 2:
         raise errors.InvalidPayloadError(
@@ -169,6 +196,7 @@ def _check_max_bytes(max_payload_bytes: object) -> int:
 
 
 _Params = tuple[str, str, str, str]  #: key, topic, payload_text, sha256
+_Row = tuple[str, str, str, str, str | None]  #: key, topic, payload_text, sha256, ordering_key
 
 
 class _ReadBackFailed(errors.StorageError):
@@ -188,6 +216,7 @@ def enqueue_once(
     payload: Any,
     max_payload_bytes: int = DEFAULT_MAX_PAYLOAD_BYTES,
     max_pending: int | None = None,
+    ordering_key: str | None = None,
 ) -> bool:
     """Add a pending outbox row inside the caller's transaction; True if inserted, False if already there.
 
@@ -209,6 +238,17 @@ def enqueue_once(
     given. The bound is soft under concurrent writers: at READ COMMITTED two transactions can both see
     N-1 pending rows and both insert, so the backlog can pass N by the number of concurrent producers.
 
+    ``ordering_key`` (optional, e.g. ``"customer-42"``): rows with the same ordering key are delivered one
+    at a time, in the order they were enqueued (their commit order), by every dispatcher together; rows of
+    other keys, and rows without one, flow past them. A row of the key that is retrying holds the key's
+    later rows back, and a DEAD one blocks them until a person requeues or skips it (``joblease outbox
+    requeue ID`` / ``skip ID``). On PostgreSQL the enqueue takes a transaction-scoped advisory lock on the
+    key (``pg_advisory_xact_lock``, so it works behind PgBouncer in transaction mode): a second
+    transaction enqueueing the same key waits until this one ends, so a key's rows get ids in commit
+    order. Hold such a transaction briefly. An invalid key raises :class:`InvalidOrderingKeyError`
+    (:func:`check_ordering_key` says what is allowed); a repeat of a row under another ordering key raises
+    :class:`OutboxConflictError`.
+
     Example::
 
         with engine.begin() as conn:
@@ -224,30 +264,40 @@ def enqueue_once(
     key, _topic, text, fingerprint = _prepare_row(
         idempotency_key, topic, payload, _check_max_bytes(max_payload_bytes)
     )
+    ordering = check_ordering_key(ordering_key)
     db = driver.in_transaction(target)
     if max_pending is not None:
         with translate_errors("count pending outbox rows"):
             _check_backlog(db, key, topic, _check_max_pending(max_pending))
     with translate_errors("enqueue an outbox row"):
+        if ordering is not None:
+            store.lock_ordering_keys(db, [ordering])
         # Two rounds: a conflicting row can vanish between the INSERT and the read (a concurrent purge or
         # a rolled-back writer); the second INSERT then simply succeeds.
         for _ in range(2):
-            if store.insert_pending(db, key, topic, text, fingerprint):
+            if store.insert_pending(db, key, topic, text, fingerprint, ordering):
                 return True
             found = store.existing(db, key)
             if found is None:
                 continue
-            existing_sha256, existing_topic = found
-            if existing_sha256 == fingerprint and existing_topic == topic:
+            if found == (fingerprint, topic, ordering):
                 return False
-            raise errors.OutboxConflictError(
-                idempotency_key=key,
-                existing_sha256=existing_sha256,
-                new_sha256=fingerprint,
-                existing_topic=existing_topic,
-                new_topic=topic,
-            )
+            raise _conflict(key, found, (fingerprint, topic, ordering))
     raise _ReadBackFailed(key)
+
+
+def _conflict(key: str, found: tuple[str, str, str | None], new: tuple[str, str, str | None]) -> Exception:
+    """The :class:`OutboxConflictError` of a row under ``key`` holding ``found`` (fingerprint, topic,
+    ordering key) where ``new`` was enqueued."""
+    return errors.OutboxConflictError(
+        idempotency_key=key,
+        existing_sha256=found[0],
+        new_sha256=new[0],
+        existing_topic=found[1],
+        new_topic=new[1],
+        existing_ordering_key=found[2],
+        new_ordering_key=new[2],
+    )
 
 
 def _check_max_pending(value: object) -> int:
@@ -270,11 +320,14 @@ def _check_backlog(db: driver.Statements, key: str, topic: str, max_pending: int
 
 
 class OutboxItem(NamedTuple):
-    """One row for :func:`enqueue_many` (a plain ``(idempotency_key, topic, payload)`` tuple works too)."""
+    """One row for :func:`enqueue_many` (a plain ``(idempotency_key, topic, payload)`` or
+    ``(idempotency_key, topic, payload, ordering_key)`` tuple works too)."""
 
     idempotency_key: str
     topic: str
     payload: Any
+    #: Rows with the same ordering key are delivered one at a time, in enqueue order (see enqueue_once).
+    ordering_key: str | None = None
 
 
 def _prepare_row(idempotency_key: object, topic: object, payload: Any, limit: int) -> _Params:
@@ -294,31 +347,29 @@ def _prepare_row(idempotency_key: object, topic: object, payload: Any, limit: in
     return (idempotency_key, topic, text, hashlib.sha256(data).hexdigest())
 
 
-def _check_items(items: object, limit: int) -> list[_Params]:
+def _check_items(items: object, limit: int) -> list[_Row]:
     if isinstance(items, str | bytes | dict) or not isinstance(items, Iterable):
         raise errors.InvalidPayloadError(
             "rows", "must be a list (or another iterable) of OutboxItem(idempotency_key, topic, payload)"
         )
-    prepared: list[_Params] = []
+    prepared: list[_Row] = []
     seen: set[str] = set()
     for index, item in enumerate(items):
         if len(prepared) >= rowset.MAX_ROWS:
             raise errors.InvalidPayloadError(
                 "rows", f"hold more than {rowset.MAX_ROWS} rows; at most that many per call, split the set"
             )
-        if not isinstance(item, tuple) or len(item) != 3:
+        if not isinstance(item, tuple) or len(item) not in (3, 4):
             raise errors.InvalidPayloadError(
                 f"row {index}",
-                "must be an OutboxItem(idempotency_key, topic, payload) or a 3-tuple, got "
-                f"{type(item).__name__}",
+                "must be an OutboxItem(idempotency_key, topic, payload[, ordering_key]) or a 3- or 4-tuple, "
+                f"got {type(item).__name__}",
             )
-        key, topic, payload = item
+        key, topic, payload, *rest = item
         try:
-            row = _prepare_row(key, topic, payload, limit)
+            row = (*_prepare_row(key, topic, payload, limit), check_ordering_key(rest[0] if rest else None))
         except errors.InvalidPayloadError as exc:
-            raise errors.InvalidPayloadError(
-                f"{exc.field} of row {index} (key {key!r:.60})", exc.rule
-            ) from None
+            raise type(exc)(f"{exc.field} of row {index} (key {key!r:.60})", exc.rule) from None
         if row[0] in seen:
             raise errors.InvalidPayloadError(
                 f"row {index}", f"repeats the idempotency key {row[0]!r}; one key is one effect, pass it once"
@@ -351,6 +402,11 @@ def enqueue_many(
     Statements: one ``INSERT … SELECT … ON CONFLICT DO NOTHING RETURNING`` per 10,000 rows; a read of
     the rows that were already there only when some were.
 
+    Ordering keys (``OutboxItem(..., ordering_key="customer-42")``): rows of one ordering key are
+    enqueued in the list's order, and delivered in it (see :func:`enqueue_once`). On PostgreSQL the call
+    first takes each distinct ordering key's advisory lock (in key order); the set is then written
+    ordered by ordering key and, within a key, by list position (rows without one by idempotency key).
+
     Example, one outbox row per day of a range, in the transaction that bills the range::
 
         with fenced_transaction_many(service, claim.leases) as conn:
@@ -362,10 +418,12 @@ def enqueue_many(
     limit = _check_max_bytes(max_payload_bytes)
     prepared = _check_items(rows, limit)
     db = driver.in_transaction(target)
-    ordered = sorted(prepared, key=lambda row: row[0])
+    ordering_keys = sorted({row[4] for row in prepared if row[4] is not None})
+    ordered = _insert_order(prepared) if ordering_keys else sorted(prepared, key=lambda row: row[0])
     inserted: set[str] = set()
     with translate_errors("enqueue outbox rows"):
         try:
+            store.lock_ordering_keys(db, ordering_keys)
             for start in range(0, len(ordered), rowset.ROWS_PER_STATEMENT):
                 _enqueue_chunk(db, ordered[start : start + rowset.ROWS_PER_STATEMENT], inserted)
         except (errors.OutboxConflictError, _ReadBackFailed):
@@ -375,29 +433,34 @@ def enqueue_many(
     return tuple(row[0] in inserted for row in prepared)
 
 
-def _enqueue_chunk(db: driver.Statements, chunk: list[_Params], inserted: set[str]) -> None:
+def _insert_order(rows: list[_Row]) -> list[_Row]:
+    """The order a set with ordering keys is written in: rows without one by idempotency key, then each
+    ordering key's rows (keys in order) in the list's order, so that their ids follow the list."""
+    position = {row[0]: index for index, row in enumerate(rows)}
+    return sorted(rows, key=lambda r: (0, r[0], 0) if r[4] is None else (1, r[4], position[r[0]]))
+
+
+def _enqueue_chunk(db: driver.Statements, chunk: list[_Row], inserted: set[str]) -> None:
     pending = chunk
+    keyed = any(row[4] is not None for row in chunk)
     # Two rounds, as enqueue_once: a conflicting row can vanish between the INSERT and the read.
     for _ in range(2):
-        inserted.update(store.insert_many(db, pending))
+        if keyed:
+            inserted.update(store.insert_many_keyed(db, pending))
+        else:
+            inserted.update(store.insert_many(db, [row[:4] for row in pending]))
         met = [row for row in pending if row[0] not in inserted]
         if not met:
             return
         found = store.existing_many(db, [row[0] for row in met])
         pending = []
-        for key, topic, _text, fingerprint in met:
+        for row in met:
+            key, topic, _text, fingerprint, ordering = row
             if key not in found:
-                pending.append((key, topic, _text, fingerprint))
+                pending.append(row)
                 continue
-            existing_sha256, existing_topic = found[key]
-            if existing_sha256 != fingerprint or existing_topic != topic:
-                raise errors.OutboxConflictError(
-                    idempotency_key=key,
-                    existing_sha256=existing_sha256,
-                    new_sha256=fingerprint,
-                    existing_topic=existing_topic,
-                    new_topic=topic,
-                )
+            if found[key] != (fingerprint, topic, ordering):
+                raise _conflict(key, found[key], (fingerprint, topic, ordering))
         if not pending:
             return
     raise _ReadBackFailed(pending[0][0])

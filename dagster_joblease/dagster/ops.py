@@ -131,13 +131,17 @@ class LeasedRun:
         topic: str,
         payload: Any,
         idempotency_key: str | None = None,
+        ordering_key: str | None = None,
     ) -> bool:
-        """Enqueue the run's effect (keyed by the run's idempotency key unless another is given)."""
+        """Enqueue the run's effect (keyed by the run's idempotency key unless another is given);
+        ``ordering_key``: delivered after the key's earlier rows, one at a time (see
+        :func:`dagster_joblease.outbox.enqueue_once`)."""
         inserted = outbox.enqueue_once(
             connection,
             idempotency_key=idempotency_key or self.idempotency_key,
             topic=topic,
             payload=payload,
+            ordering_key=ordering_key,
         )
         self.enqueued.append(inserted)
         return inserted
@@ -550,10 +554,17 @@ class LeasedBatch:
             yield connection
 
     def enqueue_many(
-        self, connection: sa.Connection, *, topic: str, payloads: Mapping[str | None, Any]
+        self,
+        connection: sa.Connection,
+        *,
+        topic: str,
+        payloads: Mapping[str | None, Any],
+        ordering_key: str | None = None,
     ) -> tuple[bool, ...]:
         """One outbox row per partition key of ``payloads`` (keyed by that key's idempotency key), in one
-        multi-row statement; True per row if inserted, False if it was already there."""
+        multi-row statement; True per row if inserted, False if it was already there. ``ordering_key``:
+        every row under it, delivered one at a time in the mapping's order after the key's earlier rows
+        (see :func:`dagster_joblease.outbox.enqueue_many`)."""
         keys = self.idempotency_keys
         unknown = [k for k in payloads if k not in keys]
         if unknown:
@@ -562,7 +573,7 @@ class LeasedBatch:
                 f"({len(keys)} keys: {self.partition_keys[:5]!r}…); give a payload per key of "
                 "run.partition_keys"
             )
-        items = [outbox.OutboxItem(keys[k], topic, payload) for k, payload in payloads.items()]
+        items = [outbox.OutboxItem(keys[k], topic, payload, ordering_key) for k, payload in payloads.items()]
         inserted = outbox.enqueue_many(connection, items)
         for item, was_inserted in zip(items, inserted, strict=True):
             self.enqueued[item.idempotency_key] = was_inserted

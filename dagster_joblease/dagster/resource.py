@@ -242,10 +242,23 @@ class JobLeaseResource(dg.ConfigurableResource):  # type: ignore[type-arg]
                 yield connection
 
     def enqueue_once(
-        self, connection: sa.Connection, *, idempotency_key: str, topic: str, payload: Any
+        self,
+        connection: sa.Connection,
+        *,
+        idempotency_key: str,
+        topic: str,
+        payload: Any,
+        ordering_key: str | None = None,
     ) -> bool:
-        """Add an outbox row in ``connection``'s transaction; False when the same row is already there."""
-        return outbox.enqueue_once(connection, idempotency_key=idempotency_key, topic=topic, payload=payload)
+        """Add an outbox row in ``connection``'s transaction; False when the same row is already there.
+        ``ordering_key``: see :func:`dagster_joblease.outbox.enqueue_once`."""
+        return outbox.enqueue_once(
+            connection,
+            idempotency_key=idempotency_key,
+            topic=topic,
+            payload=payload,
+            ordering_key=ordering_key,
+        )
 
     def run_exclusive(
         self, job: identity.JobIdentity, fn: Callable[[lease.Lease], T]

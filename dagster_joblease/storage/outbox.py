@@ -47,11 +47,16 @@ __all__ = [
     "give_back",
     "existing",
     "existing_many",
+    "head_of_its_key",
+    "insert_many_keyed",
+    "lock_ordering_keys",
     "in_flight_by_group",
     "in_flight_query",
     "insert_many",
     "insert_pending",
+    "blocked_keys",
     "last_id",
+    "lock_for_skip",
     "lock_for_requeue",
     "mark_sent",
     "outbox_rows",
@@ -62,6 +67,7 @@ __all__ = [
     "record_retry",
     "requeue_dead",
     "requeue_one",
+    "skip_dead",
     "slot_look",
     "swap",
     "swap_result",
@@ -76,6 +82,10 @@ _PENDING_TEXT = sa.literal_column("'PENDING'", sa.String())
 _DEAD_TEXT = sa.literal_column("'DEAD'", sa.String())
 _PENDING = _t.c.status == _PENDING_TEXT
 _DEAD = _t.c.status == _DEAD_TEXT
+#: A row that holds its ordering key's later rows back: still to be delivered (PENDING: due, waiting out a
+#: backoff, or in flight) or parked DEAD until a person requeues or skips it. The predicate of
+#: ``ix_joblease_outbox_ordering``, written with literals so that a generic plan proves it.
+_LIVE_STATUSES = (_PENDING_TEXT, _DEAD_TEXT)
 
 
 def _not_in_flight() -> sa.ColumnElement[bool]:
@@ -83,9 +93,32 @@ def _not_in_flight() -> sa.ColumnElement[bool]:
     return sa.or_(_t.c.claim_expires_at.is_(None), _t.c.claim_expires_at < db_now())
 
 
+def head_of_its_key(row: sa.TableClause | sa.Table = _t) -> sa.ColumnElement[bool]:
+    """Per-key ordering, the one spelling of it: ``row`` has no ordering key, or no row of its key with a
+    smaller id is PENDING (due, retry-scheduled or in flight) or DEAD. So only the head of each key goes,
+    one at a time and in id order, and a DEAD row holds its key until a person requeues or skips it.
+
+    ``row`` is the outbox table as the claim names it (``outbox_table``, or an alias a hand-written claim
+    uses). One probe of ``ix_joblease_outbox_ordering`` per keyed candidate; a row without a key costs
+    nothing (the ``IS NULL`` arm is decided first).
+    """
+    ahead = _t.alias("ahead")
+    earlier = (
+        sa.select(ahead.c.id)
+        .where(
+            ahead.c.ordering_key == row.c.ordering_key,
+            ahead.c.status.in_(_LIVE_STATUSES),
+            ahead.c.id < row.c.id,
+        )
+        .correlate(row)
+    )
+    return sa.or_(row.c.ordering_key.is_(None), ~earlier.exists())
+
+
 def due_clause() -> sa.ColumnElement[bool]:
-    """Rows a dispatcher may claim now: pending, due on the database clock, and not claimed (or expired)."""
-    return sa.and_(_PENDING, _t.c.next_attempt_at <= db_now(), _not_in_flight())
+    """Rows a dispatcher may claim now: pending, due on the database clock, not claimed (or expired), and
+    the head of their ordering key (:func:`head_of_its_key`)."""
+    return sa.and_(_PENDING, _t.c.next_attempt_at <= db_now(), _not_in_flight(), head_of_its_key())
 
 
 # -- enqueue: in the caller's transaction -----------------------------------------------------------------
@@ -94,8 +127,9 @@ _KEY = sa.bindparam("key", type_=sa.String())
 _TOPIC = sa.bindparam("topic", type_=sa.String())
 
 
-def _insert(dialect_name: str) -> Any:
-    """``INSERT … ON CONFLICT (idempotency_key) DO NOTHING RETURNING id``: a new pending row, due now."""
+def _insert(dialect_name: str, *, keyed: bool = False) -> Any:
+    """``INSERT … ON CONFLICT (idempotency_key) DO NOTHING RETURNING id``: a new pending row, due now
+    (``keyed``: with the ``ordering_key`` parameter; the statement without it never names the column)."""
     # Bind the canonical text as-is instead of letting the JSON type encode the payload a second time.
     payload: sa.ColumnElement[Any] = sa.bindparam("payload_text", type_=sa.Text())
     if dialect_name == "postgresql":
@@ -112,14 +146,30 @@ def _insert(dialect_name: str) -> Any:
             next_attempt_at=db_now(),
             created_at=db_now(),
             updated_at=db_now(),
+            **({"ordering_key": _ORDERING_KEY} if keyed else {}),
         )
         .on_conflict_do_nothing(index_elements=[_t.c.idempotency_key])
         .returning(_t.c.id)
     )
 
 
+_ORDERING_KEY = sa.bindparam("ordering_key", type_=sa.String())
+#: PostgreSQL: the first key of the two-int advisory lock an enqueue takes on its ordering key ("jlok").
+ORDERING_LOCK_CLASS = 0x6A6C6F6B
+
 INSERT_PENDING = driver.query(_insert("postgresql"), _insert("sqlite"))
-EXISTING = driver.query(sa.select(_t.c.payload_sha256, _t.c.topic).where(_t.c.idempotency_key == _KEY))
+INSERT_PENDING_KEYED = driver.query(_insert("postgresql", keyed=True), _insert("sqlite", keyed=True))
+#: PostgreSQL: wait for (then hold, until the transaction ends) the ordering key's enqueue lock.
+LOCK_ORDERING_KEY = driver.query(
+    sa.select(
+        sa.func.pg_advisory_xact_lock(
+            sa.literal_column(str(ORDERING_LOCK_CLASS), sa.Integer()), sa.func.hashtext(_ORDERING_KEY)
+        )
+    )
+)
+EXISTING = driver.query(
+    sa.select(_t.c.payload_sha256, _t.c.topic, _t.c.ordering_key).where(_t.c.idempotency_key == _KEY)
+)
 #: Pending rows of a topic, counted up to a cap (at most ``cap`` rows read).
 PENDING_COUNT = driver.query(
     sa.select(sa.func.count()).select_from(
@@ -131,16 +181,32 @@ PENDING_COUNT = driver.query(
 )
 
 
-def insert_pending(db: Statements, key: str, topic: str, payload_text: str, sha256: str) -> bool:
-    """Add a pending row (its payload as canonical JSON text); False when the key already has one."""
+def insert_pending(
+    db: Statements, key: str, topic: str, payload_text: str, sha256: str, ordering_key: str | None = None
+) -> bool:
+    """Add a pending row (its payload as canonical JSON text; its ordering key, if any); False when the
+    key already has one."""
     params = {"key": key, "topic": topic, "payload_text": payload_text, "sha256": sha256}
-    return db.first(INSERT_PENDING, params) is not None
+    if ordering_key is None:
+        return db.first(INSERT_PENDING, params) is not None
+    return db.first(INSERT_PENDING_KEYED, {**params, "ordering_key": ordering_key}) is not None
 
 
-def existing(db: Statements, key: str) -> tuple[str, str] | None:
-    """The fingerprint and topic of the row under ``key``, or None."""
+def lock_ordering_keys(db: Statements, ordering_keys: Sequence[str]) -> None:
+    """PostgreSQL: take each ordering key's enqueue lock (in the given order; pass them sorted), held until
+    the caller's transaction ends. A second enqueue of the same key waits for this transaction, so it
+    takes its id after this one committed or rolled back: ids of one key are in commit order, and a
+    dispatcher never sees a key's later row before an earlier one. SQLite serializes writers anyway."""
+    if db.dialect != "postgresql":
+        return
+    for ordering_key in ordering_keys:
+        db.first(LOCK_ORDERING_KEY, {"ordering_key": ordering_key})
+
+
+def existing(db: Statements, key: str) -> tuple[str, str, str | None] | None:
+    """The fingerprint, topic and ordering key of the row under ``key``, or None."""
     row = db.first(EXISTING, {"key": key})
-    return None if row is None else (str(row[0]), str(row[1]))
+    return None if row is None else (str(row[0]), str(row[1]), None if row[2] is None else str(row[2]))
 
 
 def pending_count(db: Statements, topic: str, cap: int) -> int:
@@ -160,9 +226,17 @@ ENQUEUE_COLUMNS = (
 _ENQUEUE_NAMES = tuple(name for name, _ in ENQUEUE_COLUMNS)
 
 
-def _insert_many(dialect_name: str) -> Any:
-    """``INSERT … SELECT … FROM <rows> ORDER BY key ON CONFLICT DO NOTHING RETURNING idempotency_key``."""
-    source = rowset.rows_source(dialect_name, ENQUEUE_COLUMNS, joined=False)
+#: :data:`ENQUEUE_COLUMNS` and each row's ordering key (or null) and its place in the insert order.
+ENQUEUE_KEYED_COLUMNS = (*ENQUEUE_COLUMNS, ("ordering_key", sa.String()), ("seq", sa.Integer()))
+_ENQUEUE_KEYED_NAMES = tuple(name for name, _ in ENQUEUE_KEYED_COLUMNS)
+
+
+def _insert_many(dialect_name: str, *, keyed: bool = False) -> Any:
+    """``INSERT … SELECT … FROM <rows> ORDER BY key ON CONFLICT DO NOTHING RETURNING idempotency_key``
+    (``keyed``: with each row's ordering key, inserted in the order of ``seq``, so ids follow it)."""
+    source = rowset.rows_source(
+        dialect_name, ENQUEUE_KEYED_COLUMNS if keyed else ENQUEUE_COLUMNS, joined=False
+    )
     payload: sa.ColumnElement[Any] = source.c.payload_text
     if dialect_name == "postgresql":
         payload = sa.cast(payload, postgresql.JSONB())
@@ -177,13 +251,16 @@ def _insert_many(dialect_name: str) -> Any:
             db_now(),
             db_now(),
             db_now(),
+            *([source.c.ordering_key] if keyed else []),
         )
         .select_from(source)
         .where(sa.true())  # SQLite: INSERT … SELECT … ON CONFLICT needs a WHERE to parse
-        .order_by(source.c.key)  # key order: overlapping sets wait for each other, never deadlock
+        # key order: overlapping sets wait for each other, never deadlock (keyed: see insert_many_keyed)
+        .order_by(source.c.seq if keyed else source.c.key)
     )
     columns = ["idempotency_key", "topic", "payload", "payload_sha256", "status", "attempts"]
     columns += ["next_attempt_at", "created_at", "updated_at"]
+    columns += ["ordering_key"] if keyed else []
     insert = (postgresql.insert if dialect_name == "postgresql" else sqlite.insert)(_t)
     return (
         insert.from_select(columns, rows)
@@ -193,9 +270,9 @@ def _insert_many(dialect_name: str) -> Any:
 
 
 def _existing_many(dialect_name: str) -> Any:
-    """``(idempotency_key, payload_sha256, topic)`` of the rows under the given keys."""
+    """``(idempotency_key, payload_sha256, topic, ordering_key)`` of the rows under the given keys."""
     keys = rowset.rows_source(dialect_name, (("key", sa.String()),))
-    read = (_t.c.idempotency_key, _t.c.payload_sha256, _t.c.topic)
+    read = (_t.c.idempotency_key, _t.c.payload_sha256, _t.c.topic, _t.c.ordering_key)
     if dialect_name == "postgresql":
         # One index lookup per key (LATERAL): linear whatever the planner's row estimates say.
         found = sa.select(*read).where(_t.c.idempotency_key == keys.c.key).lateral("l")
@@ -212,6 +289,7 @@ def _take_back(dialect_name: str) -> Any:
 
 
 INSERT_MANY = driver.query(_insert_many("postgresql"), _insert_many("sqlite"))
+INSERT_MANY_KEYED = driver.query(_insert_many("postgresql", keyed=True), _insert_many("sqlite", keyed=True))
 EXISTING_MANY = driver.query(_existing_many("postgresql"), _existing_many("sqlite"))
 TAKE_BACK = driver.query(_take_back("postgresql"), _take_back("sqlite"))
 
@@ -223,10 +301,22 @@ def insert_many(db: Statements, rows: Sequence[tuple[str, str, str, str]]) -> li
     return [str(row[0]) for row in db.rows(INSERT_MANY, params)]
 
 
-def existing_many(db: Statements, keys: Sequence[str]) -> dict[str, tuple[str, str]]:
-    """Key → (fingerprint, topic) of the rows under ``keys``."""
+def insert_many_keyed(db: Statements, rows: Sequence[tuple[str, str, str, str, str | None]]) -> list[str]:
+    """:func:`insert_many` for rows (key, topic, payload text, sha256, ordering key or None) some of which
+    have an ordering key: inserted in the given order (ids follow it), so the caller orders them. The keys
+    inserted."""
+    numbered = [(*row, seq) for seq, row in enumerate(rows)]
+    params = rowset.bind_rows(db.dialect, _ENQUEUE_KEYED_NAMES, numbered)
+    return [str(row[0]) for row in db.rows(INSERT_MANY_KEYED, params)]
+
+
+def existing_many(db: Statements, keys: Sequence[str]) -> dict[str, tuple[str, str, str | None]]:
+    """Key → (fingerprint, topic, ordering key) of the rows under ``keys``."""
     params = rowset.bind_rows(db.dialect, ("key",), [(key,) for key in keys])
-    return {str(key): (str(sha), str(topic)) for key, sha, topic in db.rows(EXISTING_MANY, params)}
+    return {
+        str(key): (str(sha), str(topic), None if ordering is None else str(ordering))
+        for key, sha, topic, ordering in db.rows(EXISTING_MANY, params)
+    }
 
 
 def take_back(db: Statements, keys: Sequence[str]) -> int:
@@ -292,6 +382,42 @@ def dead_rows(conn: sa.Connection, topics: Sequence[str] | None, limit: int) -> 
         .limit(limit)
     )
     return list(conn.execute(stmt).all())
+
+
+def _blocking_heads(topics: Sequence[str] | None) -> Any:
+    """Per ordering key with a DEAD row (of ``topics``; None: all): the key and its first DEAD row's id,
+    read through ``ix_joblease_outbox_ordering`` (DEAD keyed rows are in it)."""
+    return (
+        sa.select(_t.c.ordering_key, sa.func.min(_t.c.id).label("id"))
+        .where(_t.c.ordering_key.is_not(None), _t.c.status.in_(_LIVE_STATUSES), _DEAD, _routed(topics))
+        .group_by(_t.c.ordering_key)
+        .subquery("heads")
+    )
+
+
+def blocked_keys(conn: sa.Connection, topics: Sequence[str] | None, limit: int) -> tuple[int, list[Any]]:
+    """Ordering keys a DEAD row (of ``topics``; None: all) blocks: how many, and the first ``limit`` by the
+    blocking row's id: ``ordering_key``, ``id`` (the blocking row: its first DEAD row), ``topic`` and
+    ``held`` (PENDING rows of the key after it, which no dispatcher claims until it is requeued or
+    skipped)."""
+    heads = _blocking_heads(topics)
+    count = int(conn.execute(sa.select(sa.func.count()).select_from(heads)).scalar_one())
+    if count == 0:
+        return 0, []
+    later = _t.alias("later")
+    held = (
+        sa.select(sa.func.count())
+        .where(later.c.ordering_key == heads.c.ordering_key, later.c.status.in_(_LIVE_STATUSES))
+        .where(later.c.status == _PENDING_TEXT, later.c.id > heads.c.id)
+        .scalar_subquery()
+    )
+    stmt = (
+        sa.select(heads.c.ordering_key, heads.c.id, _t.c.topic, held.label("held"))
+        .select_from(heads.join(_t, _t.c.id == heads.c.id))
+        .order_by(heads.c.id)
+        .limit(limit)
+    )
+    return count, list(conn.execute(stmt).all())
 
 
 def _unrouted(topics: Sequence[str], older_than_ms: int) -> sa.ColumnElement[bool]:
@@ -381,6 +507,7 @@ def _rows_select() -> sa.Select[Any]:
         readable_ts(_t.c.created_at).label("created_at"),
         readable_ts(_t.c.updated_at).label("updated_at"),
         readable_ts(_t.c.sent_at).label("sent_at"),
+        _t.c.ordering_key,
     )
 
 
@@ -425,6 +552,27 @@ def requeue_one(conn: sa.Connection, row_id: int, *, dead: bool) -> int:
     delivering; how many rows changed (0 or 1)."""
     unchanged = _DEAD if dead else sa.and_(_PENDING, _not_in_flight())
     return int(conn.execute(sa.update(_t).where(_t.c.id == row_id, unchanged).values(**_requeued())).rowcount)
+
+
+def lock_for_skip(conn: sa.Connection, row_id: int) -> tuple[str, str | None, str | None] | None:
+    """The status, ordering key and last error of row ``row_id``, its row locked until the transaction of
+    ``conn`` ends; None when there is no such row."""
+    stmt = (
+        sa.select(_t.c.status, _t.c.ordering_key, _t.c.last_error).where(_t.c.id == row_id).with_for_update()
+    )
+    row = conn.execute(stmt).first()
+    return None if row is None else (str(row[0]), row[1], row[2])
+
+
+def skip_dead(conn: sa.Connection, row_id: int, last_error: str) -> int:
+    """Release the ordering key of DEAD row ``row_id`` (it stays DEAD, undelivered, with ``last_error``):
+    the key's later rows flow again. How many rows changed (0 or 1)."""
+    stmt = (
+        sa.update(_t)
+        .where(_t.c.id == row_id, _DEAD, _t.c.ordering_key.is_not(None))
+        .values(ordering_key=None, last_error=last_error, updated_at=db_now())
+    )
+    return int(conn.execute(stmt).rowcount)
 
 
 def requeue_dead(conn: sa.Connection, topic: str | None) -> int:

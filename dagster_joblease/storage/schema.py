@@ -26,7 +26,7 @@ __all__ = [
 #: Alembic's version table for this package, distinct from Dagster's and the host's ``alembic_version``.
 VERSION_TABLE = "joblease_alembic_version"
 #: The newest migration; ``db check`` compares the database against it.
-HEAD_REVISION = "0007"
+HEAD_REVISION = "0008"
 
 metadata = sa.MetaData(
     naming_convention={
@@ -168,6 +168,8 @@ outbox_table = sa.Table(
     sa.Column("claim_group", sa.String(255), nullable=True),
     # Attempts a downstream's Retry-After pause deferred without counting them against max_attempts.
     sa.Column("deferrals", sa.Integer(), nullable=False, server_default=sa.text("0")),
+    # Rows with the same ordering key are delivered one at a time, in id order (NULL: no ordering; 0008).
+    sa.Column("ordering_key", sa.String(128), nullable=True),
     sa.UniqueConstraint("idempotency_key"),
     _sqlite_check("status IN ('PENDING', 'SENT', 'DEAD')", name="status"),
     _sqlite_check("attempts >= 0", name="attempts_nonnegative"),
@@ -198,6 +200,15 @@ outbox_table = sa.Table(
         "topic",
         postgresql_where=sa.text("status = 'DEAD'"),
         sqlite_where=sa.text("status = 'DEAD'"),
+    ),
+    # Live rows of an ordering key (PENDING or DEAD), by (key, id): the claim's "is an earlier row of this
+    # key still live?" probe, the blocked keys of `outbox status`. Rows without a key have no entry (0008).
+    sa.Index(
+        "ix_joblease_outbox_ordering",
+        "ordering_key",
+        "id",
+        postgresql_where=sa.text("ordering_key IS NOT NULL AND status IN ('PENDING', 'DEAD')"),
+        sqlite_where=sa.text("ordering_key IS NOT NULL AND status IN ('PENDING', 'DEAD')"),
     ),
     # Sent rows only: `outbox purge` (sent_at < cutoff). Written when a row is sent.
     sa.Index(
