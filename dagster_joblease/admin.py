@@ -231,6 +231,8 @@ class OutboxRow:
     created_at: datetime
     updated_at: datetime
     sent_at: datetime | None
+    #: Rows of one ordering key go one at a time, in id order (None: the row has none).
+    ordering_key: str | None = None
 
     def to_json(self) -> dict[str, Any]:
         return {f.name: _json_value(getattr(self, f.name)) for f in dataclasses.fields(self)}
@@ -592,6 +594,7 @@ def _outbox_row(row: sa.Row[Any]) -> OutboxRow:
         created_at=_utc(m["created_at"]),  # type: ignore[arg-type]
         updated_at=_utc(m["updated_at"]),  # type: ignore[arg-type]
         sent_at=_utc(m["sent_at"]),
+        ordering_key=m["ordering_key"],
     )
 
 
@@ -651,6 +654,40 @@ def requeue(
     name = None if topic is None else _check_text("topic", topic)
     with translate_errors("requeue outbox rows"), engine.begin() as conn:
         return outbox.requeue_dead(conn, name)
+
+
+def skip(engine: sa.Engine, row_id: int) -> str:
+    """Release the ordering key DEAD row ``row_id`` blocks, so that the key's later rows flow again; the
+    ordering key released.
+
+    The row stays DEAD and undelivered, without its ordering key; its ``last_error`` says it was skipped
+    and keeps the error it had. A later ``requeue`` of it delivers it without ordering (after whatever of
+    its key went meanwhile). Refused for a row that is not DEAD (a PENDING row holds its key only while it
+    is due or retrying: let it finish, or requeue it) and for a DEAD row without an ordering key (it
+    blocks nothing)."""
+    if isinstance(row_id, bool) or not isinstance(row_id, int):
+        raise AdminArgumentError(f"invalid outbox row id {row_id!r}: must be an int")
+    with translate_errors("skip an outbox row"), engine.begin() as conn:
+        current = outbox.lock_for_skip(conn, row_id)
+        if current is None:
+            raise errors.NotFoundError(f"no outbox row with id {row_id}; see `joblease outbox list`")
+        status, ordering_key, last_error = current
+        if status != "DEAD":
+            raise AdminRefusedError(
+                f"outbox row {row_id} is {status}; only a DEAD row is skipped (a PENDING row holds its key "
+                "while it is retried: wait for it, or requeue it once it is DEAD)"
+            )
+        if ordering_key is None:
+            raise AdminRefusedError(
+                f"outbox row {row_id} has no ordering key, so it blocks no other row; requeue it "
+                f"(`joblease outbox requeue {row_id}`) or leave it DEAD"
+            )
+        note = f"skipped by an operator: ordering key {ordering_key!r} released, the row stays undelivered"
+        if outbox.skip_dead(conn, row_id, f"{note} (last error: {last_error})" if last_error else note) != 1:
+            raise AdminRefusedError(
+                f"outbox row {row_id} changed while it was being skipped; nothing was changed"
+            )
+        return str(ordering_key)
 
 
 def purge_sent(engine: sa.Engine, *, older_than_ms: int, min_retention_ms: int, dry_run: bool = False) -> int:

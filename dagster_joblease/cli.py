@@ -837,16 +837,40 @@ def outbox_list(status: str | None, topic: str | None, limit: int, as_json: bool
     if not rows:
         click.echo("no outbox rows match")
         return
+    headers = ["ID", "TOPIC", "STATUS", "ATTEMPTS", "NEXT ATTEMPT", "LAST STATUS", "LAST ERROR"]
+    cells = [
+        [r.id, r.topic, r.status, r.attempts, _next_attempt(r), r.last_status, r.last_error] for r in rows
+    ]
+    if any(r.ordering_key is not None for r in rows):  # the column only when some row has a key
+        headers.insert(2, "ORDERING KEY")
+        for row, cell in zip(rows, cells, strict=True):
+            cell.insert(2, row.ordering_key)
     click.echo(
-        render_table(
-            ["ID", "TOPIC", "STATUS", "ATTEMPTS", "NEXT ATTEMPT", "LAST STATUS", "LAST ERROR"],
-            [
-                [r.id, r.topic, r.status, r.attempts, _next_attempt(r), r.last_status, r.last_error]
-                for r in rows
-            ],
-            {"LAST ERROR": ERROR_CELL_CHARS, "TOPIC": 40},
-        )
+        render_table(headers, cells, {"LAST ERROR": ERROR_CELL_CHARS, "TOPIC": 40, "ORDERING KEY": 40})
     )
+    _echo_blocked_keys()
+
+
+def _echo_blocked_keys() -> None:
+    """The ordering keys DEAD rows block (count, and the first few with their blocking row), if any."""
+    from dagster_joblease import delivery_status
+
+    with storage_engine.translate_errors("list blocked ordering keys"), _state().engine().connect() as conn:
+        count, blocked = delivery_status.blocked_keys(conn)
+    if count:
+        click.echo("")
+        click.echo(_blocked_keys_text(count, blocked))
+
+
+def _blocked_keys_text(count: int, blocked: Sequence[Any]) -> str:
+    lines = [f"{count} ordering key(s) blocked by a DEAD row (their later rows wait):"]
+    lines += [f"  {b.describe()}" for b in blocked]
+    if count > len(blocked):
+        lines.append(f"  … and {count - len(blocked)} more")
+    lines.append(
+        "unblock: `joblease outbox requeue ID` (send it again) or `joblease outbox skip ID` (give up)"
+    )
+    return "\n".join(lines)
 
 
 @outbox.command("status", short_help="Per topic and limit group: due, in flight, paused, limits.")
@@ -902,6 +926,9 @@ def outbox_status(routes_file: Path | None, route_specs: tuple[str, ...], as_jso
                 {"LIMIT GROUP": 40, "REASON": ERROR_CELL_CHARS},
             )
         )
+    if status.blocked_key_count:
+        click.echo("")
+        click.echo(_blocked_keys_text(status.blocked_key_count, status.blocked_keys))
 
 
 @outbox.command("requeue", short_help="Make dead rows due again with their original key.")
@@ -923,6 +950,21 @@ def outbox_requeue(row_id: int | None, all_dead: bool, topic: str | None) -> Non
         f"requeued {count} row(s); they keep their idempotency keys and are due now. Their retention "
         "clock restarts: a route's dedupe_window counts from the next attempt (requeueing a row that was "
         "dead-lettered past its window sends it again, which you decided is right)"
+    )
+
+
+@outbox.command("skip", short_help="Give up on a DEAD row so that its ordering key flows again.")
+@click.argument("row_id", type=int, metavar="ID")
+def outbox_skip(row_id: int) -> None:
+    """Release the ordering key that DEAD row ID blocks: the key's later rows are delivered again, in
+    order. The row stays DEAD and is never sent (its last error says it was skipped); requeueing it later
+    sends it without ordering. To send the row itself first instead, `joblease outbox requeue ID`.
+
+    Refused (exit 1) for a row that is not DEAD, or has no ordering key."""
+    key = admin.skip(_state().engine(), row_id)
+    click.echo(
+        f"skipped outbox row {row_id}: ordering key {key!r} released, its later rows are claimed again in "
+        "order; the row stays DEAD, undelivered"
     )
 
 

@@ -4,7 +4,7 @@ much of each limit is in use, on the database clock. What ``joblease outbox stat
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import sqlalchemy as sa
@@ -12,7 +12,10 @@ import sqlalchemy as sa
 from dagster_joblease.storage import outbox, route_groups
 from dagster_joblease.storage.engine import translate_errors
 
-__all__ = ["DeliveryStatus", "GroupStatus", "TopicStatus", "delivery_status"]
+__all__ = ["BlockedKey", "DeliveryStatus", "GroupStatus", "TopicStatus", "blocked_keys", "delivery_status"]
+
+#: How many blocked ordering keys a status names (all of them are counted).
+BLOCKED_KEYS_SHOWN = 20
 
 
 @dataclasses.dataclass(frozen=True)
@@ -41,10 +44,37 @@ class GroupStatus:
 
 
 @dataclasses.dataclass(frozen=True)
+class BlockedKey:
+    """An ordering key a DEAD row blocks: ``blocking_id`` (its first DEAD row, of ``topic``) and ``held``,
+    the key's PENDING rows after it, which no dispatcher claims until that row is requeued or skipped."""
+
+    ordering_key: str
+    blocking_id: int
+    topic: str
+    held: int
+
+    def describe(self) -> str:
+        held = f"{self.held} later row(s) held"
+        return f"ordering key {self.ordering_key!r} is blocked by DEAD row {self.blocking_id} ({held})"
+
+
+def blocked_keys(
+    conn: sa.Connection, *, topics: Sequence[str] | None = None, limit: int = BLOCKED_KEYS_SHOWN
+) -> tuple[int, tuple[BlockedKey, ...]]:
+    """Ordering keys a DEAD row (of ``topics``; None: every topic) blocks: how many, and the first
+    ``limit`` of them by the blocking row's id."""
+    count, rows = outbox.blocked_keys(conn, None if topics is None else list(topics), limit)
+    return count, tuple(BlockedKey(str(r.ordering_key), int(r.id), str(r.topic), int(r.held)) for r in rows)
+
+
+@dataclasses.dataclass(frozen=True)
 class DeliveryStatus:
     now: str
     topics: tuple[TopicStatus, ...]
     groups: tuple[GroupStatus, ...]
+    #: Ordering keys a DEAD row blocks: how many, and the first BLOCKED_KEYS_SHOWN of them.
+    blocked_key_count: int = 0
+    blocked_keys: tuple[BlockedKey, ...] = ()
 
     def to_json(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -60,6 +90,7 @@ def delivery_status(engine: sa.Engine, *, topic_groups: Mapping[str, str] | None
         counts = outbox.delivery_counts_by_topic(conn)
         in_flight = outbox.in_flight_by_group(conn)
         states = route_groups.read_states(conn, None)
+        blocked_count, blocked = blocked_keys(conn)
     topics = [
         TopicStatus(t, groups_of.get(t), *counts.get(t, [0, 0, 0, 0, 0]))
         for t in sorted(set(counts) | set(groups_of))
@@ -85,4 +116,10 @@ def delivery_status(engine: sa.Engine, *, topic_groups: Mapping[str, str] | None
                 consecutive_failures=state.failures if state else 0,
             )
         )
-    return DeliveryStatus(now=now.isoformat(), topics=tuple(topics), groups=tuple(groups))
+    return DeliveryStatus(
+        now=now.isoformat(),
+        topics=tuple(topics),
+        groups=tuple(groups),
+        blocked_key_count=blocked_count,
+        blocked_keys=blocked,
+    )

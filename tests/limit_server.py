@@ -29,6 +29,9 @@ class LimitServer:
         self.requests: list[tuple[float, str, str, int]] = []
         #: (start time.time(), end time.time(), path, Idempotency-Key header) of every finished request
         self.spans: list[tuple[float, float, str, str]] = []
+        #: (start time.time(), time.time() right before its answer is written, path, Idempotency-Key
+        #: header) of every request answered: no client can have seen that answer before the second time.
+        self.answers: list[tuple[float, float, str, str]] = []
         self.per_path: dict[str, int] = {}
         self.hold = threading.Event()  # set: requests are held until release() (for the SIGKILL test)
         self.released = threading.Event()
@@ -59,6 +62,7 @@ class LimitServer:
                         server.requests.append(
                             (arrived, self.path, self.headers.get("Idempotency-Key", ""), status)
                         )
+                        server.answers.append((arrived, time.time(), self.path, key))
                         server.in_flight -= 1
                     self.send_response(status)
                     for name, value in headers.items():

@@ -24,7 +24,7 @@ import dagster as dg
 import sqlalchemy as sa
 from dagster import AssetCheckExecutionContext, OpExecutionContext
 
-from dagster_joblease import dispatch, errors, outbox
+from dagster_joblease import delivery_status, dispatch, errors, outbox
 from dagster_joblease.dagster.ops import real_annotations
 from dagster_joblease.storage import outbox as outbox_store
 from dagster_joblease.storage.engine import translate_errors
@@ -99,6 +99,7 @@ def dead_rows_evaluation(
     with translate_errors("list dead outbox rows"), engine.connect() as connection:
         count = outbox_store.dead_count(connection, topics)
         rows = outbox_store.dead_rows(connection, topics, limit)
+        blocked_count, blocked = delivery_status.blocked_keys(connection, topics=topics, limit=limit)
     lines = [
         "| id | idempotency key | topic | attempts | last status | last error |",
         "|---|---|---|---|---|---|",
@@ -114,6 +115,11 @@ def dead_rows_evaluation(
     if rows:
         meta["dead"] = dg.MetadataValue.md("\n".join(lines))
         meta["dead_ids"] = dg.MetadataValue.text(", ".join(str(r.id) for r in rows))
+    meta["blocked_ordering_keys"] = dg.MetadataValue.int(blocked_count)
+    if blocked:
+        table = ["| ordering key | blocking row | topic | later rows held |", "|---|---|---|---|"]
+        table += [f"| `{b.ordering_key}` | {b.blocking_id} | {_cell(b.topic)} | {b.held} |" for b in blocked]
+        meta["blocked"] = dg.MetadataValue.md("\n".join(table))
     description = (
         "no dead outbox rows"
         if count == 0
@@ -121,6 +127,12 @@ def dead_rows_evaluation(
         f"last status {rows[0].last_status}, error {_cell(rows[0].last_error)}. Fix the cause, then "
         "requeue them (`joblease outbox requeue --all-dead`)."
     )
+    if blocked:
+        description += (
+            f" {blocked_count} ordering key(s) blocked, their later rows waiting; the first: "
+            f"{blocked[0].describe()}. Requeue the blocking row (`joblease outbox requeue ID`) or give up on "
+            "it (`joblease outbox skip ID`)."
+        )
     return dg.AssetCheckEvaluation(
         asset_key=OUTBOX_ASSET_KEY,
         check_name=DEAD_ROWS_CHECK,
