@@ -332,3 +332,36 @@ def test_a_dead_row_blocks_its_key_visibly_until_requeued_or_skipped(db_url: str
     assert "2 ordering key(s) blocked" not in _cli(db_url, "outbox", "status").output
     assert json.loads(_cli(db_url, "outbox", "status", "--json").stdout)["blocked_key_count"] == 0
     assert dead_rows_evaluation(engine).metadata["blocked_ordering_keys"].value == 0
+
+
+def test_limited_routes_keep_each_keys_order_through_their_claims_and_swaps(
+    pg_url: str, tmp_path: Path, processes: Callable[..., BaseProcess]
+) -> None:
+    """A max_in_flight route (its claims hand slots on by the swap) and a rate route, keys spanning both:
+    every claim path of a limited group keeps the rule."""
+    engine = create_engine(pg_url)
+    # Fewer keys than the cap, and a rate's spacing below the downstream's latency: without the rule, a
+    # key's next rows would be claimed beside its head.
+    items: list[Any] = [*_items(["c0", "c1"], 10, topic="capped"), *_items(["r0"], 8, topic="rated")]
+    items += [
+        outbox.OutboxItem(f"both/{i:03d}", "capped" if i % 2 else "rated", {}, "both") for i in range(6)
+    ]
+    _enqueue(engine, items)
+    with serve(latency_s=0.05) as server:
+        server.holds = lambda path, number: 0.1 if path == "/rated" else 0.05
+        routes = {
+            "capped": {"url": server.url + "/capped", "max_in_flight": 3},
+            "rated": {"url": server.url + "/rated", "rate": 40},
+        }
+        workers = [
+            processes(
+                dispatch_workers.drain, pg_url, routes, {"concurrency": 4, **FAST}, str(tmp_path / f"{i}")
+            )
+            for i in range(3)
+        ]
+        for worker in workers:
+            _join(worker)
+        assert status_counts(engine) == {"SENT": len(items)}
+        assert server.most_at_once("/capped") <= 3
+        assert_one_at_a_time_in_order(server, _expected(items))
+    engine.dispose()
