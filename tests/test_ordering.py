@@ -158,3 +158,11 @@ def test_a_keys_second_enqueue_waits_for_the_first_so_ids_follow_commit_order(pg
     thread.join(60)
     assert done == [True, True]
     assert [k for k, _ in _keys_by_id(pg_engine)] == ["first", "second-other", "second-k"]
+
+
+def test_rows_a_key_holds_back_are_not_counted_due(engine: sa.Engine) -> None:
+    """What the outbox sensor and the delivery checks read: a key's later rows are not due (no dispatch is
+    started for rows nobody may claim), its head is."""
+    with engine.begin() as conn:
+        outbox.enqueue_many(conn, [(f"k/{i}", "t", {}, "k") for i in range(3)] + [("plain", "t", {})])
+    assert outbox.due_summary(engine).due == 2

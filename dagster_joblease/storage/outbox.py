@@ -331,9 +331,10 @@ def take_back(db: Statements, keys: Sequence[str]) -> int:
 def due_counts(
     conn: sa.Connection, topics: Sequence[str] | None, exclude: Sequence[str] = ()
 ) -> tuple[int, int | None, int]:
-    """Over pending rows of ``topics`` (None: all) less ``exclude``: rows due now, ms since the oldest
-    became due (None: none due), and rows that already failed at least once (not in flight)."""
-    due = sa.and_(_t.c.next_attempt_at <= db_now(), _not_in_flight())
+    """Over pending rows of ``topics`` (None: all) less ``exclude``: rows due now (claimable: a row its
+    ordering key holds back is not), ms since the oldest became due (None: none due), and rows that
+    already failed at least once (not in flight)."""
+    due = sa.and_(_t.c.next_attempt_at <= db_now(), _not_in_flight(), head_of_its_key())
     stmt = (
         sa.select(
             sa.func.count().filter(due),
