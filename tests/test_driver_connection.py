@@ -10,6 +10,8 @@ with ``dict_row``), and a ``RawCursor`` connection met ``%s`` placeholders (a sy
 
 from __future__ import annotations
 
+import sys
+import threading
 from collections.abc import Callable
 from typing import Any
 
@@ -97,3 +99,51 @@ def test_any_cursor_factory(pg_engine: sa.Engine, pg_url: str, cursor_factory: t
         _enqueue_everything(pg)
         pg.commit()
     assert _keys(pg_engine) == EXPECTED
+
+
+def test_threads_sharing_one_connection(pg_engine: sa.Engine, pg_url: str) -> None:
+    """The statements kept on a caller's connection are per thread (a psycopg cursor is not thread-safe):
+    eight threads enqueuing on one connection at once each get their own answers."""
+    answers: list[bool] = []
+    failures: list[BaseException] = []
+
+    def enqueue(pg: psycopg.Connection[Any], n: int) -> None:
+        try:
+            for i in range(40):
+                key = f"v1:{n}-{i}"
+                answers.append(outbox.enqueue_once(pg, idempotency_key=key, topic="t", payload={"i": i}))
+                answers.append(outbox.enqueue_once(pg, idempotency_key=key, topic="t", payload={"i": i}))
+        except BaseException as exc:
+            failures.append(exc)
+
+    switch = sys.getswitchinterval()
+    sys.setswitchinterval(1e-6)  # threads switch between a cursor's execute and its fetch
+    try:
+        with psycopg.connect(**_conninfo(pg_url)) as pg:
+            threads = [threading.Thread(target=enqueue, args=(pg, n)) for n in range(8)]
+            for thread in threads:
+                thread.start()
+            for thread in threads:
+                thread.join()
+            pg.commit()
+    finally:
+        sys.setswitchinterval(switch)
+    assert failures == []
+    assert answers.count(True) == answers.count(False) == 8 * 40
+    assert len(_keys(pg_engine)) == 8 * 40
+
+
+def test_after_an_error_and_a_rollback(pg_engine: sa.Engine, pg_url: str) -> None:
+    """A transaction that failed on the caller's own statement, rolled back, then enqueues again on the
+    same connection: the kept statements work as before, and the rolled-back row is gone."""
+    with psycopg.connect(**_conninfo(pg_url)) as pg:
+        assert outbox.enqueue_once(pg, idempotency_key="v1:gone", topic="t", payload={})
+        with pytest.raises(psycopg.errors.DivisionByZero):
+            pg.execute("SELECT 1 / 0")
+        with pytest.raises(errors.StorageError):  # the transaction is aborted: refused, translated
+            outbox.enqueue_once(pg, idempotency_key="v1:x", topic="t", payload={})
+        pg.rollback()
+        assert outbox.enqueue_once(pg, idempotency_key="v1:a", topic="t", payload={})
+        assert outbox.enqueue_many(pg, [("v1:a", "t", {}), ("v1:b", "t", {})]) == (False, True)
+        pg.commit()
+    assert _keys(pg_engine) == ["v1:a", "v1:b"]
