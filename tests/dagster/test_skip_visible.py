@@ -10,9 +10,10 @@ link; a win records none.
 from __future__ import annotations
 
 import dagster as dg
+import pytest
 
 from dagster_joblease import JobIdentity, LeaseService, create_engine
-from dagster_joblease.dagster import TAG_OUTCOME, TAG_WINNER, JobLeaseResource, encode_holder
+from dagster_joblease.dagster import TAG_OUTCOME, TAG_WINNER, JobLeaseResource, encode_holder, metadata
 from dagster_joblease.dagster.metadata import META_SKIPPED, META_WINNER, STEP_EVENT_MESSAGE
 from tests.dagster import jobs
 from tests.dagster.conftest import DagsterPg
@@ -136,3 +137,69 @@ def test_a_range_observes_only_its_skipped_key_and_says_how_many(dagster_pg: Dag
     assert outcome[-1] == (
         f"{STEP_EVENT_MESSAGE}: won:2,skipped-succeeded:1 (skipped 1 of 3 keys: done by run {other_run})"
     )
+
+
+def _result(outcome: str, key: str | None = "2024-10-20", **extra: str | None) -> metadata.LeasedResult:
+    return metadata.LeasedResult(
+        code="c",
+        partition_key=key,
+        idempotency_key=f"v2:{key}",
+        outcome=outcome,
+        attempt=1,
+        outbox="-",
+        **extra,
+    )
+
+
+RUN_A, RUN_B = "aaaaaaaa-0000-4000-8000-000000000001", "bbbbbbbb-0000-4000-8000-000000000002"
+
+
+@pytest.mark.parametrize(
+    ("results", "summary"),
+    [
+        ([], None),
+        ([_result("won", winner_run_id=RUN_A)], None),
+        ([_result("held", holder="worker:7")], None),
+        (
+            [_result("skipped-succeeded", winner_run_id=RUN_A, holder=f"dagster:d/{RUN_A}")],
+            f"skipped: done by run {RUN_A}; c@2024-10-20 was already done (lease SUCCESS, attempt 1), "
+            "not done again here",
+        ),
+        (  # a winner outside Dagster: its holder
+            [_result("skipped-succeeded", holder="worker:7")],
+            "skipped: done by worker:7; c@2024-10-20 was already done (lease SUCCESS, attempt 1), "
+            "not done again here",
+        ),
+        (  # an INITIAL job
+            [_result("skipped-succeeded", key=None, winner_run_id=RUN_A)],
+            f"skipped: done by run {RUN_A}; c (initial) was already done (lease SUCCESS, attempt 1), "
+            "not done again here",
+        ),
+        (
+            [
+                _result("won", key="2024-10-20", winner_run_id=RUN_B),
+                _result("skipped-succeeded", key="2024-10-21", winner_run_id=RUN_A),
+                _result("skipped-succeeded", key="2024-10-22", winner_run_id=RUN_A),
+            ],
+            f"skipped 2 of 3 keys: done by run {RUN_A}",
+        ),
+        (
+            [
+                _result("skipped-succeeded", key="2024-10-21", winner_run_id=RUN_A),
+                _result("skipped-succeeded", key="2024-10-22", winner_run_id=RUN_B),
+            ],
+            "skipped 2 of 2 keys: done by 2 other runs",
+        ),
+        (
+            [
+                _result("skipped-succeeded", key="2024-10-21", holder="worker:7"),
+                _result("failed", key="2024-10-22"),
+            ],
+            "skipped 1 of 2 keys: done by worker:7",
+        ),
+    ],
+)
+def test_skip_summary(results: list[metadata.LeasedResult], summary: str | None) -> None:
+    assert metadata.skip_summary(results) == summary
+    observed = metadata.skip_observations(ASSET, results)
+    assert [o.partition for o in observed] == [r.partition_key for r in results if r.skipped]
