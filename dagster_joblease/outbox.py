@@ -404,8 +404,11 @@ def enqueue_many(
 
     Ordering keys (``OutboxItem(..., ordering_key="customer-42")``): rows of one ordering key are
     enqueued in the list's order, and delivered in it (see :func:`enqueue_once`). On PostgreSQL the call
-    first takes each distinct ordering key's advisory lock (in key order); the set is then written
-    ordered by ordering key and, within a key, by list position (rows without one by idempotency key).
+    first takes each distinct ordering key's advisory lock (in key order), or, for more than
+    :data:`~dagster_joblease.storage.outbox.MAX_KEY_LOCKS` keys, one lock over every key (which waits for
+    the keyed enqueues in progress and holds the others back until this transaction ends); the set is then
+    written ordered by ordering key and, within a key, by list position (rows without one by idempotency
+    key).
 
     Example, one outbox row per day of a range, in the transaction that bills the range::
 

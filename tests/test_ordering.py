@@ -166,3 +166,53 @@ def test_rows_a_key_holds_back_are_not_counted_due(engine: sa.Engine) -> None:
     with engine.begin() as conn:
         outbox.enqueue_many(conn, [(f"k/{i}", "t", {}, "k") for i in range(3)] + [("plain", "t", {})])
     assert outbox.due_summary(engine).due == 2
+
+
+def _advisory_locks_held(conn: sa.Connection) -> int:
+    return int(
+        conn.execute(
+            sa.text(
+                "SELECT count(*) FROM pg_locks WHERE locktype = 'advisory' AND pid = pg_backend_pid() "
+                "AND classid IN (:key, :all)"
+            ),
+            {"key": store.ORDERING_LOCK_CLASS, "all": store.ORDERING_ALL_CLASS},
+        ).scalar_one()
+    )
+
+
+def test_a_set_of_many_keys_takes_one_lock_and_keyed_enqueues_wait_for_it(pg_engine: sa.Engine) -> None:
+    """Advisory locks fill the server's shared lock table (for every session): a set of 5,000 ordering
+    keys takes the one all-keys lock, not 5,000; a small set takes one per key beside it, shared."""
+    many = [(f"m/{i}", "t", {}, f"key-{i}") for i in range(5_000)]
+    done: list[object] = []
+    with pg_engine.begin() as conn:
+        outbox.enqueue_many(conn, [(f"f/{i}", "t", {}, f"few-{i}") for i in range(3)])
+        assert _advisory_locks_held(conn) == 4
+    with pg_engine.begin() as conn:
+        outbox.enqueue_many(conn, many)
+        assert _advisory_locks_held(conn) == 1
+
+        def keyed() -> None:
+            done.append(_enqueue(pg_engine, "after", "unrelated-key"))
+
+        thread = threading.Thread(target=keyed)
+        thread.start()
+        wait_until(lambda: _all_lock_waiters(pg_engine) == 1, timeout=60)
+        assert done == []
+    thread.join(60)
+    assert done == [True]
+    assert _keys_by_id(pg_engine)[-1] == ("after", "unrelated-key")
+
+
+def _all_lock_waiters(engine: sa.Engine) -> int:
+    """Sessions waiting for the all-keys lock."""
+    with engine.connect() as conn:
+        return int(
+            conn.execute(
+                sa.text(
+                    "SELECT count(*) FROM pg_locks WHERE locktype = 'advisory' AND NOT granted "
+                    "AND classid = :c"
+                ),
+                {"c": store.ORDERING_ALL_CLASS},
+            ).scalar_one()
+        )

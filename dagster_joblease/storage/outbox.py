@@ -156,17 +156,28 @@ def _insert(dialect_name: str, *, keyed: bool = False) -> Any:
 _ORDERING_KEY = sa.bindparam("ordering_key", type_=sa.String())
 #: PostgreSQL: the first key of the two-int advisory lock an enqueue takes on its ordering key ("jlok").
 ORDERING_LOCK_CLASS = 0x6A6C6F6B
+#: PostgreSQL: the class of the one advisory lock every keyed enqueue holds shared ("jloa", key 0), and a
+#: set with more than :data:`MAX_KEY_LOCKS` ordering keys takes exclusively instead of one lock per key.
+ORDERING_ALL_CLASS = 0x6A6C6F61
+#: The most ordering-key locks one enqueue takes; a set with more keys takes the all-keys lock. Advisory
+#: locks live in the server's shared lock table (max_locks_per_transaction x max_connections entries for
+#: every session together): a set of 10,000 keys must not fill it.
+MAX_KEY_LOCKS = 32
 
 INSERT_PENDING = driver.query(_insert("postgresql"), _insert("sqlite"))
 INSERT_PENDING_KEYED = driver.query(_insert("postgresql", keyed=True), _insert("sqlite", keyed=True))
 #: PostgreSQL: wait for (then hold, until the transaction ends) the ordering key's enqueue lock.
+_ALL_KEYS = (sa.literal_column(str(ORDERING_ALL_CLASS), sa.Integer()), sa.literal_column("0", sa.Integer()))
 LOCK_ORDERING_KEY = driver.query(
     sa.select(
+        sa.func.pg_advisory_xact_lock_shared(*_ALL_KEYS),  # evaluated first: the all-keys lock, shared
         sa.func.pg_advisory_xact_lock(
             sa.literal_column(str(ORDERING_LOCK_CLASS), sa.Integer()), sa.func.hashtext(_ORDERING_KEY)
-        )
+        ),
     )
 )
+#: Every ordering key at once (a set with more than MAX_KEY_LOCKS keys): waits for every keyed enqueue.
+LOCK_ALL_ORDERING_KEYS = driver.query(sa.select(sa.func.pg_advisory_xact_lock(*_ALL_KEYS)))
 EXISTING = driver.query(
     sa.select(_t.c.payload_sha256, _t.c.topic, _t.c.ordering_key).where(_t.c.idempotency_key == _KEY)
 )
@@ -196,8 +207,15 @@ def lock_ordering_keys(db: Statements, ordering_keys: Sequence[str]) -> None:
     """PostgreSQL: take each ordering key's enqueue lock (in the given order; pass them sorted), held until
     the caller's transaction ends. A second enqueue of the same key waits for this transaction, so it
     takes its id after this one committed or rolled back: ids of one key are in commit order, and a
-    dispatcher never sees a key's later row before an earlier one. SQLite serializes writers anyway."""
-    if db.dialect != "postgresql":
+    dispatcher never sees a key's later row before an earlier one. SQLite serializes writers anyway.
+
+    At most :data:`MAX_KEY_LOCKS` keys are locked one by one (each beside the all-keys lock, shared); a
+    set with more takes the all-keys lock exclusively instead: one lock, which waits for every keyed
+    enqueue in progress and holds every other one back until this transaction ends."""
+    if db.dialect != "postgresql" or not ordering_keys:
+        return
+    if len(ordering_keys) > MAX_KEY_LOCKS:
+        db.first(LOCK_ALL_ORDERING_KEYS, {})
         return
     for ordering_key in ordering_keys:
         db.first(LOCK_ORDERING_KEY, {"ordering_key": ordering_key})
