@@ -1,6 +1,7 @@
 """A real Dagster single-run backfill of 1,000 daily partitions of a leased asset, in batch mode.
 
     .venv/bin/python benchmarks/dagster_range.py [--partitions 1000] [--rounds 3] [--per-key]
+                                                 [--no-batch] [--no-plain] [--private-server]
 
 The server comes from ``JOBLEASE_BENCH_PG_URL`` (default ``postgresql+psycopg://postgres@127.0.0.1:5432/
 postgres``); the script creates its own database (the joblease tables and Dagster's own storage, as a
@@ -18,6 +19,21 @@ partition. Sides, alternating (the order rotates each round):
 * ``per-key`` (with ``--per-key``): today's default mode, the body per key (its own claim, heartbeat
   thread, transaction and completion), for the speedup batch mode gives.
 
+Per run it also prints what the run cost the databases:
+
+* **statements**, counted by ``pg_stat_statements`` when the server has it loaded
+  (``shared_preload_libraries``): the joblease engine connects as a role of its own, so its statements
+  (claims on raw driver connections included) are told from Dagster's. ``joblease tables``: calls of
+  statements naming a ``joblease_*`` table; ``other on joblease conn``: the rest on that connection (the
+  domain insert, ``BEGIN``/``COMMIT``, pings); ``Dagster``: every statement of Dagster's storage.
+  ``--private-server`` starts a throwaway cluster for that (``initdb`` in a temporary directory, a free
+  port, ``-c shared_preload_libraries=pg_stat_statements``; as root through ``runuser -u postgres``),
+  stopped and removed whichever way the script ends (short of a SIGKILL). Without either the counts come
+  from SQLAlchemy's ``before_cursor_execute`` events and miss the statements the library runs on raw
+  driver connections (the note printed says so).
+* **event-log bytes**: ``sum(octet_length(event))`` of the run's rows in Dagster's ``event_logs``.
+* the 1-minute **load average** when the run ended (the machine's other work moves the seconds).
+
 Dagster's own work (the run, 1,000 materialization events, the step's events) is in every side; the
 ratio batch/plain is what leasing the range costs on top. Figures from a shared, loaded machine are noisy.
 """
@@ -25,14 +41,23 @@ ratio batch/plain is what leasing the range costs on top. Figures from a shared,
 # (no postponed annotations: Dagster inspects the asset functions defined below)
 
 import argparse
+import contextlib
 import datetime as dt
+import glob
 import os
+import pwd
+import shutil
+import signal
+import socket
 import statistics
+import subprocess
 import sys
 import tempfile
 import time
 import uuid
 import warnings
+from collections.abc import Iterator
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -51,11 +76,16 @@ DOMAIN_INSERT = (
     "INSERT INTO bench_invoice (code, day, total) "
     "SELECT :code, d, length(d) FROM unnest(CAST(:days AS text[])) d"
 )
+PGSS = "pg_stat_statements"
+INITDB = ("-E", "UTF8", "--no-locale", "--no-sync")  # --no-sync: the cluster is thrown away
+COUNTED_BY = {True: PGSS, False: "SQLAlchemy events (raw driver statements missed)"}
+EVENT_BYTES = "SELECT count(*), coalesce(sum(octet_length(event)), 0) FROM event_logs WHERE run_id = %s"
 
 
-def _admin(url: str, sql: str) -> None:
+def _admin(url: str, sql: str, params: tuple[Any, ...] = ()) -> list[tuple[Any, ...]]:
     with psycopg.connect(dsn(url), autocommit=True) as conn:
-        conn.execute(sql)
+        cur = conn.execute(sql, params)
+        return cur.fetchall() if cur.description else []
 
 
 def _days(partitions: int, start: str) -> dg.DailyPartitionsDefinition:
@@ -102,10 +132,170 @@ def _assets(partitions: int, start: str) -> dict[str, Any]:
     return {"batch": batch_side, "plain": plain_side, "per-key": per_key_side}
 
 
-def _round(instance: Any, asset: Any, keys: list[str]) -> float:
+# --- a throwaway cluster with pg_stat_statements -------------------------------------------------------
+
+
+def _pg_bin() -> Path:
+    """The newest installed PostgreSQL's bin directory (``/usr/lib/postgresql/<major>/bin``)."""
+    found = [Path(p) for p in glob.glob("/usr/lib/postgresql/*/bin") if Path(p, "initdb").exists()]
+    if not found:
+        raise SystemExit("--private-server: no initdb under /usr/lib/postgresql/*/bin")
+    return max(found, key=lambda p: int(p.parent.name) if p.parent.name.isdigit() else 0)
+
+
+def _as_cluster_user(argv: list[str]) -> list[str]:
+    """initdb and pg_ctl refuse to run as root: as root, run them as ``postgres``."""
+    if os.geteuid() != 0:
+        return argv
+    try:
+        pwd.getpwnam("postgres")
+    except KeyError:
+        raise SystemExit(
+            "--private-server as root needs a 'postgres' user to run initdb and pg_ctl"
+        ) from None
+    return ["runuser", "-u", "postgres", "--", *argv]
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port: int = s.getsockname()[1]
+        return port
+
+
+def _on_signal(signum: int, _frame: object) -> None:
+    raise SystemExit(128 + signum)  # unwinds through the finally blocks: the cluster is stopped
+
+
+@contextlib.contextmanager
+def private_server() -> Iterator[str]:
+    """Start a cluster with ``pg_stat_statements`` preloaded in a temporary directory; yield its URL;
+    stop it and remove the directory on the way out (an exception, Ctrl-C, SIGTERM or SIGHUP included)."""
+    bindir = _pg_bin()
+    home = Path(tempfile.mkdtemp(prefix="joblease-bench-pg-"))
+    if os.geteuid() == 0:
+        user = pwd.getpwnam("postgres")
+        os.chown(home, user.pw_uid, user.pw_gid)
+    data, log, port = home / "data", home / "server.log", _free_port()
+    previous = {s: signal.signal(s, _on_signal) for s in (signal.SIGTERM, signal.SIGHUP)}
+    started = False
+    try:
+        subprocess.run(
+            _as_cluster_user(
+                [str(bindir / "initdb"), "-D", str(data), "-U", "postgres", "--auth=trust", *INITDB]
+            ),
+            check=True,
+            stdout=subprocess.DEVNULL,
+        )
+        options = (
+            f"-p {port} -c listen_addresses=127.0.0.1 -c unix_socket_directories={home} "
+            f"-c shared_preload_libraries={PGSS} -c {PGSS}.max=100000"  # Dagster's NOTIFYs: one entry each
+        )
+        started = True
+        got = subprocess.run(
+            _as_cluster_user(
+                [str(bindir / "pg_ctl"), "-D", str(data), "-l", str(log), "-o", options, "start"]
+            ),
+            stdout=subprocess.DEVNULL,
+        )
+        if got.returncode:
+            raise SystemExit(f"--private-server: pg_ctl start failed:\n{log.read_text(errors='replace')}")
+        print(f"private server: PostgreSQL {bindir.parent.name} on 127.0.0.1:{port} in {home}", flush=True)
+        yield f"postgresql+psycopg://postgres@127.0.0.1:{port}/postgres"
+    finally:
+        if started:
+            subprocess.run(
+                _as_cluster_user([str(bindir / "pg_ctl"), "-D", str(data), "-m", "fast", "-w", "stop"]),
+                stdout=subprocess.DEVNULL,
+                stderr=subprocess.DEVNULL,
+            )
+        shutil.rmtree(home, ignore_errors=True)
+        for s, handler in previous.items():
+            signal.signal(s, handler)
+        print("private server: stopped and removed", flush=True)
+
+
+# --- what a run cost the databases ---------------------------------------------------------------------
+
+
+@dataclass
+class Cost:
+    joblease: int  # statements naming a joblease_* table
+    other: int  # the rest on the joblease engine's connections (domain insert, BEGIN/COMMIT, pings)
+    dagster: int  # Dagster's storage
+    events: int  # event_logs rows of the run
+    event_bytes: int
+
+
+class Statements:
+    """Statements per run: ``pg_stat_statements`` by role when the server has it, else SQLAlchemy events
+    by driver (joblease: psycopg; Dagster's storage: psycopg2), which miss raw driver statements."""
+
+    def __init__(self, admin_url: str, database: str, role: str | None) -> None:
+        self.admin_url, self.role = admin_url, role
+        self.counts: dict[str, int] = {}
+        self.listing: list[tuple[str, int, str]] = []
+        self.dealloc = 0
+        self.counting = False
+        if role is None:
+            sa.event.listen(sa.engine.Engine, "before_cursor_execute", self._event)
+            return
+        _admin(admin_url, f"CREATE EXTENSION IF NOT EXISTS {PGSS}")
+        ((self.dbid, self.roleid),) = _admin(
+            admin_url,
+            "SELECT (SELECT oid FROM pg_database WHERE datname = %s), "
+            "(SELECT oid FROM pg_roles WHERE rolname = %s)",
+            (database, role),
+        )
+
+    def _event(self, conn: sa.Connection, _cursor: object, statement: str, *_args: object) -> None:
+        if not self.counting:
+            return
+        if conn.dialect.driver == "psycopg2":
+            side = "dagster"
+        else:
+            side = "joblease" if "joblease_" in statement.lower() else "other"
+        self.counts[side] = self.counts.get(side, 0) + 1
+
+    def start(self) -> None:
+        self.counts, self.counting = {}, True
+        if self.role is not None:
+            _admin(self.admin_url, f"SELECT {PGSS}_reset(0, %s, 0)", (self.dbid,))
+            self.dealloc = self._dealloc()
+
+    def _dealloc(self) -> int:
+        ((count,),) = _admin(self.admin_url, f"SELECT dealloc FROM {PGSS}_info")
+        return int(count)
+
+    def stop(self) -> dict[str, int]:
+        self.counting = False
+        if self.role is None:
+            return self.counts
+        rows = _admin(
+            self.admin_url,
+            f"SELECT userid = %s, query, calls FROM {PGSS} WHERE dbid = %s AND query NOT LIKE '%%{PGSS}%%'",
+            (self.roleid, self.dbid),
+        )
+        if self._dealloc() > self.dealloc:
+            print(f"warning: {PGSS} evicted entries during the run ({PGSS}.max): counts are low", flush=True)
+        counts = {"joblease": 0, "other": 0, "dagster": 0}
+        self.listing = []
+        for ours, query, calls in rows:
+            side = ("joblease" if "joblease_" in query.lower() else "other") if ours else "dagster"
+            counts[side] += calls
+            self.listing.append((side, calls, " ".join(query.split())))
+        return counts
+
+    def show(self) -> None:
+        """Print the last run's statements, most called first (pg_stat_statements only)."""
+        for side, calls, query in sorted(self.listing, key=lambda r: (r[0], -r[1])):
+            print(f"    {side:<8} {calls:>7,}  {query[:150]}")
+
+
+def _round(instance: Any, asset: Any, keys: list[str], statements: Statements, admin_url: str) -> Cost:
     from dagster_joblease.dagster import JobLeaseResource
 
-    started = time.perf_counter()
+    statements.start()
     result = dg.materialize(
         [asset],
         instance=instance,
@@ -113,11 +303,156 @@ def _round(instance: Any, asset: Any, keys: list[str]) -> float:
         run_config=QUIET,
         tags={"dagster/asset_partition_range_start": keys[0], "dagster/asset_partition_range_end": keys[-1]},
     )
-    took = time.perf_counter() - started
+    counts = statements.stop()
     assert result.success
     materialized = instance.get_materialized_partitions(asset.key)
     assert set(keys) <= materialized, "every key of the range is materialized"
-    return took
+    ((events, size),) = _admin(admin_url, EVENT_BYTES, (result.run_id,))
+    return Cost(counts.get("joblease", 0), counts.get("other", 0), counts.get("dagster", 0), events, size)
+
+
+@dataclass
+class Measured:
+    seconds: list[float]
+    costs: list[Cost]
+    loads: list[float]
+
+
+def _med(values: list[float] | list[int]) -> float:
+    return float(statistics.median(values))
+
+
+def _rows(measured: dict[str, Measured], partitions: int) -> list[list[str]]:
+    plain = measured.get("plain")
+    rows = []
+    for side, m in measured.items():
+        median = _med(m.seconds)
+        costs = m.costs
+        rows.append(
+            [
+                side,
+                f"{median:.2f} s",
+                f"{1000 * median / partitions:.2f} ms",
+                f"{median / _med(plain.seconds):.2f}x" if plain else "-",
+                f"{_med([c.joblease for c in costs]):,.0f}",
+                f"{_med([c.other for c in costs]):,.0f}",
+                f"{_med([c.dagster for c in costs]):,.0f}",
+                f"{_med([c.event_bytes for c in costs]) / 1e6:.2f} MB"
+                f" / {_med([c.events for c in costs]):,.0f}",
+                f"{_med(m.loads):.1f} ({min(m.loads):.1f}-{max(m.loads):.1f})",
+            ]
+        )
+    return rows
+
+
+def _measure(args: argparse.Namespace, server: str, pgss: bool) -> None:
+    started = time.perf_counter()
+    name = f"joblease_bench_range_{uuid.uuid4().hex[:8]}"
+    role = f"{name}_lease" if pgss else None
+    admin_url = make_url(server).set(database=name).render_as_string(hide_password=False)
+    url = make_url(admin_url).set(username=role) if role else make_url(admin_url)
+    if role:  # the joblease engine's own role: pg_stat_statements keys its statements by it
+        _admin(server, f'CREATE ROLE "{role}" LOGIN')
+    _admin(server, f'CREATE DATABASE "{name}"' + (f' OWNER "{role}"' if role else ""))
+    home = Path(tempfile.mkdtemp(prefix="joblease-bench-home-"))
+    storage_url = (
+        make_url(admin_url).set(drivername="postgresql+psycopg2").render_as_string(hide_password=False)
+    )
+    (home / "dagster.yaml").write_text(
+        f"storage:\n  postgres:\n    postgres_url: {storage_url}\ntelemetry:\n  enabled: false\n"
+    )
+    os.environ["JOBLEASE_DATABASE_URL"] = url.render_as_string(hide_password=False)
+    os.environ["DAGSTER_HOME"] = str(home)
+    try:
+        from dagster_joblease.storage import create_engine, migrate
+
+        engine = create_engine(url.render_as_string(hide_password=False))
+        migrate(engine)
+        with engine.begin() as conn:
+            conn.execute(sa.text(DOMAIN_DDL))
+        engine.dispose()
+        statements = Statements(admin_url, name, role)
+        if not pgss:
+            print(
+                "note: the server has no pg_stat_statements loaded (try --private-server): statements are "
+                "SQLAlchemy's before_cursor_execute events, which miss the statements the library runs on "
+                "raw driver connections (its claims, completions and heartbeats among them)",
+                flush=True,
+            )
+        instance = dg.DagsterInstance.get()
+        sides = [
+            s for s, on in (("batch", args.batch), ("plain", args.plain), ("per-key", args.per_key)) if on
+        ]
+        measured = {s: Measured([], [], []) for s in sides}
+        for i, side in enumerate(sides):  # warm-up, not counted: imports, connections, Dagster's caches
+            start = f"{1800 + i * 10}-01-01"
+            _round(
+                instance,
+                _assets(2, start)[side],
+                list(_days(2, start).get_partition_keys()),
+                statements,
+                admin_url,
+            )
+        for r in range(args.rounds):
+            order = sides[r % len(sides) :] + sides[: r % len(sides)]
+            for side in order:
+                start = f"{1900 + (r * len(sides) + sides.index(side)) * 30}-01-01"  # a fresh range per run
+                keys = list(_days(args.partitions, start).get_partition_keys())
+                assert len(keys) == args.partitions
+                asset = _assets(args.partitions, start)[side]
+                began = time.perf_counter()
+                cost = _round(instance, asset, keys, statements, admin_url)
+                took = time.perf_counter() - began
+                load = os.getloadavg()[0]
+                m = measured[side]
+                m.seconds.append(took)
+                m.costs.append(cost)
+                m.loads.append(load)
+                print(
+                    f"round {r + 1} {side:<8} {took:7.2f} s  {1000 * took / len(keys):6.2f} ms/partition  "
+                    f"statements joblease {cost.joblease:,} other {cost.other:,} Dagster {cost.dagster:,}  "
+                    f"event log {cost.event_bytes:,} B in {cost.events:,} rows  load {load:.1f}",
+                    flush=True,
+                )
+                if args.statements:
+                    statements.show()
+        instance.dispose()
+        if "per-key" in measured and "batch" in measured:
+            speedup = _med(measured["per-key"].seconds) / _med(measured["batch"].seconds)
+            print(f"\nbatch mode is {speedup:.1f}x faster than the per-key mode")
+        print(
+            f"\n{args.partitions:,} daily partitions in one run, median of {args.rounds} round(s) each; "
+            f"statements per run by {COUNTED_BY[pgss]}; "
+            f"{os.cpu_count()} CPUs (shared, loaded machine: noisy)"
+        )
+        print_table(
+            [
+                "side",
+                "run wall time",
+                "per partition",
+                "vs plain",
+                "stmts: joblease tables",
+                "other on joblease conn",
+                "Dagster",
+                "event log / rows",
+                "load 1m at end (min-max)",
+            ],
+            _rows(measured, args.partitions),
+            started,
+        )
+    finally:
+        _admin(server, f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
+        if role:
+            _admin(server, f'DROP ROLE IF EXISTS "{role}"')
+        shutil.rmtree(home, ignore_errors=True)
+
+
+def _has_pgss(server: str) -> bool:
+    try:
+        ((libraries,),) = _admin(server, "SELECT current_setting('shared_preload_libraries')")
+    except psycopg.Error:
+        return False
+    return PGSS in str(libraries)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -129,66 +464,24 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument("--rounds", type=int, default=3, help="rounds per side, alternating (default 3)")
     parser.add_argument("--per-key", action="store_true", help="also time the per-key mode")
+    parser.add_argument("--no-batch", dest="batch", action="store_false", help="leave the batch side out")
+    parser.add_argument("--no-plain", dest="plain", action="store_false", help="leave the plain side out")
+    parser.add_argument(
+        "--statements", action="store_true", help="list each run's statements (pg_stat_statements only)"
+    )
+    parser.add_argument(
+        "--private-server",
+        action="store_true",
+        help="when the server has no pg_stat_statements loaded: run on a throwaway cluster that has",
+    )
     args = parser.parse_args(argv)
     warnings.simplefilter("ignore")
-    started = time.perf_counter()
     server = os.environ.get("JOBLEASE_BENCH_PG_URL", DEFAULT_URL)
-    name = f"joblease_bench_range_{uuid.uuid4().hex[:8]}"
-    url = make_url(server).set(database=name).render_as_string(hide_password=False)
-    _admin(server, f'CREATE DATABASE "{name}"')
-    home = Path(tempfile.mkdtemp(prefix="joblease-bench-home-"))
-    storage_url = make_url(url).set(drivername="postgresql+psycopg2").render_as_string(hide_password=False)
-    (home / "dagster.yaml").write_text(
-        f"storage:\n  postgres:\n    postgres_url: {storage_url}\ntelemetry:\n  enabled: false\n"
-    )
-    os.environ["JOBLEASE_DATABASE_URL"] = url
-    os.environ["DAGSTER_HOME"] = str(home)
-    try:
-        from dagster_joblease.storage import create_engine, migrate
-
-        engine = create_engine(url)
-        migrate(engine)
-        with engine.begin() as conn:
-            conn.execute(sa.text(DOMAIN_DDL))
-        engine.dispose()
-        instance = dg.DagsterInstance.get()
-        sides = ["batch", "plain"] + (["per-key"] if args.per_key else [])
-        times: dict[str, list[float]] = {s: [] for s in sides}
-        for r in range(args.rounds):
-            order = sides[r % len(sides) :] + sides[: r % len(sides)]
-            for side in order:
-                start = f"{2000 + r * len(sides) + sides.index(side)}-01-01"  # a fresh range per run
-                keys = _days(args.partitions, start).get_partition_keys()
-                assert len(keys) == args.partitions
-                took = _round(instance, _assets(args.partitions, start)[side], keys)
-                times[side].append(took)
-                print(
-                    f"round {r + 1} {side:<8} {took:7.2f} s  {1000 * took / len(keys):6.2f} ms/partition",
-                    flush=True,
-                )
-        instance.dispose()
-        plain = statistics.median(times["plain"])
-        rows = []
-        for side in sides:
-            median = statistics.median(times[side])
-            rows.append(
-                [
-                    side,
-                    f"{median:.2f} s",
-                    f"{1000 * median / args.partitions:.2f} ms",
-                    f"{median / plain:.2f}x",
-                ]
-            )
-        if args.per_key:
-            speedup = statistics.median(times["per-key"]) / statistics.median(times["batch"])
-            print(f"\nbatch mode is {speedup:.1f}x faster than the per-key mode")
-        print(
-            f"\n{args.partitions} daily partitions in one run, median of {args.rounds} rounds each "
-            "(shared, loaded machine: noisy)"
-        )
-        print_table(["side", "run wall time", "per partition", "vs plain"], rows, started)
-    finally:
-        _admin(server, f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
+    if _has_pgss(server) or not args.private_server:
+        _measure(args, server, _has_pgss(server))
+        return 0
+    with private_server() as private:
+        _measure(args, private, True)
     return 0
 
 
