@@ -67,7 +67,6 @@ from dagster_joblease.dispatch.capacity import (
     ANY_ROW_POLL_S,
     APPLIED_TRUST_S,
     GROW_NOW,
-    LIMIT_WAIT_S,
     SLOT_POLL_S,
 )
 from dagster_joblease.dispatch.routes import Route
@@ -591,94 +590,12 @@ class Dispatcher:
             self._warm_pause_connection()
         rows, blocked = self._claim(token, limit, self.concurrency, report, limited_only=False)
         report.claimed += len(rows)
-        budget = limit - len(rows)
         if not rows and not blocked:
             return report
-        inflight: dict[Future[policy.Decision | None], _Claimed] = {}
-        # Each delivery's future puts itself here when done: the loop reads one queue instead of
-        # installing a waiter on every in-flight future each turn (concurrent.futures.wait's cost).
-        done_q: queue_mod.SimpleQueue[Future[policy.Decision | None]] = queue_mod.SimpleQueue()
-        queue: list[_Claimed] = []
-        finished: list[_Finished] = []
-        waited = 0.0
-        flushed_at = time.monotonic()
-        refresh_at = flushed_at + PAUSE_REFRESH_S
-        # Refills claim only limited groups; with topics outside them too, idle workers also look for any
-        # due row now and then (see ANY_ROW_POLL_S).
-        mixed = bool(self._limited_seen) and any(g not in self._limited_seen for g in self.groups)
-        any_at = flushed_at + ANY_ROW_POLL_S
+        batch = _Batch(self, token, limit - len(rows), blocked, report)
         # Rows of limited groups first: they were claimed for idle workers and hold capacity.
-        pending = sorted(rows, key=lambda r: (r.group is None, r.id))
-        while True:
-            for row in pending:
-                if self._pool is None:
-                    queue.append(row)
-                else:
-                    future = self._pool.submit(self._deliver, row)
-                    inflight[future] = row
-                    future.add_done_callback(done_q.put)
-            pending = []
-            if self._pool is None:
-                if queue:
-                    row = queue.pop(0)
-                    finished.append((row, self._deliver(row)))
-            elif inflight:
-                wake_at = [flushed_at + self._record_delay_s] if finished else []
-                if self._unstarted(inflight):
-                    wake_at.append(time.monotonic() + PAUSE_REFRESH_S)
-                if mixed and len(inflight) < self.concurrency and budget > 0:
-                    wake_at.append(any_at)
-                finished.extend(self._take_done(inflight, done_q, min(wake_at, default=None)))
-            busy = bool(inflight or queue)
-            freed = {row.group for row, _ in finished if row.group is not None}
-            urgent = bool(freed) or any(d is not None and d.pause_ms for _, d in finished)
-            free = self.concurrency - len(inflight) if self._pool is not None else (0 if queue else 1)
-            can_refill = budget > 0 and free > 0 and not self._stop.is_set()
-            refill: tuple[list[_Claimed], dict[str, float]] | None = None
-            if finished and (urgent or not busy or time.monotonic() - flushed_at >= self._record_delay_s):
-                if freed and can_refill and self._mergeable(finished):
-                    refill = self._record_and_refill(token, finished, budget, free, report, inflight)
-                else:
-                    self._record(token, finished, report)
-                finished, flushed_at = [], time.monotonic()
-            if busy and time.monotonic() >= refresh_at:
-                if self._unstarted(inflight) or queue:
-                    # Rows still waiting to start: learn of pauses other dispatchers opened meanwhile.
-                    self._refresh_pauses()
-                refresh_at = time.monotonic() + PAUSE_REFRESH_S
-            if refill is None and can_refill and (freed or (blocked and not busy)):
-                refill = self._claim(
-                    token, budget, free, report, limited_only=True, busy=self._busy_groups(inflight)
-                )
-            if refill is None and can_refill and mixed and time.monotonic() >= any_at:
-                # Idle workers take any due row, not only the limited groups' (no more than are idle).
-                refill = self._claim(
-                    token,
-                    min(budget, free),
-                    free,
-                    report,
-                    limited_only=False,
-                    busy=self._busy_groups(inflight),
-                )
-                any_at = time.monotonic() + ANY_ROW_POLL_S
-            if refill is not None:
-                more, blocked = refill
-                report.claimed += len(more)
-                budget -= len(more)
-                pending = sorted(more, key=lambda r: r.id)
-                if pending:
-                    continue
-            if busy:
-                continue
-            if finished:
-                continue
-            if blocked and budget > 0 and waited < LIMIT_WAIT_S and not self._stop.is_set():
-                pause = min(max(min(blocked.values()), 0.001), LIMIT_WAIT_S - waited)
-                self._stop.wait(pause)
-                waited += pause
-                continue
-            break
-        report.limited |= set(blocked)
+        batch.run(sorted(rows, key=lambda r: (r.group is None, r.id)))
+        report.limited |= set(batch.blocked)
         logger.info(
             "dispatched %d rows: %d sent, %d retry, %d dead, %d lost claims, %d released",
             report.claimed,
@@ -1731,3 +1648,166 @@ class Dispatcher:
     def _restore_signal_handlers(previous: dict[int, Any]) -> None:
         for signum, handler in previous.items():
             signal.signal(signum, handler)
+
+
+class _Batch:
+    """One batch's loop (:meth:`Dispatcher.dispatch`): rows are submitted to the workers (or queued,
+    inline), finished deliveries collected and recorded (a group at a time), and the batch claims again
+    while it has ``budget`` and idle workers: at once when a limited group's slot was freed, now and
+    then for any due row, or after a wait for capacity other dispatchers hold. Each turn's choices are
+    :mod:`capacity`'s pure decisions; this class holds the state they are taken on."""
+
+    def __init__(
+        self,
+        dispatcher: Dispatcher,
+        token: str,
+        budget: int,
+        blocked: dict[str, float],
+        report: DispatchReport,
+    ) -> None:
+        self.d = dispatcher
+        self.token = token
+        self.budget = budget
+        #: Limit groups whose due rows wait for capacity → seconds worth waiting before looking again.
+        self.blocked = blocked
+        self.report = report
+        self.inflight: dict[Future[policy.Decision | None], _Claimed] = {}
+        # Each delivery's future puts itself here when done: the loop reads one queue instead of
+        # installing a waiter on every in-flight future each turn (concurrent.futures.wait's cost).
+        self.done_q: queue_mod.SimpleQueue[Future[policy.Decision | None]] = queue_mod.SimpleQueue()
+        self.queue: list[_Claimed] = []  # inline (concurrency 1): rows not delivered yet
+        self.finished: list[_Finished] = []
+        self.waited = 0.0
+        self.flushed_at = time.monotonic()
+        self.refresh_at = self.flushed_at + PAUSE_REFRESH_S
+        # Refills claim only limited groups; with topics outside them too, idle workers also look for any
+        # due row now and then (see ANY_ROW_POLL_S).
+        limited = dispatcher._limited_seen
+        self.mixed = bool(limited) and any(g not in limited for g in dispatcher.groups)
+        self.any_at = self.flushed_at + ANY_ROW_POLL_S
+
+    def run(self, pending: list[_Claimed]) -> None:
+        """Deliver ``pending`` and whatever the batch claims meanwhile; returns when nothing is in flight,
+        everything is recorded, and no group is worth waiting for."""
+        stop = self.d._stop
+        while True:
+            self._submit(pending)
+            self._collect()
+            busy = bool(self.inflight or self.queue)
+            pending = self._take(self._turn(busy))
+            if pending or busy or self.finished:
+                continue
+            pause = capacity.limit_wait(self.blocked, self.budget, self.waited, stop.is_set())
+            if pause is None:
+                return
+            stop.wait(pause)
+            self.waited += pause
+
+    def _submit(self, pending: list[_Claimed]) -> None:
+        pool = self.d._pool
+        for row in pending:
+            if pool is None:
+                self.queue.append(row)
+                continue
+            future = pool.submit(self.d._deliver, row)
+            self.inflight[future] = row
+            future.add_done_callback(self.done_q.put)
+
+    def _collect(self) -> None:
+        """Deliver the next queued row (inline), or take the deliveries done by the next moment the loop
+        has something else to do (a record delay, a pause refresh, the poll for any due row)."""
+        d = self.d
+        if d._pool is None:
+            if self.queue:
+                row = self.queue.pop(0)
+                self.finished.append((row, d._deliver(row)))
+            return
+        if not self.inflight:
+            return
+        wake_at = [self.flushed_at + d._record_delay_s] if self.finished else []
+        if d._unstarted(self.inflight):
+            wake_at.append(time.monotonic() + PAUSE_REFRESH_S)
+        if self.mixed and len(self.inflight) < d.concurrency and self.budget > 0:
+            wake_at.append(self.any_at)
+        self.finished.extend(d._take_done(self.inflight, self.done_q, min(wake_at, default=None)))
+
+    def _turn(self, busy: bool) -> tuple[list[_Claimed], dict[str, float]] | None:
+        """Record what finished (with the refill it calls for), re-read pauses, claim again: the claim's
+        rows and groups waited for, or None when nothing was claimed."""
+        d = self.d
+        freed = {row.group for row, _ in self.finished if row.group is not None}
+        urgent = bool(freed) or any(dec is not None and dec.pause_ms for _, dec in self.finished)
+        free = d.concurrency - len(self.inflight) if d._pool is not None else (0 if self.queue else 1)
+        can_refill = self.budget > 0 and free > 0 and not d._stop.is_set()
+        refill = self._flush(busy, urgent, bool(freed) and can_refill, free)
+        self._refresh(busy)
+        if refill is not None:
+            return refill
+        return self._claim_more(can_refill, bool(freed), busy, free)
+
+    def _flush(
+        self, busy: bool, urgent: bool, merge: bool, free: int
+    ) -> tuple[list[_Claimed], dict[str, float]] | None:
+        """Record the finished rows when :func:`capacity.record_now` says so; ``merge``: freed slots may be
+        refilled in the same transaction (see :meth:`Dispatcher._record_and_refill`)."""
+        d = self.d
+        since = time.monotonic() - self.flushed_at
+        if not capacity.record_now(
+            finished=bool(self.finished),
+            urgent=urgent,
+            busy=busy,
+            since_flush_s=since,
+            delay_s=d._record_delay_s,
+        ):
+            return None
+        refill = None
+        if merge and d._mergeable(self.finished):
+            refill = d._record_and_refill(
+                self.token, self.finished, self.budget, free, self.report, self.inflight
+            )
+        else:
+            d._record(self.token, self.finished, self.report)
+        self.finished, self.flushed_at = [], time.monotonic()
+        return refill
+
+    def _refresh(self, busy: bool) -> None:
+        """Rows still waiting to start: learn of pauses other dispatchers opened meanwhile."""
+        if not busy or time.monotonic() < self.refresh_at:
+            return
+        if self.d._unstarted(self.inflight) or self.queue:
+            self.d._refresh_pauses()
+        self.refresh_at = time.monotonic() + PAUSE_REFRESH_S
+
+    def _claim_more(
+        self, can_refill: bool, freed: bool, busy: bool, free: int
+    ) -> tuple[list[_Claimed], dict[str, float]] | None:
+        d = self.d
+        kind = capacity.next_refill(
+            can_refill=can_refill,
+            freed=freed,
+            blocked=bool(self.blocked),
+            busy=busy,
+            mixed=self.mixed,
+            any_due=time.monotonic() >= self.any_at,
+        )
+        if kind == capacity.Refill.LIMITED:
+            busy_groups = d._busy_groups(self.inflight)
+            return d._claim(self.token, self.budget, free, self.report, limited_only=True, busy=busy_groups)
+        if kind == capacity.Refill.ANY:
+            # Idle workers take any due row, not only the limited groups' (no more than are idle).
+            busy_groups = d._busy_groups(self.inflight)
+            more = d._claim(
+                self.token, min(self.budget, free), free, self.report, limited_only=False, busy=busy_groups
+            )
+            self.any_at = time.monotonic() + ANY_ROW_POLL_S
+            return more
+        return None
+
+    def _take(self, refill: tuple[list[_Claimed], dict[str, float]] | None) -> list[_Claimed]:
+        """Count a claim's rows into the batch; they are submitted next."""
+        if refill is None:
+            return []
+        more, self.blocked = refill
+        self.report.claimed += len(more)
+        self.budget -= len(more)
+        return sorted(more, key=lambda r: r.id)
