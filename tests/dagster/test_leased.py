@@ -174,3 +174,28 @@ def test_default_url_is_the_embedded_sqlite_under_dagster_home(
         JobLeaseResource(database_url="sqlite:///explicit.sqlite").resolved_url()
         == "sqlite:///explicit.sqlite"
     )
+
+
+@leased_op(code="unit-ordered", name="ordered_enqueue")
+def ordered_enqueue(run: LeasedRun) -> None:
+    with run.transaction() as conn:
+        run.enqueue_once(conn, topic="crm", payload={"p": run.partition_key}, ordering_key="customer-42")
+
+
+def test_the_run_and_the_resource_enqueue_with_an_ordering_key(sqlite_url: str) -> None:
+    resource = JobLeaseResource(database_url=sqlite_url)
+    for day in ("2024-01-02", "2024-01-01"):
+        with dg.build_op_context(partition_key=day, resources={"joblease": resource}) as context:
+            ordered_enqueue(context)
+    with resource.transaction() as conn:
+        assert resource.enqueue_once(
+            conn, idempotency_key="by-hand", topic="crm", payload={}, ordering_key="customer-42"
+        )
+    t = outbox_table
+    with resource.engine.connect() as conn:
+        rows = conn.execute(sa.select(t.c.payload, t.c.ordering_key).order_by(t.c.id)).all()
+    assert [(r.payload.get("p"), r.ordering_key) for r in rows] == [
+        ("2024-01-02", "customer-42"),
+        ("2024-01-01", "customer-42"),
+        (None, "customer-42"),
+    ]
