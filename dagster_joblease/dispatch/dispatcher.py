@@ -61,7 +61,7 @@ import httpcore
 import httpx
 import sqlalchemy as sa
 
-from dagster_joblease import errors, limits, route_groups
+from dagster_joblease import errors, limits
 from dagster_joblease.dispatch import capacity, decisions, policy
 from dagster_joblease.dispatch.capacity import (
     ANY_ROW_POLL_S,
@@ -69,9 +69,19 @@ from dagster_joblease.dispatch.capacity import (
     GROW_NOW,
     SLOT_POLL_S,
 )
+from dagster_joblease.dispatch.claims import Claimed, Finished, from_row
+from dagster_joblease.dispatch.recorder import (
+    MAX_REPORT_ROWS,
+    DispatchReport,
+    Recorder,
+    Refill,
+    RowOutcome,
+    pause_reason,
+)
 from dagster_joblease.dispatch.routes import Route
 from dagster_joblease.options import MAX_DURATION_MS
 from dagster_joblease.storage import outbox as store
+from dagster_joblease.storage import route_groups
 from dagster_joblease.storage.autocommit import autocommit_connections
 from dagster_joblease.storage.engine import is_psycopg, translate_errors
 
@@ -81,108 +91,11 @@ logger = logging.getLogger(__name__)
 
 #: Response bytes read for the stored error snippet; the rest of a huge body is not downloaded.
 MAX_BODY_READ = 8 * 1024
-#: Rows kept in the report returned by :meth:`Dispatcher.run` (the counters cover everything).
-MAX_REPORT_ROWS = 1_000
-#: Pauses before re-trying to record outcomes after a database error (then the claims are left to expire).
-RECORD_RETRY_PAUSES_S = (0.05, 0.25, 1.0)
 #: Longest a finished delivery waits to be recorded while the rest of its batch is still in flight.
 MAX_RECORD_DELAY_S = 0.25
 #: How often a batch with undelivered rows re-reads its groups' pauses (another dispatcher may open one).
 PAUSE_REFRESH_S = 0.05
 DEFAULT_MAX_DEFERRALS = 100
-_OutcomeLabel = str
-
-
-@dataclasses.dataclass(frozen=True)
-class RowOutcome:
-    """What happened to one claimed row in this batch."""
-
-    id: int
-    idempotency_key: str
-    topic: str
-    outcome: _OutcomeLabel  #: "sent" | "retry" | "dead"
-    status_code: int | None
-    reason: str
-
-
-@dataclasses.dataclass
-class DispatchReport:
-    """Counters for one batch (or, from :meth:`Dispatcher.run`, for all of them).
-
-    ``lost_claims`` counts deliveries whose fenced write matched nothing (the claim expired and another
-    dispatcher owns the row now); ``released`` counts claims given back undelivered (stopping, or too
-    little claim time left); ``unrecorded`` counts outcomes the database refused to store (the claim
-    expires and the row is delivered again, which the receiver deduplicates).
-    """
-
-    claimed: int = 0
-    sent: int = 0
-    retried: int = 0
-    dead: int = 0
-    rows: list[RowOutcome] = dataclasses.field(default_factory=list)
-    lost_claims: int = 0
-    released: int = 0
-    unrecorded: int = 0
-    #: Of ``dead``: rows past their route's ``dedupe_window``, dead-lettered without being sent.
-    expired: int = 0
-    #: Of ``retried``: attempts deferred by a ``Retry-After`` pause (not counted against max_attempts).
-    deferred: int = 0
-    #: Limit groups paused when this batch claimed: group → (paused until, ISO 8601 UTC; reason).
-    paused: dict[str, tuple[str, str]] = dataclasses.field(default_factory=dict)
-    #: Limit groups whose due rows waited for capacity (max_in_flight or rate) in this batch.
-    limited: set[str] = dataclasses.field(default_factory=set)
-
-    def merge(self, other: DispatchReport) -> DispatchReport:
-        """A new report with both reports' counters summed and rows concatenated."""
-        return DispatchReport(
-            claimed=self.claimed + other.claimed,
-            sent=self.sent + other.sent,
-            retried=self.retried + other.retried,
-            dead=self.dead + other.dead,
-            rows=[*self.rows, *other.rows],
-            lost_claims=self.lost_claims + other.lost_claims,
-            released=self.released + other.released,
-            unrecorded=self.unrecorded + other.unrecorded,
-            expired=self.expired + other.expired,
-            deferred=self.deferred + other.deferred,
-            paused={**self.paused, **other.paused},
-            limited=self.limited | other.limited,
-        )
-
-
-@dataclasses.dataclass(frozen=True)
-class _Claimed:
-    id: int
-    idempotency_key: str
-    topic: str
-    attempts: int
-    payload: str
-    deferrals: int = 0
-    #: The limit group whose capacity the claim holds (None: unlimited path).
-    group: str | None = None
-    #: Local monotonic time just before the claim statement ran: the claim lasts claim_ms from then.
-    claimed_at: float = 0.0
-    #: A rate admission: do not start before this local monotonic time (None: at once).
-    not_before: float | None = None
-    #: A rate admission: do not start after this local monotonic time (given back instead).
-    send_by: float | None = None
-    #: The row's first attempt as the claim left it (the claim stamps it when there was none).
-    first_attempt_at: dt.datetime | None = None
-    #: The database clock's reading when the claim ran (same statement), to age the row at send time.
-    claim_now: dt.datetime | None = None
-
-    @property
-    def stamped(self) -> bool:
-        """Whether this claim stamped ``first_attempt_at``: no earlier attempt was sent."""
-        return self.first_attempt_at is not None and self.first_attempt_at == self.claim_now
-
-    @property
-    def age_at_claim_ms(self) -> float | None:
-        """Milliseconds from the first attempt to the claim, on the database clock (None: this claim's
-        attempt is the first, or the statement did not say)."""
-        if self.stamped or self.first_attempt_at is None or self.claim_now is None:
-            return None
-        return (self.claim_now - self.first_attempt_at).total_seconds() * 1000
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -199,15 +112,6 @@ class _TooLate(Exception):
 
 
 @dataclasses.dataclass(frozen=True)
-class _Refill:
-    """A refill claim inside an outcomes' transaction: ``swap`` runs before the outcomes are written,
-    ``claim`` after them (with the ids the outcomes matched)."""
-
-    swap: Callable[[sa.Connection], None]
-    claim: Callable[[sa.Connection, set[int]], tuple[list[_Claimed], dict[str, float], DispatchReport]]
-
-
-@dataclasses.dataclass(frozen=True)
 class _Admission:
     """A rate's admissions (``rows``) at database time ``now``, read between local times ``asked`` and
     ``answered``."""
@@ -216,17 +120,6 @@ class _Admission:
     now: dt.datetime
     asked: float
     answered: float
-
-
-def _claimed(r: Any, **extra: Any) -> _Claimed:
-    """A row returned by a claim (:func:`dagster_joblease.storage.outbox.claim_due`)."""
-    return _Claimed(
-        r[0], r[1], r[2], r[3], r[4], deferrals=int(r[5] or 0), first_attempt_at=r[6], claim_now=r[7], **extra
-    )
-
-
-#: A finished row: its verdict, or None when the claim is given back undelivered.
-_Finished = tuple[_Claimed, policy.Decision | None]
 
 
 def _positive_int(name: str, value: object, minimum: int = 1, maximum: int | None = None) -> int:
@@ -496,6 +389,7 @@ class Dispatcher:
         self.groups: frozenset[str] = frozenset(self._group_topics)
         self._group_list = sorted(self.groups)  # the pause refresh's parameter, built once
         self._windows = layout.windows
+        self._recorder = Recorder(engine, self.routes, layout, lambda: self._stop.is_set())
         self._mismatch_logged: set[tuple[str, str, int | None]] = set()
         self._local_pause: dict[str, float] = {}
         #: group → when this dispatcher's own write of a pause finished (inf while it is being written): a
@@ -611,12 +505,12 @@ class Dispatcher:
     def _record_and_refill(
         self,
         token: str,
-        finished: list[_Finished],
+        finished: list[Finished],
         budget: int,
         free: int,
         report: DispatchReport,
-        inflight: Mapping[Future[Any], _Claimed],
-    ) -> tuple[list[_Claimed], dict[str, float]] | None:
+        inflight: Mapping[Future[Any], Claimed],
+    ) -> tuple[list[Claimed], dict[str, float]] | None:
         """The outcomes that freed slots and the claim that refills them: one transaction, one commit (the
         slots never wait for another dispatcher's poll); in the usual case one statement that hands the
         slots on (a swap), else one transaction. None: the outcomes were recorded without a refill."""
@@ -642,15 +536,15 @@ class Dispatcher:
         return more, blocked
 
     @staticmethod
-    def _busy_groups(inflight: Mapping[Future[Any], _Claimed]) -> set[str]:
+    def _busy_groups(inflight: Mapping[Future[Any], Claimed]) -> set[str]:
         return {r.group for r in inflight.values() if r.group is not None}
 
     @staticmethod
     def _take_done(
-        inflight: dict[Future[policy.Decision | None], _Claimed],
+        inflight: dict[Future[policy.Decision | None], Claimed],
         done_q: queue_mod.SimpleQueue[Future[policy.Decision | None]],
         wake_at: float | None,
-    ) -> list[_Finished]:
+    ) -> list[Finished]:
         """The deliveries done by now: waits for the first until ``wake_at`` (local monotonic time; None:
         until one is done), then takes every other one already done."""
         timeout = None if wake_at is None else max(0.0, wake_at - time.monotonic())
@@ -663,7 +557,7 @@ class Dispatcher:
             pass  # the timeout passed with nothing done, or every done delivery is taken
         return [(inflight.pop(f), f.result()) for f in done]  # each future comes once
 
-    def _unstarted(self, inflight: Mapping[Future[Any], _Claimed]) -> bool:
+    def _unstarted(self, inflight: Mapping[Future[Any], Claimed]) -> bool:
         """Whether some submitted row has not started yet (queued behind busy workers, or waiting for its
         rate admission): only those can still be stopped by a pause read from the database."""
         if len(inflight) > self.concurrency:
@@ -671,7 +565,7 @@ class Dispatcher:
         now = time.monotonic()
         return any(r.not_before is not None and r.not_before > now for r in inflight.values())
 
-    def _mergeable(self, finished: list[_Finished]) -> bool:
+    def _mergeable(self, finished: list[Finished]) -> bool:
         """Whether ``finished``'s outcomes can share a transaction with a refill claim: not when they
         write a group's row too (a pause, a failure streak), which would lock groups in another order
         than the claim does."""
@@ -682,7 +576,7 @@ class Dispatcher:
                 return False
         return True
 
-    def _handoffs(self, finished: list[_Finished]) -> dict[str, list[int]]:
+    def _handoffs(self, finished: list[Finished]) -> dict[str, list[int]]:
         """Per limit group, the finished rows whose slots a swap may hand on (see :meth:`_swap`): rows with
         an outcome (a claim given back undelivered is not among them) of groups limited by
         ``max_in_flight`` alone, on PostgreSQL, and with no ``dedupe_window`` on the group's routes (the
@@ -695,7 +589,7 @@ class Dispatcher:
             group = row.group
             if group is None or decision is None or self._local_pause.get(group, 0.0) > now:
                 continue
-            if self._hold_ms(row, decision):
+            if self._recorder.hold_ms(row, decision):
                 continue  # a timed-out request keeps its slot for a grace: nothing to hand on
             known = self._applied.get(group)
             if capacity.hands_on(
@@ -709,12 +603,12 @@ class Dispatcher:
     def _swap_alone(
         self,
         token: str,
-        finished: list[_Finished],
+        finished: list[Finished],
         budget: int,
         free: int,
         report: DispatchReport,
         busy: Collection[str],
-    ) -> tuple[list[_Claimed], dict[str, float]] | None:
+    ) -> tuple[list[Claimed], dict[str, float]] | None:
         """The usual completion of a full group as one autocommit statement (PostgreSQL): ``finished`` are
         rows of one group limited by max_in_flight alone, all sent with one status code; they are marked
         SENT and their slots handed on (see :func:`store.swap`: the same bounds) in one round trip, no
@@ -748,9 +642,9 @@ class Dispatcher:
             return None
         self._claim_took()
         matched = swapped.done
-        taken = [_claimed(r, group=group, claimed_at=started) for r in swapped.claimed]
+        taken = [from_row(r, group=group, claimed_at=started) for r in swapped.claimed]
         assert len(taken) <= len(matched), "a swap claimed more rows than it recorded"
-        self._tally(finished, matched, report)
+        self._recorder.tally(finished, matched, report)
         blocked: dict[str, float] = {}
         if swapped.max_in_flight is not None:
             self._applied[group] = (swapped.max_in_flight, None, time.monotonic() + APPLIED_TRUST_S)
@@ -795,7 +689,7 @@ class Dispatcher:
         free: int,
         busy: Collection[str],
         handed: Mapping[str, list[int]] | None = None,
-    ) -> _Refill:
+    ) -> Refill:
         """The refill claim to run inside the outcomes' transaction: first the swaps of ``handed`` rows'
         slots (before the outcomes are written: a swap reads their claims), then the claim of whatever
         capacity is left. What it reports (pauses seen, rows dead-lettered) goes to a report of its own,
@@ -821,7 +715,7 @@ class Dispatcher:
 
         def claim(
             conn: sa.Connection, matched: set[int]
-        ) -> tuple[list[_Claimed], dict[str, float], DispatchReport]:
+        ) -> tuple[list[Claimed], dict[str, float], DispatchReport]:
             for group, (taken, _) in swapped.items():
                 # Never more slots handed on than the group's finished rows whose outcomes were recorded
                 # now (a claim lost between the swap and the outcome's write would otherwise leave its
@@ -835,7 +729,7 @@ class Dispatcher:
             )
             return rows, blocked, sub
 
-        return _Refill(swap, claim)
+        return Refill(swap, claim)
 
     def _swap_statement(self, group: str) -> sa.Executable:
         """The swap run in the transaction that records the finished rows' outcomes (built once per
@@ -864,7 +758,7 @@ class Dispatcher:
         *,
         limited_only: bool,
         busy: Collection[str] = (),
-    ) -> tuple[list[_Claimed], dict[str, float]]:
+    ) -> tuple[list[Claimed], dict[str, float]]:
         """One claim transaction (see :meth:`_claim_in`)."""
         started = time.monotonic()
         with translate_errors("claim outbox rows"), self.engine.begin() as conn:
@@ -887,7 +781,7 @@ class Dispatcher:
         started: float,
         busy: Collection[str] = (),
         swapped: Mapping[str, tuple[list[Any], int | None]] | None = None,
-    ) -> tuple[list[_Claimed], dict[str, float]]:
+    ) -> tuple[list[Claimed], dict[str, float]]:
         """Read the groups' state, dead-letter rows past their window, claim rows of unlimited groups (up
         to ``budget``) and of limited groups (up to their capacity and ``free`` idle workers). Returns the
         rows and, per limited group whose due rows had to wait for capacity, the seconds worth waiting
@@ -906,12 +800,12 @@ class Dispatcher:
         if limited_only:
             open_topics = [t for t in open_topics if self._group_of[t] in limited]
         self._expire(conn, open_topics, report)
-        rows: list[_Claimed] = []
+        rows: list[Claimed] = []
         if not limited_only:
             plain = [t for t in open_topics if self._group_of[t] not in limited]
             rows = self._claim_plain(conn, token, budget, plain, started)
         for name, (taken, applied) in sorted((swapped or {}).items()):
-            rows.extend(_claimed(r, group=name, claimed_at=started) for r in taken)
+            rows.extend(from_row(r, group=name, claimed_at=started) for r in taken)
             if taken:
                 # The swap read the group's row: its max_in_flight alone is in force, so the look below
                 # (no lock) tells whether a slot is left beside the handed-on ones.
@@ -933,14 +827,14 @@ class Dispatcher:
 
     def _claim_plain(
         self, conn: sa.Connection, token: str, budget: int, topics: list[str], started: float
-    ) -> list[_Claimed]:
+    ) -> list[Claimed]:
         """Claim up to ``budget`` due rows of ``topics``, routes of unlimited groups (one statement)."""
         if not topics:
             return []
         stmt = store.claim_due(
             conn.dialect.name, token=token, limit=budget, claim_ms=self.claim_ms, topics=topics
         )
-        return [_claimed(r, claimed_at=started) for r in conn.execute(stmt)]
+        return [from_row(r, claimed_at=started) for r in conn.execute(stmt)]
 
     def _note_pauses(
         self, states: Mapping[str, route_groups.GroupState], report: DispatchReport, started: float
@@ -978,7 +872,7 @@ class Dispatcher:
         report: DispatchReport,
         busy: bool = False,
         lock: bool = True,
-    ) -> tuple[list[_Claimed], float | None]:
+    ) -> tuple[list[Claimed], float | None]:
         """Claim up to ``want`` rows of a limited group under its row lock; the wait hint is set when due
         rows had to stay behind for capacity (``busy``: this batch has requests of the group in flight).
         ``lock=False``: this transaction already holds the group's row FOR SHARE (a swap); upgrading it
@@ -997,13 +891,13 @@ class Dispatcher:
             want,
             mif,
             rate,
-            route_groups.count_in_flight(conn, group) if mif is not None and rate is not None else None,
+            store.count_in_flight(conn, group) if mif is not None and rate is not None else None,
         )
         admission = None
         if rate is not None and size is not None and size > 0:
             admission = self._admit(conn, rate, state, size)
             size = admission.rows.count
-        rows: list[_Claimed] = []
+        rows: list[Claimed] = []
         if size is None or size > 0:
             rows = self._take(
                 conn, token, group, want if size is None else size, size is None, mif, started, admission
@@ -1041,7 +935,7 @@ class Dispatcher:
         mif: int | None,
         started: float,
         admission: _Admission | None,
-    ) -> list[_Claimed]:
+    ) -> list[Claimed]:
         """Claim up to ``want`` rows of a locked group (``count_slots``: and no more than its
         max_in_flight ``mif`` leaves, counted by the statement), each with its rate admission's window."""
         kind, cap = ("claim_slots", mif) if count_slots else ("claim", None)
@@ -1053,7 +947,7 @@ class Dispatcher:
                 admission.rows.offsets_ms, len(claimed), admission.asked, admission.answered
             )
         return [
-            _claimed(r, group=group, claimed_at=started, not_before=not_before, send_by=send_by)
+            from_row(r, group=group, claimed_at=started, not_before=not_before, send_by=send_by)
             for r, (not_before, send_by) in zip(claimed, windows, strict=True)
         ]
 
@@ -1113,7 +1007,7 @@ class Dispatcher:
         dialect = self.engine.dialect.name
         topics = self._group_topics[group]
         if kind == "look":
-            stmt = store.slot_look(route_groups.in_flight_query(group), topics)
+            stmt = store.slot_look(group, topics)
         else:
             slots = None
             if kind == "claim_slots":
@@ -1201,7 +1095,7 @@ class Dispatcher:
             with engine.connect() as conn:
                 return route_groups.paused_remaining(conn, self.groups)
 
-    def _deliver(self, row: _Claimed) -> policy.Decision | None:
+    def _deliver(self, row: Claimed) -> policy.Decision | None:
         """POST one row and judge the answer (no database work here); None: give the claim back."""
         route = self.routes.get(row.topic)
         if route is None:
@@ -1258,24 +1152,17 @@ class Dispatcher:
             self._pause_settled[group] = time.monotonic()
         return decision
 
-    def _write_pause_now(self, group: str, row: _Claimed, decision: policy.Decision) -> None:
+    def _write_pause_now(self, group: str, row: Claimed, decision: policy.Decision) -> None:
         """The one database write a delivery thread makes: a pause, in its own short transaction (the
         outcome's transaction writes it again; a failure here only delays the pause until then)."""
         assert decision.pause_ms is not None
         try:
             with translate_errors("record a route pause"), self.engine.begin() as conn:
-                route_groups.record_pause(conn, group, decision.pause_ms, self._pause_reason(row, decision))
+                route_groups.record_pause(conn, group, decision.pause_ms, pause_reason(row, decision))
         except errors.StorageError as exc:
             logger.info("could not record a pause at once: %s", exc, extra={"action": "pause_deferred"})
 
-    @staticmethod
-    def _pause_reason(row: _Claimed, decision: policy.Decision) -> str:
-        return (
-            f"HTTP {decision.status_code} with Retry-After from topic {row.topic} "
-            f"(outbox row {row.id}): {decision.reason}"
-        )
-
-    def _post(self, row: _Claimed, route: Route, deadline: float) -> policy.Classification:
+    def _post(self, row: Claimed, route: Route, deadline: float) -> policy.Classification:
         key = route.key_header(row.idempotency_key)
         hooks = self._client.event_hooks
         if self._transport is None or hooks["request"] or hooks["response"]:
@@ -1323,241 +1210,11 @@ class Dispatcher:
             response.close()
         return policy.classify_response(response, body[:MAX_BODY_READ].decode("utf-8", "replace"))
 
-    # -- recording outcomes ------------------------------------------------------------------------
-
     def _record(
-        self,
-        token: str,
-        finished: list[_Finished],
-        report: DispatchReport,
-        then: _Refill | None = None,
-    ) -> tuple[list[_Claimed], dict[str, float], DispatchReport] | None:
-        """Store the outcomes of ``finished`` rows in one transaction and count them into ``report``.
-
-        ``then`` runs in the same transaction (a refill claim: one commit for both), its swaps before the
-        writes and its claim after them; the claim's result is returned, or None when it did not commit
-        (the outcomes are then retried without it)."""
-        extra: list[tuple[list[_Claimed], dict[str, float], DispatchReport]] = []
-        try:
-            matched = self._write_with_retry(token, finished, then, extra)
-        except errors.StorageError as exc:
-            for row, decision in finished:
-                if decision is None:
-                    report.released += 1
-                    continue
-                report.unrecorded += 1
-                logger.warning(
-                    "could not record %s for outbox row %d (key %s): %s; it will be delivered again after "
-                    "its claim expires",
-                    decision.outcome.value,
-                    row.id,
-                    row.idempotency_key,
-                    exc,
-                    extra={"action": "outbox_unrecorded"},
-                )
-            return None
-        self._tally(finished, matched, report)
-        return extra[0] if extra else None
-
-    def _tally(self, finished: list[_Finished], matched: set[int], report: DispatchReport) -> None:
-        """Count recorded outcomes into ``report`` (a fenced write that matched nothing: a lost claim)."""
-        for row, decision in finished:
-            if decision is None:
-                report.released += 1
-            elif row.id not in matched:
-                report.lost_claims += 1
-                logger.warning(
-                    "lost the claim on outbox row %d (key %s) before recording %s: it expired and another "
-                    "dispatcher owns the row now",
-                    row.id,
-                    row.idempotency_key,
-                    decision.outcome.value,
-                    extra={"action": "outbox_claim_lost"},
-                )
-            else:
-                self._count(row, decision, report)
-
-    @staticmethod
-    def _count(row: _Claimed, decision: policy.Decision, report: DispatchReport) -> None:
-        report.rows.append(
-            RowOutcome(
-                id=row.id,
-                idempotency_key=row.idempotency_key,
-                topic=row.topic,
-                outcome=decision.outcome.value,
-                status_code=decision.status_code,
-                reason=decision.reason,
-            )
-        )
-        if decision.outcome is policy.Outcome.SENT:
-            report.sent += 1
-        elif decision.outcome is policy.Outcome.RETRY:
-            report.retried += 1
-            report.deferred += int(decision.deferred)
-            logger.info(
-                "outbox row %d (key %s) will be retried in %d ms: %s",
-                row.id,
-                row.idempotency_key,
-                decision.delay_ms,
-                decision.reason,
-                extra={"action": "outbox_retry"},
-            )
-        else:
-            report.dead += 1
-            report.expired += int(decision.unsent)
-            logger.warning(
-                "outbox row %d (key %s, topic %s) is DEAD: %s",
-                row.id,
-                row.idempotency_key,
-                row.topic,
-                decision.reason,
-                extra={"action": "outbox_dead"},
-            )
-
-    def _statements(
-        self, token: str, finished: list[_Finished]
-    ) -> list[tuple[sa.Executable, dict[str, Any] | None, bool]]:
-        """The fenced UPDATEs for ``finished``: ``(statement, parameters, returns ids)``. Sent rows with one
-        status code share one statement (the usual case: the whole group in one), built once per dialect
-        and bound per call; retries, dead rows and released claims carry their own values."""
-        sent: dict[int | None, list[int]] = {}
-        statements: list[tuple[sa.Executable, dict[str, Any] | None, bool]] = []
-        released: list[_Claimed] = []
-        for row, decision in finished:
-            if decision is None:
-                released.append(row)
-            elif decision.outcome is policy.Outcome.SENT:
-                sent.setdefault(decision.status_code, []).append(row.id)
-            elif decision.outcome is policy.Outcome.RETRY:
-                hold_ms = self._hold_ms(row, decision)
-                # A timed-out request keeps its slot for a grace: the downstream may still be working on it.
-                stmt = store.record_retry(
-                    row.id,
-                    token,
-                    status_code=decision.status_code,
-                    reason=decision.reason,
-                    delay_ms=decision.delay_ms,
-                    deferred=decision.deferred,
-                    hold=(row.group, hold_ms) if hold_ms and row.group is not None else None,
-                )
-                statements.append((stmt, None, True))
-            else:
-                stmt = store.record_dead(
-                    row.id,
-                    token,
-                    status_code=decision.status_code,
-                    reason=decision.reason,
-                    unsent=decision.unsent,
-                )
-                statements.append((stmt, None, True))
-        if sent:
-            mark_sent = store.mark_sent(self.engine.dialect.name)
-            for status_code, ids in sent.items():
-                statements.append((mark_sent, {"ids": ids, "token": token, "status_code": status_code}, True))
-        for stamped in (False, True):
-            # Given back undelivered: the claim's attempt (and a first-attempt time it stamped) is undone.
-            back = [r.id for r in released if r.stamped is stamped]
-            if back:
-                statements.append((store.give_back(back, token, stamped=stamped), None, False))
-        return statements
-
-    def _hold_ms(self, row: _Claimed, decision: policy.Decision) -> int:
-        """How long a finished row keeps its group's slot after its outcome (a timeout's grace), in ms."""
-        if row.group is None or not decision.timed_out:
-            return 0
-        return int(self.routes[row.topic].slot_grace_s * 1000)
-
-    def _group_writes(self, finished: list[_Finished]) -> list[Callable[[sa.Connection], object]]:
-        """Writes to the limit groups' rows that ``finished`` calls for: pauses a downstream asked for,
-        and consecutive connection failures where a route counts them."""
-        writes: list[Callable[[sa.Connection], object]] = []
-        pauses: dict[str, tuple[int, str]] = {}
-        streaks: dict[str, tuple[bool, int, str]] = {}  # group → (answered at all, failures since, last)
-        for row, decision in finished:
-            if decision is None or decision.unsent:
-                continue
-            group = self._group_of[row.topic]
-            if decision.pause_ms:
-                reason = self._pause_reason(row, decision)
-                if decision.pause_ms > pauses.get(group, (0, ""))[0]:
-                    pauses[group] = (decision.pause_ms, reason)
-            if self.routes[row.topic].pause_after_failures is not None:
-                answered, failures, last = streaks.get(group, (False, 0, ""))
-                if decision.status_code is None and decision.outcome is not policy.Outcome.SENT:
-                    streaks[group] = (answered, failures + 1, decision.reason)
-                else:
-                    streaks[group] = (True, 0, last)
-        for group, (pause_ms, reason) in pauses.items():
-            writes.append(
-                functools.partial(route_groups.record_pause, group=group, pause_ms=pause_ms, reason=reason)
-            )
-        for group, (answered, failures, last) in streaks.items():
-            if answered:
-                writes.append(functools.partial(route_groups.record_answers, group=group))
-            if failures:
-                route = self.routes[self._group_topics[group][0]]
-                threshold = min(
-                    r.pause_after_failures
-                    for t in self._group_topics[group]
-                    if (r := self.routes[t]).pause_after_failures is not None
-                )
-                writes.append(
-                    functools.partial(
-                        route_groups.record_connection_failures,
-                        group=group,
-                        count=failures,
-                        threshold=threshold,
-                        pause_ms=int(route.failure_pause_s * 1000),
-                        reason=last,
-                    )
-                )
-        return writes
-
-    def _write_with_retry(
-        self,
-        token: str,
-        finished: list[_Finished],
-        then: _Refill | None = None,
-        extra: list[tuple[list[_Claimed], dict[str, float], DispatchReport]] | None = None,
-    ) -> set[int]:
-        """Run the fenced UPDATEs in one transaction; returns the ids they matched. A dropped connection
-        gets a few quick retries on a fresh one.
-
-        The outcomes are already known (the downstream answered), so losing them to a brief database
-        hiccup would mean needless re-deliveries once the claims expire. Retrying is safe: every write is
-        fenced by the claim token.
-        """
-        statements = self._statements(token, finished)
-        group_writes = self._group_writes(finished)
-        retries = 0
-        while True:
-            try:
-                matched: set[int] = set()
-                with translate_errors("record delivery outcomes"), self.engine.begin() as conn:
-                    if then is not None:
-                        then.swap(conn)
-                    for stmt, params, returns_ids in statements:
-                        result = conn.execute(stmt, params)
-                        if returns_ids:
-                            matched.update(result.scalars())
-                    for write in group_writes:
-                        write(conn)
-                    if then is not None and extra is not None:
-                        extra.append(then.claim(conn, matched))
-                return matched
-            except errors.StorageError as exc:
-                if extra:
-                    extra.clear()
-                then = None  # the outcomes are retried alone; the batch claims again on its own
-                if retries == len(RECORD_RETRY_PAUSES_S) or self._stop.is_set():
-                    raise
-                logger.info(
-                    "retrying an outcome write after a database error: %s",
-                    exc,
-                    extra={"action": "outbox_record_retry"},
-                )
-                time.sleep(RECORD_RETRY_PAUSES_S[retries])
-                retries += 1
+        self, token: str, finished: list[Finished], report: DispatchReport, then: Refill | None = None
+    ) -> tuple[list[Claimed], dict[str, float], DispatchReport] | None:
+        """Store ``finished`` rows' outcomes (see :meth:`Recorder.record`)."""
+        return self._recorder.record(token, finished, report, then)
 
     # -- the loop ----------------------------------------------------------------------------------
 
@@ -1671,12 +1328,12 @@ class _Batch:
         #: Limit groups whose due rows wait for capacity → seconds worth waiting before looking again.
         self.blocked = blocked
         self.report = report
-        self.inflight: dict[Future[policy.Decision | None], _Claimed] = {}
+        self.inflight: dict[Future[policy.Decision | None], Claimed] = {}
         # Each delivery's future puts itself here when done: the loop reads one queue instead of
         # installing a waiter on every in-flight future each turn (concurrent.futures.wait's cost).
         self.done_q: queue_mod.SimpleQueue[Future[policy.Decision | None]] = queue_mod.SimpleQueue()
-        self.queue: list[_Claimed] = []  # inline (concurrency 1): rows not delivered yet
-        self.finished: list[_Finished] = []
+        self.queue: list[Claimed] = []  # inline (concurrency 1): rows not delivered yet
+        self.finished: list[Finished] = []
         self.waited = 0.0
         self.flushed_at = time.monotonic()
         self.refresh_at = self.flushed_at + PAUSE_REFRESH_S
@@ -1686,7 +1343,7 @@ class _Batch:
         self.mixed = bool(limited) and any(g not in limited for g in dispatcher.groups)
         self.any_at = self.flushed_at + ANY_ROW_POLL_S
 
-    def run(self, pending: list[_Claimed]) -> None:
+    def run(self, pending: list[Claimed]) -> None:
         """Deliver ``pending`` and whatever the batch claims meanwhile; returns when nothing is in flight,
         everything is recorded, and no group is worth waiting for."""
         stop = self.d._stop
@@ -1703,7 +1360,7 @@ class _Batch:
             stop.wait(pause)
             self.waited += pause
 
-    def _submit(self, pending: list[_Claimed]) -> None:
+    def _submit(self, pending: list[Claimed]) -> None:
         pool = self.d._pool
         for row in pending:
             if pool is None:
@@ -1731,7 +1388,7 @@ class _Batch:
             wake_at.append(self.any_at)
         self.finished.extend(d._take_done(self.inflight, self.done_q, min(wake_at, default=None)))
 
-    def _turn(self, busy: bool) -> tuple[list[_Claimed], dict[str, float]] | None:
+    def _turn(self, busy: bool) -> tuple[list[Claimed], dict[str, float]] | None:
         """Record what finished (with the refill it calls for), re-read pauses, claim again: the claim's
         rows and groups waited for, or None when nothing was claimed."""
         d = self.d
@@ -1747,7 +1404,7 @@ class _Batch:
 
     def _flush(
         self, busy: bool, urgent: bool, merge: bool, free: int
-    ) -> tuple[list[_Claimed], dict[str, float]] | None:
+    ) -> tuple[list[Claimed], dict[str, float]] | None:
         """Record the finished rows when :func:`capacity.record_now` says so; ``merge``: freed slots may be
         refilled in the same transaction (see :meth:`Dispatcher._record_and_refill`)."""
         d = self.d
@@ -1780,7 +1437,7 @@ class _Batch:
 
     def _claim_more(
         self, can_refill: bool, freed: bool, busy: bool, free: int
-    ) -> tuple[list[_Claimed], dict[str, float]] | None:
+    ) -> tuple[list[Claimed], dict[str, float]] | None:
         d = self.d
         kind = capacity.next_refill(
             can_refill=can_refill,
@@ -1803,7 +1460,7 @@ class _Batch:
             return more
         return None
 
-    def _take(self, refill: tuple[list[_Claimed], dict[str, float]] | None) -> list[_Claimed]:
+    def _take(self, refill: tuple[list[Claimed], dict[str, float]] | None) -> list[Claimed]:
         """Count a claim's rows into the batch; they are submitted next."""
         if refill is None:
             return []

@@ -900,10 +900,10 @@ def due_in(topics: Collection[str]) -> sa.Select[Any]:
     return sa.select(_t.c.id).where(due_clause(), _t.c.topic.in_(sorted(topics))).limit(1)
 
 
-def slot_look(in_flight: sa.Select[Any], topics: Collection[str]) -> sa.Select[Any]:
-    """A lock-free look at a limit group: its requests in flight (``in_flight``, a count query) and
-    whether a row of its ``topics`` is due."""
-    return sa.select(in_flight.scalar_subquery(), due_in(topics).exists())
+def slot_look(group: str, topics: Collection[str]) -> sa.Select[Any]:
+    """A lock-free look at a limit group: its requests in flight (:func:`in_flight_query`) and whether a
+    row of its ``topics`` is due."""
+    return sa.select(in_flight_query(group).scalar_subquery(), due_in(topics).exists())
 
 
 def swap(

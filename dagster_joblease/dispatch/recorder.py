@@ -1,0 +1,363 @@
+"""Recording delivery outcomes: each finished row's outcome written fenced by its claim (a write that
+matches nothing is a lost claim), a database error retried a few times on a fresh connection, the limit
+groups' pauses and failure streaks the outcomes call for, and the tallies of a :class:`DispatchReport`.
+
+The dispatcher (:mod:`dagster_joblease.dispatch.dispatcher`) hands a batch's finished rows to
+:meth:`Recorder.record`, optionally with a refill claim to run in the same transaction (one commit for
+both: a freed ``max_in_flight`` slot never waits for another dispatcher's poll). The statements are
+:mod:`dagster_joblease.storage.outbox`'s and :mod:`dagster_joblease.storage.route_groups`'.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import logging
+import time
+from collections.abc import Callable, Mapping
+from typing import Any
+
+import sqlalchemy as sa
+
+from dagster_joblease import errors
+from dagster_joblease.dispatch import policy
+from dagster_joblease.dispatch.capacity import Layout
+from dagster_joblease.dispatch.claims import Claimed, Finished
+from dagster_joblease.dispatch.routes import Route
+from dagster_joblease.storage import outbox as store
+from dagster_joblease.storage import route_groups
+from dagster_joblease.storage.engine import translate_errors
+
+__all__ = ["MAX_REPORT_ROWS", "DispatchReport", "Recorder", "Refill", "RowOutcome", "count", "pause_reason"]
+
+logger = logging.getLogger(__name__)
+
+#: Rows kept in the report returned by :meth:`Dispatcher.run` (the counters cover everything).
+MAX_REPORT_ROWS = 1_000
+#: Pauses before re-trying to record outcomes after a database error (then the claims are left to expire).
+RECORD_RETRY_PAUSES_S = (0.05, 0.25, 1.0)
+_OutcomeLabel = str
+
+
+@dataclasses.dataclass(frozen=True)
+class RowOutcome:
+    """What happened to one claimed row in this batch."""
+
+    id: int
+    idempotency_key: str
+    topic: str
+    outcome: _OutcomeLabel  #: "sent" | "retry" | "dead"
+    status_code: int | None
+    reason: str
+
+
+@dataclasses.dataclass
+class DispatchReport:
+    """Counters for one batch (or, from :meth:`Dispatcher.run`, for all of them).
+
+    ``lost_claims`` counts deliveries whose fenced write matched nothing (the claim expired and another
+    dispatcher owns the row now); ``released`` counts claims given back undelivered (stopping, or too
+    little claim time left); ``unrecorded`` counts outcomes the database refused to store (the claim
+    expires and the row is delivered again, which the receiver deduplicates).
+    """
+
+    claimed: int = 0
+    sent: int = 0
+    retried: int = 0
+    dead: int = 0
+    rows: list[RowOutcome] = dataclasses.field(default_factory=list)
+    lost_claims: int = 0
+    released: int = 0
+    unrecorded: int = 0
+    #: Of ``dead``: rows past their route's ``dedupe_window``, dead-lettered without being sent.
+    expired: int = 0
+    #: Of ``retried``: attempts deferred by a ``Retry-After`` pause (not counted against max_attempts).
+    deferred: int = 0
+    #: Limit groups paused when this batch claimed: group → (paused until, ISO 8601 UTC; reason).
+    paused: dict[str, tuple[str, str]] = dataclasses.field(default_factory=dict)
+    #: Limit groups whose due rows waited for capacity (max_in_flight or rate) in this batch.
+    limited: set[str] = dataclasses.field(default_factory=set)
+
+    def merge(self, other: DispatchReport) -> DispatchReport:
+        """A new report with both reports' counters summed and rows concatenated."""
+        return DispatchReport(
+            claimed=self.claimed + other.claimed,
+            sent=self.sent + other.sent,
+            retried=self.retried + other.retried,
+            dead=self.dead + other.dead,
+            rows=[*self.rows, *other.rows],
+            lost_claims=self.lost_claims + other.lost_claims,
+            released=self.released + other.released,
+            unrecorded=self.unrecorded + other.unrecorded,
+            expired=self.expired + other.expired,
+            deferred=self.deferred + other.deferred,
+            paused={**self.paused, **other.paused},
+            limited=self.limited | other.limited,
+        )
+
+
+@dataclasses.dataclass(frozen=True)
+class Refill:
+    """A refill claim inside an outcomes' transaction: ``swap`` runs before the outcomes are written,
+    ``claim`` after them (with the ids the outcomes matched)."""
+
+    swap: Callable[[sa.Connection], None]
+    claim: Callable[[sa.Connection, set[int]], tuple[list[Claimed], dict[str, float], DispatchReport]]
+
+
+class Recorder:
+    """Writes finished rows' outcomes (see the module's docstring) for one dispatcher: its ``engine``,
+    its ``routes`` and their limit groups (``layout``); ``stopping`` says whether the dispatcher is
+    stopping (a failed write is then not retried)."""
+
+    def __init__(
+        self, engine: sa.Engine, routes: Mapping[str, Route], layout: Layout, stopping: Callable[[], bool]
+    ) -> None:
+        self.engine = engine
+        self.routes = routes
+        self._group_of = layout.group_of
+        self._group_topics = layout.group_topics
+        self._stopping = stopping
+
+    def record(
+        self,
+        token: str,
+        finished: list[Finished],
+        report: DispatchReport,
+        then: Refill | None = None,
+    ) -> tuple[list[Claimed], dict[str, float], DispatchReport] | None:
+        """Store the outcomes of ``finished`` rows in one transaction and count them into ``report``.
+
+        ``then`` runs in the same transaction (a refill claim: one commit for both), its swaps before the
+        writes and its claim after them; the claim's result is returned, or None when it did not commit
+        (the outcomes are then retried without it)."""
+        extra: list[tuple[list[Claimed], dict[str, float], DispatchReport]] = []
+        try:
+            matched = self._write_with_retry(token, finished, then, extra)
+        except errors.StorageError as exc:
+            for row, decision in finished:
+                if decision is None:
+                    report.released += 1
+                    continue
+                report.unrecorded += 1
+                logger.warning(
+                    "could not record %s for outbox row %d (key %s): %s; it will be delivered again after "
+                    "its claim expires",
+                    decision.outcome.value,
+                    row.id,
+                    row.idempotency_key,
+                    exc,
+                    extra={"action": "outbox_unrecorded"},
+                )
+            return None
+        self.tally(finished, matched, report)
+        return extra[0] if extra else None
+
+    def tally(self, finished: list[Finished], matched: set[int], report: DispatchReport) -> None:
+        """Count recorded outcomes into ``report`` (a fenced write that matched nothing: a lost claim)."""
+        for row, decision in finished:
+            if decision is None:
+                report.released += 1
+            elif row.id not in matched:
+                report.lost_claims += 1
+                logger.warning(
+                    "lost the claim on outbox row %d (key %s) before recording %s: it expired and another "
+                    "dispatcher owns the row now",
+                    row.id,
+                    row.idempotency_key,
+                    decision.outcome.value,
+                    extra={"action": "outbox_claim_lost"},
+                )
+            else:
+                count(row, decision, report)
+
+    def statements(
+        self, token: str, finished: list[Finished]
+    ) -> list[tuple[sa.Executable, dict[str, Any] | None, bool]]:
+        """The fenced UPDATEs for ``finished``: ``(statement, parameters, returns ids)``. Sent rows with one
+        status code share one statement (the usual case: the whole group in one), built once per dialect
+        and bound per call; retries, dead rows and released claims carry their own values."""
+        sent: dict[int | None, list[int]] = {}
+        statements: list[tuple[sa.Executable, dict[str, Any] | None, bool]] = []
+        released: list[Claimed] = []
+        for row, decision in finished:
+            if decision is None:
+                released.append(row)
+            elif decision.outcome is policy.Outcome.SENT:
+                sent.setdefault(decision.status_code, []).append(row.id)
+            elif decision.outcome is policy.Outcome.RETRY:
+                hold_ms = self.hold_ms(row, decision)
+                # A timed-out request keeps its slot for a grace: the downstream may still be working on it.
+                stmt = store.record_retry(
+                    row.id,
+                    token,
+                    status_code=decision.status_code,
+                    reason=decision.reason,
+                    delay_ms=decision.delay_ms,
+                    deferred=decision.deferred,
+                    hold=(row.group, hold_ms) if hold_ms and row.group is not None else None,
+                )
+                statements.append((stmt, None, True))
+            else:
+                stmt = store.record_dead(
+                    row.id,
+                    token,
+                    status_code=decision.status_code,
+                    reason=decision.reason,
+                    unsent=decision.unsent,
+                )
+                statements.append((stmt, None, True))
+        if sent:
+            mark_sent = store.mark_sent(self.engine.dialect.name)
+            for status_code, ids in sent.items():
+                statements.append((mark_sent, {"ids": ids, "token": token, "status_code": status_code}, True))
+        for stamped in (False, True):
+            # Given back undelivered: the claim's attempt (and a first-attempt time it stamped) is undone.
+            back = [r.id for r in released if r.stamped is stamped]
+            if back:
+                statements.append((store.give_back(back, token, stamped=stamped), None, False))
+        return statements
+
+    def hold_ms(self, row: Claimed, decision: policy.Decision) -> int:
+        """How long a finished row keeps its group's slot after its outcome (a timeout's grace), in ms."""
+        if row.group is None or not decision.timed_out:
+            return 0
+        return int(self.routes[row.topic].slot_grace_s * 1000)
+
+    def _group_writes(self, finished: list[Finished]) -> list[Callable[[sa.Connection], object]]:
+        """Writes to the limit groups' rows that ``finished`` calls for: pauses a downstream asked for,
+        and consecutive connection failures where a route counts them."""
+        writes: list[Callable[[sa.Connection], object]] = []
+        pauses: dict[str, tuple[int, str]] = {}
+        streaks: dict[str, tuple[bool, int, str]] = {}  # group → (answered at all, failures since, last)
+        for row, decision in finished:
+            if decision is None or decision.unsent:
+                continue
+            group = self._group_of[row.topic]
+            if decision.pause_ms:
+                reason = pause_reason(row, decision)
+                if decision.pause_ms > pauses.get(group, (0, ""))[0]:
+                    pauses[group] = (decision.pause_ms, reason)
+            if self.routes[row.topic].pause_after_failures is not None:
+                answered, failures, last = streaks.get(group, (False, 0, ""))
+                if decision.status_code is None and decision.outcome is not policy.Outcome.SENT:
+                    streaks[group] = (answered, failures + 1, decision.reason)
+                else:
+                    streaks[group] = (True, 0, last)
+        for group, (pause_ms, reason) in pauses.items():
+            writes.append(
+                functools.partial(route_groups.record_pause, group=group, pause_ms=pause_ms, reason=reason)
+            )
+        for group, (answered, failures, last) in streaks.items():
+            if answered:
+                writes.append(functools.partial(route_groups.record_answers, group=group))
+            if failures:
+                route = self.routes[self._group_topics[group][0]]
+                threshold = min(
+                    r.pause_after_failures
+                    for t in self._group_topics[group]
+                    if (r := self.routes[t]).pause_after_failures is not None
+                )
+                writes.append(
+                    functools.partial(
+                        route_groups.record_connection_failures,
+                        group=group,
+                        count=failures,
+                        threshold=threshold,
+                        pause_ms=int(route.failure_pause_s * 1000),
+                        reason=last,
+                    )
+                )
+        return writes
+
+    def _write_with_retry(
+        self,
+        token: str,
+        finished: list[Finished],
+        then: Refill | None = None,
+        extra: list[tuple[list[Claimed], dict[str, float], DispatchReport]] | None = None,
+    ) -> set[int]:
+        """Run the fenced UPDATEs in one transaction; returns the ids they matched. A dropped connection
+        gets a few quick retries on a fresh one.
+
+        The outcomes are already known (the downstream answered), so losing them to a brief database
+        hiccup would mean needless re-deliveries once the claims expire. Retrying is safe: every write is
+        fenced by the claim token.
+        """
+        statements = self.statements(token, finished)
+        group_writes = self._group_writes(finished)
+        retries = 0
+        while True:
+            try:
+                matched: set[int] = set()
+                with translate_errors("record delivery outcomes"), self.engine.begin() as conn:
+                    if then is not None:
+                        then.swap(conn)
+                    for stmt, params, returns_ids in statements:
+                        result = conn.execute(stmt, params)
+                        if returns_ids:
+                            matched.update(result.scalars())
+                    for write in group_writes:
+                        write(conn)
+                    if then is not None and extra is not None:
+                        extra.append(then.claim(conn, matched))
+                return matched
+            except errors.StorageError as exc:
+                if extra:
+                    extra.clear()
+                then = None  # the outcomes are retried alone; the batch claims again on its own
+                if retries == len(RECORD_RETRY_PAUSES_S) or self._stopping():
+                    raise
+                logger.info(
+                    "retrying an outcome write after a database error: %s",
+                    exc,
+                    extra={"action": "outbox_record_retry"},
+                )
+                time.sleep(RECORD_RETRY_PAUSES_S[retries])
+                retries += 1
+
+
+def count(row: Claimed, decision: policy.Decision, report: DispatchReport) -> None:
+    """Count one recorded outcome into ``report`` (and log a retry or a dead row)."""
+    report.rows.append(
+        RowOutcome(
+            id=row.id,
+            idempotency_key=row.idempotency_key,
+            topic=row.topic,
+            outcome=decision.outcome.value,
+            status_code=decision.status_code,
+            reason=decision.reason,
+        )
+    )
+    if decision.outcome is policy.Outcome.SENT:
+        report.sent += 1
+    elif decision.outcome is policy.Outcome.RETRY:
+        report.retried += 1
+        report.deferred += int(decision.deferred)
+        logger.info(
+            "outbox row %d (key %s) will be retried in %d ms: %s",
+            row.id,
+            row.idempotency_key,
+            decision.delay_ms,
+            decision.reason,
+            extra={"action": "outbox_retry"},
+        )
+    else:
+        report.dead += 1
+        report.expired += int(decision.unsent)
+        logger.warning(
+            "outbox row %d (key %s, topic %s) is DEAD: %s",
+            row.id,
+            row.idempotency_key,
+            row.topic,
+            decision.reason,
+            extra={"action": "outbox_dead"},
+        )
+
+
+def pause_reason(row: Claimed, decision: policy.Decision) -> str:
+    """The reason stored with a pause a downstream asked for."""
+    return (
+        f"HTTP {decision.status_code} with Retry-After from topic {row.topic} "
+        f"(outbox row {row.id}): {decision.reason}"
+    )
