@@ -56,7 +56,7 @@ from typing import Any
 
 import sqlalchemy as sa
 
-from dagster_joblease import errors, identity, options
+from dagster_joblease import errors, identity
 from dagster_joblease import lease as _lease
 from dagster_joblease.lease import Lease, LeaseService, LeaseStatus, NotAcquiredReason
 from dagster_joblease.storage import driver, rowset
@@ -296,42 +296,63 @@ def claim_many(
         a :class:`BatchClaim` with one :class:`KeyClaim` per identity, in the given order.
     """
     jobs = _check_identities(identities)
-    if lease_ms is None and heartbeat_ms is None:
-        timing = service.timing
-    else:
-        timing = options.resolve_timing(lease_ms, heartbeat_ms, defaults=service.timing)
-    length = timing.lease_ms
-    label = (
-        _lease.validate_holder(holder) if holder is not None else service.holder or _lease.default_holder()
+    timing, label = _lease.claim_terms(
+        service.timing, service.holder, lease_ms=lease_ms, heartbeat_ms=heartbeat_ms, holder_override=holder
     )
     tokens = {job.idempotency_key: secrets.token_hex(16) for job in jobs}
-    ordered = sorted(jobs, key=lambda job: job.idempotency_key)
     found: dict[str, KeyClaim] = {}
-    call = {"p_lease_ms": length, "p_heartbeat_ms": timing.heartbeat_ms, "p_holder": label}
+    call = {"p_lease_ms": timing.lease_ms, "p_heartbeat_ms": timing.heartbeat_ms, "p_holder": label}
     with driver.statements(service.engine, "claim a batch of leases") as db:
-        for chunk in _chunks(ordered):
-            pending = list(chunk)
-            for _ in range(_CLAIM_ROUNDS):
-                pending = _claim_round(db, pending, tokens, call, length, label, found)
-                if not pending:
-                    break
-            for job in pending:
-                found[job.idempotency_key] = KeyClaim(
-                    identity=job, lease=None, reason=NotAcquiredReason.CONTENDED
-                )
+        for chunk in _chunks(sorted(jobs, key=lambda job: job.idempotency_key)):
+            _claim_chunk(db, list(chunk), tokens, call, timing.lease_ms, label, found)
     claims = tuple(found[job.idempotency_key] for job in jobs)
-    won = sum(1 for c in claims if c.lease is not None)
     logger.info(
         "batch claim of %d keys: %d won (%d reclaimed), %d held, %d succeeded, %d contended",
         len(claims),
-        won,
-        sum(1 for c in claims if c.lease is not None and c.lease.reclaimed),
-        sum(1 for c in claims if c.reason is NotAcquiredReason.HELD),
-        sum(1 for c in claims if c.reason is NotAcquiredReason.SUCCEEDED),
-        sum(1 for c in claims if c.reason is NotAcquiredReason.CONTENDED),
+        *claim_tally(claims),
         extra={"action": "lease_batch_claimed"},
     )
     return BatchClaim(claims=claims)
+
+
+def claim_tally(claims: Iterable[KeyClaim]) -> tuple[int, int, int, int, int]:
+    """How a claim went, as logged: keys won, of those reclaimed, then refused as held, succeeded and
+    contended."""
+    won = reclaimed = 0
+    refused = dict.fromkeys(NotAcquiredReason, 0)
+    for claim in claims:
+        if claim.lease is not None:
+            won += 1
+            reclaimed += claim.lease.reclaimed
+        elif claim.reason is not None:
+            refused[claim.reason] += 1
+    return (
+        won,
+        reclaimed,
+        refused[NotAcquiredReason.HELD],
+        refused[NotAcquiredReason.SUCCEEDED],
+        refused[NotAcquiredReason.CONTENDED],
+    )
+
+
+def _claim_chunk(
+    db: driver.Statements,
+    chunk: list[identity.JobIdentity],
+    tokens: dict[str, str],
+    call: dict[str, Any],
+    length: int,
+    label: str,
+    found: dict[str, KeyClaim],
+) -> None:
+    """Claim one statement's worth of keys (in key order) in up to ``_CLAIM_ROUNDS`` rounds; a key still
+    undecided after the last round is reported ``CONTENDED``."""
+    pending = chunk
+    for _ in range(_CLAIM_ROUNDS):
+        pending = _claim_round(db, pending, tokens, call, length, label, found)
+        if not pending:
+            return
+    for job in pending:
+        found[job.idempotency_key] = KeyClaim(identity=job, lease=None, reason=NotAcquiredReason.CONTENDED)
 
 
 def _claim_round(
@@ -346,58 +367,82 @@ def _claim_round(
     """One round over ``jobs`` (in key order): insert, reclaim, report. Fills ``found``; returns the
     keys to try again (their row vanished between two statements, or was taken in a race)."""
     by_key = {job.idempotency_key: job for job in jobs}
-
-    def won(row: Any) -> None:
-        key, lease_id, attempt, expires_at, last_error = row[:5]
-        if len(row) > 5:
-            tokens[key] = row[5]  # a PostgreSQL reclaim: the database made the new token
-        job = by_key[key]
-        found[key] = KeyClaim(
-            identity=job,
-            lease=Lease(
-                id=lease_id,
-                identity=job,
-                owner_token=tokens[key],
-                attempt=attempt,
-                lease_ms=length,
-                expires_at=expires_at,
-                previous_error=last_error if attempt > 1 else None,
-            ),
-            status=LeaseStatus.RUNNING,
-            holder=label,
-            attempt=attempt,
-            expires_at=expires_at,
-            heartbeat_age_ms=0,
-        )
-
     rows = [(j.idempotency_key, j.type.value, j.code, j.run_key, tokens[j.idempotency_key]) for j in jobs]
-    for row in store.claim_new_many(db, rows, call):
-        won(row)
-    met = [r[0] for r in rows if r[0] not in found]
-    if not met:
-        return []
-    for row in store.reclaim_many(db, met, tokens, call):
-        won(row)
-    rest = [key for key in met if key not in found]
-    if not rest:
-        return []
-    again: set[str] = set(rest)
-    for key, status, row_holder, attempt, expires_at, age, reclaimable in store.report_many(db, rest):
-        if reclaimable:
-            continue  # reclaimable again already (its winner failed it): another round claims it
-        again.discard(key)
-        reason = _lease._REASONS.get(status, NotAcquiredReason.CONTENDED)
-        found[key] = KeyClaim(
-            identity=by_key[key],
-            lease=None,
-            reason=reason,
-            status=LeaseStatus(status),
-            holder=row_holder,
-            attempt=attempt,
-            expires_at=expires_at,
-            heartbeat_age_ms=None if age is None else int(age),
-        )
-    return [by_key[k] for k in rest if k in again]
+    _record_won(found, by_key, store.claim_new_many(db, rows, call), tokens, length, label)
+    met = _undecided(by_key, found)
+    if met:
+        _record_won(found, by_key, store.reclaim_many(db, met, tokens, call), tokens, length, label)
+    rest = _undecided(met, found)
+    if rest:
+        for row in store.report_many(db, rest):
+            refused = refused_claim(by_key[row[0]], row)
+            if refused is not None:
+                found[row[0]] = refused
+    return [by_key[key] for key in _undecided(rest, found)]
+
+
+def _undecided(keys: Iterable[str], found: dict[str, KeyClaim]) -> list[str]:
+    return [key for key in keys if key not in found]
+
+
+def _record_won(
+    found: dict[str, KeyClaim],
+    by_key: dict[str, identity.JobIdentity],
+    rows: Iterable[Sequence[Any]],
+    tokens: dict[str, str],
+    length: int,
+    label: str,
+) -> None:
+    for row in rows:
+        found[row[0]] = won_claim(by_key[row[0]], row, tokens, length, label)
+
+
+def won_claim(
+    job: identity.JobIdentity, row: Sequence[Any], tokens: dict[str, str], length: int, label: str
+) -> KeyClaim:
+    """The claim of a key the insert or the reclaim won, from its returned row ``(lock_key, id, attempt,
+    expires_at, last_error[, owner_token])``. A PostgreSQL reclaim returns the token the database made:
+    it replaces the one in ``tokens``. The previous error is kept on a reclaim (attempt > 1) only."""
+    key, lease_id, attempt, expires_at, last_error = row[:5]
+    if len(row) > 5:
+        tokens[key] = row[5]
+    lease = Lease(
+        id=lease_id,
+        identity=job,
+        owner_token=tokens[key],
+        attempt=attempt,
+        lease_ms=length,
+        expires_at=expires_at,
+        previous_error=last_error if attempt > 1 else None,
+    )
+    return KeyClaim(
+        identity=job,
+        lease=lease,
+        status=LeaseStatus.RUNNING,
+        holder=label,
+        attempt=attempt,
+        expires_at=expires_at,
+        heartbeat_age_ms=0,
+    )
+
+
+def refused_claim(job: identity.JobIdentity, row: Sequence[Any]) -> KeyClaim | None:
+    """The claim of a key neither statement won, from its report row ``(lock_key, status, holder,
+    attempt, expires_at, heartbeat_age_ms, reclaimable)``; ``None`` when the row is reclaimable again
+    (its winner failed it in between): another round claims it."""
+    _key, status, holder, attempt, expires_at, age, reclaimable = row
+    if reclaimable:
+        return None
+    return KeyClaim(
+        identity=job,
+        lease=None,
+        reason=_lease._REASONS.get(status, NotAcquiredReason.CONTENDED),
+        status=LeaseStatus(status),
+        holder=holder,
+        attempt=attempt,
+        expires_at=expires_at,
+        heartbeat_age_ms=None if age is None else int(age),
+    )
 
 
 # -- fenced set writes ---------------------------------------------------------------------------------

@@ -88,6 +88,23 @@ def default_holder() -> str:
     return _holder()
 
 
+def claim_terms(
+    timing: options.LeaseTiming,
+    holder: str | None,
+    *,
+    lease_ms: int | None,
+    heartbeat_ms: int | None,
+    holder_override: str | None,
+) -> tuple[options.LeaseTiming, str]:
+    """The timing and holder label a claim records: the call's options where given, else the service's
+    (``timing``, ``holder``), else the defaults (the length's heartbeat interval, ``host:pid``)."""
+    if lease_ms is not None or heartbeat_ms is not None:
+        timing = options.resolve_timing(lease_ms, heartbeat_ms, defaults=timing)
+    if holder_override is not None:
+        return timing, validate_holder(holder_override)
+    return timing, holder or _holder()
+
+
 def validate_holder(value: object) -> str:
     """A holder label as stored: 1-255 characters, no control characters (it shows in CLI tables)."""
     if not isinstance(value, str):
@@ -336,10 +353,9 @@ class LeaseService:
         """
         if not isinstance(job, identity.JobIdentity):
             raise errors.InvalidJobIdentityError("identity", job, "must be a JobIdentity")
-        if lease_ms is None and heartbeat_ms is None:
-            timing = self.timing
-        else:
-            timing = options.resolve_timing(lease_ms, heartbeat_ms, defaults=self.timing)
+        timing, label = claim_terms(
+            self.timing, self.holder, lease_ms=lease_ms, heartbeat_ms=heartbeat_ms, holder_override=holder
+        )
         length = timing.lease_ms
         token = secrets.token_hex(16)
         key = job._key
@@ -351,7 +367,7 @@ class LeaseService:
             "p_owner_token": token,
             "p_lease_ms": length,
             "p_heartbeat_ms": timing.heartbeat_ms,
-            "p_holder": validate_holder(holder) if holder is not None else self.holder or _holder(),
+            "p_holder": label,
         }
         known = self._known
         hinted = key in known

@@ -69,6 +69,118 @@ def _claims(sent: list[str]) -> list[str]:
     return kinds
 
 
+# -- the claim's pure parts ---------------------------------------------------------------------------
+
+JOB = JobIdentity.schedule("daily-billing", "2024-01-01")
+WHEN = dt.datetime(2024, 1, 1, 12, tzinfo=dt.UTC)
+
+
+@pytest.mark.parametrize(
+    ("row", "tokens", "attempt", "previous_error", "token"),
+    [
+        ((JOB.idempotency_key, 7, 1, WHEN, None), {JOB.idempotency_key: "mine"}, 1, None, "mine"),  # new row
+        ((JOB.idempotency_key, 7, 1, WHEN, "stale"), {JOB.idempotency_key: "mine"}, 1, None, "mine"),
+        (
+            (JOB.idempotency_key, 7, 3, WHEN, "boom"),
+            {JOB.idempotency_key: "mine"},
+            3,
+            "boom",
+            "mine",
+        ),  # SQLite
+        (
+            (JOB.idempotency_key, 7, 2, WHEN, "boom", "db"),
+            {JOB.idempotency_key: "mine"},
+            2,
+            "boom",
+            "db",
+        ),  # PG
+    ],
+)
+def test_a_won_row_becomes_the_lease_a_single_claim_returns(
+    row: tuple[Any, ...], tokens: dict[str, str], attempt: int, previous_error: str | None, token: str
+) -> None:
+    claim = batch.won_claim(JOB, row, tokens, 30_000, "me")
+    assert claim.lease is not None
+    assert (claim.lease.id, claim.lease.attempt, claim.lease.owner_token) == (7, attempt, token)
+    assert (claim.lease.lease_ms, claim.lease.expires_at, claim.lease.previous_error) == (
+        30_000,
+        WHEN,
+        previous_error,
+    )
+    assert claim.lease.reclaimed is (attempt > 1)
+    assert (claim.reason, claim.status, claim.holder, claim.attempt, claim.heartbeat_age_ms) == (
+        None,
+        LeaseStatus.RUNNING,
+        "me",
+        attempt,
+        0,
+    )
+    assert tokens[JOB.idempotency_key] == token  # the database's token replaces the one made here
+
+
+@pytest.mark.parametrize(
+    ("status", "age", "reclaimable", "reason"),
+    [
+        ("RUNNING", 1_500.0, False, NotAcquiredReason.HELD),
+        ("SUCCESS", None, False, NotAcquiredReason.SUCCEEDED),
+        ("FAIL", None, False, NotAcquiredReason.CONTENDED),  # failed but not reclaimable: a race
+        ("FAIL", None, True, None),  # reclaimable again: another round
+        ("RUNNING", 90_000.0, True, None),  # expired in between: another round
+    ],
+)
+def test_a_reported_row_becomes_a_refusal_or_another_round(
+    status: str, age: float | None, reclaimable: bool, reason: NotAcquiredReason | None
+) -> None:
+    claim = batch.refused_claim(JOB, (JOB.idempotency_key, status, "them", 4, WHEN, age, reclaimable))
+    if reason is None:
+        assert claim is None
+        return
+    assert claim is not None
+    assert (claim.lease, claim.reason, claim.status, claim.holder, claim.attempt) == (
+        None,
+        reason,
+        LeaseStatus(status),
+        "them",
+        4,
+    )
+    assert (claim.expires_at, claim.heartbeat_age_ms) == (WHEN, None if age is None else int(age))
+
+
+def _won(attempt: int) -> batch.KeyClaim:
+    return batch.won_claim(
+        JOB, (JOB.idempotency_key, 1, attempt, WHEN, None), {JOB.idempotency_key: "t"}, 1, "me"
+    )
+
+
+def _refused(reason: NotAcquiredReason) -> batch.KeyClaim:
+    return batch.KeyClaim(identity=JOB, lease=None, reason=reason)
+
+
+@pytest.mark.parametrize(
+    ("claims", "tally"),
+    [
+        ([], (0, 0, 0, 0, 0)),
+        ([_won(1), _won(1)], (2, 0, 0, 0, 0)),
+        ([_won(1), _won(2), _won(5)], (3, 2, 0, 0, 0)),
+        ([_refused(NotAcquiredReason.HELD)] * 2, (0, 0, 2, 0, 0)),
+        (
+            [
+                _won(2),
+                _refused(NotAcquiredReason.SUCCEEDED),
+                _refused(NotAcquiredReason.CONTENDED),
+                _refused(NotAcquiredReason.HELD),
+                _won(1),
+            ],
+            (2, 1, 1, 1, 1),
+        ),
+    ],
+)
+def test_claim_tally_counts_won_reclaimed_held_succeeded_contended(
+    claims: list[batch.KeyClaim], tally: tuple[int, int, int, int, int]
+) -> None:
+    assert batch.claim_tally(claims) == tally
+
+
 # -- claims --------------------------------------------------------------------------------------------
 
 

@@ -9,9 +9,10 @@ from pathlib import Path
 import pytest
 import sqlalchemy as sa
 
-from dagster_joblease import admin
+from dagster_joblease import admin, errors
 from dagster_joblease.identity import JobIdentity
-from dagster_joblease.lease import Lease, LeaseService
+from dagster_joblease.lease import Lease, LeaseService, claim_terms, default_holder
+from dagster_joblease.options import LeaseTiming
 from dagster_joblease.staleness import is_stale, stale_after_ms
 from dagster_joblease.storage import create_engine, current_revision, head_revision, lease_table, migrate
 from dagster_joblease.storage.clock import db_now_plus_ms
@@ -28,6 +29,47 @@ def recorded(engine: sa.Engine, job: JobIdentity = JOB) -> tuple[int, int | None
             sa.select(t.c.lease_ms, t.c.heartbeat_ms).where(t.c.lock_key == job.idempotency_key)
         ).one()
     return int(lease_ms), None if heartbeat_ms is None else int(heartbeat_ms)
+
+
+SERVICE = LeaseTiming(lease_ms=60_000, heartbeat_ms=7_000)
+
+
+@pytest.mark.parametrize(
+    ("service_holder", "lease_ms", "heartbeat_ms", "holder", "expected"),
+    [
+        (None, None, None, None, (60_000, 7_000, "<host:pid>")),  # all the service's, the default label
+        ("svc", None, None, None, (60_000, 7_000, "svc")),
+        ("svc", None, None, "call", (60_000, 7_000, "call")),  # the call's label wins
+        (None, 90_000, None, None, (90_000, 30_000, "<host:pid>")),  # that length's default interval
+        (None, None, 4_000, None, (60_000, 4_000, "<host:pid>")),  # the service's length
+        ("svc", 90_000, 0, None, (90_000, 0, "svc")),  # never heartbeats
+    ],
+)
+def test_claim_terms_take_the_calls_then_the_services_then_the_defaults(
+    service_holder: str | None,
+    lease_ms: int | None,
+    heartbeat_ms: int | None,
+    holder: str | None,
+    expected: tuple[int, int, str],
+) -> None:
+    timing, label = claim_terms(
+        SERVICE, service_holder, lease_ms=lease_ms, heartbeat_ms=heartbeat_ms, holder_override=holder
+    )
+    lease, heartbeat, want_label = expected
+    assert (timing.lease_ms, timing.heartbeat_ms) == (lease, heartbeat)
+    assert label == (default_holder() if want_label == "<host:pid>" else want_label)
+
+
+@pytest.mark.parametrize(
+    ("lease_ms", "heartbeat_ms", "holder", "field"),
+    [(0, None, None, "lease_ms"), (None, -1, None, "heartbeat_ms"), (None, None, " x", "holder")],
+)
+def test_claim_terms_refuse_bad_call_options(
+    lease_ms: int | None, heartbeat_ms: int | None, holder: str | None, field: str
+) -> None:
+    with pytest.raises(errors.InvalidLeaseOptionsError) as raised:
+        claim_terms(SERVICE, "svc", lease_ms=lease_ms, heartbeat_ms=heartbeat_ms, holder_override=holder)
+    assert field in str(raised.value)
 
 
 def test_a_manual_acquire_records_the_service_heartbeat_setting(engine: sa.Engine) -> None:
