@@ -205,3 +205,19 @@ def test_a_cost_figure_pairs_times_and_leaves_the_cpu_column_empty_when_none_was
     )
     assert fig.ratio == Stat(1.0, 1.25, 1.5) and fig.cpu_us is None
     assert figure("r", 1, "floor", [Sample(10.0, 5.0)], [Sample(8.0, 6.0)]).cpu_us == (6.0, 5.0)
+
+
+def test_the_fast_paths_benchmark_runs_every_case_small_and_puts_each_fast_path_back(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    from benchmarks import fastpaths
+    from dagster_joblease.storage import driver
+    from dagster_joblease.storage import outbox as outbox_store
+
+    before = (driver.is_psycopg, driver.in_transaction, outbox_store._claim_template, outbox_store.mark_sent)
+    assert fastpaths.main(["--blocks", "1", "--calls", "2"]) == 0
+    out = capsys.readouterr().out
+    for mode in ("no-autocommit", "no-hint", "fresh-cursors", "no-claim-memo", "no-mark-memo"):
+        assert f" {mode} " in out and "off - on: cpu" in out
+    after = (driver.is_psycopg, driver.in_transaction, outbox_store._claim_template, outbox_store.mark_sent)
+    assert after == before
