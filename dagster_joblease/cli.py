@@ -19,13 +19,17 @@ import re
 import sys
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import click
 import sqlalchemy as sa
 
 from dagster_joblease import admin, errors, storage
 from dagster_joblease.storage import engine as storage_engine
+
+if TYPE_CHECKING:
+    from dagster_joblease.dispatch import Dispatcher, Route
+    from dagster_joblease.outbox import GroupPause
 
 __all__ = ["main"]
 
@@ -1178,11 +1182,8 @@ def dispatch_command(
     Exit code with --once: 1 when this pass dead-lettered rows (the message says how many and how to
     requeue them), else 0; rows of unrouted topics and pauses are reported, not failed.
     """
-    if mode is None:
-        raise click.UsageError("give --once or --loop")
-    if not routes_file and not route_specs:
-        raise click.UsageError("no routes: give --routes FILE or --route TOPIC=URL")
-    from dagster_joblease import dispatch, outbox
+    once = _dispatch_mode(mode, routes_file, route_specs)
+    from dagster_joblease import dispatch
 
     routes = _routes(routes_file, route_specs)
     engine = _state().engine()
@@ -1191,36 +1192,68 @@ def dispatch_command(
         _library_logs(progress, logging.INFO if verbose else logging.WARNING),
         dispatch.Dispatcher(engine, routes, max_attempts=max_attempts, concurrency=concurrency) as dispatcher,
     ):
-        if mode == "once":
-            while max_batches is None or progress.batches < max_batches:
-                report = dispatcher.dispatch(limit=batch_size)
-                progress(report)
-                if report.claimed == 0:
-                    break
+        if once:
+            _dispatch_once(dispatcher, progress, batch_size=batch_size, max_batches=max_batches)
         else:
-            totals = dispatcher.run(
-                poll_interval_s=poll_interval, max_batches=max_batches, on_report=progress, limit=batch_size
+            _dispatch_loop(
+                dispatcher,
+                progress,
+                poll_interval=poll_interval,
+                batch_size=batch_size,
+                max_batches=max_batches,
             )
-            progress.totals = {k: int(getattr(totals, k)) for k in progress.totals}
-            progress.expired, progress.paused = totals.expired, totals.paused
+    _report_dispatch(engine, routes, progress, as_json=as_json)
+    if progress.totals["dead"] and once:
+        sys.exit(EXIT_FAILED)
+
+
+def _dispatch_mode(mode: str | None, routes_file: Path | None, route_specs: tuple[str, ...]) -> bool:
+    """Whether `dispatch` runs --once (else --loop); a usage error without a mode or without routes."""
+    if mode is None:
+        raise click.UsageError("give --once or --loop")
+    if not routes_file and not route_specs:
+        raise click.UsageError("no routes: give --routes FILE or --route TOPIC=URL")
+    return mode == "once"
+
+
+def _dispatch_once(
+    dispatcher: Dispatcher, progress: _Progress, *, batch_size: int, max_batches: int | None
+) -> None:
+    """Claim and deliver batches until one claims nothing (or ``max_batches`` ran)."""
+    while max_batches is None or progress.batches < max_batches:
+        report = dispatcher.dispatch(limit=batch_size)
+        progress(report)
+        if report.claimed == 0:
+            return
+
+
+def _dispatch_loop(
+    dispatcher: Dispatcher,
+    progress: _Progress,
+    *,
+    poll_interval: float,
+    batch_size: int,
+    max_batches: int | None,
+) -> None:
+    """Poll until stopped (SIGTERM/SIGINT) or ``max_batches`` ran; the run's totals become the progress'."""
+    totals = dispatcher.run(
+        poll_interval_s=poll_interval, max_batches=max_batches, on_report=progress, limit=batch_size
+    )
+    progress.totals = {k: int(getattr(totals, k)) for k in progress.totals}
+    progress.expired, progress.paused = totals.expired, totals.paused
+
+
+def _report_dispatch(
+    engine: sa.Engine, routes: Mapping[str, Route], progress: _Progress, *, as_json: bool
+) -> None:
+    """The final summary (or the JSON totals) on stdout, then the notes on stderr: the pauses of these
+    routes' groups and the due rows of topics they do not route, read after the pass."""
+    from dagster_joblease import outbox
+
     groups = {topic: str(route.limit_group) for topic, route in routes.items()}
     with storage_engine.translate_errors("read pauses"), engine.connect() as conn:
         pauses = outbox.paused_groups(conn, groups)
     unrouted, unrouted_topics = outbox.unrouted_due(engine, topics=list(routes))
-    notes = [f"paused: {p.describe()}" for p in pauses]
-    if unrouted:
-        named = ", ".join(f"{t} ({n})" for t, n in unrouted_topics.items())
-        notes.append(
-            f"{unrouted} due row(s) of topics this location does not route: {named} (left for the "
-            "dispatcher that routes them)"
-        )
-    dead = progress.totals["dead"]
-    if dead:
-        notes.append(
-            f"{dead} row(s) were dead-lettered in this pass ({progress.expired} past their route's "
-            "dedupe_window: reconcile those effects first); fix the cause, then requeue deliberately: "
-            "`joblease outbox requeue --all-dead` (or --topic TOPIC, or one ID)"
-        )
     if as_json:
         _echo_json(
             {
@@ -1234,7 +1267,35 @@ def dispatch_command(
         )
     else:
         click.echo(progress.summary())
-    for note in notes:
+    dead = progress.totals["dead"]
+    for note in dispatch_notes(
+        pauses, unrouted_topics, unrouted=unrouted, dead=dead, expired=progress.expired
+    ):
         click.echo(note, err=True)
-    if dead and mode == "once":
-        sys.exit(EXIT_FAILED)
+
+
+def dispatch_notes(
+    pauses: Sequence[GroupPause],
+    unrouted_topics: Mapping[str, int],
+    *,
+    unrouted: int,
+    dead: int,
+    expired: int,
+) -> list[str]:
+    """What `dispatch` says on stderr after its summary: each paused group, the due rows of topics these
+    routes do not route (named with their counts), and the rows dead-lettered in this pass (how many were
+    past their dedupe window, and how to requeue them)."""
+    notes = [f"paused: {p.describe()}" for p in pauses]
+    if unrouted:
+        named = ", ".join(f"{t} ({n})" for t, n in unrouted_topics.items())
+        notes.append(
+            f"{unrouted} due row(s) of topics this location does not route: {named} (left for the "
+            "dispatcher that routes them)"
+        )
+    if dead:
+        notes.append(
+            f"{dead} row(s) were dead-lettered in this pass ({expired} past their route's "
+            "dedupe_window: reconcile those effects first); fix the cause, then requeue deliberately: "
+            "`joblease outbox requeue --all-dead` (or --topic TOPIC, or one ID)"
+        )
+    return notes

@@ -6,10 +6,12 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import pytest
 import sqlalchemy as sa
 from click.testing import CliRunner, Result
 
 from dagster_joblease import cli
+from dagster_joblease.outbox import GroupPause
 from dagster_joblease.storage import route_groups
 from dagster_joblease.storage.clock import db_now, db_now_plus_ms
 from dagster_joblease.storage.schema import outbox_table, route_group_table
@@ -19,6 +21,80 @@ from tests.limit_server import serve
 
 def run(url: str, *args: str) -> Result:
     return CliRunner().invoke(cli.main, ["--database-url", url, *args], catch_exceptions=False)
+
+
+PAUSE = GroupPause(
+    limit_group="mail",
+    paused_until="2026-12-04T22:00:00+00:00",
+    remaining_ms=1_500,
+    reason="429",
+    topics=("a",),
+)
+
+
+@pytest.mark.parametrize(
+    ("pauses", "unrouted_topics", "unrouted", "dead", "expired", "starts"),
+    [
+        ((), {}, 0, 0, 0, []),  # a clean pass says nothing more
+        ((PAUSE,), {}, 0, 0, 0, ["paused: limit group mail (topics a) is paused for another 1.5 s"]),
+        (
+            (),
+            {"billing": 3, "x": 1},
+            4,
+            0,
+            0,
+            ["4 due row(s) of topics this location does not route: billing (3), x (1)"],
+        ),
+        ((), {}, 0, 2, 1, ["2 row(s) were dead-lettered in this pass (1 past their route's dedupe_window"]),
+        (
+            (PAUSE, PAUSE),
+            {"billing": 3},
+            3,
+            1,
+            0,
+            [
+                "paused: limit group mail",
+                "paused: limit group mail",
+                "3 due row(s)",
+                "1 row(s) were dead-lettered",
+            ],
+        ),
+    ],
+)
+def test_dispatch_notes_name_pauses_then_unrouted_rows_then_dead_rows(
+    pauses: tuple[GroupPause, ...],
+    unrouted_topics: dict[str, int],
+    unrouted: int,
+    dead: int,
+    expired: int,
+    starts: list[str],
+) -> None:
+    notes = cli.dispatch_notes(pauses, unrouted_topics, unrouted=unrouted, dead=dead, expired=expired)
+    assert len(notes) == len(starts)
+    for note, start in zip(notes, starts, strict=True):
+        assert note.startswith(start), note
+    if dead:
+        assert notes[-1].endswith("`joblease outbox requeue --all-dead` (or --topic TOPIC, or one ID)")
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["--route", "a=http://127.0.0.1:9/a"], "give --once or --loop"),
+        (["--once"], "no routes: give --routes FILE or --route TOPIC=URL"),
+        (["--loop"], "no routes: give --routes FILE or --route TOPIC=URL"),
+        ([], "give --once or --loop"),
+    ],
+)
+def test_dispatch_without_a_mode_or_routes_is_a_usage_error(
+    tmp_path: Path, args: list[str], message: str
+) -> None:
+    result = CliRunner().invoke(
+        cli.main, ["--database-url", f"sqlite:///{tmp_path}/none.db", "dispatch", *args]
+    )
+    assert result.exit_code == 2, result.output
+    assert message in result.output
+    assert not (tmp_path / "none.db").exists()  # refused before any database work
 
 
 def test_dispatch_once_exits_1_naming_dead_rows_and_reports_unrouted_rows_without_failing(
