@@ -1,0 +1,283 @@
+"""The HTTP send of one row: a total deadline per request, through public httpx and httpcore APIs only.
+
+httpx's timeouts apply per phase and per socket operation: a downstream answering one byte every 0.1 s
+never trips a 1 s read timeout. The dispatcher's own client therefore runs on a network backend whose
+every connect, read and write is bounded by the time left until the current request's deadline (kept
+per thread, since each delivery runs on one thread). :class:`Sender` sends through that client, or
+through a caller's ``httpx.Client``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import threading
+import time
+from collections.abc import Iterable, Iterator, Mapping
+from typing import Any
+
+import httpcore
+import httpx
+
+from dagster_joblease.dispatch import policy
+from dagster_joblease.dispatch.claims import Claimed
+from dagster_joblease.dispatch.routes import Route
+
+__all__ = ["MAX_BODY_READ", "Sender", "TooLate"]
+
+#: Response bytes read for the stored error snippet; the rest of a huge body is not downloaded.
+MAX_BODY_READ = 8 * 1024
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class _Target:
+    """A route's request, prepared once for the dispatcher's own client."""
+
+    url: httpx.URL
+    headers: list[tuple[bytes, bytes]]
+    extensions: dict[str, Any]
+
+
+class TooLate(Exception):
+    """A rate-admitted request could not start within RATE_LATE_S of its admission."""
+
+
+_deadline = threading.local()
+
+
+def _bounded(timeout: float | None, timeout_error: type[Exception]) -> float | None:
+    deadline: float | None = getattr(_deadline, "at", None)
+    if deadline is None:
+        return timeout
+    remaining = deadline - time.monotonic()
+    if remaining <= 0:
+        raise timeout_error("the request's total deadline passed (route timeout_s, bounded by the claim)")
+    return remaining if timeout is None else min(timeout, remaining)
+
+
+class _DeadlineStream(httpcore.NetworkStream):
+    def __init__(self, inner: httpcore.NetworkStream) -> None:
+        self._inner = inner
+
+    def read(self, max_bytes: int, timeout: float | None = None) -> bytes:
+        return self._inner.read(max_bytes, _bounded(timeout, httpcore.ReadTimeout))
+
+    def write(self, buffer: bytes, timeout: float | None = None) -> None:
+        self._inner.write(buffer, _bounded(timeout, httpcore.WriteTimeout))
+
+    def close(self) -> None:
+        self._inner.close()
+
+    def start_tls(
+        self, ssl_context: Any, server_hostname: str | None = None, timeout: float | None = None
+    ) -> httpcore.NetworkStream:
+        bounded = _bounded(timeout, httpcore.ConnectTimeout)
+        return _DeadlineStream(self._inner.start_tls(ssl_context, server_hostname, bounded))
+
+    def get_extra_info(self, info: str) -> Any:
+        return self._inner.get_extra_info(info)
+
+
+class _DeadlineBackend(httpcore.NetworkBackend):
+    def __init__(self) -> None:
+        self._inner = httpcore.SyncBackend()
+
+    def connect_tcp(
+        self,
+        host: str,
+        port: int,
+        timeout: float | None = None,
+        local_address: str | None = None,
+        socket_options: Any = None,
+    ) -> httpcore.NetworkStream:
+        bounded = _bounded(timeout, httpcore.ConnectTimeout)
+        return _DeadlineStream(self._inner.connect_tcp(host, port, bounded, local_address, socket_options))
+
+    def connect_unix_socket(
+        self, path: str, timeout: float | None = None, socket_options: Any = None
+    ) -> httpcore.NetworkStream:
+        bounded = _bounded(timeout, httpcore.ConnectTimeout)
+        return _DeadlineStream(self._inner.connect_unix_socket(path, bounded, socket_options))
+
+    def sleep(self, seconds: float) -> None:
+        self._inner.sleep(seconds)
+
+
+#: httpcore's exceptions as httpx's (most specific first): the policy judges httpx's.
+_HTTPX_ERRORS: tuple[tuple[type[Exception], type[httpx.TransportError]], ...] = (
+    (httpcore.ConnectTimeout, httpx.ConnectTimeout),
+    (httpcore.ReadTimeout, httpx.ReadTimeout),
+    (httpcore.WriteTimeout, httpx.WriteTimeout),
+    (httpcore.PoolTimeout, httpx.PoolTimeout),
+    (httpcore.TimeoutException, httpx.TimeoutException),
+    (httpcore.ConnectError, httpx.ConnectError),
+    (httpcore.ReadError, httpx.ReadError),
+    (httpcore.WriteError, httpx.WriteError),
+    (httpcore.NetworkError, httpx.NetworkError),
+    (httpcore.UnsupportedProtocol, httpx.UnsupportedProtocol),
+    (httpcore.LocalProtocolError, httpx.LocalProtocolError),
+    (httpcore.RemoteProtocolError, httpx.RemoteProtocolError),
+    (httpcore.ProtocolError, httpx.ProtocolError),
+)
+
+
+@contextlib.contextmanager
+def _as_httpx_errors() -> Iterator[None]:
+    try:
+        yield
+    except Exception as exc:
+        for core, mapped in _HTTPX_ERRORS:
+            if isinstance(exc, core):
+                raise mapped(str(exc)) from exc
+        raise
+
+
+class _ResponseStream(httpx.SyncByteStream):
+    def __init__(self, inner: Iterable[bytes]) -> None:
+        self._inner = inner
+
+    def __iter__(self) -> Iterator[bytes]:
+        with _as_httpx_errors():
+            yield from self._inner
+
+    def close(self) -> None:
+        close = getattr(self._inner, "close", None)
+        if close is not None:
+            close()
+
+
+class _DeadlineTransport(httpx.BaseTransport):
+    """An httpx transport over httpcore's connection pool (TLS, pooling, keep-alive) on the
+    deadline-bounded network backend, through public httpx and httpcore APIs only."""
+
+    def __init__(self, limits: httpx.Limits) -> None:
+        self._connections = httpcore.ConnectionPool(
+            ssl_context=httpx.create_ssl_context(),
+            max_connections=limits.max_connections,
+            max_keepalive_connections=limits.max_keepalive_connections,
+            keepalive_expiry=limits.keepalive_expiry,
+            network_backend=_DeadlineBackend(),
+        )
+
+    def handle_request(self, request: httpx.Request) -> httpx.Response:
+        url = request.url
+        core_request = httpcore.Request(
+            method=request.method,
+            url=httpcore.URL(scheme=url.raw_scheme, host=url.raw_host, port=url.port, target=url.raw_path),
+            headers=request.headers.raw,
+            content=request.stream,
+            extensions=request.extensions,
+        )
+        with _as_httpx_errors():
+            response = self._connections.handle_request(core_request)
+        assert isinstance(response.stream, Iterable)
+        return httpx.Response(
+            status_code=response.status,
+            headers=response.headers,
+            stream=_ResponseStream(response.stream),
+            extensions=response.extensions,
+        )
+
+    def close(self) -> None:
+        self._connections.close()
+
+
+class Sender:
+    """Sends rows' POSTs for one dispatcher: through its own client (``client`` None: the deadline-bounded
+    transport, each route's request prepared once) or through a caller's ``httpx.Client`` (its auth,
+    hooks and cookies apply). ``headers``: topic → the route's headers, resolved."""
+
+    def __init__(
+        self,
+        routes: Mapping[str, Route],
+        headers: Mapping[str, dict[str, str]],
+        concurrency: int,
+        client: httpx.Client | None,
+    ) -> None:
+        self._headers = headers
+        self._timeouts = {topic: route.timeout for topic, route in routes.items()}
+        self.owns_client = client is None
+        http_limits = httpx.Limits(max_connections=concurrency, max_keepalive_connections=concurrency)
+        self.transport: _DeadlineTransport | None = None
+        if client is None:
+            self.transport = _DeadlineTransport(http_limits)
+            client = httpx.Client(
+                follow_redirects=False,
+                limits=http_limits,
+                timeout=httpx.Timeout(10.0),
+                transport=self.transport,
+            )
+        self.client = client
+        # The own client's requests go straight to its transport (see post): each route's URL, headers
+        # (the client's defaults, then the route's) and timeout are prepared here once.
+        self._targets: dict[str, _Target] = {}
+        for topic, route in routes.items():
+            merged = httpx.Headers(client.headers)
+            merged.update(self._headers[topic])
+            self._targets[topic] = _Target(
+                httpx.URL(route.url), merged.raw, {"timeout": route.timeout.as_dict()}
+            )
+
+    def post(self, row: Claimed, route: Route, deadline: float) -> policy.Classification:
+        """POST ``row`` to ``route`` and classify the answer; every connect, read and write of the
+        dispatcher's own client is bounded by ``deadline`` (local monotonic time), and the body is read
+        only until then. Raises :class:`TooLate` when a rate-admitted row could not start in time, and
+        whatever the request raised (the caller judges it)."""
+        _deadline.at = deadline
+        try:
+            return self._post(row, route, deadline)
+        finally:
+            _deadline.at = None
+
+    def _post(self, row: Claimed, route: Route, deadline: float) -> policy.Classification:
+        key = route.key_header(row.idempotency_key)
+        hooks = self.client.event_hooks
+        if self.transport is None or hooks["request"] or hooks["response"]:
+            # A client of the caller's (its own auth, hooks and cookies apply), or event hooks added to
+            # the dispatcher's own client: the full httpx.Client path.
+            headers = {**self._headers[row.topic], "Idempotency-Key": key}
+            request = self.client.build_request(
+                "POST",
+                route.url,
+                content=row.payload.encode("utf-8"),
+                headers=headers,
+                timeout=self._timeouts[row.topic],
+            )
+            if row.send_by is not None and time.monotonic() > row.send_by:
+                raise TooLate
+            response = self.client.send(request, stream=True, follow_redirects=False)
+        else:
+            # The dispatcher's own client has no auth and never follows a redirect, so (without event
+            # hooks) the request goes straight to its transport (the deadline-bounded pool): httpx.Client's
+            # per-request URL and header merging, auth and redirect flows and cookie jar cost about a
+            # third of a delivery's client CPU. Headers on the wire are the ones the client would send
+            # (its defaults, then the route's), minus cookies: a Set-Cookie from one row's answer is
+            # never carried into another row's request.
+            target = self._targets[row.topic]
+            request = httpx.Request(
+                "POST",
+                target.url,
+                content=row.payload.encode("utf-8"),
+                headers=[*target.headers, (b"Idempotency-Key", key.encode("ascii"))],
+                extensions=target.extensions,
+            )
+            if row.send_by is not None and time.monotonic() > row.send_by:
+                raise TooLate
+            response = self.transport.handle_request(request)
+            response.request = request
+        try:
+            body = bytearray()
+            for chunk in response.iter_bytes():
+                body += chunk
+                if len(body) >= MAX_BODY_READ:
+                    break
+                if time.monotonic() >= deadline:
+                    raise httpx.ReadTimeout("the request's total deadline passed", request=request)
+        finally:
+            response.close()
+        return policy.classify_response(response, body[:MAX_BODY_READ].decode("utf-8", "replace"))
+
+    def close(self) -> None:
+        """Close the client if it is the dispatcher's own."""
+        if self.owns_client:
+            self.client.close()
