@@ -24,6 +24,7 @@ demo-ui DIR`` (a receiver, and ``dg dev``). Nothing here needs the source checko
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
 import datetime as dt
 import json
@@ -36,7 +37,7 @@ import tempfile
 import threading
 import time
 import warnings
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from pathlib import Path
 from typing import IO, Any
@@ -402,6 +403,105 @@ def _lease_states(engine: sa.Engine, days: Sequence[str]) -> dict[str, str]:
         return {day: state.status for day, state in leases.states_of(conn, lock_keys).items()}
 
 
+#: The environment variables the demo sets for itself and its processes (put back when it ends).
+DEMO_ENV = ("DAGSTER_HOME", "BILLING_API_URL", "JOBLEASE_DATABASE_URL")
+
+
+@dataclasses.dataclass(frozen=True)
+class DemoPlan:
+    """Where the demo works and what it runs: the backfill's days, the one killed in its body (the
+    second to last), the one the schedule's tick asks for again (the last), and that tick."""
+
+    work: Path
+    days: tuple[str, ...]
+    tick: dt.datetime
+
+    @property
+    def home(self) -> Path:
+        return self.work / "dagster_home"
+
+    @property
+    def kill_dir(self) -> Path:
+        return self.work / "kill"
+
+    @property
+    def joblease_url(self) -> str:
+        return f"sqlite:///{self.work / 'joblease.sqlite'}"
+
+    @property
+    def receiver_url(self) -> str:
+        return f"sqlite:///{self.work / 'receiver.sqlite'}"
+
+    @property
+    def overlap_day(self) -> str:
+        return self.days[-1]
+
+    @property
+    def killed_day(self) -> str:
+        return self.days[-2]
+
+
+def demo_plan(partitions: int, work: Path, now: dt.datetime) -> DemoPlan:
+    """The demo's plan for ``partitions`` days before ``now`` (UTC): the tick is today's 02:00."""
+    tick = dt.datetime.combine(now.date(), dt.time(2, 0), tzinfo=dt.UTC)
+    return DemoPlan(work=work, days=tuple(demo_days(partitions, now.date())), tick=tick)
+
+
+def settle_status(
+    states: Mapping[str, str], delivered: int, unfinished: int, partitions: int
+) -> tuple[str, bool]:
+    """The progress line while the demo waits, and whether it is done: every partition's lease
+    ``SUCCESS``, every partition delivered, and no run left unfinished."""
+    done = sum(1 for s in states.values() if s == "SUCCESS")
+    line = (
+        f"[5/6] {done}/{partitions} partitions done, "
+        f"{delivered}/{partitions} delivered, {unfinished} run(s) not finished"
+    )
+    return line, (
+        len(states) == partitions and done == partitions and delivered == partitions and not unfinished
+    )
+
+
+@dataclasses.dataclass(frozen=True)
+class RunTally:
+    """The partitions' runs by how they ended: ``other`` is none of the four (a demo failure)."""
+
+    won: int = 0
+    reclaimed: int = 0
+    skipped: int = 0
+    killed: int = 0
+    other: int = 0
+
+
+def tally_runs(runs: Iterable[tuple[str, bool, bool]]) -> RunTally:
+    """Count ``(joblease/outcome tag, failed, succeeded)`` per run: a failed run was killed; a succeeded
+    one won, reclaimed or skipped by its tag; anything else is ``other``."""
+    counts = dict.fromkeys(("won", "reclaimed", "skipped", "killed", "other"), 0)
+    for outcome, failed, succeeded in runs:
+        counts[_run_kind(outcome, failed=failed, succeeded=succeeded)] += 1
+    return RunTally(**counts)
+
+
+def _run_kind(outcome: str, *, failed: bool, succeeded: bool) -> str:
+    if failed:
+        return "killed"
+    if not succeeded:
+        return "other"
+    if outcome in ("won", "reclaimed"):
+        return outcome
+    return "skipped" if outcome.startswith("skipped") else "other"
+
+
+def one_effect_count(applied: Mapping[str, Any], days: Iterable[str]) -> int:
+    """How many of ``days`` have exactly their own effect at the receiver (``applied``: the payload per
+    idempotency key of the demo's topic)."""
+    return sum(
+        1
+        for day in days
+        if applied.get(identity.idempotency_key("SCHEDULE", BILLING_CODE, day)) == {"billingDate": day}
+    )
+
+
 def run_demo(
     *,
     partitions: int = 3,
@@ -411,155 +511,200 @@ def run_demo(
 ) -> DemoReport:
     """Run the demo in ``workdir`` (created if needed) and return what it counted. ``timeout_s`` bounds
     its waits together (default: :func:`default_timeout_s`, scaled to the machine's load)."""
-    from dagster_joblease.receiver import effect_count, effects, request_count
-
     if partitions < 2:
         raise click.BadParameter("the demo needs at least 2 partitions (one is killed, one overlaps)")
-    out = stream or sys.stdout
-    progress = _Progress(out)
+    progress = _Progress(stream or sys.stdout)
     started = time.monotonic()
     work = workdir or Path(tempfile.mkdtemp(prefix="joblease-demo-"))
-    work.mkdir(parents=True, exist_ok=True)
-    home = work / "dagster_home"
-    home.mkdir(exist_ok=True)
-    (home / "dagster.yaml").write_text(DAGSTER_YAML)
-    kill_dir = work / "kill"
-    kill_dir.mkdir(exist_ok=True)
-    joblease_url = f"sqlite:///{work / 'joblease.sqlite'}"
-    receiver_url = f"sqlite:///{work / 'receiver.sqlite'}"
-    now = dt.datetime.now(dt.UTC)
-    days = demo_days(partitions, now.date())
-    overlap_day, killed_day = days[-1], days[-2]
-    tick = dt.datetime.combine(now.date(), dt.time(2, 0), tzinfo=dt.UTC)
-    (kill_dir / f"{killed_day}.kill").write_text("")
-    engine = create_engine(joblease_url)
-    receiver_engine = create_engine(receiver_url)
-    procs: list[tuple[subprocess.Popen[Any], bool]] = []
-    names = ("DAGSTER_HOME", "BILLING_API_URL", "JOBLEASE_DATABASE_URL")
-    saved_env = {k: os.environ.get(k) for k in names}
+    plan = demo_plan(partitions, work, dt.datetime.now(dt.UTC))
+    _prepare_workdir(plan)
     clock = _Clock()
     deadline = _Deadline(default_timeout_s() if timeout_s is None else timeout_s, work)
-    try:
+    with contextlib.ExitStack() as stack:
+        stack.enter_context(_restored_env(DEMO_ENV))
+        engine = create_engine(plan.joblease_url)
+        receiver_engine = create_engine(plan.receiver_url)
+        stack.callback(receiver_engine.dispose)
+        stack.callback(engine.dispose)  # disposed first, after the processes are stopped
+
         clock.mark("preparing the databases, importing Dagster")
         progress.update("[1/6] preparing the joblease database and the Dagster home")
-        migrate(engine)
-        os.environ["DAGSTER_HOME"] = str(home)
-        os.environ["JOBLEASE_DATABASE_URL"] = joblease_url
-        warnings.simplefilter("ignore")
-        import dagster as dg
-
-        from dagster_joblease.dagster.sensors import NOT_FINISHED_STATUSES
-
-        instance = dg.DagsterInstance.get()
-        instance.get_runs(limit=1)  # initialise the SQLite home once, before other processes open it
+        instance = _prepare_instance(plan, engine)
 
         clock.mark("starting the receiver and the daemon")
         progress.update("[2/6] starting the reference receiver and the Dagster daemon")
-        receiver, base = _start_receiver(receiver_url, work / "receiver.log")
-        procs.append((receiver, False))
-        billing_url = f"{base}/{TOPIC}"
-        os.environ["BILLING_API_URL"] = billing_url
-        daemon = subprocess.Popen(
-            [sys.executable, "-m", "dagster._daemon", "run", "-m", LOCATION],
-            stdout=(work / "daemon.log").open("w"),
-            stderr=subprocess.STDOUT,
-            env={
-                **os.environ,
-                "JOBLEASE_DEMO_KILL_DIR": str(kill_dir),
-                "PYTHONWARNINGS": "ignore",
-            },
-            cwd=work,
-            start_new_session=True,
-        )
-        procs.append((daemon, True))
+        daemon = _start_processes(plan, stack)
         deadline.daemon = daemon
 
         clock.mark("launching the backfill and the schedule's tick (GraphQL)")
-        with _stderr_to(work / "graphql.log"), _graphql(instance) as execute:
-            progress.update(f"[3/6] launching a backfill of {ASSET} for {days[0]}..{days[-1]}")
-            backfill_id = _launch_backfill(execute, days)
-            progress.update(f"[3/6] backfill {backfill_id} launched; the schedule's 02:00 tick asks too")
-            _launch_schedule_tick(execute, tick)
+        backfill_id = _launch(plan, instance, progress)
 
-        pid_file = kill_dir / f"{killed_day}.pid"
         clock.mark("the daemon submitting runs, until one is inside its body")
-        progress.update(f"[4/6] waiting for the run of {killed_day} to be inside its leased body")
-        deadline.wait_for(pid_file.exists, f"the run of {killed_day} to start its leased body")
-        time.sleep(0.2)  # the file is written before the body waits; the lease is held by then
-        os.kill(int(pid_file.read_text()), signal.SIGKILL)
-        progress.update(f"[4/6] SIGKILLed the run worker of {killed_day}; reconciliation will redo it")
-
-        def settled() -> bool:
-            states = _lease_states(engine, days)
-            delivered = sum(1 for key, topic, _ in effects(receiver_engine) if topic == TOPIC)
-            unfinished = instance.get_runs(dg.RunsFilter(statuses=list(NOT_FINISHED_STATUSES)))
-            progress.update(
-                f"[5/6] {sum(1 for s in states.values() if s == 'SUCCESS')}/{partitions} partitions done, "
-                f"{delivered}/{partitions} delivered, {len(unfinished)} run(s) not finished"
-            )
-            return (
-                len(states) == partitions
-                and all(s == "SUCCESS" for s in states.values())
-                and delivered == partitions
-                and not unfinished
-            )
+        _kill_in_body(plan, deadline, progress)
 
         clock.mark("runs, the killed day's reconciliation, delivery")
-        deadline.wait_for(settled, "every partition to be done and delivered")
+        deadline.wait_for(
+            lambda: _settled(plan, instance, engine, receiver_engine, progress),
+            "every partition to be done and delivered",
+        )
         clock.mark("stopping the daemon, counting")
         progress.update("[6/6] stopping the daemon")
         _stop(daemon, group=True)
 
-        runs = [
-            r
-            for r in instance.get_runs()
-            if r.job_name != DISPATCH_JOB and r.tags.get("dagster/partition") in days
-        ]
-        outcomes = [r.tags.get("joblease/outcome", "") for r in runs]
-        killed = sum(1 for r in runs if r.status == dg.DagsterRunStatus.FAILURE)
-        won = sum(1 for r, o in zip(runs, outcomes, strict=True) if o == "won" and r.is_success)
-        reclaimed = sum(1 for r, o in zip(runs, outcomes, strict=True) if o == "reclaimed" and r.is_success)
-        skipped = sum(
-            1 for r, o in zip(runs, outcomes, strict=True) if o.startswith("skipped") and r.is_success
-        )
-        applied = {
-            key: json.loads(payload) for key, topic, payload in effects(receiver_engine) if topic == TOPIC
-        }
-        expected = {identity.idempotency_key("SCHEDULE", BILLING_CODE, day): day for day in days}
-        one_effect = sum(1 for key, day in expected.items() if applied.get(key) == {"billingDate": day})
-        report = DemoReport(
-            partitions=partitions,
-            runs=len(runs),
-            won=won,
-            reclaimed=reclaimed,
-            skipped=skipped,
-            killed=killed,
-            other=len(runs) - won - reclaimed - skipped - killed,
-            outbox_rows=_outbox_rows(engine),
-            posts=request_count(receiver_engine),
-            effects=effect_count(receiver_engine),
-            partitions_with_one_effect=one_effect,
-            dispatcher_runs=len(instance.get_runs(dg.RunsFilter(job_name=DISPATCH_JOB))),
-            backfill_id=backfill_id,
-            overlap_day=overlap_day,
-            killed_day=killed_day,
-            seconds=time.monotonic() - started,
-            workdir=str(work),
-        )
+        report = _count(plan, instance, engine, receiver_engine, backfill_id, started=started)
         clock.mark("")
         report.phases = clock.phases
         progress.done(f"done in {report.seconds:.1f} s")
         return report
+
+
+def _prepare_workdir(plan: DemoPlan) -> None:
+    """The work directory, the Dagster home with the demo's dagster.yaml, and the killed day's kill file."""
+    plan.work.mkdir(parents=True, exist_ok=True)
+    plan.home.mkdir(exist_ok=True)
+    (plan.home / "dagster.yaml").write_text(DAGSTER_YAML)
+    plan.kill_dir.mkdir(exist_ok=True)
+    (plan.kill_dir / f"{plan.killed_day}.kill").write_text("")
+
+
+@contextmanager
+def _restored_env(names: Sequence[str]) -> Iterator[None]:
+    """Put ``names`` of ``os.environ`` back as they were (unset when they were unset) on the way out."""
+    saved = {k: os.environ.get(k) for k in names}
+    try:
+        yield
     finally:
-        for proc, group in reversed(procs):
-            _stop(proc, group=group)
-        engine.dispose()
-        receiver_engine.dispose()
-        for key, value in saved_env.items():
+        for key, value in saved.items():
             if value is None:
                 os.environ.pop(key, None)
             else:
                 os.environ[key] = value
+
+
+def _prepare_instance(plan: DemoPlan, engine: sa.Engine) -> Any:
+    """Migrate the joblease database, point this process at the demo's Dagster home and database, and
+    return the Dagster instance (its SQLite storage initialised before other processes open it)."""
+    migrate(engine)
+    os.environ["DAGSTER_HOME"] = str(plan.home)
+    os.environ["JOBLEASE_DATABASE_URL"] = plan.joblease_url
+    warnings.simplefilter("ignore")
+    import dagster as dg
+
+    instance = dg.DagsterInstance.get()
+    instance.get_runs(limit=1)  # initialise the SQLite home once, before other processes open it
+    return instance
+
+
+def _start_processes(plan: DemoPlan, stack: contextlib.ExitStack) -> subprocess.Popen[Any]:
+    """Start the reference receiver, then the Dagster daemon (its own process group) on the demo
+    location; each is stopped when ``stack`` closes. Returns the daemon."""
+    receiver, base = _start_receiver(plan.receiver_url, plan.work / "receiver.log")
+    stack.callback(_stop, receiver, group=False)
+    os.environ["BILLING_API_URL"] = f"{base}/{TOPIC}"
+    daemon = subprocess.Popen(
+        [sys.executable, "-m", "dagster._daemon", "run", "-m", LOCATION],
+        stdout=(plan.work / "daemon.log").open("w"),
+        stderr=subprocess.STDOUT,
+        env={
+            **os.environ,
+            "JOBLEASE_DEMO_KILL_DIR": str(plan.kill_dir),
+            "PYTHONWARNINGS": "ignore",
+        },
+        cwd=plan.work,
+        start_new_session=True,
+    )
+    stack.callback(_stop, daemon, group=True)
+    return daemon
+
+
+def _launch(plan: DemoPlan, instance: Any, progress: _Progress) -> str:
+    """Launch the backfill of the plan's days and the schedule's tick through GraphQL; the backfill's id."""
+    days = plan.days
+    with _stderr_to(plan.work / "graphql.log"), _graphql(instance) as execute:
+        progress.update(f"[3/6] launching a backfill of {ASSET} for {days[0]}..{days[-1]}")
+        backfill_id = _launch_backfill(execute, list(days))
+        progress.update(f"[3/6] backfill {backfill_id} launched; the schedule's 02:00 tick asks too")
+        _launch_schedule_tick(execute, plan.tick)
+    return backfill_id
+
+
+def _kill_in_body(plan: DemoPlan, deadline: _Deadline, progress: _Progress) -> None:
+    """Wait for the killed day's run to be inside its leased body, then SIGKILL its run worker."""
+    killed_day = plan.killed_day
+    pid_file = plan.kill_dir / f"{killed_day}.pid"
+    progress.update(f"[4/6] waiting for the run of {killed_day} to be inside its leased body")
+    deadline.wait_for(pid_file.exists, f"the run of {killed_day} to start its leased body")
+    time.sleep(0.2)  # the file is written before the body waits; the lease is held by then
+    os.kill(int(pid_file.read_text()), signal.SIGKILL)
+    progress.update(f"[4/6] SIGKILLed the run worker of {killed_day}; reconciliation will redo it")
+
+
+def _applied(receiver_engine: sa.Engine) -> dict[str, Any]:
+    """The receiver's effects of the demo's topic: the payload per idempotency key."""
+    from dagster_joblease.receiver import effects
+
+    return {key: json.loads(payload) for key, topic, payload in effects(receiver_engine) if topic == TOPIC}
+
+
+def _settled(
+    plan: DemoPlan, instance: Any, engine: sa.Engine, receiver_engine: sa.Engine, progress: _Progress
+) -> bool:
+    """Whether every partition is done and delivered with no run left unfinished; shows how far it is."""
+    import dagster as dg
+
+    from dagster_joblease.dagster.sensors import NOT_FINISHED_STATUSES
+    from dagster_joblease.receiver import effects
+
+    states = _lease_states(engine, plan.days)
+    delivered = sum(1 for _key, topic, _ in effects(receiver_engine) if topic == TOPIC)
+    unfinished = instance.get_runs(dg.RunsFilter(statuses=list(NOT_FINISHED_STATUSES)))
+    line, done = settle_status(states, delivered, len(unfinished), len(plan.days))
+    progress.update(line)
+    return done
+
+
+def _count(
+    plan: DemoPlan,
+    instance: Any,
+    engine: sa.Engine,
+    receiver_engine: sa.Engine,
+    backfill_id: str,
+    *,
+    started: float,
+) -> DemoReport:
+    """What the demo counts once everything settled: the partitions' runs, rows, POSTs and effects."""
+    import dagster as dg
+
+    from dagster_joblease.receiver import effect_count, request_count
+
+    runs = [
+        r
+        for r in instance.get_runs()
+        if r.job_name != DISPATCH_JOB and r.tags.get("dagster/partition") in plan.days
+    ]
+    tally = tally_runs(
+        (r.tags.get("joblease/outcome", ""), r.status == dg.DagsterRunStatus.FAILURE, r.is_success)
+        for r in runs
+    )
+    return DemoReport(
+        partitions=len(plan.days),
+        runs=len(runs),
+        won=tally.won,
+        reclaimed=tally.reclaimed,
+        skipped=tally.skipped,
+        killed=tally.killed,
+        other=tally.other,
+        outbox_rows=_outbox_rows(engine),
+        posts=request_count(receiver_engine),
+        effects=effect_count(receiver_engine),
+        partitions_with_one_effect=one_effect_count(_applied(receiver_engine), plan.days),
+        dispatcher_runs=len(instance.get_runs(dg.RunsFilter(job_name=DISPATCH_JOB))),
+        backfill_id=backfill_id,
+        overlap_day=plan.overlap_day,
+        killed_day=plan.killed_day,
+        seconds=time.monotonic() - started,
+        workdir=str(plan.work),
+    )
 
 
 def _default_sigint() -> None:
