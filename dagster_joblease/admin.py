@@ -388,38 +388,48 @@ def show_lease(engine: sa.Engine, key_or_code: str | int, run_key: str | None = 
     """One lease by its ``v2:`` key, by ``code`` + ``run_key`` (SCHEDULE), by ``code`` alone (INITIAL), or
     by its numeric row id (an ``int``). Raises :class:`NotFoundError` naming what was looked up."""
     if isinstance(key_or_code, int) and not isinstance(key_or_code, bool):
-        if run_key is not None:
-            raise AdminArgumentError("a run key cannot be combined with a numeric lease id")
-        with translate_errors("read a lease"), engine.connect() as conn:
-            found = _get_lease(conn, lease_id=key_or_code)
-        if found is None:
-            raise errors.NotFoundError(
-                f"no lease with id {key_or_code}; list them with `joblease leases list`"
-            )
-        return found
+        return _show_lease_by_id(engine, key_or_code, run_key)
     if not isinstance(key_or_code, str):
         raise AdminArgumentError(f"invalid lease key or code {key_or_code!r}: must be a str or an int id")
     key, job = _lookup_key(key_or_code, run_key)
     with translate_errors("read a lease"), engine.connect() as conn:
         found = _get_lease(conn, lock_key=key)
-        schedules = 0
-        close: list[str] = []
-        if found is None and job is not None and run_key is None:
-            schedules = leases.count_schedules(conn, job.code)
-        if found is None and job is not None and not schedules:
-            close = near_matches(conn, job.code, job.run_key)
-    if found is not None:
-        return found
+        if found is not None:
+            return found
+        schedules = 0 if job is None or run_key is not None else leases.count_schedules(conn, job.code)
+        close = [] if job is None or schedules else near_matches(conn, job.code, job.run_key)
+    raise errors.NotFoundError(lease_not_found(key, job, schedules=schedules, close=close))
+
+
+def _show_lease_by_id(engine: sa.Engine, lease_id: int, run_key: str | None) -> LeaseRow:
+    if run_key is not None:
+        raise AdminArgumentError("a run key cannot be combined with a numeric lease id")
+    with translate_errors("read a lease"), engine.connect() as conn:
+        found = _get_lease(conn, lease_id=lease_id)
+    if found is None:
+        raise errors.NotFoundError(f"no lease with id {lease_id}; list them with `joblease leases list`")
+    return found
+
+
+def lease_not_found(
+    key: str, job: identity.JobIdentity | None, *, schedules: int, close: Sequence[str]
+) -> str:
+    """Why :func:`show_lease` found nothing, and what to try: a ``v2:`` key (``job`` None) names the key;
+    a code names the run it meant, then the SCHEDULE runs of an INITIAL lookup's code (``schedules``),
+    else the near matches (``close``), else how to list them."""
     if job is None:
-        raise errors.NotFoundError(f"no lease with key {key}; list them with `joblease leases list`")
-    what = f"INITIAL run {job.code!r}" if run_key is None else f"SCHEDULE run {job.code!r} / {job.run_key!r}"
+        return f"no lease with key {key}; list them with `joblease leases list`"
+    if job.type is identity.JobType.INITIAL:
+        what = f"INITIAL run {job.code!r}"
+    else:
+        what = f"SCHEDULE run {job.code!r} / {job.run_key!r}"
     if schedules:
         hint = f"; {schedules} SCHEDULE run(s) of that code exist: give the run key too"
     elif close:
         hint = "; close matches: " + ", ".join(close)
     else:
         hint = "; list them with `joblease leases list --code CODE`"
-    raise errors.NotFoundError(f"no lease for {what} (key {key}){hint}")
+    return f"no lease for {what} (key {key}){hint}"
 
 
 #: How many recent rows a near-match hint looks at (a bounded query, whatever the table's size).

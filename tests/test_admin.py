@@ -83,6 +83,43 @@ def test_list_and_show_leases(engine: sa.Engine) -> None:
         admin.show_lease(engine, "x" * 65)
 
 
+KEY = "v2:" + "0" * 64
+
+
+@pytest.mark.parametrize(
+    ("job", "schedules", "close", "message"),
+    [
+        (None, 0, [], f"no lease with key {KEY}; list them with `joblease leases list`"),
+        (
+            JobIdentity.initial("daily"),
+            2,
+            ["x"],  # a code with SCHEDULE runs: the run key is what is missing (close matches unread)
+            "no lease for INITIAL run 'daily' (key K); 2 SCHEDULE run(s) of that code exist: "
+            "give the run key too",
+        ),
+        (
+            JobIdentity.initial("dayly"),
+            0,
+            ["daily", "daily-2"],
+            "no lease for INITIAL run 'dayly' (key K); close matches: daily, daily-2",
+        ),
+        (
+            JobIdentity.schedule("daily", "1999"),
+            0,
+            [],
+            "no lease for SCHEDULE run 'daily' / '1999' (key K); "
+            "list them with `joblease leases list --code CODE`",
+        ),
+    ],
+)
+def test_a_lease_not_found_names_what_was_looked_up_and_what_to_try(
+    job: JobIdentity | None, schedules: int, close: list[str], message: str
+) -> None:
+    key = KEY if job is None else job.idempotency_key
+    expected = message.replace("(key K)", f"(key {key})")
+    assert admin.lease_not_found(key, job, schedules=schedules, close=close) == expected
+
+
 def test_admin_fail_refuses_a_live_lease_then_force_fences_the_old_holder(engine: sa.Engine) -> None:
     svc = LeaseService(engine)
     job = JobIdentity.schedule("export", "2026-02-01")
