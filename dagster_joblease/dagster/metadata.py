@@ -453,41 +453,62 @@ def step_metadata(
     """
     if not results:
         return {}
-    winner = winner_label(results)
-    errors_seen = [
-        f"{r.partition_key}: {r.error}" if len(results) > 1 else r.error for r in results if r.error
-    ]
+    error = first_error(results)
     meta: dict[str, dg.MetadataValue] = {
         META_OUTCOME: dg.MetadataValue.text(worst_outcome(r.outcome for r in results)),
-        META_WINNER: _winner_value(winner, results),
+        META_WINNER: _winner_value(winner_label(results), results),
         META_CODE: dg.MetadataValue.text(results[0].code),
         META_RUN_KEY: dg.MetadataValue.text(_run_key_label([r.partition_key for r in results])),
-        META_ERROR: dg.MetadataValue.text(bound_tag_text(errors_seen[0]) if errors_seen else NONE),
+        META_ERROR: dg.MetadataValue.text(NONE if error is None else bound_tag_text(error)),
     }
     if len(results) == 1:
-        (only,) = results
-        meta[META_IDEMPOTENCY_KEY] = dg.MetadataValue.text(only.idempotency_key)
-        meta[META_ATTEMPT] = (
-            dg.MetadataValue.int(only.attempt) if only.attempt is not None else dg.MetadataValue.text(NONE)
-        )
-        meta[META_HOLDER] = dg.MetadataValue.text(only.holder or NONE)
-        meta[META_OUTBOX] = dg.MetadataValue.text(only.outbox)
-        return meta
-    meta[META_KEYS] = dg.MetadataValue.int(len(results))
-    meta[META_OUTCOMES] = dg.MetadataValue.json(outcome_counts(results))
-    meta[META_OUTBOX] = dg.MetadataValue.text(
-        ",".join(f"{k}:{n}" for k, n in sorted(collections.Counter(r.outbox for r in results).items()))
-    )
+        return {**meta, **_one_key_metadata(results[0])}
+    return {**meta, **_range_metadata(results, per_key_table=per_key_table)}
+
+
+def first_error(results: Sequence[LeasedResult]) -> str | None:
+    """The first key's error, as the step shows it: prefixed with its partition key in a range."""
+    for r in results:
+        if r.error:
+            return f"{r.partition_key}: {r.error}" if len(results) > 1 else r.error
+    return None
+
+
+def _one_key_metadata(only: LeasedResult) -> dict[str, dg.MetadataValue]:
+    return {
+        META_IDEMPOTENCY_KEY: dg.MetadataValue.text(only.idempotency_key),
+        META_ATTEMPT: dg.MetadataValue.text(NONE)
+        if only.attempt is None
+        else dg.MetadataValue.int(only.attempt),
+        META_HOLDER: dg.MetadataValue.text(only.holder or NONE),
+        META_OUTBOX: dg.MetadataValue.text(only.outbox),
+    }
+
+
+def _range_metadata(results: Sequence[LeasedResult], *, per_key_table: bool) -> dict[str, dg.MetadataValue]:
+    meta: dict[str, dg.MetadataValue] = {
+        META_KEYS: dg.MetadataValue.int(len(results)),
+        META_OUTCOMES: dg.MetadataValue.json(outcome_counts(results)),
+        META_OUTBOX: dg.MetadataValue.text(
+            ",".join(f"{k}:{n}" for k, n in sorted(collections.Counter(r.outbox for r in results).items()))
+        ),
+    }
     if per_key_table and len(results) <= TABLE_MAX_KEYS:
         meta[META_RESULTS] = dg.MetadataValue.md(_table(results))
     else:
-        first: dict[str, list[str]] = {}
-        for r in results:
-            shown = first.setdefault(r.outcome, [])
-            if len(shown) < FIRST_KEYS_SHOWN:
-                shown.append(r.partition_key or "(initial)")
-        meta[META_FIRST_KEYS] = dg.MetadataValue.json({o: first[o] for o in OUTCOMES if o in first})
+        meta[META_FIRST_KEYS] = dg.MetadataValue.json(first_keys(results))
     return meta
+
+
+def first_keys(results: Sequence[LeasedResult]) -> dict[str, list[str]]:
+    """The first :data:`FIRST_KEYS_SHOWN` keys of each outcome (``(initial)`` for the INITIAL run), the
+    outcomes in :data:`OUTCOMES` order."""
+    first: dict[str, list[str]] = {}
+    for r in results:
+        shown = first.setdefault(r.outcome, [])
+        if len(shown) < FIRST_KEYS_SHOWN:
+            shown.append(r.partition_key or "(initial)")
+    return {o: first[o] for o in OUTCOMES if o in first}
 
 
 #: What each materialization of a range carries: the range's outcome, the range and its counts. The rest
