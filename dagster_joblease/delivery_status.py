@@ -4,6 +4,7 @@ much of each limit is in use, on the database clock. What ``joblease outbox stat
 from __future__ import annotations
 
 import dataclasses
+import datetime as dt
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -91,31 +92,9 @@ def delivery_status(engine: sa.Engine, *, topic_groups: Mapping[str, str] | None
         in_flight = outbox.in_flight_by_group(conn)
         states = route_groups.read_states(conn, None)
         blocked_count, blocked = blocked_keys(conn)
-    topics = [
-        TopicStatus(t, groups_of.get(t), *counts.get(t, [0, 0, 0, 0, 0]))
-        for t in sorted(set(counts) | set(groups_of))
-    ]
     names = sorted(set(states) | set(groups_of.values()) | set(in_flight))
-    groups = []
-    for name in names:
-        state = states.get(name)
-        next_at = state.rate_next_at if state is not None else None
-        groups.append(
-            GroupStatus(
-                limit_group=name,
-                topics=tuple(sorted(t for t, g in groups_of.items() if g == name)),
-                in_flight=in_flight.get(name, 0),
-                max_in_flight=state.max_in_flight if state and state.max_in_flight_live else None,
-                rate=state.rate if state and state.rate_live else None,
-                rate_busy_ms=max(0, int((next_at - now).total_seconds() * 1000)) if next_at else 0,
-                paused_until=state.paused_until.isoformat()
-                if state and state.paused and state.paused_until
-                else None,
-                pause_remaining_ms=state.pause_remaining_ms if state else 0,
-                pause_reason=state.pause_reason if state and state.paused else None,
-                consecutive_failures=state.failures if state else 0,
-            )
-        )
+    topics = topic_statuses(counts, groups_of)
+    groups = [group_status(name, states.get(name), groups_of, in_flight.get(name, 0), now) for name in names]
     return DeliveryStatus(
         now=now.isoformat(),
         topics=tuple(topics),
@@ -123,3 +102,45 @@ def delivery_status(engine: sa.Engine, *, topic_groups: Mapping[str, str] | None
         blocked_key_count=blocked_count,
         blocked_keys=blocked,
     )
+
+
+def topic_statuses(counts: Mapping[str, Sequence[int]], topic_groups: Mapping[str, str]) -> list[TopicStatus]:
+    """One status per topic that has rows (``counts``) or a route (``topic_groups``), sorted by topic;
+    a routed topic without rows counts zeros."""
+    return [
+        TopicStatus(t, topic_groups.get(t), *counts.get(t, [0, 0, 0, 0, 0]))
+        for t in sorted(set(counts) | set(topic_groups))
+    ]
+
+
+def group_status(
+    name: str,
+    state: route_groups.GroupState | None,
+    topic_groups: Mapping[str, str],
+    in_flight: int,
+    now: dt.datetime,
+) -> GroupStatus:
+    """A limit group as the status shows it: its routed topics, its claims in flight, and from its row
+    (``state``, None when it has none) the limits in force (a lapsed registration shows none), how far
+    ahead the rate's admissions are taken as of ``now``, and a pause in force with its reason."""
+    topics = tuple(sorted(t for t, g in topic_groups.items() if g == name))
+    if state is None:
+        return GroupStatus(name, topics, in_flight, None, None, 0, None, 0, None, 0)
+    pause_until = state.paused_until if state.paused else None
+    return GroupStatus(
+        limit_group=name,
+        topics=topics,
+        in_flight=in_flight,
+        max_in_flight=state.max_in_flight if state.max_in_flight_live else None,
+        rate=state.rate if state.rate_live else None,
+        rate_busy_ms=_ms_ahead(state.rate_next_at, now),
+        paused_until=None if pause_until is None else pause_until.isoformat(),
+        pause_remaining_ms=state.pause_remaining_ms,
+        pause_reason=None if pause_until is None else state.pause_reason,
+        consecutive_failures=state.failures,
+    )
+
+
+def _ms_ahead(at: dt.datetime | None, now: dt.datetime) -> int:
+    """How many whole ms ``at`` is after ``now`` (0 when it is not, or there is none)."""
+    return 0 if at is None else max(0, int((at - now).total_seconds() * 1000))
