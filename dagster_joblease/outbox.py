@@ -129,39 +129,44 @@ def _check_text(field: str, value: object, max_length: int, *, ascii_only: bool)
         return value  # the common key or topic: every rule below holds
     if not isinstance(value, str):
         raise errors.InvalidPayloadError(field, f"must be a str, got {type(value).__name__}")
+    refusal = text_refusal(value, max_length, ascii_only=ascii_only)
+    if refusal is not None:
+        raise errors.InvalidPayloadError(field, refusal)
+    return value
+
+
+def text_refusal(value: str, max_length: int, *, ascii_only: bool) -> str | None:
+    """What is wrong with a key or topic, and what to do (None: nothing). Blank, too long, a control
+    character, a lone surrogate; with ``ascii_only`` (it travels as an HTTP header), not ASCII or
+    surrounding whitespace."""
     if not value.strip():
-        raise errors.InvalidPayloadError(field, f"{value!r} is blank; give a non-empty value")
+        return f"{value!r} is blank; give a non-empty value"
     if len(value) > max_length:
-        raise errors.InvalidPayloadError(
-            field, f"is {len(value)} characters; at most {max_length} are allowed, shorten it"
-        )
+        return f"is {len(value)} characters; at most {max_length} are allowed, shorten it"
     control = _CONTROL.search(value)
     if control is not None:
-        raise errors.InvalidPayloadError(
-            field, f"{value[:40]!r} contains the control character U+{ord(control.group()):04X}; remove it"
+        return f"{value[:40]!r} contains the control character U+{ord(control.group()):04X}; remove it"
+    if value.isascii():
+        return _header_refusal(value) if ascii_only else None
+    try:
+        value.encode("utf-8")
+    except UnicodeEncodeError as exc:
+        return (
+            f"contains the lone surrogate U+{ord(value[exc.start]):04X}, which is not valid Unicode "
+            "text (the database cannot store it); fix the string's encoding"
         )
-    if not value.isascii():
-        try:
-            value.encode("utf-8")
-        except UnicodeEncodeError as exc:
-            raise errors.InvalidPayloadError(
-                field,
-                f"contains the lone surrogate U+{ord(value[exc.start]):04X}, which is not valid Unicode "
-                "text (the database cannot store it); fix the string's encoding",
-            ) from None
     if ascii_only:
-        if not value.isascii():
-            raise errors.InvalidPayloadError(
-                field,
-                f"{value[:40]!r} is not ASCII; it travels as the Idempotency-Key HTTP header, so use "
-                "ASCII (e.g. a key from idempotency_key() or effect_key())",
-            )
-        if value != value.strip():
-            raise errors.InvalidPayloadError(
-                field,
-                f"{value[:40]!r} has surrounding whitespace, which HTTP strips from header values; trim it",
-            )
-    return value
+        return (
+            f"{value[:40]!r} is not ASCII; it travels as the Idempotency-Key HTTP header, so use "
+            "ASCII (e.g. a key from idempotency_key() or effect_key())"
+        )
+    return None
+
+
+def _header_refusal(value: str) -> str | None:
+    if value != value.strip():
+        return f"{value[:40]!r} has surrounding whitespace, which HTTP strips from header values; trim it"
+    return None
 
 
 def check_ordering_key(value: object) -> str | None:

@@ -124,6 +124,33 @@ def test_refusals_name_field_and_rule_and_write_nothing(
     assert _rows(engine) == []
 
 
+@pytest.mark.parametrize(
+    ("value", "ascii_only", "refusal"),
+    [
+        ("v2:key", True, None),
+        ("bill.daily", False, None),  # exactly the 10 allowed
+        ("ключ", False, None),  # a topic or ordering key may be any text
+        ("a b", True, None),  # an inner space is no surrounding whitespace
+        ("", False, "'' is blank; give a non-empty value"),
+        (" \t ", True, "' \\t ' is blank"),
+        ("k" * 11, False, "is 11 characters; at most 10 are allowed, shorten it"),
+        ("a\x7fb", False, "'a\\x7fb' contains the control character U+007F; remove it"),
+        ("a\x85b", True, "contains the control character U+0085"),  # C1, before the ASCII rule
+        ("a\ud800", False, "contains the lone surrogate U+D800"),
+        ("a\ud800", True, "contains the lone surrogate U+D800"),  # before the ASCII rule
+        ("v2:ключ", True, "'v2:ключ' is not ASCII; it travels as the Idempotency-Key HTTP header"),
+        (" v2:k", True, "' v2:k' has surrounding whitespace, which HTTP strips from header values; trim it"),
+        ("v2:k ", True, "has surrounding whitespace"),
+        (" topic", False, None),  # only a header value is trimmed by HTTP
+    ],
+)
+def test_text_refusal_says_the_first_rule_a_key_or_topic_breaks(
+    value: str, ascii_only: bool, refusal: str | None
+) -> None:
+    said = outbox.text_refusal(value, 10, ascii_only=ascii_only)
+    assert said == refusal if refusal is None else (said is not None and refusal in said), said
+
+
 def test_size_limit_is_measured_on_canonical_utf8_bytes(engine: sa.Engine) -> None:
     payload = {"s": "é" * 40}  # 40 characters, 80 bytes of UTF-8
     size = len(outbox.canonical_json(payload).encode("utf-8"))
