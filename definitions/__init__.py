@@ -2,8 +2,9 @@
 
 It shows both styles side by side. The Pythonic half is this module; the Component half is ``defs/``
 (loaded with ``dg.load_from_defs_folder``, this repository's ``[tool.dg]`` settings): the ``joblease``
-resource declared once in ``defs/joblease/defs.yaml``, and a leased daily asset (``defs/reports.py``)
-with its leased schedule and reconciliation sensor as components. See docs/components.md.
+resource declared once in ``defs/joblease/defs.yaml`` (it brings the location's not-run sensors), and a
+leased daily asset (``defs/reports.py``) with its leased schedule and reconciliation sensor as components.
+See docs/components.md.
 
 Scenarios: a daily billing job whose effect (a POST to the billing API) must happen once per day however
 many runs a partition gets (schedule ticks, backfills, re-executions, retries); a 5-minute order sync; a
@@ -33,7 +34,6 @@ from dagster_joblease.dagster import (
     OutboxHealth,
     build_dispatcher_job,
     build_leased_schedule,
-    build_not_run_sensors,
     build_outbox_sensor,
     build_reconciliation_sensor,
     leased_op,
@@ -50,7 +50,6 @@ __all__ = [
     "daily_billing_reconcile",
     "daily_billing_schedule",
     "defs",
-    "not_run_sensors",
     "outbox_dispatch_job",
     "outbox_dispatch_sensor",
     "seed_default_settings_job",
@@ -193,8 +192,6 @@ def routes() -> dict[str, Route]:
     }
 
 
-not_run_sensors = build_not_run_sensors()
-
 # The delivery checks look only at this location's topics; the outbox sensor reports them every 5 minutes.
 outbox_health = OutboxHealth(routes=routes)
 outbox_dispatch_job = build_dispatcher_job(routes, name="outbox_dispatch_job", health=outbox_health)
@@ -211,8 +208,10 @@ defs = dg.Definitions.merge(
         asset_checks=outbox_health.asset_checks(),
         jobs=[daily_billing_job, sync_orders_job, seed_default_settings_job, outbox_dispatch_job],
         schedules=[daily_billing_schedule, sync_orders_schedule],
-        # The not-run sensors keep joblease/* tags true on re-executions whose leased step never ran.
-        sensors=[outbox_dispatch_sensor, daily_billing_reconcile, sync_orders_reconcile, *not_run_sensors],
+        # The not-run sensors (joblease/* tags stay true on re-executions whose leased step never ran)
+        # come with the resource component (defs/joblease/defs.yaml, not_run_sensors: true by default):
+        # calling build_not_run_sensors() here as well would define them twice, which Dagster refuses.
+        sensors=[outbox_dispatch_sensor, daily_billing_reconcile, sync_orders_reconcile],
     ),
     dg.load_from_defs_folder(path_within_project=Path(__file__).parent),
 )

@@ -7,7 +7,8 @@ The components wrap the Pythonic builders (:class:`JobLeaseResource`, :func:`bui
 
 - :class:`JobLeaseResourceComponent` declares the ``joblease`` resource **once** per code location
   (``Definitions.merge`` refuses two resources under one key); every other component names it by
-  ``resource_key``.
+  ``resource_key``. It also adds the location's not-run sensors (:func:`build_not_run_sensors`) unless
+  ``not_run_sensors: false``.
 - :class:`JobLeaseDeliveryComponent`: routes (topic → URL, headers, secret headers by environment-variable
   name, timeout, and any further :class:`~dagster_joblease.dispatch.Route` option under ``options``), the
   dispatcher job, the outbox sensor and the three outbox checks.
@@ -47,6 +48,7 @@ from dagster_joblease import errors
 from dagster_joblease.dagster.jobs import OutboxHealth, build_dispatcher_job, outbox_asset_spec
 from dagster_joblease.dagster.reconcile import build_reconciliation_sensor
 from dagster_joblease.dagster.resource import JobLeaseResource
+from dagster_joblease.dagster.run_status import build_not_run_sensors
 from dagster_joblease.dagster.schedules import build_leased_schedule
 from dagster_joblease.dagster.sensors import build_outbox_sensor
 from dagster_joblease.dispatch import Route
@@ -137,6 +139,10 @@ class _ResourceScaffolder(_TemplateScaffolder):
         # The NAME of the variable holding the URL (postgresql+psycopg://... or sqlite:///...), never the
         # URL: it may carry a password. JOBLEASE_DATABASE_URL unset: an SQLite file under $DAGSTER_HOME.
         database_url_env: JOBLEASE_DATABASE_URL
+        # The three run-status sensors that rewrite the joblease/* tags a re-execution copied from its
+        # parent to not-run when its leased step never ran. Keep them on unless this location's Python
+        # code calls build_not_run_sensors() itself (Dagster refuses two sensors of one name).
+        not_run_sensors: true
         """
 
 
@@ -149,6 +155,10 @@ class JobLeaseResourceComponent(Component, Resolvable):
     ``database_url_env`` names the environment variable that holds the URL, read when a run or tick
     starts. With the default (``JOBLEASE_DATABASE_URL``) an unset variable means the embedded SQLite file
     under ``$DAGSTER_HOME``, as in Python; any other name must be set (the run fails naming it).
+
+    ``not_run_sensors`` (default on) adds :func:`build_not_run_sensors`' three run-status sensors, so a
+    re-execution whose leased step never ran shows ``not-run``, not the ``won`` Dagster copied from its
+    parent. Turn it off only where the location's Python code calls ``build_not_run_sensors()`` itself.
     """
 
     resource_key: str = "joblease"
@@ -158,6 +168,7 @@ class JobLeaseResourceComponent(Component, Resolvable):
     held_wait_ms: int | None = None
     deployment: str | None = None
     migrate_on_first_use: bool = True
+    not_run_sensors: bool = True
 
     def build_resource(self) -> JobLeaseResource:
         env = _env_name("JobLeaseResourceComponent database_url_env", self.database_url_env)
@@ -176,7 +187,8 @@ class JobLeaseResourceComponent(Component, Resolvable):
         resource = self.build_resource()
         resource.timing()  # validate lease_ms / heartbeat_ms / held_wait_ms when the location loads
         resource.resolved_held_wait_ms()
-        return dg.Definitions(resources={key: resource})
+        sensors = build_not_run_sensors() if self.not_run_sensors else []
+        return dg.Definitions(resources={key: resource}, sensors=sensors)
 
 
 # -- delivery ----------------------------------------------------------------------------------------

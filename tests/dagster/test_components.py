@@ -136,7 +136,16 @@ def test_a_scaffolded_project_declares_runs_and_delivers_with_the_components(
     defs = dg.load_from_defs_folder(path_within_project=project)
     repo = defs.get_repository_def()
     assert sorted(s.name for s in repo.schedule_defs) == ["daily_billing_job_schedule"]
-    assert sorted(s.name for s in repo.sensor_defs) == ["daily_report_reconcile", "outbox_dispatch_sensor"]
+    # The resource component brings the location's not-run sensors (on by default: a re-execution whose
+    # leased step never ran must not keep its parent's copied outcome tags).
+    assert sorted(s.name for s in repo.sensor_defs) == [
+        "daily_report_reconcile",
+        "joblease_not_run_canceled",
+        "joblease_not_run_failure",
+        "joblease_not_run_success",
+        "outbox_dispatch_sensor",
+    ]
+    assert repo.get_sensor_def("joblease_not_run_success").default_status == dg.DefaultSensorStatus.RUNNING
     # Scaffolded stopped: a new project's route points at a receiver nobody has started yet.
     assert repo.get_sensor_def("outbox_dispatch_sensor").default_status == dg.DefaultSensorStatus.STOPPED
     assert {c.name for spec in repo.asset_checks_defs_by_key.values() for c in spec.check_specs} >= {
