@@ -636,34 +636,45 @@ def requeue(
     if row_id is not None and (all_dead or topic is not None):
         raise AdminArgumentError("requeue takes one selection: a row id, or all_dead / topic, not both")
     if row_id is not None:
-        if isinstance(row_id, bool) or not isinstance(row_id, int):
-            raise AdminArgumentError(f"invalid outbox row id {row_id!r}: must be an int")
-        with translate_errors("requeue an outbox row"), engine.begin() as conn:
-            current = outbox.lock_for_requeue(conn, row_id)
-            if current is None:
-                raise errors.NotFoundError(f"no outbox row with id {row_id}; see `joblease outbox list`")
-            status, claimed = current
-            if status == "SENT":
-                raise AdminRefusedError(
-                    f"outbox row {row_id} was already SENT; requeueing delivered rows is not supported"
-                )
-            if status == "PENDING" and claimed:
-                raise AdminRefusedError(
-                    f"outbox row {row_id} is being delivered by a dispatcher right now (unexpired claim); "
-                    "try again after the attempt finishes"
-                )
-            # Re-check at the write the state the refusals above rested on.
-            updated = outbox.requeue_one(conn, row_id, dead=status == "DEAD")
-            if updated != 1:
-                raise AdminRefusedError(
-                    f"outbox row {row_id} changed while it was being requeued; nothing was changed"
-                )
-            return updated
+        return _requeue_one(engine, row_id)
     if not all_dead and topic is None:
         raise AdminArgumentError("requeue needs a selection: a row id, all_dead=True or a topic")
     name = None if topic is None else _check_text("topic", topic)
     with translate_errors("requeue outbox rows"), engine.begin() as conn:
         return outbox.requeue_dead(conn, name)
+
+
+def _requeue_one(engine: sa.Engine, row_id: int) -> int:
+    if isinstance(row_id, bool) or not isinstance(row_id, int):
+        raise AdminArgumentError(f"invalid outbox row id {row_id!r}: must be an int")
+    with translate_errors("requeue an outbox row"), engine.begin() as conn:
+        current = outbox.lock_for_requeue(conn, row_id)
+        if current is None:
+            raise errors.NotFoundError(f"no outbox row with id {row_id}; see `joblease outbox list`")
+        status, claimed = current
+        refusal = requeue_refusal(row_id, status, claimed=claimed)
+        if refusal is not None:
+            raise AdminRefusedError(refusal)
+        # Re-check at the write the state the refusal above rested on.
+        updated = outbox.requeue_one(conn, row_id, dead=status == "DEAD")
+        if updated != 1:
+            raise AdminRefusedError(
+                f"outbox row {row_id} changed while it was being requeued; nothing was changed"
+            )
+        return updated
+
+
+def requeue_refusal(row_id: int, status: str, *, claimed: bool) -> str | None:
+    """Why one outbox row may not be requeued (None: it may): a SENT row never is, nor a PENDING row a
+    dispatcher is delivering right now (an unexpired claim)."""
+    if status == "SENT":
+        return f"outbox row {row_id} was already SENT; requeueing delivered rows is not supported"
+    if status == "PENDING" and claimed:
+        return (
+            f"outbox row {row_id} is being delivered by a dispatcher right now (unexpired claim); "
+            "try again after the attempt finishes"
+        )
+    return None
 
 
 def skip(engine: sa.Engine, row_id: int) -> str:

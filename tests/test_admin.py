@@ -120,6 +120,24 @@ def test_a_lease_not_found_names_what_was_looked_up_and_what_to_try(
     assert admin.lease_not_found(key, job, schedules=schedules, close=close) == expected
 
 
+@pytest.mark.parametrize(
+    ("status", "claimed", "refusal"),
+    [
+        ("DEAD", False, None),
+        ("DEAD", True, None),  # a DEAD row's claim is history
+        ("PENDING", False, None),  # waiting out its backoff: made due now
+        ("PENDING", True, "outbox row 7 is being delivered by a dispatcher right now (unexpired claim); "),
+        ("SENT", False, "outbox row 7 was already SENT; requeueing delivered rows is not supported"),
+        ("SENT", True, "outbox row 7 was already SENT"),
+    ],
+)
+def test_requeue_refuses_a_sent_row_and_one_being_delivered(
+    status: str, claimed: bool, refusal: str | None
+) -> None:
+    said = admin.requeue_refusal(7, status, claimed=claimed)
+    assert said is None if refusal is None else (said is not None and said.startswith(refusal)), said
+
+
 def test_admin_fail_refuses_a_live_lease_then_force_fences_the_old_holder(engine: sa.Engine) -> None:
     svc = LeaseService(engine)
     job = JobIdentity.schedule("export", "2026-02-01")
