@@ -6,7 +6,7 @@ from __future__ import annotations
 import dataclasses
 import threading
 import uuid
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from typing import Any
 
 import dagster as dg
@@ -98,6 +98,30 @@ def run_partition_twice(
         ConfigurationError: an argument is invalid (before any run starts).
         Exception: whatever ``execute_in_process`` raised before a run could start (bad config).
     """
+    _check_twice(job, partition_key, timeout_s)
+    launches = _launch_tags(job, partition_key)
+    launcher = _Launcher(
+        job, partition_key, resources, run_config, timeout_s, barrier=threading.Barrier(len(launches))
+    )
+    threads = [
+        threading.Thread(
+            target=launcher.launch, args=(label, tags), name=f"joblease-test-{label}", daemon=True
+        )
+        for label, tags in launches
+    ]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(timeout_s)
+    if any(thread.is_alive() for thread in threads):
+        raise AssertionError(f"the runs of {job.name} for {partition_key!r} did not finish in {timeout_s} s")
+    cause = first_cause(launcher.raised.values())
+    if cause is not None:
+        raise cause
+    return launcher.runs["backfill"], launcher.runs["schedule"]
+
+
+def _check_twice(job: object, partition_key: object, timeout_s: object) -> None:
     if not isinstance(job, dg.JobDefinition):
         raise errors.ConfigurationError(
             f"job must be a dagster JobDefinition (a @job), got {type(job).__name__}"
@@ -107,52 +131,61 @@ def run_partition_twice(
     if isinstance(timeout_s, bool) or not isinstance(timeout_s, int | float) or timeout_s <= 0:
         raise errors.ConfigurationError(f"timeout_s={timeout_s!r} must be a number of seconds > 0")
 
-    launches = _launch_tags(job, partition_key)
-    barrier = threading.Barrier(len(launches))
-    runs: dict[str, PartitionRun] = {}
-    raised: dict[str, BaseException] = {}
 
-    def launch(label: str, tags: dict[str, str]) -> None:
+def first_cause(raised: Iterable[BaseException]) -> BaseException | None:
+    """What a launch raised that the caller should see: the first error that is not a broken barrier
+    (a launch that failed breaks the barrier for the other), else the first error, else None."""
+    errors_seen = list(raised)
+    for exc in errors_seen:
+        if not isinstance(exc, threading.BrokenBarrierError):
+            return exc
+    return errors_seen[0] if errors_seen else None
+
+
+@dataclasses.dataclass
+class _Launcher:
+    """Runs one launch of the job per thread, each on its own ephemeral instance, released together by
+    ``barrier``; keeps each launch's :class:`PartitionRun` (``runs``) or what it raised (``raised``)."""
+
+    job: dg.JobDefinition
+    partition_key: str
+    resources: Mapping[str, Any] | None
+    run_config: Mapping[str, Any] | None
+    timeout_s: float
+    barrier: threading.Barrier
+    runs: dict[str, PartitionRun] = dataclasses.field(default_factory=dict)
+    raised: dict[str, BaseException] = dataclasses.field(default_factory=dict)
+
+    def launch(self, label: str, tags: dict[str, str]) -> None:
         try:
             with dg.DagsterInstance.ephemeral() as instance:
-                barrier.wait(timeout_s)
-                result = job.execute_in_process(
-                    partition_key=partition_key,
+                self.barrier.wait(self.timeout_s)
+                result = self.job.execute_in_process(
+                    partition_key=self.partition_key,
                     instance=instance,
                     tags=tags,
-                    run_config=run_config,
-                    resources=resources,
+                    run_config=self.run_config,
+                    resources=self.resources,
                     raise_on_error=False,
                 )
-                stored = instance.get_run_by_id(result.run_id)
-                run_tags = dict(stored.tags) if stored is not None else {}
-                failures = [_failure_text(e) for e in result.all_events if e.is_step_failure]
-                runs[label] = PartitionRun(
-                    launched_as=label,
-                    run_id=result.run_id,
-                    success=result.success,
-                    outcome=run_tags.get(metadata.TAG_OUTCOME),
-                    tags={k: v for k, v in run_tags.items() if k.startswith(_JOBLEASE_TAG_PREFIX)},
-                    error=None if result.success else "; ".join(failures) or "the run failed",
-                    steps=ops.step_records(instance, result.run_id),
-                )
+                self.runs[label] = _partition_run(label, result, instance)
         except BaseException as exc:
-            raised[label] = exc
-            barrier.abort()
+            self.raised[label] = exc
+            self.barrier.abort()
 
-    threads = [
-        threading.Thread(target=launch, args=(label, tags), name=f"joblease-test-{label}", daemon=True)
-        for label, tags in launches
-    ]
-    for thread in threads:
-        thread.start()
-    for thread in threads:
-        thread.join(timeout_s)
-    if any(thread.is_alive() for thread in threads):
-        raise AssertionError(f"the runs of {job.name} for {partition_key!r} did not finish in {timeout_s} s")
-    for exc in raised.values():
-        if not isinstance(exc, threading.BrokenBarrierError):
-            raise exc
-    if raised:
-        raise next(iter(raised.values()))
-    return runs["backfill"], runs["schedule"]
+
+def _partition_run(
+    label: str, result: dg.ExecuteInProcessResult, instance: dg.DagsterInstance
+) -> PartitionRun:
+    stored = instance.get_run_by_id(result.run_id)
+    run_tags = dict(stored.tags) if stored is not None else {}
+    failures = [_failure_text(e) for e in result.all_events if e.is_step_failure]
+    return PartitionRun(
+        launched_as=label,
+        run_id=result.run_id,
+        success=result.success,
+        outcome=run_tags.get(metadata.TAG_OUTCOME),
+        tags={k: v for k, v in run_tags.items() if k.startswith(_JOBLEASE_TAG_PREFIX)},
+        error=None if result.success else "; ".join(failures) or "the run failed",
+        steps=ops.step_records(instance, result.run_id),
+    )

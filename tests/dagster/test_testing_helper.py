@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+import threading
+
 import dagster as dg
 import pytest
 
 from dagster_joblease import create_engine, errors, list_outbox
 from dagster_joblease.dagster import JobLeaseResource, LeasedRun, leased_op, metadata, run_partition_twice
+from dagster_joblease.dagster.testing import first_cause
 
 days = dg.DailyPartitionsDefinition(start_date="2024-01-01")
 
@@ -71,3 +74,24 @@ def test_bad_arguments_are_refused_before_any_run() -> None:
         run_partition_twice(enqueue_day, "2024-01-01")  # type: ignore[arg-type]
     with pytest.raises(errors.ConfigurationError, match="non-blank"):
         run_partition_twice(twice_job, " ")
+
+
+BROKEN_A, BROKEN_B = threading.BrokenBarrierError(), threading.BrokenBarrierError()
+CONFIG, OTHER = ValueError("bad config"), KeyError("x")
+
+
+@pytest.mark.parametrize(
+    ("raised", "cause"),
+    [
+        ([], None),
+        ([CONFIG], CONFIG),
+        ([BROKEN_A, CONFIG], CONFIG),  # the launch whose failure broke the barrier for the other
+        ([CONFIG, BROKEN_A], CONFIG),
+        ([OTHER, CONFIG], OTHER),  # the first real error
+        ([BROKEN_A, BROKEN_B], BROKEN_A),  # only broken barriers: the first (a barrier timeout)
+    ],
+)
+def test_first_cause_is_the_error_that_broke_the_barrier(
+    raised: list[BaseException], cause: BaseException | None
+) -> None:
+    assert first_cause(raised) is cause
