@@ -36,7 +36,7 @@ from sqlalchemy.dialects.postgresql import psycopg as psycopg_dialect
 
 from dagster_joblease import errors
 from dagster_joblease.storage.autocommit import AutocommitConnections, autocommit_connections
-from dagster_joblease.storage.engine import is_psycopg, translate_errors
+from dagster_joblease.storage.engine import is_psycopg, translate_errors, translated
 from dagster_joblease.storage.transaction import CallersTransaction
 
 __all__ = ["Query", "Statements", "in_transaction", "query", "statements"]
@@ -255,8 +255,7 @@ def _first_line(exc: BaseException) -> str:
     return (str(exc).strip().splitlines() or [type(exc).__name__])[0]
 
 
-@contextlib.contextmanager
-def statements(engine: sa.Engine, action: str) -> Iterator[Statements]:
+def statements(engine: sa.Engine, action: str) -> contextlib.AbstractContextManager[Statements]:
     """A place for statements that are atomic on their own, driver errors translated (naming ``action``).
 
     PostgreSQL with psycopg: one of the engine's own autocommit connections (each statement is its own
@@ -266,17 +265,39 @@ def statements(engine: sa.Engine, action: str) -> Iterator[Statements]:
     connection.
     """
     if is_psycopg(engine.dialect):
-        connections = _connections(engine)
-        with translate_errors(action):
-            handle = connections.acquire(engine)
-        try:
-            yield _own(handle)
-        except BaseException:
-            connections.release(handle, discard=True)
-            with translate_errors(action):
-                raise
-        connections.release(handle)
-        return
+        return _OwnBlock(engine, action)
+    return _alchemy_block(engine, action)
+
+
+class _OwnBlock:
+    """:func:`statements` on one of the engine's own autocommit connections (a small class, not a
+    generator: every claim and heartbeat enters one)."""
+
+    __slots__ = ("action", "connections", "engine", "handle")
+
+    def __init__(self, engine: sa.Engine, action: str) -> None:
+        self.engine = engine
+        self.action = action
+        self.connections = _connections(engine)
+        self.handle: Any = None
+
+    def __enter__(self) -> Statements:
+        with translate_errors(self.action):
+            self.handle = self.connections.acquire(self.engine)
+        return _own(self.handle)
+
+    def __exit__(self, kind: object, exc: BaseException | None, tb: object) -> None:
+        if exc is None:
+            self.connections.release(self.handle)
+            return
+        self.connections.release(self.handle, discard=True)
+        error = translated(exc, self.action)
+        if error is not None:
+            raise error from exc
+
+
+@contextlib.contextmanager
+def _alchemy_block(engine: sa.Engine, action: str) -> Iterator[Statements]:
     with translate_errors(action):
         if engine.dialect.name == "postgresql":
             with engine.connect() as conn:

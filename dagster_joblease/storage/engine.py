@@ -9,7 +9,6 @@ import re
 import sqlite3
 import time
 import weakref
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -471,32 +470,52 @@ def is_psycopg(dialect: sa.Dialect) -> bool:
     return dialect.name == "postgresql" and dialect.driver == "psycopg"
 
 
-@contextlib.contextmanager
-def translate_errors(action: str) -> Iterator[None]:
+def translate_errors(action: str) -> contextlib.AbstractContextManager[None]:
     """Re-raise driver errors as :class:`StorageError` naming the action, never the URL.
 
     Covers SQLAlchemy's wrapped errors and raw psycopg errors (the hot paths that run compiled SQL on
     the pooled driver connection). A prepared statement missing or duplicated on the server (PgBouncer
     in transaction mode without ``?prepare_threshold=none``) is a :class:`ConfigurationError` naming
-    the setting instead: retrying cannot fix it.
+    the setting instead: retrying cannot fix it. (A small class, not a generator: every claim and
+    enqueue enters one, and a generator's context manager cost several times as much.)
     """
-    try:
-        yield
-    except sa.exc.DBAPIError as exc:
+    return _Translating(action)
+
+
+class _Translating:
+    __slots__ = ("action",)
+
+    def __init__(self, action: str) -> None:
+        self.action = action
+
+    def __enter__(self) -> None:
+        return None
+
+    def __exit__(self, kind: object, exc: BaseException | None, tb: object) -> None:
+        if exc is None:
+            return
+        error = translated(exc, self.action)
+        if error is not None:
+            raise error from exc
+
+
+def translated(exc: BaseException, action: str) -> Exception | None:
+    """The library's error for the driver error ``exc`` met while trying to ``action`` (see
+    :func:`translate_errors`); None when ``exc`` is not a driver error."""
+    if isinstance(exc, sa.exc.DBAPIError):
         driver_error = exc.orig or exc
         if _is_prepared_statement_error(driver_error):
-            raise errors.ConfigurationError(
+            return errors.ConfigurationError(
                 f"database error while trying to {action}: {_first_line(driver_error)}; "
                 f"{_PREPARED_STATEMENT_HINT}"
-            ) from exc
-        raise errors.StorageError(
-            f"database error while trying to {action}: {_first_line(driver_error)}"
-        ) from exc
-    except psycopg.Error as exc:
+            )
+        return errors.StorageError(f"database error while trying to {action}: {_first_line(driver_error)}")
+    if isinstance(exc, psycopg.Error):
         if _is_prepared_statement_error(exc):
-            raise errors.ConfigurationError(
+            return errors.ConfigurationError(
                 f"database error while trying to {action}: {_first_line(exc)}; {_PREPARED_STATEMENT_HINT}"
-            ) from exc
-        raise errors.StorageError(f"database error while trying to {action}: {_first_line(exc)}") from exc
-    except sa.exc.SQLAlchemyError as exc:
-        raise errors.StorageError(f"database error while trying to {action}: {type(exc).__name__}") from exc
+            )
+        return errors.StorageError(f"database error while trying to {action}: {_first_line(exc)}")
+    if isinstance(exc, sa.exc.SQLAlchemyError):
+        return errors.StorageError(f"database error while trying to {action}: {type(exc).__name__}")
+    return None
