@@ -27,7 +27,6 @@ from dagster_joblease.storage.driver import Statements
 from dagster_joblease.storage.schema import outbox_table, route_group_table
 
 __all__ = [
-    "CLAIM_WIDTH",
     "ENQUEUE_COLUMNS",
     "SwapResult",
     "claim_due",
@@ -780,10 +779,6 @@ def claim_for_group(
     )
 
 
-#: The number of columns a claim returns (a swap's rows carry them after their ``kind``).
-CLAIM_WIDTH = 8
-
-
 @functools.cache
 def mark_sent(dialect_name: str) -> sa.Update:
     """Which claimed rows did the downstream accept? Mark them ``SENT``, fenced by claim token: one
@@ -1047,7 +1042,7 @@ class SwapResult:
 
 def swap_result(rows: Sequence[Any]) -> SwapResult:
     """A :func:`swap`'s rows, read."""
-    claimed = [tuple(r[1 : 1 + CLAIM_WIDTH]) for r in rows if r[0] == "claim"]
+    claimed = [tuple(r[1:-2]) for r in rows if r[0] == "claim"]  # between kind and (mif, others)
     done = {int(r[1]) for r in rows if r[0] == "done"}
     summary = next(r for r in rows if r[0] == "group")
     mif = None if summary[-2] is None else int(summary[-2])
