@@ -28,6 +28,7 @@ from dagster_joblease.testing import (
     expire_now,
     reclaim_now,
 )
+from dagster_joblease.testing.crash import not_arrived
 from tests.conftest import DEFAULT_PG_URL, PG_URL_ENV, admin_url
 
 REPO = Path(__file__).resolve().parent.parent
@@ -407,3 +408,26 @@ def test_the_docs_examples_are_the_sample_user_project_tests() -> None:
         (REPO / "tests" / "test_user_project.py").read_text(),
         (REPO / "tests" / "dagster" / "test_user_dagster_project.py").read_text(),
     ]
+
+
+@pytest.mark.parametrize(
+    ("message", "exitcode", "why"),
+    [
+        (
+            ("finished", "the callback completed and the run was recorded SUCCESS"),
+            0,
+            "the callback completed",
+        ),
+        (
+            ("finished", "run_exclusive raised RuntimeError: boom"),
+            0,
+            "run_exclusive raised RuntimeError: boom",
+        ),
+        (None, -9, "it died first (exit code -9)"),  # the pipe closed without a word
+        (None, None, "it died first (exit code None)"),
+    ],
+)
+def test_the_crash_helper_says_why_the_child_did_not_arrive(
+    message: tuple[str, str | None] | None, exitcode: int | None, why: str
+) -> None:
+    assert not_arrived(message, exitcode).startswith(why)

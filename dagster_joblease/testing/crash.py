@@ -173,20 +173,7 @@ def crash_run_exclusive(
         ConfigurationError: ``fn`` cannot be imported by a spawned process, or an argument is invalid.
         AssertionError: the child ended (or timed out) without reaching ``at``; the message says how.
     """
-    if not isinstance(service, LeaseService):
-        raise errors.ConfigurationError(f"service must be a LeaseService, got {type(service).__name__}")
-    if not isinstance(job, identity.JobIdentity):
-        raise errors.InvalidJobIdentityError("identity", job, "must be a JobIdentity")
-    try:
-        point = CrashPoint(at)
-    except ValueError:
-        raise errors.ConfigurationError(
-            f"at={at!r} is not a crash point; use one of {', '.join(p.value for p in CrashPoint)}"
-        ) from None
-    if isinstance(timeout_s, bool) or not isinstance(timeout_s, int | float) or timeout_s <= 0:
-        raise errors.ConfigurationError(f"timeout_s={timeout_s!r} must be a number of seconds > 0")
-    _check_callable(fn)
-
+    point = _check_crash(service, job, fn, at, timeout_s)
     url = service.engine.url.render_as_string(hide_password=False)
     after_id = _last_outbox_id(service.engine)
     ctx = multiprocessing.get_context("spawn")
@@ -200,20 +187,7 @@ def crash_run_exclusive(
     process.start()
     send.close()
     try:
-        message: tuple[str, str | None] | None = None
-        if receive.poll(timeout_s):
-            try:
-                message = receive.recv()
-            except EOFError:
-                message = None
-        else:
-            process.kill()
-            process.join()
-            raise AssertionError(f"the crash child did not reach {point.value!r} within {timeout_s} s")
-        if message is None or message[0] != "arrived":
-            process.join(timeout_s)
-            why = message[1] if message else f"it died first (exit code {process.exitcode})"
-            raise AssertionError(f"the crash child never reached {point.value!r}: {why}")
+        _await_arrival(process, receive, point, timeout_s)
         assert process.pid is not None
         os.kill(process.pid, signal.SIGKILL)
         process.join(timeout_s)
@@ -223,3 +197,47 @@ def crash_run_exclusive(
             process.kill()
             process.join()
     return _snapshot(service, job, after_id, point, process.exitcode)
+
+
+def _check_crash(service: object, job: object, fn: object, at: CrashPoint, timeout_s: object) -> CrashPoint:
+    """The crash point of valid arguments; a specific error naming the first invalid one."""
+    if not isinstance(service, LeaseService):
+        raise errors.ConfigurationError(f"service must be a LeaseService, got {type(service).__name__}")
+    if not isinstance(job, identity.JobIdentity):
+        raise errors.InvalidJobIdentityError("identity", job, "must be a JobIdentity")
+    try:
+        point = CrashPoint(at)
+    except ValueError:
+        raise errors.ConfigurationError(
+            f"at={at!r} is not a crash point; use one of {', '.join(p.value for p in CrashPoint)}"
+        ) from None
+    if isinstance(timeout_s, bool) or not isinstance(timeout_s, int | float) or timeout_s <= 0:
+        raise errors.ConfigurationError(f"timeout_s={timeout_s!r} must be a number of seconds > 0")
+    _check_callable(fn)
+    return point
+
+
+def _await_arrival(process: Any, receive: Connection, point: CrashPoint, timeout_s: float) -> None:
+    """Wait for the child's word that it reached ``point``; an AssertionError saying how it did not
+    (it timed out: killed; it failed or died first: joined)."""
+    if not receive.poll(timeout_s):
+        process.kill()
+        process.join()
+        raise AssertionError(f"the crash child did not reach {point.value!r} within {timeout_s} s")
+    try:
+        message: tuple[str, str | None] | None = receive.recv()
+    except EOFError:
+        message = None
+    if message is None or message[0] != "arrived":
+        process.join(timeout_s)
+        raise AssertionError(
+            f"the crash child never reached {point.value!r}: {not_arrived(message, process.exitcode)}"
+        )
+
+
+def not_arrived(message: tuple[str, str | None] | None, exitcode: int | None) -> str:
+    """Why the crash child did not arrive: what it said, or how it died (``message`` None: the pipe closed
+    without a word)."""
+    if message is not None:
+        return str(message[1])
+    return f"it died first (exit code {exitcode})"
