@@ -2,7 +2,7 @@
 requests the rate admits now and when each may start, and how a pause merges with the one in force.
 
 The state these functions judge lives in ``joblease_route_group`` (one row per group, read and written by
-:mod:`dagster_joblease.route_groups`); every time comes from the database clock.
+:mod:`dagster_joblease.storage.route_groups`); every time comes from the database clock.
 
 * **Smallest configured value applies.** Each dispatcher registers its ``max_in_flight`` and ``rate`` for a
   group; a registration lasts :data:`REGISTRATION_MS` and is refreshed by every claim of the dispatcher

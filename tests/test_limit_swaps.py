@@ -17,11 +17,11 @@ from typing import Any
 import pytest
 import sqlalchemy as sa
 
-from dagster_joblease import errors, route_groups
+from dagster_joblease import errors
 from dagster_joblease.dispatch import Dispatcher, Route, policy
 from dagster_joblease.dispatch import dispatcher as dispatcher_module
 from dagster_joblease.dispatch.dispatcher import DispatchReport
-from dagster_joblease.storage import create_engine
+from dagster_joblease.storage import create_engine, route_groups
 from dagster_joblease.storage import outbox as outbox_store
 from dagster_joblease.storage.clock import db_now_plus_ms
 from dagster_joblease.storage.schema import outbox_table, route_group_table
