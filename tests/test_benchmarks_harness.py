@@ -221,3 +221,15 @@ def test_the_fast_paths_benchmark_runs_every_case_small_and_puts_each_fast_path_
         assert f" {mode} " in out and "off - on: cpu" in out
     after = (driver.is_psycopg, driver.in_transaction, outbox_store._claim_template, outbox_store.mark_sent)
     assert after == before
+
+
+def test_the_checkouts_benchmark_measures_a_checkout_in_a_process_of_its_own(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    from benchmarks import checkouts
+
+    root = str(Path(__file__).resolve().parent.parent)
+    small = ["--reps", "1", "--calls", "3", "--rounds", "1", "--only", "enqueue,claim"]
+    assert checkouts.main([root, *small]) == 0
+    out = capsys.readouterr().out
+    assert f"{root}: enqueue " in out and " claim " in out
