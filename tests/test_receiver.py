@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import re
@@ -710,3 +711,40 @@ def test_the_receiver_has_no_http_parser_of_its_own() -> None:
         text = source.read_text()
         for banned in ("http.server", "http.client", "BaseHTTPRequestHandler", "_read_headers"):
             assert banned not in text, f"{source.name} uses {banned}"
+
+
+@pytest.mark.parametrize(
+    ("options", "message"),
+    [
+        ({"max_connections": 0}, "receiver max_connections=0 must be an int >= 1"),
+        ({"max_connections": True}, "receiver max_connections=True must be an int >= 1"),
+        ({"max_connections": 2.0}, "receiver max_connections=2.0 must be an int >= 1"),
+        (
+            {"idle_timeout_s": 0},
+            "receiver idle_timeout_s=0 must be a number of seconds above 0 and at most 3600",
+        ),
+        ({"read_timeout_s": 3600.5}, "receiver read_timeout_s=3600.5 must be a number of seconds above 0"),
+        ({"read_timeout_s": False}, "receiver read_timeout_s=False must be a number of seconds"),
+        ({"read_timeout_s": "10"}, "receiver read_timeout_s='10' must be a number of seconds"),
+        ({"retention_s": 0}, "receiver retention_s=0 must be above 0"),
+        ({"http": "h2"}, "receiver http='h2' is not one of h11, httptools"),
+        ({"effect_delay_ms": -1}, "effect_delay_ms=-1 must be an int >= 0"),
+        ({"effect_delay_ms": True}, "effect_delay_ms=True must be an int >= 0"),
+    ],
+)
+def test_receiver_options_refuse_what_they_cannot_serve_with(options: dict[str, Any], message: str) -> None:
+    with pytest.raises(errors.ConfigurationError) as raised:
+        ReceiverOptions(**options)
+    assert message in str(raised.value)
+
+
+@pytest.mark.parametrize(
+    "options",
+    [
+        {},
+        {"max_connections": 1, "idle_timeout_s": 3600, "read_timeout_s": 0.5, "effect_delay_ms": 0},
+        {"retention_s": 0.1, "http": "httptools"},
+    ],
+)
+def test_receiver_options_take_their_bounds(options: dict[str, Any]) -> None:
+    assert ReceiverOptions(**options) == dataclasses.replace(ReceiverOptions(), **options)

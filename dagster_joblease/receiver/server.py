@@ -75,17 +75,13 @@ class ReceiverOptions:
     effect_delay_ms: int = 0
 
     def __post_init__(self) -> None:
-        if (
-            isinstance(self.max_connections, bool)
-            or not isinstance(self.max_connections, int)
-            or self.max_connections < 1
-        ):
+        if not _int_at_least(self.max_connections, 1):
             raise errors.ConfigurationError(
                 f"receiver max_connections={self.max_connections!r} must be an int >= 1"
             )
         for name in ("idle_timeout_s", "read_timeout_s"):
             value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int | float) or not 0 < value <= 3600:
+            if not _seconds_up_to(value, 3600):
                 raise errors.ConfigurationError(
                     f"receiver {name}={value!r} must be a number of seconds above 0 and at most 3600"
                 )
@@ -95,12 +91,18 @@ class ReceiverOptions:
             raise errors.ConfigurationError(
                 f"receiver http={self.http!r} is not one of {', '.join(HTTP_IMPLEMENTATIONS)}"
             )
-        if (
-            isinstance(self.effect_delay_ms, bool)
-            or not isinstance(self.effect_delay_ms, int)
-            or self.effect_delay_ms < 0
-        ):
+        if not _int_at_least(self.effect_delay_ms, 0):
             raise errors.ConfigurationError(f"effect_delay_ms={self.effect_delay_ms!r} must be an int >= 0")
+
+
+def _int_at_least(value: object, minimum: int) -> bool:
+    """An int (not a bool) of at least ``minimum``."""
+    return isinstance(value, int) and not isinstance(value, bool) and value >= minimum
+
+
+def _seconds_up_to(value: object, most: float) -> bool:
+    """A number of seconds (not a bool) above 0 and at most ``most``."""
+    return isinstance(value, int | float) and not isinstance(value, bool) and 0 < value <= most
 
 
 def _conninfo(engine: sa.Engine) -> tuple[str, dict[str, Any]]:
