@@ -8,6 +8,7 @@ import dagster as dg
 import pytest
 
 from dagster_joblease.dagster.reconcile import judge
+from dagster_joblease.dagster.reconcile.facts import materialized_fact, records_wanted
 from dagster_joblease.dagster.reconcile.judge import (
     Action,
     Free,
@@ -379,3 +380,59 @@ def test_left_undone(
 )
 def test_backoff_doubles_up_to_its_cap(relaunches: int, wait: int) -> None:
     assert judge.backoff_ms(relaunches, 60_000, 600_000) == wait
+
+
+# -- facts' pure parts (dagster_joblease.dagster.reconcile.facts) --------------------------------------
+
+
+def _run(run_id: str, status: dg.DagsterRunStatus) -> dg.DagsterRun:
+    return dg.DagsterRun(job_name="j", run_id=run_id, status=status)
+
+
+FAILED_A = _run("a", dg.DagsterRunStatus.FAILURE)
+STARTED_B = _run("b", dg.DagsterRunStatus.STARTED)
+STARTING_C = _run("c", dg.DagsterRunStatus.STARTING)
+RELAUNCH_D, RELAUNCH_E = _run("d", dg.DagsterRunStatus.SUCCESS), _run("e", dg.DagsterRunStatus.FAILURE)
+
+
+@pytest.mark.parametrize(
+    ("singles", "covered", "launched", "wanted"),
+    [
+        ({"k1": [], "k2": []}, set(), {"k1": [], "k2": []}, []),
+        ({"k1": [FAILED_A], "k2": []}, set(), {"k1": [], "k2": []}, []),  # finished, nothing to order among
+        ({"k1": [STARTED_B, FAILED_A, STARTING_C], "k2": []}, set(), {"k1": [], "k2": []}, ["b", "c"]),
+        ({"k1": [STARTED_B, FAILED_A], "k2": [STARTING_C]}, {"k1"}, {"k1": [], "k2": []}, ["b", "a", "c"]),
+        (  # the last relaunch of each key (newest first), after the singles
+            {"k1": [FAILED_A], "k2": []},
+            set(),
+            {"k1": [RELAUNCH_E, RELAUNCH_D], "k2": [RELAUNCH_D]},
+            ["e", "d"],
+        ),
+    ],
+)
+def test_key_runs_reads_records_only_for_the_runs_that_need_them(
+    singles: dict[str, list[dg.DagsterRun]],
+    covered: set[str],
+    launched: dict[str, list[dg.DagsterRun]],
+    wanted: list[str],
+) -> None:
+    record = object()  # a range run's record: only whether a key has any counts here
+    covering = {k: [record] if k in covered else [] for k in singles}
+    assert records_wanted(list(singles), singles, covering, launched) == wanted  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize(
+    ("asset", "known", "found", "fact"),
+    [
+        (False, None, True, None),  # a job target: never said
+        (False, True, True, None),
+        (True, None, True, True),  # unknown to its source: this tick's read
+        (True, None, False, False),
+        (True, True, False, True),  # its source knew: kept
+        (True, False, True, False),
+    ],
+)
+def test_a_candidates_materialization_is_what_its_source_knew_else_what_was_read(
+    asset: bool, known: bool | None, found: bool, fact: bool | None
+) -> None:
+    assert materialized_fact(known, found, dataclasses.replace(JOB, asset=asset)) is fact

@@ -422,19 +422,42 @@ def key_runs(
     ours = reader.by_partition(keys, {metadata.TAG_SENSOR_NAME: sensor_name}, policy.cap + RUNS_PER_KEY)
     launched = {k: [r for r in ours[k] if r.parent_run_id is None] for k in keys}
     covering = {k: ranges.covering(k) for k in keys}
-    wanted = [r.run_id for k in keys for r in singles[k] if covering[k] or r.status in NOT_FINISHED_STATUSES]
-    records = reader.records(wanted + [rs[0].run_id for rs in launched.values() if rs])
+    records = reader.records(records_wanted(keys, singles, covering, launched))
     found: dict[str, KeyRuns] = {}
     lives: dict[str, judge.Life] = {}
     for key in keys:
         runs = _ordered(singles[key], covering[key], records)
-        for run in runs:
-            if run.status in judge.RUNNING and run.run_id not in lives:
-                record = records.get(run.run_id) or ranges.record(run.run_id)
-                if record is not None:
-                    lives[run.run_id] = life(reader, record, policy)
+        _add_lives(reader, ranges, policy, runs, records, lives)
         found[key] = _key_runs(runs, launched[key], records)
     return found, lives
+
+
+def records_wanted(
+    keys: Sequence[str],
+    singles: Mapping[str, Sequence[dg.DagsterRun]],
+    covering: Mapping[str, Sequence[dg.RunRecord]],
+    launched: Mapping[str, Sequence[dg.DagsterRun]],
+) -> list[str]:
+    """The runs whose records (timestamps) ``key_runs`` reads: a key's single runs when range runs cover
+    it (to order them among those) or when unfinished, then the last relaunch of each key."""
+    wanted = [r.run_id for k in keys for r in singles[k] if covering[k] or r.status in NOT_FINISHED_STATUSES]
+    return wanted + [runs[0].run_id for runs in launched.values() if runs]
+
+
+def _add_lives(
+    reader: Reader,
+    ranges: RangeIndex,
+    policy: judge.Policy,
+    runs: Sequence[Run],
+    records: Mapping[str, dg.RunRecord],
+    lives: dict[str, judge.Life],
+) -> None:
+    """What the lease table says of each running run among ``runs`` not yet in ``lives``."""
+    for run in runs:
+        if run.status in judge.RUNNING and run.run_id not in lives:
+            record = records.get(run.run_id) or ranges.record(run.run_id)
+            if record is not None:
+                lives[run.run_id] = life(reader, record, policy)
 
 
 def _key_runs(runs: list[Run], launched: list[dg.DagsterRun], records: Mapping[str, dg.RunRecord]) -> KeyRuns:
@@ -498,6 +521,17 @@ class Walk:
     runs: int = 0  #: runs looked at this tick
 
 
+@dataclasses.dataclass(frozen=True)
+class _RunScope:
+    """What the walk knows of one run while it walks its keys: the run as it names a key, its upstream
+    assets, the event-log position it started at, and whether its outcome tag says done."""
+
+    named: Named
+    upstream: list[dg.AssetKey]
+    start_id: int
+    outcome_done: bool
+
+
 UNDONE_STATUSES = (dg.DagsterRunStatus.FAILURE, dg.DagsterRunStatus.STARTING, dg.DagsterRunStatus.STARTED)
 
 
@@ -558,36 +592,44 @@ class Walker:
             return True
         with dg.partition_loading_context(dynamic_partitions_store=self.reader.instance):
             keys = self.reader.target.keys_of(run)
-        named = Named(run.run_id, self._why(record))
         upstream = self.reader.target.upstream_in(run)
-        start_id = self.reader.first_storage_id(run.run_id) if upstream else 0
-        outcome_done = run.tags.get(metadata.TAG_OUTCOME) in metadata.DONE_OUTCOMES
+        scope = _RunScope(
+            named=Named(run.run_id, self._why(record)),
+            upstream=upstream,
+            start_id=self.reader.first_storage_id(run.run_id) if upstream else 0,
+            outcome_done=run.tags.get(metadata.TAG_OUTCOME) in metadata.DONE_OUTCOMES,
+        )
         for begin in range(offset, len(keys), leases.KEYS_PER_STATEMENT):
             if self._spent():
                 self.walk.end = Position(run.run_id, begin)
                 return False
-            chunk = keys[begin : begin + leases.KEYS_PER_STATEMENT]
-            rows = self.reader.leases(chunk)
-            done = [k for k, lease in rows.items() if lease.status == "SUCCESS"]
-            materialized = self.reader.materialized(done) if self.policy.asset else set()
-            undone = [
-                k
-                for k in chunk
-                if judge.left_undone(rows.get(k), k in materialized, self.policy, outcome_done)
-            ]
-            fresh = {a: self.reader.materialized_since(a, undone, start_id) for a in upstream}
-            for i, key in enumerate(chunk):
-                if key in undone and key not in self.walk.named:
-                    first = tuple(a.to_user_string() for a in upstream if key not in fresh[a])
-                    facts = dataclasses.replace(named, upstream=first)
-                    self.walk.named[key] = (
-                        facts,
-                        rows.get(key),
-                        key in materialized,
-                        Position(run.run_id, begin + i),
-                    )
-            self.walk.examined += len(chunk)
+            self._walk_chunk(scope, begin, keys[begin : begin + leases.KEYS_PER_STATEMENT])
         return True
+
+    def _walk_chunk(self, scope: _RunScope, begin: int, chunk: Sequence[str]) -> None:
+        """Name the keys of ``chunk`` (from position ``begin`` of the run) the run left undone, each with
+        the upstream assets not materialized for it since the run started; count the chunk examined."""
+        rows = self.reader.leases(chunk)
+        done = [k for k, lease in rows.items() if lease.status == "SUCCESS"]
+        materialized = self.reader.materialized(done) if self.policy.asset else set()
+        undone = [
+            k
+            for k in chunk
+            if judge.left_undone(rows.get(k), k in materialized, self.policy, scope.outcome_done)
+        ]
+        fresh = {a: self.reader.materialized_since(a, undone, scope.start_id) for a in scope.upstream}
+        run_id = scope.named.run_id
+        for i, key in enumerate(chunk):
+            if key in undone and key not in self.walk.named:
+                first = tuple(a.to_user_string() for a in scope.upstream if key not in fresh[a])
+                facts = dataclasses.replace(scope.named, upstream=first)
+                self.walk.named[key] = (
+                    facts,
+                    rows.get(key),
+                    key in materialized,
+                    Position(run_id, begin + i),
+                )
+        self.walk.examined += len(chunk)
 
     def _unsettled(self, record: dg.RunRecord) -> bool:
         """Is this a run of the target that may have left keys undone (a zombie, if it is unfinished)?"""
@@ -656,9 +698,6 @@ def key_facts(reader: Reader, policy: judge.Policy, candidates: Sequence[Candida
     facts = []
     for candidate in candidates:
         status, dead = _holder(reader, policy, by_key[candidate.key], holder_runs)
-        known = candidate.materialized
-        if known is None and policy.asset:
-            known = candidate.key in materialized
         facts.append(
             judge.KeyFacts(
                 key=candidate.key,
@@ -667,10 +706,18 @@ def key_facts(reader: Reader, policy: judge.Policy, candidates: Sequence[Candida
                 catch_up=candidate.catch_up,
                 holder_status=status,
                 holder_dead=dead,
-                materialized=known if policy.asset else None,
+                materialized=materialized_fact(candidate.materialized, candidate.key in materialized, policy),
             )
         )
     return facts
+
+
+def materialized_fact(known: bool | None, found: bool, policy: judge.Policy) -> bool | None:
+    """Whether a candidate key is materialized, as the judge gets it: None for a job target; for an
+    asset, what its source already knew (``known``), else what this tick's read ``found``."""
+    if not policy.asset:
+        return None
+    return found if known is None else known
 
 
 def _succeeded(lease: Lease | None) -> bool:
