@@ -60,7 +60,7 @@ from dagster._core.events import EngineEventData  # the per-op truth: a step eng
 
 from dagster_joblease import batch as batch_leases
 from dagster_joblease import errors, identity, lease, options, outbox, waiting
-from dagster_joblease.dagster import holders, metadata
+from dagster_joblease.dagster import holders, metadata, not_run_coverage
 from dagster_joblease.dagster.key_context import KeyContext
 from dagster_joblease.dagster.resource import JobLeaseResource, check_held_wait_ms
 
@@ -687,6 +687,7 @@ def _settle(
     settled = _Settled([_plain_result(job, metadata.PENDING) for job in jobs])
     if _report_step(op_context, settled.results) is not None:
         settle_run_tags(op_context.instance, op_context.run_id)
+        _warn_if_uncovered(op_context)
     try:
         settled = _settle_batch(step, jobs) if batch else _settle_per_key(step, jobs)
     finally:
@@ -695,6 +696,17 @@ def _settle(
         if _report_step(op_context, settled.results) is not None:
             settle_run_tags(op_context.instance, op_context.run_id)
     return settled
+
+
+def _warn_if_uncovered(context: dg.OpExecutionContext) -> None:
+    """Say in the step's log when this code location has no not-run sensors (see not_run_coverage)."""
+    try:
+        repository: dg.RepositoryDefinition | None = context.repository_def
+    except Exception:  # a step run outside a code location has none
+        repository = None
+    note = not_run_coverage.uncovered_note(repository)
+    if note is not None:
+        context.log.warning(note)
 
 
 def _not_done_failure(settled: _Settled, step_metadata: Mapping[str, Any]) -> dg.Failure:

@@ -9,7 +9,10 @@ anything in it (a leased step records an engine event when it starts and when it
 ``joblease/*`` step tags to ``not-run``. Runs that carry no ``joblease/*`` step tag are left alone.
 
 Turn them on (they default to RUNNING) with :func:`build_not_run_sensors`; they watch every job of their
-code location (or ``monitored_jobs``; ``monitor_all_code_locations=True`` for every location).
+code location (or ``monitored_jobs``; ``monitor_all_code_locations=True`` for every location). A
+Components location gets them from ``JobLeaseResourceComponent`` (``not_run_sensors``, default on); a
+leased step in a location without them logs a warning saying so
+(:mod:`~dagster_joblease.dagster.not_run_coverage`).
 """
 
 from __future__ import annotations
@@ -19,7 +22,7 @@ from typing import Any
 
 import dagster as dg
 
-from dagster_joblease.dagster import metadata
+from dagster_joblease.dagster import metadata, not_run_coverage
 from dagster_joblease.dagster.ops import step_records
 
 __all__ = ["NOT_RUN_STATUSES", "build_not_run_sensors", "not_run_tags_for"]
@@ -89,8 +92,8 @@ def build_not_run_sensors(
                 default_status=default_status,
                 monitor_all_code_locations=monitor_all_code_locations,
                 description=(
-                    f"Rewrites the joblease/* tags of {status.value.lower()} runs whose leased step never "
-                    "ran (copied from a parent run) to not-run."
+                    f"{not_run_coverage.DESCRIPTION_PREFIX}{status.value.lower()} runs whose leased step "
+                    "never ran (copied from a parent run) to not-run."
                 ),
                 **kwargs,
             )(_rewrite)

@@ -2,6 +2,8 @@
 
 - ``plain``: the Pythonic way: the jobs and ``build_not_run_sensors()``, no reconciliation sensor,
   nothing else.
+- ``bare``: the Pythonic way with no sensors at all (nothing can correct a copy there: its leased steps
+  say so in their log).
 - ``components``: ``tests/dagster/not_run_components``, loaded as a defs folder: the resource component
   with its defaults and the jobs, no sensor declared by hand.
 """
@@ -19,6 +21,7 @@ from tests.dagster import jobs, not_run_components
 plain = dg.Definitions(
     jobs=[jobs.not_run_after_job(), jobs.not_run_before_job()], sensors=build_not_run_sensors()
 )
+bare = dg.Definitions(jobs=[jobs.not_run_after_job(), jobs.not_run_before_job()])
 components = ComponentTree.from_module(
     defs_module=not_run_components, project_root=Path(__file__).resolve().parents[2]
 ).build_defs()

@@ -12,6 +12,7 @@ location's own run-status sensors is evaluated on the run's finish event, as the
 from __future__ import annotations
 
 import contextlib
+import logging
 import sys
 from collections.abc import Iterator
 from pathlib import Path
@@ -118,6 +119,15 @@ def _location_sensors_see_it_finish(
     return {k: v for k, v in after.tags.items() if k.startswith("joblease/")}
 
 
+def _warned(instance: dg.DagsterInstance, run_id: str) -> list[str]:
+    """The step log's warnings that the location has no not-run sensors."""
+    return [
+        e.user_message
+        for e in instance.all_logs(run_id)
+        if e.level == logging.WARNING and "no not-run sensors" in e.user_message
+    ]
+
+
 def _defs(attribute: str) -> dg.Definitions:
     from tests.dagster import not_run_locations
 
@@ -140,6 +150,7 @@ def test_a_reexecution_from_failure_that_runs_only_a_later_step_says_not_run(
     day = {"plain": "2024-10-01", "components": "2024-10-02"}[attribute]
     parent = _run(instance, attribute, "not_run_after_job", day)
     assert parent.status == dg.DagsterRunStatus.FAILURE and parent.tags[TAG_OUTCOME] == "won"
+    assert _warned(instance, parent.run_id) == []  # the location has them: its leased step says nothing
     marker.unlink()
 
     child = _reexecute(instance, attribute, parent.run_id, ReexecutionStrategy.FROM_FAILURE)
@@ -233,3 +244,24 @@ def test_a_location_with_the_component_and_its_own_not_run_sensors_is_refused_na
         dg.DagsterInvalidDefinitionError, match="Duplicate definition found for joblease_not_run_"
     ):
         both.get_repository_def()
+
+
+def test_a_leased_step_in_a_location_without_not_run_sensors_says_so_in_its_log(
+    dagster_pg: DagsterPg, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The plain-Python location with no sensors at all: nothing of the library runs in a re-execution that
+    does not run the leased step, so nothing can correct Dagster's copy there; the leased step's own log
+    says so (and how to fix it) in every run, where the person reading the run looks."""
+    instance = dagster_pg.instance
+    marker = tmp_path / "fail"
+    marker.write_text("")
+    monkeypatch.setenv(jobs.NOT_RUN_FAIL_ENV, str(marker))
+    parent = _run(instance, "bare", "not_run_after_job", "2024-10-05")
+    assert parent.tags[TAG_OUTCOME] == "won"
+    (warning,) = _warned(instance, parent.run_id)
+    assert "build_not_run_sensors()" in warning and "not_run_sensors: false" in warning
+    marker.unlink()
+    child = _reexecute(instance, "bare", parent.run_id, ReexecutionStrategy.FROM_FAILURE)
+    # What the warning is about: the copy stands (no sensor of the location exists to correct it).
+    assert child.status == dg.DagsterRunStatus.SUCCESS and child.tags[TAG_OUTCOME] == "won"
+    assert _defs("bare").get_repository_def().sensor_defs == []
