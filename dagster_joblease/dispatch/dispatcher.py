@@ -83,8 +83,7 @@ from dagster_joblease.dispatch.routes import Route
 from dagster_joblease.dispatch.transport import Sender, TooLate
 from dagster_joblease.options import MAX_DURATION_MS
 from dagster_joblease.storage import route_groups
-from dagster_joblease.storage.autocommit import autocommit_connections
-from dagster_joblease.storage.engine import is_psycopg, translate_errors
+from dagster_joblease.storage.engine import translate_errors
 
 __all__ = ["DispatchReport", "Dispatcher", "RowOutcome"]
 
@@ -363,18 +362,9 @@ class Dispatcher(Claimer):
             self._local_pause[name] = local + remaining_ms / 1000
 
     def _read_pauses(self) -> dict[str, int]:
-        """The groups paused now and each pause's remaining ms: on PostgreSQL with psycopg one prepared
-        statement on an autocommit connection kept beside the pool (this runs every
-        :data:`PAUSE_REFRESH_S` while rows wait to start), else a read through the engine."""
-        engine = self.engine
-        with translate_errors("read limit group pauses"):
-            if is_psycopg(engine.dialect):
-                with autocommit_connections(engine).connection(engine) as handle:
-                    cursor = handle.cursor
-                    cursor.execute(route_groups.PAUSED_SQL, (self._group_list,), prepare=True)
-                    return {str(name): int(ms) for name, ms in cursor.fetchall()}
-            with engine.connect() as conn:
-                return route_groups.paused_remaining(conn, self.groups)
+        """The groups paused now and each pause's remaining ms (this runs every :data:`PAUSE_REFRESH_S`
+        while rows wait to start)."""
+        return route_groups.paused_now(self.engine, self._group_list)
 
     def _deliver(self, row: Claimed) -> policy.Decision | None:
         """POST one row and judge the answer (no database work here); None: give the claim back."""

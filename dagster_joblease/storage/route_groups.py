@@ -12,15 +12,16 @@ from __future__ import annotations
 
 import dataclasses
 import datetime as dt
-from collections.abc import Collection
+from collections.abc import Collection, Sequence
 from typing import Any
 
 import sqlalchemy as sa
 from sqlalchemy.dialects import postgresql, sqlite
 
 from dagster_joblease import limits
-from dagster_joblease.storage import outbox
+from dagster_joblease.storage import driver, outbox
 from dagster_joblease.storage.clock import db_now, db_now_plus_ms
+from dagster_joblease.storage.engine import is_psycopg, translate_errors
 from dagster_joblease.storage.schema import route_group_table
 
 __all__ = [
@@ -29,6 +30,7 @@ __all__ = [
     "database_now",
     "delete_all",
     "lock_group",
+    "paused_now",
     "paused_remaining",
     "read_states",
     "record_answers",
@@ -142,15 +144,35 @@ def read_states(conn: sa.Connection, groups: Collection[str] | None = None) -> d
     return {row.limit_group: _state(row) for row in conn.execute(stmt.order_by(g.c.limit_group))}
 
 
-#: PostgreSQL (psycopg, positional): the groups among ``%s`` (a list) paused now on the database clock,
-#: each with the pause's remaining milliseconds; one autocommit statement, for the dispatcher's frequent
-#: re-read of pauses other dispatchers opened (a read through SQLAlchemy's pool took a transaction: three
-#: round trips and about 2 ms of client CPU).
-PAUSED_SQL = (
-    "SELECT limit_group, CAST(ceil(extract(epoch FROM paused_until - n.now) * 1000) AS bigint)"
-    " FROM joblease_route_group, (SELECT clock_timestamp() AS now) AS n"
-    " WHERE limit_group = ANY(%s) AND paused_until > n.now"
+_NOW = sa.select(sa.func.clock_timestamp().label("now")).subquery("n")
+
+#: PostgreSQL: the groups among ``groups`` (a list) paused now on the database clock (one reading), each
+#: with the pause's remaining milliseconds. Run by :func:`paused_now` through :func:`driver.statements`:
+#: one prepared autocommit statement, for the dispatcher's frequent re-read of pauses other dispatchers
+#: opened (a read through SQLAlchemy's pool took a transaction: three round trips and about 2 ms of client
+#: CPU).
+_PAUSED = driver.query(
+    sa.select(
+        g.c.limit_group,
+        sa.cast(sa.func.ceil(sa.extract("epoch", g.c.paused_until - _NOW.c.now) * 1000), sa.BigInteger),
+    )
+    .select_from(g, _NOW)
+    .where(
+        g.c.limit_group == sa.any_(sa.bindparam("groups", type_=postgresql.ARRAY(sa.String()))),
+        g.c.paused_until > _NOW.c.now,
+    )
 )
+
+
+def paused_now(engine: sa.Engine, groups: Sequence[str]) -> dict[str, int]:
+    """The groups among ``groups`` paused now, each with its pause's remaining ms, read outside any
+    transaction of the caller's: on PostgreSQL with psycopg one prepared statement on the library's own
+    autocommit connections, else a read through the engine."""
+    if is_psycopg(engine.dialect):
+        with driver.statements(engine, "read limit group pauses") as db:
+            return {str(name): int(ms) for name, ms in db.rows(_PAUSED, {"groups": list(groups)})}
+    with translate_errors("read limit group pauses"), engine.connect() as conn:
+        return paused_remaining(conn, groups)
 
 
 def paused_remaining(conn: sa.Connection, groups: Collection[str]) -> dict[str, int]:
