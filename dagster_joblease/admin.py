@@ -31,7 +31,8 @@ import sqlalchemy as sa
 from dagster_joblease import errors, identity, staleness
 from dagster_joblease.lease import LeaseStatus, bound_error
 from dagster_joblease.options import MAX_DURATION_MS, default_heartbeat_ms
-from dagster_joblease.storage import leases, outbox
+from dagster_joblease.outbox import OutboxStatus
+from dagster_joblease.storage import leases, outbox, route_groups
 from dagster_joblease.storage.engine import translate_errors
 
 __all__ = [
@@ -77,7 +78,7 @@ ADMIN_RESET_PREFIX = "admin reset"
 FORCED_MARK = "forced while live"
 MAX_LIMIT = 10_000
 
-_OUTBOX_STATUSES = ("PENDING", "SENT", "DEAD")
+_OUTBOX_STATUSES = tuple(s.value for s in OutboxStatus)
 _LEASE_STATUSES = tuple(s.value for s in LeaseStatus)
 _KEY_RE = re.compile(r"v2:[0-9a-f]{64}")
 
@@ -611,7 +612,8 @@ def _outbox_row(row: sa.Row[Any]) -> OutboxRow:
 def list_outbox(
     engine: sa.Engine, *, status: str | None = None, topic: str | None = None, limit: int = 100
 ) -> list[OutboxRow]:
-    """Outbox rows (without payloads), newest first; ``status`` is ``pending``, ``sent`` or ``dead``."""
+    """Outbox rows (without payloads), newest first; ``status`` is ``pending``, ``sent``, ``dead`` or
+    ``skipped``."""
     wanted = _check_status(status, _OUTBOX_STATUSES, "outbox")
     limit = _check_limit(limit)
     name = None if topic is None else _check_text("topic", topic)
@@ -625,9 +627,10 @@ def requeue(
 ) -> int:
     """Make rows due again with their original idempotency key; returns how many were requeued.
 
-    Exactly one selection: ``row_id`` (a DEAD row, or a PENDING row waiting out its backoff — not one a
-    dispatcher is delivering right now), ``all_dead`` (every DEAD row) or ``topic`` (every DEAD row of that
-    topic; ``all_dead`` may be given with it). Each row gets ``status=PENDING``, ``attempts=0``,
+    Exactly one selection: ``row_id`` (a DEAD or SKIPPED row, or a PENDING row waiting out its backoff —
+    not one a dispatcher is delivering right now), ``all_dead`` (every DEAD row) or ``topic`` (every DEAD
+    row of that topic; ``all_dead`` may be given with it; SKIPPED rows are requeued only by id).
+    Each row gets ``status=PENDING``, ``attempts=0``,
     ``next_attempt_at`` = database now and no claim. ``last_status``/``last_error`` are kept as history until
     the next delivery attempt overwrites them. SENT rows are never requeued. The row's first-attempt time is
     cleared, so a route's ``dedupe_window`` restarts from the next attempt: requeueing a row dead-lettered
@@ -656,7 +659,7 @@ def _requeue_one(engine: sa.Engine, row_id: int) -> int:
         if refusal is not None:
             raise AdminRefusedError(refusal)
         # Re-check at the write the state the refusal above rested on.
-        updated = outbox.requeue_one(conn, row_id, dead=status == "DEAD")
+        updated = outbox.requeue_one(conn, row_id, status)
         if updated != 1:
             raise AdminRefusedError(
                 f"outbox row {row_id} changed while it was being requeued; nothing was changed"
@@ -677,15 +680,18 @@ def requeue_refusal(row_id: int, status: str, *, claimed: bool) -> str | None:
     return None
 
 
-def skip(engine: sa.Engine, row_id: int) -> str:
-    """Release the ordering key DEAD row ``row_id`` blocks, so that the key's later rows flow again; the
-    ordering key released.
+def skip(engine: sa.Engine, row_id: int) -> str | None:
+    """Mark DEAD row ``row_id`` SKIPPED: a person decided it is never sent. Returns its ordering key (None
+    when it has none).
 
-    The row stays DEAD and undelivered, without its ordering key; its ``last_error`` says it was skipped
-    and keeps the error it had. A later ``requeue`` of it delivers it without ordering (after whatever of
-    its key went meanwhile). Refused for a row that is not DEAD (a PENDING row holds its key only while it
-    is due or retrying: let it finish, or requeue it) and for a DEAD row without an ordering key (it
-    blocks nothing)."""
+    SKIPPED is terminal for the dispatcher: the row is never claimed, it no longer counts as dead (the
+    ``no_dead_rows`` check, ``outbox status``), and it keeps its ordering key, which no longer holds that
+    key's later rows back (:func:`dagster_joblease.storage.outbox.head_of_its_key` counts PENDING and DEAD
+    rows only): they flow again, in order. Its ``last_error`` says who skipped it and when (the database
+    clock), and keeps the error it had. ``requeue`` of it makes it PENDING again (sent after whatever of its
+    key is still waiting, in id order). Refused for a row that is not DEAD: a PENDING row is still being
+    delivered or retried (let it finish, or wait until it is DEAD), a SENT row was delivered, a SKIPPED row
+    already is."""
     if isinstance(row_id, bool) or not isinstance(row_id, int):
         raise AdminArgumentError(f"invalid outbox row id {row_id!r}: must be an int")
     with translate_errors("skip an outbox row"), engine.begin() as conn:
@@ -693,22 +699,36 @@ def skip(engine: sa.Engine, row_id: int) -> str:
         if current is None:
             raise errors.NotFoundError(f"no outbox row with id {row_id}; see `joblease outbox list`")
         status, ordering_key, last_error = current
-        if status != "DEAD":
-            raise AdminRefusedError(
-                f"outbox row {row_id} is {status}; only a DEAD row is skipped (a PENDING row holds its key "
-                "while it is retried: wait for it, or requeue it once it is DEAD)"
-            )
-        if ordering_key is None:
-            raise AdminRefusedError(
-                f"outbox row {row_id} has no ordering key, so it blocks no other row; requeue it "
-                f"(`joblease outbox requeue {row_id}`) or leave it DEAD"
-            )
-        note = f"skipped by an operator: ordering key {ordering_key!r} released, the row stays undelivered"
-        if outbox.skip_dead(conn, row_id, f"{note} (last error: {last_error})" if last_error else note) != 1:
+        refusal = skip_refusal(row_id, status)
+        if refusal is not None:
+            raise AdminRefusedError(refusal)
+        note = skip_note(route_groups.database_now(conn), ordering_key, last_error)
+        if outbox.skip_dead(conn, row_id, note) != 1:
             raise AdminRefusedError(
                 f"outbox row {row_id} changed while it was being skipped; nothing was changed"
             )
-        return str(ordering_key)
+        return None if ordering_key is None else str(ordering_key)
+
+
+def skip_refusal(row_id: int, status: str) -> str | None:
+    """Why one outbox row may not be skipped (None: it may): only a DEAD row is."""
+    if status == OutboxStatus.DEAD:
+        return None
+    why = {
+        OutboxStatus.PENDING.value: "it is still being delivered or retried: let it finish, or skip it once "
+        "it is DEAD",
+        OutboxStatus.SENT.value: "it was delivered; there is nothing to skip",
+        OutboxStatus.SKIPPED.value: f"it already is; `joblease outbox requeue {row_id}` sends it after all",
+    }.get(status, "unknown status")
+    return f"outbox row {row_id} is {status}; only a DEAD row is skipped ({why})"
+
+
+def skip_note(now: datetime, ordering_key: str | None, last_error: str | None) -> str:
+    """The ``last_error`` a skipped row keeps: who skipped it, when (``now``, the database clock), its
+    ordering key, and the error it had."""
+    key = "" if ordering_key is None else f"; its ordering key {ordering_key!r} flows on"
+    note = f"skipped by an operator at {now.isoformat(timespec='seconds')}: never sent{key}"
+    return f"{note} (last error: {last_error})" if last_error else note
 
 
 def purge_sent(engine: sa.Engine, *, older_than_ms: int, min_retention_ms: int, dry_run: bool = False) -> int:
@@ -718,7 +738,9 @@ def purge_sent(engine: sa.Engine, *, older_than_ms: int, min_retention_ms: int, 
     downstream's own deduplication then stops a second effect. So the window must be at least
     ``min_retention_ms``, which documents the downstream's deduplication window, or
     :class:`RetentionWindowError` is raised and nothing is deleted. ``$JOBLEASE_OUTBOX_MIN_RETENTION``, when
-    set, is a floor under ``min_retention_ms``. PENDING and DEAD rows are never purged.
+    set, is a floor under ``min_retention_ms``. SKIPPED rows skipped more than ``older_than_ms`` ago go too
+    (aged by ``updated_at``, which the skip set to the database clock). PENDING and DEAD rows are never
+    purged.
     """
     window = _check_ms("older_than_ms", older_than_ms)
     floor, source = _floor(_check_ms("min_retention_ms", min_retention_ms), MIN_RETENTION_ENV)

@@ -821,7 +821,9 @@ def _next_attempt(row: admin.OutboxRow) -> str:
 
 @outbox.command("list", short_help="List outbox rows with their last status and error.")
 @click.option(
-    "--status", type=click.Choice(["pending", "sent", "dead"], case_sensitive=False), help="Only this status."
+    "--status",
+    type=click.Choice(["pending", "sent", "dead", "skipped"], case_sensitive=False),
+    help="Only this status.",
 )
 @click.option("--topic", help="Only this topic.")
 @click.option(
@@ -888,8 +890,9 @@ def _blocked_keys_text(count: int, blocked: Sequence[Any]) -> str:
 @json_option
 def outbox_status(routes_file: Path | None, route_specs: tuple[str, ...], as_json: bool) -> None:
     """Delivery status on the database clock: per topic the rows due, in flight, waiting (backoff or
-    pause), retrying and dead; per limit group the requests in flight (every dispatcher), the limits in
-    force, and a pause (until when, and why). Give the routes to see which group each topic is in."""
+    pause), retrying, dead and skipped (never sent by a person's decision: not dead); per limit group the
+    requests in flight (every dispatcher), the limits in force, and a pause (until when, and why). Give
+    the routes to see which group each topic is in."""
     from dagster_joblease import delivery_status
 
     routes = _routes(routes_file, route_specs) if routes_file or route_specs else {}
@@ -900,13 +903,13 @@ def outbox_status(routes_file: Path | None, route_specs: tuple[str, ...], as_jso
         _echo_json(status.to_json())
         return
     if not status.topics:
-        click.echo("no pending or dead outbox rows")
+        click.echo("no pending, dead or skipped outbox rows")
     else:
         click.echo(
             render_table(
-                ["TOPIC", "GROUP", "DUE", "IN FLIGHT", "WAITING", "RETRYING", "DEAD"],
+                ["TOPIC", "GROUP", "DUE", "IN FLIGHT", "WAITING", "RETRYING", "DEAD", "SKIPPED"],
                 [
-                    [t.topic, t.limit_group, t.due, t.in_flight, t.waiting, t.retrying, t.dead]
+                    [t.topic, t.limit_group, t.due, t.in_flight, t.waiting, t.retrying, t.dead, t.skipped]
                     for t in status.topics
                 ],
                 {"TOPIC": 40, "GROUP": 40},
@@ -943,7 +946,8 @@ def outbox_requeue(row_id: int | None, all_dead: bool, topic: str | None) -> Non
     """Make rows due again with their original idempotency key: one ID, --all-dead, or --topic T.
 
     Attempts restart at 0 and the claim is cleared; the last status and error stay visible until the next
-    attempt. SENT rows, and rows a dispatcher is delivering right now, are refused.
+    attempt. SENT rows, and rows a dispatcher is delivering right now, are refused. A SKIPPED row (`outbox
+    skip`) is requeued by its ID only: --all-dead and --topic take DEAD rows.
     """
     if row_id is None and not all_dead and topic is None:
         raise click.UsageError("give an ID, --all-dead or --topic TOPIC")
@@ -957,19 +961,21 @@ def outbox_requeue(row_id: int | None, all_dead: bool, topic: str | None) -> Non
     )
 
 
-@outbox.command("skip", short_help="Give up on a DEAD row so that its ordering key flows again.")
+@outbox.command("skip", short_help="Never send a DEAD row: it becomes SKIPPED, its ordering key flows.")
 @click.argument("row_id", type=int, metavar="ID")
 def outbox_skip(row_id: int) -> None:
-    """Release the ordering key that DEAD row ID blocks: the key's later rows are delivered again, in
-    order. The row stays DEAD and is never sent (its last error says it was skipped); requeueing it later
-    sends it without ordering. To send the row itself first instead, `joblease outbox requeue ID`.
+    """Mark DEAD row ID SKIPPED: a person decided it is never sent. It no longer counts as dead (`outbox
+    status`, the no_dead_rows check), keeps its ordering key, and no longer holds that key's later rows
+    back: they are delivered again, in order. Its last error says it was skipped by an operator, and when
+    (the database clock). `joblease outbox requeue ID` makes it PENDING again (it is then sent);
+    `outbox purge` deletes it once it was skipped longer ago than --sent-before.
 
-    Refused (exit 1) for a row that is not DEAD, or has no ordering key."""
+    Refused (exit 1) for a row that is not DEAD (PENDING, SENT, or already SKIPPED), or missing."""
     key = admin.skip(_state().engine(), row_id)
-    click.echo(
-        f"skipped outbox row {row_id}: ordering key {key!r} released, its later rows are claimed again in "
-        "order; the row stays DEAD, undelivered"
+    flows = (
+        "" if key is None else f"; ordering key {key!r} released, its later rows are claimed again in order"
     )
+    click.echo(f"skipped outbox row {row_id}: SKIPPED, never sent{flows}")
 
 
 @outbox.command("resume", short_help="End a limit group's pause now.")
@@ -997,9 +1003,13 @@ def outbox_resume(group: str) -> None:
     )
 
 
-@outbox.command("purge", short_help="Delete SENT rows older than a window.")
+@outbox.command("purge", short_help="Delete SENT (and SKIPPED) rows older than a window.")
 @click.option(
-    "--sent-before", type=DURATION, required=True, help="Delete SENT rows delivered longer ago (e.g. 7d)."
+    "--sent-before",
+    type=DURATION,
+    required=True,
+    help="Delete SENT rows delivered longer ago (e.g. 7d), and SKIPPED rows skipped longer ago (their "
+    "updated_at, set to the database clock by the skip).",
 )
 @click.option(
     "--min-retention",
@@ -1010,7 +1020,8 @@ def outbox_resume(group: str) -> None:
 )
 @click.option("--dry-run", is_flag=True, help="Only count the rows that would be deleted.")
 def outbox_purge(sent_before: int, min_retention: int | None, dry_run: bool) -> None:
-    """Delete SENT rows older than the window; PENDING and DEAD rows are kept.
+    """Delete SENT rows older than the window, and SKIPPED rows skipped before it (by updated_at, which
+    `outbox skip` sets to the database clock); PENDING and DEAD rows are kept.
 
     After a purge, enqueueing the same key again delivers it again, so the window must be at least the
     downstream's deduplication window.
@@ -1021,7 +1032,7 @@ def outbox_purge(sent_before: int, min_retention: int | None, dry_run: bool) -> 
         min_retention_ms=_floor_option(min_retention, MIN_RETENTION_ENV, admin.DEFAULT_MIN_RETENTION_MS),
         dry_run=dry_run,
     )
-    click.echo(f"{'would delete' if dry_run else 'deleted'} {count} SENT outbox row(s)")
+    click.echo(f"{'would delete' if dry_run else 'deleted'} {count} SENT or SKIPPED outbox row(s)")
 
 
 # -- dispatch --------------------------------------------------------------------------------------

@@ -28,6 +28,7 @@ class TopicStatus:
     waiting: int  #: pending, waiting out a backoff or a pause
     retrying: int  #: pending rows that already failed at least once (not in flight)
     dead: int
+    skipped: int = 0  #: SKIPPED: a person decided they are never sent (not dead, hold no key)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -108,7 +109,7 @@ def topic_statuses(counts: Mapping[str, Sequence[int]], topic_groups: Mapping[st
     """One status per topic that has rows (``counts``) or a route (``topic_groups``), sorted by topic;
     a routed topic without rows counts zeros."""
     return [
-        TopicStatus(t, topic_groups.get(t), *counts.get(t, [0, 0, 0, 0, 0]))
+        TopicStatus(t, topic_groups.get(t), *counts.get(t, [0, 0, 0, 0, 0, 0]))
         for t in sorted(set(counts) | set(topic_groups))
     ]
 

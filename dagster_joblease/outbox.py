@@ -63,6 +63,9 @@ class OutboxStatus(enum.StrEnum):
     PENDING = "PENDING"  #: waiting for (another) delivery attempt at next_attempt_at
     SENT = "SENT"  #: the downstream answered 2xx
     DEAD = "DEAD"  #: parked: permanent failure or attempts exhausted; requeue deliberately
+    SKIPPED = (
+        "SKIPPED"  #: a person decided this row is never sent (``joblease outbox skip``); requeue undoes it
+    )
 
 
 #: Rows a dispatcher may claim now (see :func:`dagster_joblease.storage.outbox.due_clause`).

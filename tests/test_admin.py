@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import multiprocessing
 import secrets
+from datetime import UTC, datetime
 
 import pytest
 import sqlalchemy as sa
@@ -129,6 +130,7 @@ def test_a_lease_not_found_names_what_was_looked_up_and_what_to_try(
         ("PENDING", True, "outbox row 7 is being delivered by a dispatcher right now (unexpired claim); "),
         ("SENT", False, "outbox row 7 was already SENT; requeueing delivered rows is not supported"),
         ("SENT", True, "outbox row 7 was already SENT"),
+        ("SKIPPED", False, None),  # a person's skip is undone by a requeue
     ],
 )
 def test_requeue_refuses_a_sent_row_and_one_being_delivered(
@@ -136,6 +138,49 @@ def test_requeue_refuses_a_sent_row_and_one_being_delivered(
 ) -> None:
     said = admin.requeue_refusal(7, status, claimed=claimed)
     assert said is None if refusal is None else (said is not None and said.startswith(refusal)), said
+
+
+@pytest.mark.parametrize(
+    ("status", "refusal"),
+    [
+        ("DEAD", None),
+        (
+            "PENDING",
+            "outbox row 7 is PENDING; only a DEAD row is skipped (it is still being delivered or retried",
+        ),
+        ("SENT", "outbox row 7 is SENT; only a DEAD row is skipped (it was delivered"),
+        (
+            "SKIPPED",
+            "outbox row 7 is SKIPPED; only a DEAD row is skipped (it already is; `joblease outbox requeue 7`",
+        ),
+    ],
+)
+def test_skip_refuses_every_row_that_is_not_dead(status: str, refusal: str | None) -> None:
+    said = admin.skip_refusal(7, status)
+    assert said is None if refusal is None else (said is not None and said.startswith(refusal)), said
+
+
+@pytest.mark.parametrize(
+    ("key", "last_error", "note"),
+    [
+        (None, None, "skipped by an operator at 2026-12-04T22:00:01+00:00: never sent"),
+        (
+            "k",
+            None,
+            "skipped by an operator at 2026-12-04T22:00:01+00:00: never sent; its ordering key 'k' flows on",
+        ),
+        (
+            None,
+            "HTTP 400",
+            "skipped by an operator at 2026-12-04T22:00:01+00:00: never sent (last error: HTTP 400)",
+        ),
+    ],
+)
+def test_skip_note_says_who_when_and_keeps_the_error(
+    key: str | None, last_error: str | None, note: str
+) -> None:
+    now = datetime(2026, 12, 4, 22, 0, 1, 250_000, tzinfo=UTC)
+    assert admin.skip_note(now, key, last_error) == note
 
 
 def test_admin_fail_refuses_a_live_lease_then_force_fences_the_old_holder(engine: sa.Engine) -> None:
@@ -246,7 +291,7 @@ def test_outbox_stats_list_requeue_and_purge(engine: sa.Engine) -> None:
     add_outbox_row(engine, "k-sent-new", "billing", status="SENT", attempts=1, sent_ago_ms=0)
 
     stats = admin.outbox_stats(engine)
-    assert dict(stats.by_status) == {"PENDING": 4, "SENT": 2, "DEAD": 2}
+    assert dict(stats.by_status) == {"PENDING": 4, "SENT": 2, "DEAD": 2, "SKIPPED": 0}
     assert stats.total == 8
     assert stats.due == 2  # the backed-off and the claimed rows are not due
     assert stats.oldest_due_age_ms is not None and stats.oldest_due_age_ms >= 5 * 60_000

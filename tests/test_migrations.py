@@ -295,7 +295,7 @@ def test_claim_indexes_upgrade_a_0004_database_with_rows_in_place(empty_engine: 
         assert admin.show_lease(empty_engine, "solo").run_key is None
 
     migrate(empty_engine)
-    assert current_revision(empty_engine) == head_revision() == "0008"
+    assert current_revision(empty_engine) == head_revision() == "0009"
     assert check_schema(empty_engine).ok
     lease_ix = _index_names(empty_engine, "joblease_lease")
     assert "ix_joblease_lease_code_run_key" not in lease_ix
@@ -401,7 +401,7 @@ def test_check_domains_upgrade_a_0005_database_with_rows_in_place(empty_engine: 
     assert _refused_rows(empty_engine) == 6
 
     migrate(empty_engine)
-    assert current_revision(empty_engine) == head_revision() == "0008"
+    assert current_revision(empty_engine) == head_revision() == "0009"
     assert check_schema(empty_engine).ok, check_schema(empty_engine).differences
     # PostgreSQL: no table CHECK left on the hot tables; SQLite keeps every one.
     assert checks() == (set() if pg else before)
@@ -458,3 +458,103 @@ def test_check_schema_reports_a_column_that_lost_its_domain(pg_engine: sa.Engine
     diff = check_schema(pg_engine)
     assert not diff.ok
     assert any("joblease_outbox" in d and "status" in d for d in diff.differences), diff.differences
+
+
+def _outbox_status_refused(engine: sa.Engine, status: str) -> bool:
+    """Whether the database refuses an outbox row with ``status`` (the row is rolled back either way)."""
+    from dagster_joblease import outbox
+
+    try:
+        with engine.begin() as conn:
+            outbox.enqueue_once(conn, topic="t", payload={}, idempotency_key=f"probe-{uuid.uuid4().hex}")
+            conn.execute(
+                sa.text("UPDATE joblease_outbox SET status = :s WHERE idempotency_key LIKE 'probe-%'"),
+                {"s": status},
+            )
+            raise _RolledBack
+    except sa.exc.IntegrityError:
+        return True
+    except _RolledBack:
+        return False
+
+
+class _RolledBack(Exception):
+    pass
+
+
+def test_outbox_skipped_status_upgrades_a_0008_database_with_rows_in_every_status(
+    empty_engine: sa.Engine,
+) -> None:
+    """0009 widens the outbox status rule (PostgreSQL: the domain's CHECK, replaced NOT VALID and then
+    validated; SQLite: the table rebuilt) to admit SKIPPED. Rows in every status written before keep
+    their values, ids, keys and indexes; a value outside the rule is still refused; the downgrade turns
+    SKIPPED rows into what the previous build made of a skip (DEAD without an ordering key)."""
+    from alembic import command
+
+    from dagster_joblease import outbox
+    from dagster_joblease.storage.migrate import _config
+    from dagster_joblease.storage.schema import outbox_table as t
+
+    migrate(empty_engine, "0008")
+    statuses = {"p": "PENDING", "s": "SENT", "d": "DEAD", "k": "DEAD"}
+    with empty_engine.begin() as conn:
+        for name in statuses:
+            outbox.enqueue_once(
+                conn,
+                topic="t",
+                payload={"n": name},
+                idempotency_key=name,
+                ordering_key="key" if name == "k" else None,
+            )
+        for name, status in statuses.items():
+            conn.execute(sa.update(t).where(t.c.idempotency_key == name).values(status=status))
+
+    def rows() -> list[Any]:
+        with empty_engine.connect() as conn:
+            return list(
+                conn.execute(
+                    sa.select(t.c.id, t.c.idempotency_key, t.c.status, t.c.ordering_key).order_by(t.c.id)
+                )
+            )
+
+    before = rows()
+    assert _outbox_status_refused(empty_engine, "SKIPPED")
+    migrate(empty_engine)
+    assert current_revision(empty_engine) == head_revision() == "0009"
+    assert check_schema(empty_engine).ok, check_schema(empty_engine).differences
+    assert rows() == before
+    assert not _outbox_status_refused(empty_engine, "SKIPPED")
+    assert _outbox_status_refused(empty_engine, "BOGUS")
+    assert _refused_rows(empty_engine) == 6  # every other rule still holds
+    assert _index_names(empty_engine, "joblease_outbox") >= {
+        "ix_joblease_outbox_due",
+        "ix_joblease_outbox_dead",
+        "ix_joblease_outbox_sent_at",
+        "ix_joblease_outbox_claim_group",
+        "ix_joblease_outbox_ordering",
+    }
+    if empty_engine.dialect.name == "postgresql":
+        with empty_engine.connect() as conn:
+            validated = (
+                conn.execute(
+                    sa.text(
+                        "SELECT convalidated FROM pg_constraint c JOIN pg_type y ON y.oid = c.contypid"
+                        " WHERE y.typname = 'joblease_outbox_status'"
+                    )
+                )
+                .scalars()
+                .all()
+            )
+        assert validated == [True]
+
+    with empty_engine.begin() as conn:
+        conn.execute(sa.update(t).where(t.c.idempotency_key == "k").values(status="SKIPPED"))
+    with empty_engine.begin() as conn:
+        command.downgrade(_config(conn), "0008")
+    assert current_revision(empty_engine) == "0008"
+    assert _outbox_status_refused(empty_engine, "SKIPPED")
+    after = {r.idempotency_key: (r.status, r.ordering_key) for r in rows()}
+    assert after == {"p": ("PENDING", None), "s": ("SENT", None), "d": ("DEAD", None), "k": ("DEAD", None)}
+    migrate(empty_engine)
+    assert check_schema(empty_engine).ok
+    assert not _outbox_status_refused(empty_engine, "SKIPPED")

@@ -306,16 +306,23 @@ def test_a_dead_row_blocks_its_key_visibly_until_requeued_or_skipped(db_url: str
             assert not check.passed and check.metadata["blocked_ordering_keys"].value == 2
             assert f"ordering key 'r' is blocked by DEAD row {ids['r/000']}" in (check.description or "")
 
-            # Skip: refused for a row that is not DEAD, and for a DEAD row without a key.
+            # Skip: refused for a row that is not DEAD (SENT here) or missing; a DEAD row with or without a
+            # key becomes SKIPPED, never sent, and a keyed one's key flows on.
             refused = _cli(db_url, "outbox", "skip", str(ids["other/000"]))
-            assert refused.exit_code == 1 and "only a DEAD row is skipped" in refused.output
-            refused = _cli(db_url, "outbox", "skip", str(ids["n/000"]))
-            assert refused.exit_code == 1 and "has no ordering key" in refused.output
+            assert refused.exit_code == 1 and f"outbox row {ids['other/000']} is SENT" in refused.output
+            assert "only a DEAD row is skipped" in refused.output
+            refused = _cli(db_url, "outbox", "skip", "999999")
+            assert refused.exit_code == 1 and "no outbox row with id 999999" in refused.output
+            skipped = _cli(db_url, "outbox", "skip", str(ids["n/000"]))
+            assert skipped.exit_code == 0 and "SKIPPED, never sent" in skipped.output, skipped.output
             skipped = _cli(db_url, "outbox", "skip", str(ids["s/000"]))
             assert skipped.exit_code == 0 and "ordering key 's' released" in skipped.output
-            # Requeue: the blocking row goes first, then the rest of its key.
-            requeued = _cli(db_url, "outbox", "requeue", str(ids["r/000"]))
-            assert requeued.exit_code == 0, requeued.output
+            again = _cli(db_url, "outbox", "skip", str(ids["s/000"]))
+            assert again.exit_code == 1 and f"outbox row {ids['s/000']} is SKIPPED" in again.output
+            # requeue --all-dead leaves SKIPPED rows alone (r/000 is the only DEAD row left).
+            assert _cli(db_url, "outbox", "requeue", "--all-dead").output.startswith("requeued 1 row(s)")
+            assert _statuses(engine)["s/000"][0] == _statuses(engine)["n/000"][0] == "SKIPPED"
+            # The requeued blocking row goes first, then the rest of its key; the skipped key flows too.
 
             def drained() -> bool:
                 dispatcher.dispatch()
@@ -323,15 +330,42 @@ def test_a_dead_row_blocks_its_key_visibly_until_requeued_or_skipped(db_url: str
                 return all(s[k][0] == "SENT" for k in ("r/000", "r/001", "r/002", "s/001"))
 
             wait_until(drained, timeout=120, interval=0.01)
+            assert dispatcher.dispatch().claimed == 0  # the skipped rows are never claimed
         assert_one_at_a_time_in_order(server, {"r": ["r/000", "r/001", "r/002"]})
+        # Never sent: the skipped rows reached the downstream only while they failed, before the skip.
+        sent_before_skip = [key for _, _, key, _ in server.requests if key in ("s/000", "n/000")]
+        assert all(status == 400 for _, _, key, status in server.requests if key in ("s/000", "n/000"))
     t = outbox_table
     with engine.connect() as conn:
-        row = conn.execute(sa.select(t).where(t.c.id == ids["s/000"])).one()
-    assert row.status == "DEAD" and row.ordering_key is None
-    assert row.last_error.startswith("skipped by an operator: ordering key 's' released")
-    assert "2 ordering key(s) blocked" not in _cli(db_url, "outbox", "status").output
-    assert json.loads(_cli(db_url, "outbox", "status", "--json").stdout)["blocked_key_count"] == 0
-    assert dead_rows_evaluation(engine).metadata["blocked_ordering_keys"].value == 0
+        rows = {
+            r.idempotency_key: r
+            for r in conn.execute(sa.select(t).where(t.c.id.in_([ids["s/000"], ids["n/000"]])))
+        }
+    assert rows["s/000"].status == "SKIPPED" and rows["s/000"].ordering_key == "s"  # it keeps its key
+    assert rows["s/000"].last_error.startswith("skipped by an operator at ")
+    assert "never sent; its ordering key 's' flows on (last error: " in rows["s/000"].last_error
+    assert rows["n/000"].status == "SKIPPED" and rows["n/000"].ordering_key is None
+    assert rows["n/000"].last_error.startswith("skipped by an operator at ")
+    assert len(sent_before_skip) == 2  # one failed attempt each (400 is permanent), none after
+    assert "ordering key(s) blocked" not in _cli(db_url, "outbox", "status").output
+    # Counted apart from dead: `outbox status`, `stats --json`, `list --status skipped`, the check passes.
+    doc = json.loads(_cli(db_url, "outbox", "status", "--json").stdout)
+    assert doc["blocked_key_count"] == 0
+    by_topic = {x["topic"]: (x["dead"], x["skipped"]) for x in doc["topics"]}
+    assert by_topic["refuse"] == (0, 2)
+    assert "SKIPPED" in _cli(db_url, "outbox", "status").output
+    stats = json.loads(_cli(db_url, "outbox", "stats", "--json").stdout)
+    assert stats["by_status"]["SKIPPED"] == 2 and stats["by_status"]["DEAD"] == 0
+    listed = _cli(db_url, "outbox", "list", "--status", "skipped", "--json")
+    assert sorted(r["id"] for r in json.loads(listed.stdout)) == sorted([ids["s/000"], ids["n/000"]])
+    check = dead_rows_evaluation(engine)
+    assert check.passed, check.description
+    assert check.metadata["dead_rows"].value == 0 and check.metadata["skipped_rows"].value == 2
+    assert check.metadata["blocked_ordering_keys"].value == 0
+    # A SKIPPED row requeued is PENDING again (and sent, after its key's earlier live rows: none here).
+    requeued = _cli(db_url, "outbox", "requeue", str(ids["s/000"]))
+    assert requeued.exit_code == 0 and requeued.output.startswith("requeued 1 row(s)"), requeued.output
+    assert _statuses(engine)["s/000"] == ("PENDING", 0, False)
 
 
 def test_limited_routes_keep_each_keys_order_through_their_claims_and_swaps(
@@ -365,3 +399,46 @@ def test_limited_routes_keep_each_keys_order_through_their_claims_and_swaps(
         assert server.most_at_once("/capped") <= 3
         assert_one_at_a_time_in_order(server, _expected(items))
     engine.dispose()
+
+
+def test_skip_refusals_requeue_and_purge_of_skipped_rows(db_url: str, engine: sa.Engine) -> None:
+    """`outbox skip` refuses a PENDING row; a skipped row is purged by the time it was skipped (its
+    updated_at, which the skip sets to the database clock) like a SENT row by its sent_at: an old one
+    goes, a young one stays, a DEAD row always stays."""
+    import datetime as dt
+
+    t = outbox_table
+    _enqueue(
+        engine,
+        [("old", "t", {}), ("young", "t", {}), ("dead", "t", {}), ("sent", "t", {}), ("pending", "t", {})],
+    )
+    ids = _ids(engine)
+    with engine.begin() as conn:
+        conn.execute(
+            sa.update(t).where(t.c.idempotency_key.in_(["old", "young", "dead"])).values(status="DEAD")
+        )
+        long_ago = dt.datetime.now(dt.UTC) - dt.timedelta(days=10)
+        conn.execute(
+            sa.update(t).where(t.c.idempotency_key == "sent").values(status="SENT", sent_at=long_ago)
+        )
+
+    refused = _cli(db_url, "outbox", "skip", str(ids["pending"]))
+    assert refused.exit_code == 1 and f"outbox row {ids['pending']} is PENDING" in refused.output
+    assert "only a DEAD row is skipped" in refused.output
+    for name in ("old", "young"):
+        assert _cli(db_url, "outbox", "skip", str(ids[name])).exit_code == 0
+    with engine.begin() as conn:
+        conn.execute(sa.update(t).where(t.c.idempotency_key == "old").values(updated_at=long_ago))
+
+    dry = _cli(db_url, "outbox", "purge", "--sent-before", "7d", "--dry-run")
+    assert "would delete 2 SENT or SKIPPED outbox row(s)" in dry.output, dry.output
+    purged = _cli(db_url, "outbox", "purge", "--sent-before", "7d")
+    assert purged.exit_code == 0 and "deleted 2 SENT or SKIPPED outbox row(s)" in purged.output
+    assert {k: s for k, (s, _, _) in _statuses(engine).items()} == {
+        "young": "SKIPPED",
+        "dead": "DEAD",
+        "pending": "PENDING",
+    }
+    # A skipped row requeued is PENDING again, due now, attempts from 0; the dispatcher may send it.
+    assert _cli(db_url, "outbox", "requeue", str(ids["young"])).exit_code == 0
+    assert _statuses(engine)["young"] == ("PENDING", 0, False)

@@ -95,9 +95,11 @@ REQUEUE_HINT = (
 def dead_rows_evaluation(
     engine: sa.Engine, *, limit: int = DEAD_ROWS_SHOWN, topics: tuple[str, ...] | None = None
 ) -> dg.AssetCheckEvaluation:
-    """The ``no_dead_rows`` check: passes when no row (of ``topics``) is DEAD, else names them."""
+    """The ``no_dead_rows`` check: passes when no row (of ``topics``) is DEAD, else names them. SKIPPED rows
+    are counted apart (``skipped_rows``) and never fail it."""
     with translate_errors("list dead outbox rows"), engine.connect() as connection:
         count = outbox_store.dead_count(connection, topics)
+        skipped = outbox_store.skipped_count(connection, topics)
         rows = outbox_store.dead_rows(connection, topics, limit)
         blocked_count, blocked = delivery_status.blocked_keys(connection, topics=topics, limit=limit)
     lines = [
@@ -109,7 +111,11 @@ def dead_rows_evaluation(
         f"{_cell(r.last_error)} |"
         for r in rows
     ]
-    meta: dict[str, Any] = {"dead_rows": dg.MetadataValue.int(count)}
+    # SKIPPED rows (a person decided they are never sent) are not dead: counted apart, they never fail it.
+    meta: dict[str, Any] = {
+        "dead_rows": dg.MetadataValue.int(count),
+        "skipped_rows": dg.MetadataValue.int(skipped),
+    }
     if topics is not None:
         meta["topics"] = dg.MetadataValue.text(", ".join(topics))
     if rows:
@@ -125,8 +131,11 @@ def dead_rows_evaluation(
         if count == 0
         else f"{count} dead outbox row(s); the first: id {rows[0].id}, topic {rows[0].topic}, "
         f"last status {rows[0].last_status}, error {_cell(rows[0].last_error)}. Fix the cause, then "
-        "requeue them (`joblease outbox requeue --all-dead`)."
+        "requeue them (`joblease outbox requeue --all-dead`), or mark one you decided never to send "
+        "SKIPPED (`joblease outbox skip ID`)."
     )
+    if skipped:
+        description += f" ({skipped} skipped row(s): never sent by a person's decision, not dead.)"
     if blocked:
         description += (
             f" {blocked_count} ordering key(s) blocked, their later rows waiting; the first: "

@@ -67,6 +67,7 @@ __all__ = [
     "requeue_dead",
     "requeue_one",
     "skip_dead",
+    "skipped_count",
     "slot_look",
     "swap",
     "swap_result",
@@ -79,10 +80,14 @@ _t = outbox_table
 
 _PENDING_TEXT = sa.literal_column("'PENDING'", sa.String())
 _DEAD_TEXT = sa.literal_column("'DEAD'", sa.String())
+#: Terminal: a person decided the row is never sent (``joblease outbox skip``). Not live: it holds no key.
+_SKIPPED_TEXT = sa.literal_column("'SKIPPED'", sa.String())
 _PENDING = _t.c.status == _PENDING_TEXT
 _DEAD = _t.c.status == _DEAD_TEXT
+_SKIPPED = _t.c.status == _SKIPPED_TEXT
 #: A row that holds its ordering key's later rows back: still to be delivered (PENDING: due, waiting out a
-#: backoff, or in flight) or parked DEAD until a person requeues or skips it. The predicate of
+#: backoff, or in flight) or parked DEAD until a person requeues or skips it (SKIPPED is not live: a
+#: skipped row keeps its key and holds nothing back). The predicate of
 #: ``ix_joblease_outbox_ordering``, written with literals so that a generic plan proves it.
 _LIVE_STATUSES = (_PENDING_TEXT, _DEAD_TEXT)
 
@@ -390,6 +395,12 @@ def dead_count(conn: sa.Connection, topics: Sequence[str] | None) -> int:
     return int(conn.execute(stmt).scalar_one())
 
 
+def skipped_count(conn: sa.Connection, topics: Sequence[str] | None) -> int:
+    """Rows of ``topics`` (None: all) a person marked SKIPPED (never sent; not dead)."""
+    stmt = sa.select(sa.func.count()).select_from(_t).where(_SKIPPED, _routed(topics))
+    return int(conn.execute(stmt).scalar_one())
+
+
 def dead_rows(conn: sa.Connection, topics: Sequence[str] | None, limit: int) -> list[Any]:
     """The first ``limit`` DEAD rows of ``topics`` (None: all) by id: id, idempotency_key, topic, attempts,
     last_status, last_error."""
@@ -565,10 +576,14 @@ def lock_for_requeue(conn: sa.Connection, row_id: int) -> tuple[str, bool] | Non
     return None if row is None else (str(row[0]), bool(row[1]))
 
 
-def requeue_one(conn: sa.Connection, row_id: int, *, dead: bool) -> int:
-    """Make row ``row_id`` due again if it is still DEAD (``dead``) or still a PENDING row nobody is
-    delivering; how many rows changed (0 or 1)."""
-    unchanged = _DEAD if dead else sa.and_(_PENDING, _not_in_flight())
+def requeue_one(conn: sa.Connection, row_id: int, status: str) -> int:
+    """Make row ``row_id`` due again if it still has ``status``: DEAD or SKIPPED, or PENDING and nobody is
+    delivering it; how many rows changed (0 or 1)."""
+    unchanged = (
+        sa.and_(_PENDING, _not_in_flight())
+        if status == "PENDING"
+        else _t.c.status == (_SKIPPED_TEXT if status == "SKIPPED" else _DEAD_TEXT)
+    )
     return int(conn.execute(sa.update(_t).where(_t.c.id == row_id, unchanged).values(**_requeued())).rowcount)
 
 
@@ -583,34 +598,39 @@ def lock_for_skip(conn: sa.Connection, row_id: int) -> tuple[str, str | None, st
 
 
 def skip_dead(conn: sa.Connection, row_id: int, last_error: str) -> int:
-    """Release the ordering key of DEAD row ``row_id`` (it stays DEAD, undelivered, with ``last_error``):
-    the key's later rows flow again. How many rows changed (0 or 1)."""
+    """DEAD row ``row_id`` becomes SKIPPED (never sent), with ``last_error``, its ``updated_at`` the
+    database clock (the time ``purge_sent`` ages a skipped row by). It keeps its ordering key, which no
+    longer holds the key's later rows back. How many rows changed (0 or 1)."""
     stmt = (
         sa.update(_t)
-        .where(_t.c.id == row_id, _DEAD, _t.c.ordering_key.is_not(None))
-        .values(ordering_key=None, last_error=last_error, updated_at=db_now())
+        .where(_t.c.id == row_id, _DEAD)
+        .values(status=_SKIPPED_TEXT, last_error=last_error, updated_at=db_now())
     )
     return int(conn.execute(stmt).rowcount)
 
 
 def requeue_dead(conn: sa.Connection, topic: str | None) -> int:
-    """Make every DEAD row (of ``topic``, when given) due again; how many."""
+    """Make every DEAD row (of ``topic``, when given) due again; how many. SKIPPED rows are not touched."""
     where = _DEAD if topic is None else sa.and_(_DEAD, _t.c.topic == topic)
     return int(conn.execute(sa.update(_t).where(where).values(**_requeued())).rowcount)
 
 
 def purge_sent(engine: sa.Engine, *, sent_before_ms: int, dry_run: bool) -> int:
     """Delete (or count, ``dry_run``) SENT rows delivered more than ``sent_before_ms`` ago on the
-    database clock, in short batches."""
+    database clock, and SKIPPED rows skipped that long ago (their ``updated_at``, which the skip set to the
+    database clock and nothing changes after), in short batches."""
     from dagster_joblease.storage import purge
 
-    where = sa.and_(_t.c.status == "SENT", _t.c.sent_at < purge.cutoff(sent_before_ms))
-    return purge.in_batches(engine, _t, where, "purge sent outbox rows", dry_run=dry_run)
+    cutoff = purge.cutoff(sent_before_ms)
+    sent = sa.and_(_t.c.status == _SENT_TEXT, _t.c.sent_at < cutoff)
+    count = purge.in_batches(engine, _t, sent, "purge sent outbox rows", dry_run=dry_run)
+    skipped = sa.and_(_SKIPPED, _t.c.updated_at < cutoff)
+    return count + purge.in_batches(engine, _t, skipped, "purge skipped outbox rows", dry_run=dry_run)
 
 
 def delivery_counts_by_topic(conn: sa.Connection) -> dict[str, list[int]]:
-    """Topic → [due now, in flight, waiting (a backoff or a pause), retrying, dead], from one grouped
-    read of the pending and dead rows."""
+    """Topic → [due now, in flight, waiting (a backoff or a pause), retrying, dead, skipped], from one
+    grouped read of the pending, dead and skipped rows."""
     live_claim = sa.and_(_t.c.claim_expires_at.is_not(None), _t.c.claim_expires_at > db_now())
     idle = sa.and_(_PENDING, sa.not_(live_claim))
     stmt = (
@@ -621,8 +641,9 @@ def delivery_counts_by_topic(conn: sa.Connection) -> dict[str, list[int]]:
             sa.func.count().filter(sa.and_(idle, _t.c.next_attempt_at > db_now())),
             sa.func.count().filter(sa.and_(idle, _t.c.attempts > 0)),
             sa.func.count().filter(_DEAD),
+            sa.func.count().filter(_SKIPPED),
         )
-        .where(_t.c.status.in_([_PENDING_TEXT, _DEAD_TEXT]))
+        .where(_t.c.status.in_([_PENDING_TEXT, _DEAD_TEXT, _SKIPPED_TEXT]))
         .group_by(_t.c.topic)
         .order_by(_t.c.topic)
     )

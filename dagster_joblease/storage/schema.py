@@ -26,7 +26,7 @@ __all__ = [
 #: Alembic's version table for this package, distinct from Dagster's and the host's ``alembic_version``.
 VERSION_TABLE = "joblease_alembic_version"
 #: The newest migration; ``db check`` compares the database against it.
-HEAD_REVISION = "0008"
+HEAD_REVISION = "0009"
 
 metadata = sa.MetaData(
     naming_convention={
@@ -171,7 +171,7 @@ outbox_table = sa.Table(
     # Rows with the same ordering key are delivered one at a time, in id order (NULL: no ordering; 0008).
     sa.Column("ordering_key", sa.String(128), nullable=True),
     sa.UniqueConstraint("idempotency_key"),
-    _sqlite_check("status IN ('PENDING', 'SENT', 'DEAD')", name="status"),
+    _sqlite_check("status IN ('PENDING', 'SENT', 'DEAD', 'SKIPPED')", name="status"),
     _sqlite_check("attempts >= 0", name="attempts_nonnegative"),
     # The primary key: the dispatcher's claim (its CTE joins on id), recording outcomes, `outbox requeue ID`.
     # uq(idempotency_key): enqueue's ON CONFLICT (idempotency_key).
