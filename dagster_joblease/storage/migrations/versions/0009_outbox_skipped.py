@@ -16,7 +16,8 @@ already there. Locks, with workers running, all held until the migration commits
 * ``ALTER DOMAIN ... VALIDATE CONSTRAINT``: one sequential read of joblease_outbox under a SHARE lock
   (PostgreSQL's validateDomainConstraint): reads go on; enqueues, claims and outcome writes wait until
   the migration commits. The scan only reads (no rewrite, no index build); every row passes, since the
-  new rule admits every value the old one did.
+  new rule admits every value the old one did. Measured on a 2-CPU machine (load average about 4): the
+  whole migration took 0.13 s on 500,000 outbox rows just written (the table in the server's cache).
 
 SQLite: the rule is a table CHECK in ``CREATE TABLE``, which SQLite cannot alter; the table is rebuilt
 (create the new table from the stored ``CREATE TABLE`` with the wider CHECK, copy the rows, drop, rename,
