@@ -28,6 +28,7 @@ import datetime as dt
 import os
 import pstats
 import secrets
+import shutil
 import statistics
 import sys
 import tempfile
@@ -283,6 +284,7 @@ def bench(server: URL, rows: int, range_runs: int, range_keys: int, ticks: int, 
     finally:
         engine.dispose()
         _admin(server, f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
+        shutil.rmtree(home, ignore_errors=True)
 
 
 def main() -> int:
