@@ -818,13 +818,7 @@ def mark_sent(dialect_name: str) -> sa.Update:
     return (
         sa.update(_t)
         .where(ids, _t.c.claim_token == sa.bindparam("token", type_=sa.String()), _PENDING)
-        .values(
-            **_unclaimed(),
-            last_status=sa.bindparam("status_code", type_=sa.Integer()),
-            status=_SENT_TEXT,
-            sent_at=db_now(),
-            last_error=None,
-        )
+        .values(_sent())
         .returning(_t.c.id)
     )
 
@@ -832,6 +826,18 @@ def mark_sent(dialect_name: str) -> sa.Update:
 def _unclaimed() -> dict[str, Any]:
     """The values that end a claim."""
     return {"claim_token": None, "claim_expires_at": None, "claim_group": None, "updated_at": db_now()}
+
+
+def _sent() -> dict[str, Any]:
+    """The values of a row the downstream accepted (bound with ``status_code``): :func:`mark_sent` and the
+    swap's ``done`` step write the same."""
+    return {
+        **_unclaimed(),
+        "last_status": sa.bindparam("status_code", type_=sa.Integer()),
+        "status": _SENT_TEXT,
+        "sent_at": db_now(),
+        "last_error": None,
+    }
 
 
 def _fenced(token: str) -> tuple[sa.ColumnElement[bool], ...]:
@@ -998,13 +1004,7 @@ def swap(
         done = (
             sa.update(_t)
             .where(mine_ids, _t.c.claim_token == token, _PENDING)
-            .values(
-                **_unclaimed(),
-                last_status=sa.bindparam("status_code", type_=sa.Integer()),
-                status=_SENT_TEXT,
-                sent_at=db_now(),
-                last_error=None,
-            )
+            .values(_sent())
             .returning(_t.c.id)
             .cte("done")
         )
