@@ -112,6 +112,32 @@ def _tick(
     return list(data.run_requests or []), data.skip_message or "", data.cursor
 
 
+def _reexecute_with_parent_tags(
+    job: Any, instance: dg.DagsterInstance, options: dg.ReexecutionOptions
+) -> dg.DagsterRun:
+    """Re-execute as the UI does: the parent's tags come along (all but Dagster's own; the partition kept)."""
+    parent = instance.get_run_by_id(options.parent_run_id)
+    assert parent is not None
+    copied = {
+        k: v for k, v in parent.tags.items() if not k.startswith("dagster/") or k == "dagster/partition"
+    }
+    with dg.execute_job(job, instance, run_config=QUIET, tags=copied, reexecution_options=options) as child:
+        child_id = child.run_id
+    run = instance.get_run_by_id(child_id)
+    assert run is not None
+    return run
+
+
+def _reconcile_once(instance: dg.DagsterInstance, target: dg.JobDefinition, *, code: str, name: str) -> Any:
+    """One tick of a reconciliation sensor over ``target`` in a location with only that sensor."""
+    sensor = build_reconciliation_sensor(target, code=code, name=name)
+    defs = dg.Definitions(jobs=[target], sensors=[sensor], resources={"joblease": JobLeaseResource()})
+    with dg.build_sensor_context(
+        instance=instance, resources={"joblease": JobLeaseResource()}, definitions=defs
+    ) as context:
+        return sensor.evaluate_tick(context)
+
+
 def _launch(instance: dg.DagsterInstance, sensor: dg.SensorDefinition, request: dg.RunRequest) -> bool:
     """Execute a request as the daemon launches it: the implicit asset job with the request's selection
     and partition, the request's tags plus the sensor's name and run key."""
@@ -519,27 +545,11 @@ def test_a_reexecution_whose_leased_step_never_ran_says_not_run_in_a_default_dep
     marker.unlink()
     parent_run = instance.get_run_by_id(parent_id)
     assert parent_run is not None and parent_run.tags[TAG_OUTCOME] == "won"
-    copied = {
-        k: v for k, v in parent_run.tags.items() if not k.startswith("dagster/") or k == "dagster/partition"
-    }
-    with dg.execute_job(
-        job,
-        instance,
-        run_config=QUIET,
-        tags=copied,  # what the UI's re-execution does: the parent's tags come along
-        reexecution_options=dg.ReexecutionOptions.from_failure(parent_id, instance),
-    ) as child:
-        child_id = child.run_id
-    run = instance.get_run_by_id(child_id)
-    assert run is not None and run.status == dg.DagsterRunStatus.SUCCESS and run.tags[TAG_OUTCOME] == "won"
+    run = _reexecute_with_parent_tags(job, instance, dg.ReexecutionOptions.from_failure(parent_id, instance))
+    child_id = run.run_id
+    assert run.status == dg.DagsterRunStatus.SUCCESS and run.tags[TAG_OUTCOME] == "won"
 
-    target = jobs.not_run_after_job()
-    sensor = build_reconciliation_sensor(target, code="t-not-run", name="not_run_after_reconcile")
-    defs = dg.Definitions(jobs=[target], sensors=[sensor], resources={"joblease": JobLeaseResource()})
-    with dg.build_sensor_context(
-        instance=instance, resources={"joblease": JobLeaseResource()}, definitions=defs
-    ) as context:
-        sensor.evaluate_tick(context)
+    _reconcile_once(instance, jobs.not_run_after_job(), code="t-not-run", name="not_run_after_reconcile")
     after = instance.get_run_by_id(child_id)
     assert after is not None
     assert (after.tags[TAG_OUTCOME], after.tags["joblease/winner"], after.tags["joblease/work"]) == (
@@ -568,27 +578,13 @@ def test_an_all_steps_reexecution_failing_before_the_leased_step_says_not_run_in
     parent_run = instance.get_run_by_id(parent_id)
     assert parent_run is not None and parent_run.tags[TAG_OUTCOME] == "won"
     marker.write_text("")  # now the earlier step fails: the leased one is skipped
-    copied = {
-        k: v for k, v in parent_run.tags.items() if not k.startswith("dagster/") or k == "dagster/partition"
-    }
-    with dg.execute_job(
-        job,
-        instance,
-        run_config=QUIET,
-        tags=copied,  # what the UI's re-execution does: the parent's tags come along
-        reexecution_options=dg.ReexecutionOptions(parent_run_id=parent_id),
-    ) as child:
-        child_id = child.run_id
-    run = instance.get_run_by_id(child_id)
-    assert run is not None and run.status == dg.DagsterRunStatus.FAILURE and run.tags[TAG_OUTCOME] == "won"
+    run = _reexecute_with_parent_tags(job, instance, dg.ReexecutionOptions(parent_run_id=parent_id))
+    child_id = run.run_id
+    assert run.status == dg.DagsterRunStatus.FAILURE and run.tags[TAG_OUTCOME] == "won"
 
-    target = jobs.not_run_before_job()
-    sensor = build_reconciliation_sensor(target, code="t-not-run-b", name="not_run_before_reconcile")
-    defs = dg.Definitions(jobs=[target], sensors=[sensor], resources={"joblease": JobLeaseResource()})
-    with dg.build_sensor_context(
-        instance=instance, resources={"joblease": JobLeaseResource()}, definitions=defs
-    ) as context:
-        result = sensor.evaluate_tick(context)
+    result = _reconcile_once(
+        instance, jobs.not_run_before_job(), code="t-not-run-b", name="not_run_before_reconcile"
+    )
     after = instance.get_run_by_id(child_id)
     assert after is not None
     assert (after.tags[TAG_OUTCOME], after.tags["joblease/winner"], after.tags["joblease/work"]) == (
