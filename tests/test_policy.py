@@ -267,3 +267,22 @@ def test_no_group_pause_when_turned_off_or_without_retry_after() -> None:
     bare = policy.classify_response(_response(429, ""))
     d = policy.decide(bare, attempts=1, max_attempts=10, base_ms=100, max_ms=1000, max_pause_ms=5_000)
     assert d.pause_ms is None and not d.deferred
+
+
+@pytest.mark.parametrize(
+    "date",
+    [
+        "Sun, 06 Dec 99999999999999999999 01:00:00 GMT",  # past a C long: OverflowError
+        "Sun, 06 Dec 9999999999 01:00:00 GMT",  # past a C int: OverflowError
+        "Sun, 06 Dec 99999 01:00:00 GMT",  # past 9999: ValueError
+        "not a date",
+    ],
+)
+def test_retry_after_with_an_absurd_date_header_still_pauses(date: str) -> None:
+    """Scenario 6 of issue 36: a 429 with ``Retry-After: 30`` and a ``Date`` no datetime can hold was
+    judged a connection failure (the OverflowError escaped classify_response): attempt counted, no pause.
+    The Date is no clock then; the delta-seconds need none."""
+    c = policy.classify_response(_response(429, "slow down", headers={"Retry-After": "30", "Date": date}))
+    assert c.outcome is Outcome.RETRY and c.status_code == 429 and c.retry_after_ms == 30_000
+    d = policy.decide(c, attempts=1, max_attempts=10, base_ms=100, max_ms=1000, max_pause_ms=300_000)
+    assert d.pause_ms == 30_000 and d.deferred

@@ -120,12 +120,9 @@ def parse_retry_after_ms(value: str | None, *, now: datetime) -> int | None:
         return min(seconds, MAX_RETRY_AFTER_S) * 1000
     if not value.isascii():
         return None
-    try:
-        when = email.utils.parsedate_to_datetime(value)
-    except (TypeError, ValueError, IndexError, OverflowError):
+    when = _http_date(value)
+    if when is None:
         return None
-    if when.tzinfo is None:
-        when = when.replace(tzinfo=UTC)
     try:
         delta_ms = int((when - now).total_seconds() * 1000)
     except (OverflowError, TypeError):
@@ -133,16 +130,21 @@ def parse_retry_after_ms(value: str | None, *, now: datetime) -> int | None:
     return min(max(0, delta_ms), MAX_RETRY_AFTER_S * 1000)
 
 
-def _response_now(response: httpx.Response) -> datetime | None:
-    # An HTTP-date Retry-After is relative to the server's clock: use its Date header when it sent one.
-    date = response.headers.get("date")
-    if not date:
-        return None
+def _http_date(value: str) -> datetime | None:
+    """An HTTP date as an aware datetime (naive: UTC); None when it is not one a datetime can hold (a
+    year past 9999 is a ValueError, one past a C long an OverflowError)."""
     try:
-        parsed = email.utils.parsedate_to_datetime(date)
-    except (TypeError, ValueError, IndexError):
+        parsed = email.utils.parsedate_to_datetime(value)
+    except (TypeError, ValueError, IndexError, OverflowError):
         return None
     return parsed if parsed.tzinfo else parsed.replace(tzinfo=UTC)
+
+
+def _response_now(response: httpx.Response) -> datetime | None:
+    # An HTTP-date Retry-After is relative to the server's clock: use its Date header when it sent one
+    # (one it cannot hold is no clock: ours is used).
+    date = response.headers.get("date")
+    return _http_date(date) if date else None
 
 
 def classify_response(response: httpx.Response, body_snippet: str | None = None) -> Classification:
