@@ -464,17 +464,42 @@ def _enqueue_chunk(db: driver.Statements, chunk: list[_Row], inserted: set[str])
         if not met:
             return
         found = store.existing_many(db, [row[0] for row in met])
-        pending = []
+        vanished = []
         for row in met:
             key, topic, _text, fingerprint, ordering = row
             if key not in found:
-                pending.append(row)
+                vanished.append(row)
                 continue
             if found[key] != (fingerprint, topic, ordering):
                 raise _conflict(key, found[key], (fingerprint, topic, ordering))
-        if not pending:
+        if not vanished:
             return
+        pending = _insert_again(db, chunk, vanished, inserted)
     raise _ReadBackFailed(pending[0][0])
+
+
+def _insert_again(
+    db: driver.Statements, chunk: list[_Row], vanished: list[_Row], inserted: set[str]
+) -> list[_Row]:
+    """The rows of ``chunk`` (in its order) to insert again once the rows met under ``vanished`` keys were
+    deleted between the INSERT and the read-back (a purge): those, and the rows of their ordering keys that
+    this call inserted after them, taken back first so that a key's ids follow the list again (else the
+    vanished row would go after the rows it precedes)."""
+    position = {row[0]: index for index, row in enumerate(chunk)}
+    first: dict[str, int] = {}
+    for row in vanished:
+        if row[4] is not None:
+            first[row[4]] = min(first.get(row[4], len(chunk)), position[row[0]])
+    later = [
+        row[0]
+        for index, row in enumerate(chunk)
+        if row[4] in first and index > first[row[4]] and row[0] in inserted
+    ]
+    if later:
+        store.take_back(db, sorted(later))
+        inserted.difference_update(later)
+    again = {row[0] for row in vanished}.union(later)
+    return [row for row in chunk if row[0] in again]
 
 
 @dataclasses.dataclass(frozen=True)

@@ -216,3 +216,27 @@ def _all_lock_waiters(engine: sa.Engine) -> int:
                 {"c": store.ORDERING_ALL_CLASS},
             ).scalar_one()
         )
+
+
+def test_a_key_purged_between_the_insert_and_the_read_back_keeps_the_lists_order(
+    pg_engine: sa.Engine,
+) -> None:
+    """Scenario 7 of issue 36: ``enqueue_many`` of an old, already-sent key with the rows after it. The
+    INSERT meets the old row; a purge deletes it before the read-back (a trigger, after the INSERT); the
+    second round inserts it again, and today's code put it after the rows it precedes in the list."""
+    assert _enqueue(pg_engine, "a", "K")
+    t = outbox_table
+    with pg_engine.begin() as conn:
+        conn.execute(sa.update(t).where(t.c.idempotency_key == "a").values(status="SENT"))
+        conn.exec_driver_sql(
+            "CREATE FUNCTION purge_sent_a() RETURNS trigger LANGUAGE plpgsql AS $$ BEGIN "
+            "DELETE FROM joblease_outbox WHERE idempotency_key = 'a' AND status = 'SENT'; RETURN NULL; END $$"
+        )
+        conn.exec_driver_sql(
+            "CREATE TRIGGER purge_sent_a AFTER INSERT ON joblease_outbox "
+            "FOR EACH STATEMENT EXECUTE FUNCTION purge_sent_a()"
+        )
+    items = [outbox.OutboxItem(k, "t", {"k": k}, "K") for k in ("a", "b", "c")]
+    with pg_engine.begin() as conn:
+        assert outbox.enqueue_many(conn, items) == (True, True, True)
+    assert _keys_by_id(pg_engine) == [("a", "K"), ("b", "K"), ("c", "K")]
