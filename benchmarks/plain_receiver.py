@@ -20,7 +20,6 @@ import argparse
 import asyncio
 import contextlib
 import queue
-import socket
 import subprocess
 import sys
 import threading
@@ -34,6 +33,8 @@ from starlette.applications import Starlette
 from starlette.requests import Request
 from starlette.responses import PlainTextResponse, Response
 from starlette.routing import Route
+
+from dagster_joblease.receiver.server import listening_socket
 
 READY_PREFIX = "plain receiver listening on "
 READY_TIMEOUT_S = 20.0
@@ -83,7 +84,7 @@ def serve(pg_conninfo: str, host: str = "127.0.0.1", port: int = 0, http: str = 
     conninfo = libpq_conninfo(pg_conninfo)
     with psycopg.connect(conninfo, autocommit=True) as conn:
         conn.execute(CREATE_SQL)
-    sock = socket.create_server((host, port), backlog=2048)
+    sock = listening_socket(host, port)  # the receiver's: TCP_NODELAY on accepted connections
     config = uvicorn.Config(
         build_app(conninfo), http=http, lifespan="on", log_config=None, access_log=False, limit_concurrency=64
     )

@@ -748,3 +748,26 @@ def test_receiver_options_refuse_what_they_cannot_serve_with(options: dict[str, 
 )
 def test_receiver_options_take_their_bounds(options: dict[str, Any]) -> None:
     assert ReceiverOptions(**options) == dataclasses.replace(ReceiverOptions(), **options)
+
+
+def test_kept_alive_connections_answer_without_nagle(
+    engine: sa.Engine, serve_in_thread: Callable[..., ReceiverServer]
+) -> None:
+    """Issue 38, scenario 0: each answer on a kept-alive connection took ~45 ms. uvicorn writes an answer's
+    head and body apart; the receiver's listening socket came from ``socket.create_server`` (protocol 0),
+    so asyncio never set TCP_NODELAY on what it accepted, and the body waited for the client's delayed ACK
+    of the head. The connections the receiver serves must have TCP_NODELAY (read on the server's side of
+    the very connection the requests came through)."""
+    ensure_tables(engine)
+    server = serve_in_thread(engine)
+    with httpx.Client(timeout=10.0) as kept:
+        for n in range(3):
+            assert _post(kept, server.url + "/mail", {"n": n}, f"nagle-{n}").status_code == 200
+        uvicorn_server = server._runtime.server
+        assert uvicorn_server is not None
+        sockets = [
+            protocol.transport.get_extra_info("socket")
+            for protocol in uvicorn_server.server_state.connections
+        ]
+        assert len(sockets) == 1  # the one kept-alive connection
+        assert sockets[0].getsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY) != 0
