@@ -33,6 +33,8 @@ class Claimed:
     first_attempt_at: dt.datetime | None = None
     #: The database clock's reading when the claim ran (same statement), to age the row at send time.
     claim_now: dt.datetime | None = None
+    #: The row's ordering key (None: it has none).
+    ordering_key: str | None = None
 
     @property
     def stamped(self) -> bool:
@@ -51,7 +53,16 @@ class Claimed:
 def from_row(r: Any, **extra: Any) -> Claimed:
     """A row returned by a claim (:func:`dagster_joblease.storage.outbox.claim_due`)."""
     return Claimed(
-        r[0], r[1], r[2], r[3], r[4], deferrals=int(r[5] or 0), first_attempt_at=r[6], claim_now=r[7], **extra
+        r[0],
+        r[1],
+        r[2],
+        r[3],
+        r[4],
+        deferrals=int(r[5] or 0),
+        first_attempt_at=r[6],
+        claim_now=r[7],
+        ordering_key=r[8],
+        **extra,
     )
 
 

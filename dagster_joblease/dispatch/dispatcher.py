@@ -41,7 +41,8 @@ A row whose route has a ``dedupe_window`` and whose first attempt is older is no
 ``run()``) and the batch loop (``_Batch``, one method per phase). Its parts, in ``dispatch/``:
 ``claimer`` (the claims: the plain claim, a limited group's locked claim, the swap), ``capacity`` (pure:
 how much to claim, rate windows, wait hints, the loop's choices), ``decisions`` (pure: may this row start
-now?), ``policy`` (pure: what does this answer mean?), ``transport`` (the deadline-bounded send) and
+now?), ``policy`` (pure: what does this answer mean?), ``transports`` (one message per row, and how each
+kind of route sends it: HTTP's deadline-bounded POST) and
 ``recorder`` (outcome writes fenced by claim, their retry, the tallies). Every statement is a store
 module's: :mod:`dagster_joblease.storage.outbox` (its delivery section) and
 :mod:`dagster_joblease.storage.route_groups`.
@@ -80,7 +81,8 @@ from dagster_joblease.dispatch.recorder import (
     pause_reason,
 )
 from dagster_joblease.dispatch.routes import Route
-from dagster_joblease.dispatch.transport import Sender, TooLate
+from dagster_joblease.dispatch.transports import TooLate, Transport, message_of, open_transports
+from dagster_joblease.dispatch.transports.http import HttpTransport
 from dagster_joblease.options import MAX_DURATION_MS
 from dagster_joblease.storage import route_groups
 from dagster_joblease.storage.engine import translate_errors
@@ -189,7 +191,7 @@ class Dispatcher(Claimer):
                     f"route for topic {topic!r} must be a Route, got {type(route).__name__}"
                 )
             self.routes[topic] = route
-            self._headers[topic] = {**route.resolve_headers(), "Content-Type": "application/json"}
+            self._headers[topic] = route.resolve_headers()
         self.topics: frozenset[str] = frozenset(self.routes)
         # Limit groups: topic → group, group → its topics, and this dispatcher's own limits per group
         # (the smallest of its routes' when two routes of one group disagree).
@@ -231,8 +233,13 @@ class Dispatcher(Claimer):
                 f"{_safety_ms(self.claim_ms)} ms margin, or a slow delivery could outlive its claim and "
                 "overlap with another dispatcher's; raise claim_ms or lower timeout_s"
             )
-        self._sender = Sender(self.routes, self._headers, self.concurrency, client)
-        self._client = self._sender.client
+        self._transports: dict[str, Transport] = open_transports(
+            self.routes, self._headers, self.concurrency, client
+        )
+        #: The HTTP transport's client (None: no HTTP route).
+        self._client = next(
+            (t.client for t in self._transports.values() if isinstance(t, HttpTransport)), None
+        )
         self._pool = (
             ThreadPoolExecutor(max_workers=self.concurrency, thread_name_prefix="joblease-dispatch")
             if self.concurrency > 1
@@ -252,7 +259,8 @@ class Dispatcher(Claimer):
         self._closed = True
         if self._pool is not None:
             self._pool.shutdown(wait=True)
-        self._sender.close()
+        for transport in set(self._transports.values()):
+            transport.close()
 
     def __enter__(self) -> Dispatcher:
         return self
@@ -393,12 +401,13 @@ class Dispatcher(Claimer):
             # Checked here, at the moment of sending, not only at claim: a row may wait for a worker.
             reason = decisions.dedupe_window_reason(route.dedupe_window_s or 0.0)
             return policy.Decision(policy.Outcome.DEAD, None, reason, unsent=True)
+        transport = self._transports[row.topic]
         try:
-            classification = self._sender.post(row, route, now + route.timeout_s)
+            classification = transport.send(message_of(row), route, now + route.timeout_s, row.send_by)
         except TooLate:
             return None  # started too late for its rate admission: sending now could burst
-        except Exception as exc:  # any failure to get a response is judged, never allowed to stop the batch
-            classification = policy.classify_exception(exc)
+        except Exception as exc:  # any failure to get an acknowledgement is judged, never stops the batch
+            classification = transport.classify_exception(exc)
         decision = policy.decide(
             classification,
             attempts=row.attempts,

@@ -40,7 +40,15 @@ import httpx
 
 from dagster_joblease import errors
 
-__all__ = ["DEFAULT_MAX_PAUSE_S", "KEY_FORMATS", "RESERVED_HEADERS", "Route", "load_routes", "origin_of"]
+__all__ = [
+    "DEFAULT_MAX_PAUSE_S",
+    "KEY_FORMATS",
+    "RESERVED_HEADERS",
+    "TRANSPORTS",
+    "Route",
+    "load_routes",
+    "origin_of",
+]
 
 #: Headers the dispatcher sets itself; a route may not override them.
 RESERVED_HEADERS = frozenset(
@@ -56,6 +64,8 @@ _MAX_WINDOW_S = 366 * 86_400.0
 _MAX_LIMIT = 1_000_000
 _GROUP_CHARS = 255
 KEY_FORMATS = ("bare", "sf-string")
+#: A route URL's scheme → the transport (:mod:`dagster_joblease.dispatch.transports`) that sends its rows.
+TRANSPORTS = {"http": "http", "https": "http"}
 _DURATION = re.compile(r"^(?:(\d+)d)?(?:(\d+)h)?(?:(\d+)m)?(?:(\d+)s)?$")
 
 
@@ -288,6 +298,11 @@ class Route:
             )
         for name, value in checked.items():
             object.__setattr__(self, name, value)
+
+    @property
+    def transport(self) -> str:
+        """The transport that sends this route's rows, from its URL's scheme (``http``)."""
+        return TRANSPORTS[self.url.split(":", 1)[0].lower()]
 
     @property
     def limited(self) -> bool:

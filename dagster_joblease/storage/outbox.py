@@ -738,6 +738,7 @@ def _claim_update(
         _t.c.deferrals,
         _t.c.first_attempt_at,
         claim_now().label("claim_now"),
+        _t.c.ordering_key,
     )
 
 
@@ -765,7 +766,7 @@ def claim_due(
     given), stamp ``token``, an expiry and ``claim_group`` (the limit group whose capacity the claim holds;
     ``limit`` may then be an SQL expression, the slots it has left), record the first attempt's time if
     this is it (a give-back undoes it), count the attempt, and return ``(id, idempotency_key, topic,
-    attempts, payload as text, deferrals, first_attempt_at, claim_now)``.
+    attempts, payload as text, deferrals, first_attempt_at, claim_now, ordering_key)``.
 
     The payload comes back as text (``jsonb::text`` on PostgreSQL) and is sent as-is: decoding it to
     Python only to encode it again would cost time and could change it.

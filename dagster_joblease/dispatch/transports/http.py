@@ -1,10 +1,14 @@
-"""The HTTP send of one row: a total deadline per request, through public httpx and httpcore APIs only.
+"""The HTTP transport: a row is a POST of its payload with its ``Idempotency-Key``, "sent" is a 2xx, and
+:func:`~dagster_joblease.dispatch.policy.classify_response` / :func:`~dagster_joblease.dispatch.policy.
+classify_exception` are its table of what is retried. A total deadline per request, through public
+httpx and httpcore APIs only.
 
 httpx's timeouts apply per phase and per socket operation: a downstream answering one byte every 0.1 s
 never trips a 1 s read timeout. The dispatcher's own client therefore runs on a network backend whose
 every connect, read and write is bounded by the time left until the current request's deadline (kept
-per thread, since each delivery runs on one thread). :class:`Sender` sends through that client, or
-through a caller's ``httpx.Client``.
+per thread, since each delivery runs on one thread). :class:`HttpTransport` sends through that client,
+or through a caller's ``httpx.Client``. The message's own headers travel as HTTP headers after the
+route's.
 """
 
 from __future__ import annotations
@@ -20,10 +24,10 @@ import httpcore
 import httpx
 
 from dagster_joblease.dispatch import policy
-from dagster_joblease.dispatch.claims import Claimed
 from dagster_joblease.dispatch.routes import Route
+from dagster_joblease.dispatch.transports.base import Message, TooLate
 
-__all__ = ["MAX_BODY_READ", "Sender", "TooLate"]
+__all__ = ["MAX_BODY_READ", "HttpTransport"]
 
 #: Response bytes read for the stored error snippet; the rest of a huge body is not downloaded.
 MAX_BODY_READ = 8 * 1024
@@ -36,10 +40,6 @@ class _Target:
     url: httpx.URL
     headers: list[tuple[bytes, bytes]]
     extensions: dict[str, Any]
-
-
-class TooLate(Exception):
-    """A rate-admitted request could not start within RATE_LATE_S of its admission."""
 
 
 _deadline = threading.local()
@@ -182,10 +182,11 @@ class _DeadlineTransport(httpx.BaseTransport):
         self._connections.close()
 
 
-class Sender:
+class HttpTransport:
     """Sends rows' POSTs for one dispatcher: through its own client (``client`` None: the deadline-bounded
     transport, each route's request prepared once) or through a caller's ``httpx.Client`` (its auth,
-    hooks and cookies apply). ``headers``: topic → the route's headers, resolved."""
+    hooks and cookies apply). ``headers``: topic → the route's headers, resolved (a JSON
+    ``Content-Type`` is added)."""
 
     def __init__(
         self,
@@ -194,7 +195,7 @@ class Sender:
         concurrency: int,
         client: httpx.Client | None,
     ) -> None:
-        self._headers = headers
+        self._headers = {topic: {**h, "Content-Type": "application/json"} for topic, h in headers.items()}
         self._timeouts = {topic: route.timeout for topic, route in routes.items()}
         self.owns_client = client is None
         http_limits = httpx.Limits(max_connections=concurrency, max_keepalive_connections=concurrency)
@@ -218,32 +219,41 @@ class Sender:
                 httpx.URL(route.url), merged.raw, {"timeout": route.timeout.as_dict()}
             )
 
-    def post(self, row: Claimed, route: Route, deadline: float) -> policy.Classification:
-        """POST ``row`` to ``route`` and classify the answer; every connect, read and write of the
+    def send(
+        self, message: Message, route: Route, deadline: float, send_by: float | None
+    ) -> policy.Classification:
+        """POST ``message`` to ``route`` and classify the answer; every connect, read and write of the
         dispatcher's own client is bounded by ``deadline`` (local monotonic time), and the body is read
-        only until then. Raises :class:`TooLate` when a rate-admitted row could not start in time, and
-        whatever the request raised (the caller judges it)."""
+        only until then. Raises :class:`TooLate` when a rate-admitted row could not start by ``send_by``,
+        and whatever the request raised (judged by :meth:`classify_exception`)."""
         _deadline.at = deadline
         try:
-            return self._post(row, route, deadline)
+            return self._post(message, route, deadline, send_by)
         finally:
             _deadline.at = None
 
-    def _post(self, row: Claimed, route: Route, deadline: float) -> policy.Classification:
-        key = route.key_header(row.idempotency_key)
+    @staticmethod
+    def classify_exception(exc: BaseException) -> policy.Classification:
+        """HTTP's table for a request that got no answer: :func:`policy.classify_exception`."""
+        return policy.classify_exception(exc)
+
+    def _post(
+        self, message: Message, route: Route, deadline: float, send_by: float | None
+    ) -> policy.Classification:
+        key = route.key_header(message.idempotency_key)
         hooks = self.client.event_hooks
         if self.transport is None or hooks["request"] or hooks["response"]:
             # A client of the caller's (its own auth, hooks and cookies apply), or event hooks added to
             # the dispatcher's own client: the full httpx.Client path.
-            headers = {**self._headers[row.topic], "Idempotency-Key": key}
+            headers = {**self._headers[message.topic], **message.headers, "Idempotency-Key": key}
             request = self.client.build_request(
                 "POST",
                 route.url,
-                content=row.payload.encode("utf-8"),
+                content=message.payload,
                 headers=headers,
-                timeout=self._timeouts[row.topic],
+                timeout=self._timeouts[message.topic],
             )
-            if row.send_by is not None and time.monotonic() > row.send_by:
+            if send_by is not None and time.monotonic() > send_by:
                 raise TooLate
             response = self.client.send(request, stream=True, follow_redirects=False)
         else:
@@ -251,17 +261,20 @@ class Sender:
             # hooks) the request goes straight to its transport (the deadline-bounded pool): httpx.Client's
             # per-request URL and header merging, auth and redirect flows and cookie jar cost about a
             # third of a delivery's client CPU. Headers on the wire are the ones the client would send
-            # (its defaults, then the route's), minus cookies: a Set-Cookie from one row's answer is
-            # never carried into another row's request.
-            target = self._targets[row.topic]
+            # (its defaults, then the route's, then the message's own), minus cookies: a Set-Cookie from
+            # one row's answer is never carried into another row's request.
+            target = self._targets[message.topic]
+            raw = target.headers
+            if message.headers:
+                raw = raw + [(k.encode("ascii"), v.encode("ascii")) for k, v in message.headers.items()]
             request = httpx.Request(
                 "POST",
                 target.url,
-                content=row.payload.encode("utf-8"),
-                headers=[*target.headers, (b"Idempotency-Key", key.encode("ascii"))],
+                content=message.payload,
+                headers=[*raw, (b"Idempotency-Key", key.encode("ascii"))],
                 extensions=target.extensions,
             )
-            if row.send_by is not None and time.monotonic() > row.send_by:
+            if send_by is not None and time.monotonic() > send_by:
                 raise TooLate
             response = self.transport.handle_request(request)
             response.request = request

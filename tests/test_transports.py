@@ -1,0 +1,81 @@
+"""The transport seam (dagster_joblease.dispatch.transports): one message per claimed row, the route's
+transport chosen by its URL's scheme, and HTTP carrying the message's own headers on both of its paths."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator
+
+import httpx
+import pytest
+import sqlalchemy as sa
+
+from dagster_joblease import outbox
+from dagster_joblease.dispatch import policy
+from dagster_joblease.dispatch.claims import from_row
+from dagster_joblease.dispatch.routes import Route
+from dagster_joblease.dispatch.transports import Message, TooLate, message_of, open_transports
+from dagster_joblease.dispatch.transports.http import HttpTransport
+from dagster_joblease.storage import outbox as store
+from tests.test_dispatch import Recorder
+
+
+@pytest.fixture
+def recorder() -> Iterator[Recorder]:
+    rec = Recorder()
+    yield rec
+    rec.close()
+
+
+def test_a_claimed_row_is_one_message_with_its_ordering_key(engine: sa.Engine) -> None:
+    with engine.begin() as conn:
+        outbox.enqueue_once(conn, idempotency_key="v2:k1", topic="t", payload={"a": 1}, ordering_key="acct-7")
+        outbox.enqueue_once(conn, idempotency_key="v2:k2", topic="t", payload=[1, 2])
+    with engine.begin() as conn:
+        rows = conn.execute(store.claim_due(engine.dialect.name, token="tok", limit=10, claim_ms=60_000))
+        messages = sorted((message_of(from_row(r)) for r in rows), key=lambda m: m.idempotency_key)
+    assert [(m.idempotency_key, m.topic, m.ordering_key, dict(m.headers)) for m in messages] == [
+        ("v2:k1", "t", "acct-7", {}),
+        ("v2:k2", "t", None, {}),
+    ]
+    assert [m.payload.replace(b" ", b"") for m in messages] == [b'{"a":1}', b"[1,2]"]
+
+
+def test_the_route_scheme_picks_the_transport(recorder: Recorder) -> None:
+    routes = {"a": Route(recorder.url + "/a"), "b": Route("https://example.invalid/b")}
+    assert {r.transport for r in routes.values()} == {"http"}
+    opened = open_transports(routes, {"a": {}, "b": {}}, 2, None)
+    try:
+        assert opened["a"] is opened["b"]  # one transport per kind, shared by its topics
+        assert isinstance(opened["a"], HttpTransport)
+    finally:
+        opened["a"].close()
+
+
+@pytest.mark.parametrize("own_client", [True, False], ids=["own-client", "callers-client"])
+def test_http_carries_the_message_headers_after_the_routes(recorder: Recorder, own_client: bool) -> None:
+    route = Route(recorder.url + "/hook", headers={"X-Source": "joblease"})
+    client = None if own_client else httpx.Client()
+    transport = HttpTransport({"t": route}, {"t": {"X-Source": "joblease"}}, 1, client)
+    message = Message(
+        "v2:h1",
+        "t",
+        "acct-1",
+        b'{"x":1}',
+        {"traceparent": "00-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-01"},
+    )
+    try:
+        outcome = transport.send(message, route, time.monotonic() + 5, None)
+        with pytest.raises(TooLate):
+            transport.send(message, route, time.monotonic() + 5, time.monotonic() - 1)
+    finally:
+        transport.close()
+        if client is not None:
+            client.close()
+    assert outcome.outcome is policy.Outcome.SENT
+    assert len(recorder.requests) == 1  # the late one never left
+    headers = {k.lower(): v for k, v in recorder.requests[0]["headers"].items()}
+    assert headers["traceparent"] == message.headers["traceparent"]
+    assert (headers["x-source"], headers["idempotency-key"]) == ("joblease", "v2:h1")
+    assert headers["content-type"] == "application/json"
+    assert recorder.requests[0]["body"] == b'{"x":1}'
