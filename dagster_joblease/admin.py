@@ -61,6 +61,7 @@ __all__ = [
     "purge_sent",
     "requeue",
     "reset_lease",
+    "resume_group",
     "show_lease",
 ]
 
@@ -729,6 +730,19 @@ def skip_note(now: datetime, ordering_key: str | None, last_error: str | None) -
     key = "" if ordering_key is None else f"; its ordering key {ordering_key!r} flows on"
     note = f"skipped by an operator at {now.isoformat(timespec='seconds')}: never sent{key}"
     return f"{note} (last error: {last_error})" if last_error else note
+
+
+def resume_group(engine: sa.Engine, group: str) -> route_groups.GroupState:
+    """End limit group ``group``'s pause now, for every dispatcher: each claims its rows again at its next
+    claim. Returns the group's state as it was (its pause and reason). Refused, naming the groups that are
+    paused, when ``group`` has no pause in force (nothing is written then)."""
+    with translate_errors("end a limit group's pause"), engine.begin() as conn:
+        ended = route_groups.resume(conn, group)
+        if ended is not None:
+            return ended
+        paused = sorted(name for name, state in route_groups.read_states(conn).items() if state.paused)
+    others = f"paused now: {', '.join(paused)}" if paused else "no limit group is paused now"
+    raise AdminRefusedError(f"limit group {group!r} is not paused; {others}")
 
 
 def purge_sent(engine: sa.Engine, *, older_than_ms: int, min_retention_ms: int, dry_run: bool = False) -> int:

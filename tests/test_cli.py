@@ -19,6 +19,7 @@ from click.testing import CliRunner, Result
 from sqlalchemy.engine import make_url
 
 from dagster_joblease import admin, cli, errors
+from dagster_joblease.cli import common
 from dagster_joblease.identity import JobIdentity
 from dagster_joblease.lease import LeaseService
 from dagster_joblease.receiver import effect_count
@@ -136,10 +137,10 @@ def test_help_of_every_command_and_no_dagster_import(tmp_path: Path, monkeypatch
 
 
 def test_lazy_subcommand_that_cannot_load_gives_a_clear_error() -> None:
-    group = cli.JobleaseGroup(
+    group = common.JobleaseGroup(
         name="joblease",
         lazy_subcommands={
-            "ghost": cli.LazyCommand("dagster_joblease.no_such_module", "ghost_command", "Ghost.")
+            "ghost": common.LazyCommand("dagster_joblease.no_such_module", "ghost_command", "Ghost.")
         },
     )
     assert "Ghost." in CliRunner().invoke(group, ["--help"]).output
@@ -363,7 +364,9 @@ def test_leases_fail_and_purge(populated: tuple[str, sa.Engine, dict[str, str]])
     too_short = run(url, "leases", "purge", "--finished-before", "1d")
     assert too_short.exit_code == 2 and "minimum replay window of 7d" in too_short.output
     assert "Nothing was deleted" in too_short.output and lease_statuses(engine) == before
-    env_floor = run(url, "leases", "purge", "--finished-before", "8d", env={cli.MIN_REPLAY_WINDOW_ENV: "9d"})
+    env_floor = run(
+        url, "leases", "purge", "--finished-before", "8d", env={admin.MIN_REPLAY_WINDOW_ENV: "9d"}
+    )
     assert env_floor.exit_code == 2 and lease_statuses(engine) == before
     assert "would delete 3 " in run(url, "leases", "purge", "--finished-before", "7d", "--dry-run").output
     purged = run(url, "leases", "purge", "--finished-before", "7d")
@@ -508,14 +511,14 @@ def test_installed_console_script_and_python_m(populated: tuple[str, sa.Engine, 
 
 
 def test_duration_and_human_formats() -> None:
-    convert = cli.DURATION.convert
+    convert = common.DURATION.convert
     assert convert("90s", None, None) == 90_000
     assert convert("1h30m", None, None) == 5_400_000
     assert convert("7d", None, None) == 7 * DAY_MS
     assert convert("500ms", None, None) == 500
     with pytest.raises(click.BadParameter):
         convert("7 days", None, None)
-    assert [cli.human_ms(v) for v in (None, 850, 12_500, 252_000, 7_500_000, 7 * DAY_MS, -120_000)] == [
+    assert [admin.human_ms(v) for v in (None, 850, 12_500, 252_000, 7_500_000, 7 * DAY_MS, -120_000)] == [
         "-",
         "850ms",
         "12.5s",
@@ -593,34 +596,34 @@ def test_floors_from_the_environment_are_floors(pg_url: str, monkeypatch: pytest
     assert svc.run_exclusive(JobIdentity.schedule("nightly", "2026-01-01"), lambda _: None).acquired
     backdate_finished(engine, 2 * DAY_MS)
     add_outbox_row(engine, "k-sent", "billing", status="SENT", attempts=1, sent_ago_ms=2 * DAY_MS)
-    lease_env = {cli.MIN_REPLAY_WINDOW_ENV: "9d"}
-    outbox_env = {cli.MIN_RETENTION_ENV: "3d"}
+    lease_env = {admin.MIN_REPLAY_WINDOW_ENV: "9d"}
+    outbox_env = {admin.MIN_RETENTION_ENV: "3d"}
 
     lowered = run(
         pg_url, "leases", "purge", "--finished-before", "1d", "--min-replay-window", "0s", env=lease_env
     )
     assert lowered.exit_code == 2, lowered.output
-    assert cli.MIN_REPLAY_WINDOW_ENV in lowered.output and "Nothing was deleted" in lowered.output
+    assert admin.MIN_REPLAY_WINDOW_ENV in lowered.output and "Nothing was deleted" in lowered.output
     lowered = run(pg_url, "outbox", "purge", "--sent-before", "1d", "--min-retention", "0s", env=outbox_env)
     assert lowered.exit_code == 2, lowered.output
-    assert cli.MIN_RETENTION_ENV in lowered.output and "Nothing was deleted" in lowered.output
+    assert admin.MIN_RETENTION_ENV in lowered.output and "Nothing was deleted" in lowered.output
     assert count(engine, lease_table) == 1 and count(engine, outbox_table) == 1
 
-    monkeypatch.setenv(cli.MIN_REPLAY_WINDOW_ENV, "9d")
-    monkeypatch.setenv(cli.MIN_RETENTION_ENV, "3d")
-    with pytest.raises(errors.RetentionWindowError, match=cli.MIN_REPLAY_WINDOW_ENV):
+    monkeypatch.setenv(admin.MIN_REPLAY_WINDOW_ENV, "9d")
+    monkeypatch.setenv(admin.MIN_RETENTION_ENV, "3d")
+    with pytest.raises(errors.RetentionWindowError, match=admin.MIN_REPLAY_WINDOW_ENV):
         admin.purge_leases(engine, finished_before_ms=DAY_MS, min_replay_window_ms=0)
-    with pytest.raises(errors.RetentionWindowError, match=cli.MIN_RETENTION_ENV):
+    with pytest.raises(errors.RetentionWindowError, match=admin.MIN_RETENTION_ENV):
         admin.purge_sent(engine, older_than_ms=DAY_MS, min_retention_ms=0)
-    monkeypatch.setenv(cli.MIN_RETENTION_ENV, "soon")
-    with pytest.raises(errors.ConfigurationError, match=cli.MIN_RETENTION_ENV):
+    monkeypatch.setenv(admin.MIN_RETENTION_ENV, "soon")
+    with pytest.raises(errors.ConfigurationError, match=admin.MIN_RETENTION_ENV):
         admin.purge_sent(engine, older_than_ms=DAY_MS, min_retention_ms=0)
-    monkeypatch.delenv(cli.MIN_REPLAY_WINDOW_ENV)
-    monkeypatch.delenv(cli.MIN_RETENTION_ENV)
+    monkeypatch.delenv(admin.MIN_REPLAY_WINDOW_ENV)
+    monkeypatch.delenv(admin.MIN_RETENTION_ENV)
     assert count(engine, lease_table) == 1 and count(engine, outbox_table) == 1
 
-    bad = run(pg_url, "outbox", "purge", "--sent-before", "7d", env={cli.MIN_RETENTION_ENV: "soon"})
-    assert bad.exit_code == 2 and cli.MIN_RETENTION_ENV in bad.output
+    bad = run(pg_url, "outbox", "purge", "--sent-before", "7d", env={admin.MIN_RETENTION_ENV: "soon"})
+    assert bad.exit_code == 2 and admin.MIN_RETENTION_ENV in bad.output
     # A flag may raise the floor above the environment's, and without the variable it sets it.
     raised = run(
         pg_url,
@@ -630,7 +633,7 @@ def test_floors_from_the_environment_are_floors(pg_url: str, monkeypatch: pytest
         "1d",
         "--min-retention",
         "2d",
-        env={cli.MIN_RETENTION_ENV: "1d"},
+        env={admin.MIN_RETENTION_ENV: "1d"},
     )
     assert raised.exit_code == 2 and "minimum retention of 2d" in raised.output
     ok = run(
@@ -641,7 +644,7 @@ def test_floors_from_the_environment_are_floors(pg_url: str, monkeypatch: pytest
         "1d",
         "--min-retention",
         "1d",
-        env={cli.MIN_RETENTION_ENV: "1d"},
+        env={admin.MIN_RETENTION_ENV: "1d"},
     )
     assert ok.exit_code == 0 and "deleted 1 SENT" in ok.output
     ok = run(pg_url, "leases", "purge", "--finished-before", "1d", "--min-replay-window", "1d")

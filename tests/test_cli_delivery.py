@@ -69,7 +69,9 @@ def test_dispatch_notes_name_pauses_then_unrouted_rows_then_dead_rows(
     expired: int,
     starts: list[str],
 ) -> None:
-    notes = cli.dispatch_notes(pauses, unrouted_topics, unrouted=unrouted, dead=dead, expired=expired)
+    notes = cli.dispatch.dispatch_notes(
+        pauses, unrouted_topics, unrouted=unrouted, dead=dead, expired=expired
+    )
     assert len(notes) == len(starts)
     for note, start in zip(notes, starts, strict=True):
         assert note.startswith(start), note

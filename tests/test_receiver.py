@@ -18,6 +18,7 @@ import sqlalchemy as sa
 from click.testing import CliRunner
 
 from dagster_joblease import errors
+from dagster_joblease.cli.receiver import receiver_command
 from dagster_joblease.inbox import ADVISORY_LOCK_CLASS, InboxStatus
 from dagster_joblease.receiver import (
     ReceiverOptions,
@@ -25,7 +26,6 @@ from dagster_joblease.receiver import (
     effect_count,
     effects,
     ensure_tables,
-    receiver_command,
     request_count,
     request_log,
 )

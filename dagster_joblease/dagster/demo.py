@@ -29,7 +29,6 @@ import dataclasses
 import datetime as dt
 import json
 import os
-import shutil
 import signal
 import subprocess
 import sys
@@ -49,7 +48,7 @@ from dagster_joblease import identity
 from dagster_joblease.storage import create_engine, leases, migrate
 from dagster_joblease.storage import outbox as outbox_rows
 
-__all__ = ["DemoReport", "demo_command", "demo_ui_command", "run_demo", "ui_command"]
+__all__ = ["DemoReport", "run_demo"]
 
 LOCATION = "dagster_joblease.dagster.demo_location"
 REPOSITORY = "__repository__"
@@ -276,7 +275,7 @@ def time_summary(phases: Sequence[tuple[str, float]]) -> str:
     )
 
 
-def _start_receiver(database_url: str, log: Path) -> tuple[subprocess.Popen[str], str]:
+def start_receiver(database_url: str, log: Path) -> tuple[subprocess.Popen[str], str]:
     proc = subprocess.Popen(
         [sys.executable, "-m", "dagster_joblease.receiver", "--database-url", database_url, "--port", "0"],
         stdout=subprocess.PIPE,
@@ -291,7 +290,7 @@ def _start_receiver(database_url: str, log: Path) -> tuple[subprocess.Popen[str]
     return proc, line.removeprefix("listening on ")
 
 
-def _stop(proc: subprocess.Popen[Any], *, group: bool) -> None:
+def stop_process(proc: subprocess.Popen[Any], *, group: bool) -> None:
     """Stop a process (and, for the daemon, its code server and run workers: its process group)."""
     if proc.poll() is not None:
         return
@@ -549,7 +548,7 @@ def run_demo(
         )
         clock.mark("stopping the daemon, counting")
         progress.update("[6/6] stopping the daemon")
-        _stop(daemon, group=True)
+        stop_process(daemon, group=True)
 
         report = _count(plan, instance, engine, receiver_engine, backfill_id, started=started)
         clock.mark("")
@@ -598,8 +597,8 @@ def _prepare_instance(plan: DemoPlan, engine: sa.Engine) -> Any:
 def _start_processes(plan: DemoPlan, stack: contextlib.ExitStack) -> subprocess.Popen[Any]:
     """Start the reference receiver, then the Dagster daemon (its own process group) on the demo
     location; each is stopped when ``stack`` closes. Returns the daemon."""
-    receiver, base = _start_receiver(plan.receiver_url, plan.work / "receiver.log")
-    stack.callback(_stop, receiver, group=False)
+    receiver, base = start_receiver(plan.receiver_url, plan.work / "receiver.log")
+    stack.callback(stop_process, receiver, group=False)
     os.environ["BILLING_API_URL"] = f"{base}/{TOPIC}"
     daemon = subprocess.Popen(
         [sys.executable, "-m", "dagster._daemon", "run", "-m", LOCATION],
@@ -613,7 +612,7 @@ def _start_processes(plan: DemoPlan, stack: contextlib.ExitStack) -> subprocess.
         cwd=plan.work,
         start_new_session=True,
     )
-    stack.callback(_stop, daemon, group=True)
+    stack.callback(stop_process, daemon, group=True)
     return daemon
 
 
@@ -705,160 +704,3 @@ def _count(
         seconds=time.monotonic() - started,
         workdir=str(plan.work),
     )
-
-
-def _default_sigint() -> None:
-    signal.signal(signal.SIGINT, signal.SIG_DFL)
-
-
-RUNS_VIEW = "/runs?view=runs"  # the Runs page with "Show runs within backfills" ticked
-
-
-def ui_command(work: Path) -> str:
-    """The one command that serves the Dagster UI on a kept demo's runs (``joblease demo-ui``: a
-    receiver for the location's dispatcher, and ``dg dev``), with this environment's executable."""
-    return f"{Path(sys.executable).parent / 'joblease'} demo-ui {work}"
-
-
-def _demo_env(work: Path) -> dict[str, str]:
-    return {
-        "DAGSTER_HOME": str(work / "dagster_home"),
-        "JOBLEASE_DATABASE_URL": f"sqlite:///{work / 'joblease.sqlite'}",
-    }
-
-
-@click.command("demo-ui")
-@click.argument("workdir", type=click.Path(file_okay=False, exists=True, path_type=Path))
-@click.option("--port", "-p", type=int, default=3000, show_default=True, help="The Dagster UI's port.")
-@click.option("--host", "-h", default="127.0.0.1", show_default=True, help="The Dagster UI's interface.")
-def demo_ui_command(workdir: Path, port: int, host: str) -> None:
-    """Serve the Dagster UI on a kept demo's runs: `dg dev` on the demo location, with a receiver for its
-    dispatcher (on a free port). Ctrl-C stops both."""
-    work = workdir.resolve()
-    if not (work / "dagster_home" / "dagster.yaml").is_file() or not (work / "joblease.sqlite").is_file():
-        raise click.ClickException(
-            f"{work} is not a demo's work directory (no dagster_home/dagster.yaml or joblease.sqlite); "
-            "run `joblease demo` first: it keeps its work directory and prints this command"
-        )
-    dg_exe = Path(sys.executable).parent / "dg"
-    if not dg_exe.exists():
-        raise click.ClickException(
-            f"{dg_exe} not found: the UI needs dagster-dg-cli and dagster-webserver, the [ui] extra "
-            "(pip install 'dagster-joblease[ui]')"
-        )
-    receiver, base = _start_receiver(f"sqlite:///{work / 'receiver.sqlite'}", work / "receiver-ui.log")
-    env = {**os.environ, **_demo_env(work), "BILLING_API_URL": f"{base}/{TOPIC}"}
-    click.echo(f"receiver: {base} (log {work / 'receiver-ui.log'})")
-    click.echo(f"Dagster UI: http://{host}:{port}{RUNS_VIEW} (runs within backfills shown); Ctrl-C stops")
-    # `dg dev` stops cleanly on SIGINT (Ctrl-C); started from a script it would inherit SIGINT ignored.
-    dev = subprocess.Popen(
-        [str(dg_exe), "dev", "-m", LOCATION, "-p", str(port), "-h", host],
-        env=env,
-        cwd=work,
-        preexec_fn=_default_sigint,
-    )
-    stopping: list[float] = []
-
-    def interrupt(_signum: int, _frame: object) -> None:
-        """SIGINT or SIGTERM here: stop dg dev as Ctrl-C does (it stops its webserver and daemon)."""
-        stopping.append(time.monotonic())
-        if dev.poll() is None:
-            dev.send_signal(signal.SIGINT)
-
-    previous = {sig: signal.signal(sig, interrupt) for sig in (signal.SIGINT, signal.SIGTERM)}
-    try:
-        while dev.poll() is None:
-            if stopping and time.monotonic() - stopping[0] > 60:
-                dev.kill()
-            time.sleep(0.5)
-    finally:
-        for sig, handler in previous.items():
-            signal.signal(sig, handler)
-        _stop(receiver, group=False)
-
-
-def explain(report: DemoReport) -> str:
-    """What the table's counts mean, and that they add up."""
-    return (
-        f"A backfill ({report.backfill_id}) ran {ASSET} for {report.partitions} days, one run each; the "
-        f"schedule's 02:00 tick asked for {report.overlap_day} again, so one of those two runs won and the "
-        f"other succeeded as a recorded skip. The run of {report.killed_day} was SIGKILLed inside its leased "
-        f"body; Dagster failed it and daily_invoice_reconcile relaunched the partition, which reclaimed the "
-        f"lease. Runs: {report.runs} = {report.won} won + {report.reclaimed} reclaimed + {report.skipped} "
-        f"skipped + {report.killed} killed; partitions done: {report.won} + {report.reclaimed} = "
-        f"{report.won + report.reclaimed}. outbox_dispatch_sensor requested {report.dispatcher_runs} "
-        f"dispatcher run(s): {report.outbox_rows} outbox rows, {report.posts} POSTs, {report.effects} "
-        "effects applied"
-        + (
-            " (a POST retried after a timeout carries the same Idempotency-Key: the receiver applied it once)"
-            if report.posts > report.effects
-            else ""
-        )
-        + f"; each partition's effect carries its own key and payload: "
-        f"{report.partitions_with_one_effect}/{report.partitions}."
-    )
-
-
-@click.command("demo")
-@click.option(
-    "--partitions",
-    type=click.IntRange(2, 31),
-    default=3,
-    show_default=True,
-    help="Days to backfill (the last complete ones).",
-)
-@click.option(
-    "--workdir",
-    type=click.Path(file_okay=False, path_type=Path),
-    default=None,
-    help="Where the databases and the Dagster home go (default: a new temporary directory).",
-)
-@click.option(
-    "--keep/--no-keep",
-    default=True,
-    show_default=True,
-    help="Keep the work directory, to see its runs in the Dagster UI (`joblease demo-ui DIR`).",
-)
-@click.option(
-    "--timeout",
-    "timeout_s",
-    type=click.FloatRange(min=1),
-    default=None,
-    metavar="SECONDS",
-    help=f"Budget for the demo's waits (default: {BASE_TIMEOUT_S:.0f} s times the load average per CPU, "
-    "at least 1).",
-)
-def demo_command(partitions: int, workdir: Path | None, keep: bool, timeout_s: float | None) -> None:
-    """End-to-end demo with Dagster's daemon: a backfill, a schedule tick, a killed run, one effect each."""
-    work = (workdir or Path(tempfile.mkdtemp(prefix="joblease-demo-"))).resolve()
-    try:
-        report = run_demo(partitions=partitions, workdir=work, timeout_s=timeout_s)
-        click.echo()
-        click.echo(report.table())
-        click.echo("\n" + explain(report))
-        click.echo("\n" + time_summary(report.phases))
-        if report.ok:
-            click.echo(f"OK: one effect per partition ({report.effects}/{report.partitions}).")
-        else:
-            raise click.ClickException(
-                f"invariant FAILED: expected {partitions} partitions done (won + reclaimed), one killed run "
-                f"redone, {partitions} outbox rows and {partitions} effects; see {work}"
-            )
-        if keep:
-            click.echo(
-                f"\nKept {work}. To see these runs in the Dagster UI (a receiver included), run:\n"
-                f"  {ui_command(work)}\n"
-                f"and open http://127.0.0.1:3000{RUNS_VIEW} (the Runs page, runs within backfills shown)."
-            )
-    finally:
-        if not keep:
-            shutil.rmtree(work, ignore_errors=True)
-
-
-def _main(argv: Sequence[str]) -> int:
-    demo_command.main(args=list(argv), prog_name="joblease demo")
-    return 0
-
-
-if __name__ == "__main__":
-    sys.exit(_main(sys.argv[1:]))

@@ -11,7 +11,6 @@ from dagster_joblease.receiver.app import (
     request_count,
     request_log,
 )
-from dagster_joblease.receiver.command import receiver_command
 from dagster_joblease.receiver.server import ReceiverOptions, ReceiverServer, serve
 from dagster_joblease.testing.faults import Faults
 
@@ -23,7 +22,6 @@ __all__ = [
     "effect_count",
     "effects",
     "ensure_tables",
-    "receiver_command",
     "request_count",
     "request_log",
     "serve",

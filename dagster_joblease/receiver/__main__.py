@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dagster_joblease.receiver.command import receiver_command
+from dagster_joblease.cli.receiver import receiver_command
 
 if __name__ == "__main__":
     receiver_command(prog_name="python -m dagster_joblease.receiver")

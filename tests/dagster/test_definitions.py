@@ -56,7 +56,7 @@ def test_definitions_validate_and_the_demo_pass_in_subprocesses(tmp_path: Path) 
         [
             sys.executable,
             "-m",
-            "dagster_joblease.dagster.demo",
+            "dagster_joblease.cli.demo",
             "--partitions",
             "3",
             "--workdir",
