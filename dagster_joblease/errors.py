@@ -288,10 +288,22 @@ class StorageError(JobLeaseError):
 class SchemaNotAtHeadError(StorageError):
     """The database schema does not match this version of dagster-joblease."""
 
-    def __init__(self, *, db_revision: str | None, head_revision: str) -> None:
+    def __init__(
+        self,
+        *,
+        db_revision: str | None,
+        head_revision: str,
+        database: str | None = None,
+        advice: str | None = None,
+    ) -> None:
+        """``database``: which database, as ``storage.engine.describe_database`` names it; ``advice``:
+        the command that fixes that database (``storage.engine.upgrade_advice``)."""
         self.db_revision = db_revision
         self.head_revision = head_revision
+        self.database = database
+        of = f" of {database}" if database else ""
         super().__init__(
-            f"the joblease schema is at revision {db_revision or 'none (not installed)'} but this package "
-            f"needs {head_revision}; run `joblease db upgrade` (or dagster_joblease.migrate(engine))"
+            f"the joblease schema{of} is at revision {db_revision or 'none (not installed)'} but this "
+            f"package needs {head_revision}; "
+            + (advice or "run `joblease db upgrade` (or dagster_joblease.migrate(engine))")
         )

@@ -165,7 +165,7 @@ def test_schema_behind_exits_2_and_changes_nothing_until_db_upgrade(empty_pg_url
     for command in commands:
         result = run(empty_pg_url, *command)
         assert result.exit_code == 2, (command, result.output)
-        assert "run `joblease db upgrade`" in result.output
+        assert f"run `joblease --database-url {empty_pg_url} db upgrade`" in result.output  # this database
     assert _tables(empty_pg_url) == []
 
     current = run(empty_pg_url, "db", "current", "--json")

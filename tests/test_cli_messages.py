@@ -223,7 +223,8 @@ def test_an_unreachable_database_in_dagster_names_the_resource_and_the_variable(
     assert any("resource_fn on ResourceDefinition joblease" in m for m in messages), messages
     (ours,) = [m for m in messages if m.startswith("JobLeaseResource")]
     prefix = (
-        f"JobLeaseResource cannot use the joblease database (postgresql database 'app' on 127.0.0.1:{port}, "
+        "JobLeaseResource cannot use the joblease database "
+        f"(the PostgreSQL database 'app' on 127.0.0.1:{port} (postgresql+psycopg, user app), "
         "the URL in $JOBLEASE_DATABASE_URL): database error while trying to read the joblease schema "
         "revision: connection failed: "
     )

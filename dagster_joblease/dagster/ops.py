@@ -656,11 +656,26 @@ def _log_results(step: _Step, results: Sequence[metadata.LeasedResult]) -> None:
             + f"joblease {r.code}/{r.partition_key or '(initial)'}: {r.outcome} (attempt {r.attempt}, outbox "
             f"{r.outbox}, holder {r.holder}, key {r.idempotency_key})"
         )
+    _warn_absent_winners(step, results[:_LOG_KEYS])
     if len(results) > _LOG_KEYS:
         log.info(
             f"joblease: {len(results)} keys: {metadata.format_counts(metadata.outcome_counts(results))} "
             f"(the first {_LOG_KEYS} are logged above; every key is in the step's metadata)"
         )
+
+
+def _warn_absent_winners(step: _Step, results: Sequence[metadata.LeasedResult]) -> None:
+    """A skip naming a run this instance does not have says so (once per such run)."""
+    if step.run_id is None:
+        return  # an ephemeral context: no instance to look the winner up in
+    seen: set[str] = set()
+    for r in results:
+        winner = r.winner_run_id
+        if not r.skipped or winner is None or winner in seen:
+            continue
+        seen.add(winner)
+        if step.context.instance.get_run_by_id(winner) is None:
+            step.context.log.warning(step.resource.absent_winner_note(winner, r.code, r.partition_key))
 
 
 def _settle(

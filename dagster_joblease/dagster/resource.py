@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import shlex
 from collections.abc import Callable, Iterator
 from typing import Any, TypeVar
 
@@ -108,6 +109,24 @@ class JobLeaseResource(dg.ConfigurableResource):  # type: ignore[type-arg]
     _engine: sa.Engine | None = PrivateAttr(default=None)
     _service: lease.LeaseService | None = PrivateAttr(default=None)
 
+    def __init__(self, **data: Any) -> None:
+        super().__init__(**data)
+        self.check_url_parses()
+
+    def check_url_parses(self) -> None:
+        """Refuse, when the definitions load, a URL that cannot even be parsed (a typo in
+        ``$JOBLEASE_DATABASE_URL`` or in ``database_url``), rather than at the first run. A variable named
+        by ``dg.EnvVar`` that is unset here is left to the run, which may have it."""
+        raw = self.database_url
+        if isinstance(raw, dg.EnvVar):
+            raw = os.environ.get(raw.env_var_name) or None
+        url = raw or os.environ.get(storage_engine.DATABASE_URL_ENV)
+        if url:
+            try:
+                storage_engine.normalize_url(url)
+            except errors.ConfigurationError as exc:
+                raise errors.ConfigurationError(f"JobLeaseResource: {self._url_source()}: {exc}") from None
+
     # -- lifecycle ---------------------------------------------------------------------------------
 
     def resolved_url(self) -> str:
@@ -127,6 +146,54 @@ class JobLeaseResource(dg.ConfigurableResource):  # type: ignore[type-arg]
             self.resolved_held_wait_ms()
             return
         self._start()
+        warning = self.embedded_state_warning(context.instance)
+        if warning is not None and context.log is not None:
+            context.log.warning(warning)
+
+    def uses_embedded_default(self) -> bool:
+        """True when neither ``database_url`` nor ``$JOBLEASE_DATABASE_URL`` is set: the SQLite default."""
+        return not (self.database_url or os.environ.get(storage_engine.DATABASE_URL_ENV))
+
+    def embedded_state_warning(self, instance: dg.DagsterInstance | None) -> str | None:
+        """What a run says when its leases live in the embedded default file but Dagster's runs do not
+        last as long: a temporary instance (``dg dev`` or ``dg launch`` without ``$DAGSTER_HOME``, an
+        in-process run) discards its runs, the leases stay, and a later run of a done partition is
+        skipped naming a run no instance has. None when the leases live with a lasting instance."""
+        if not self.uses_embedded_default():
+            return None
+        temporary = instance is not None and instance.is_ephemeral
+        if os.environ.get("DAGSTER_HOME") and not temporary:
+            return None
+        url = storage_engine.default_sqlite_url(create=False)
+        runs = (
+            "this Dagster instance keeps its runs in memory"
+            if temporary
+            else "$DAGSTER_HOME is unset, so this Dagster instance is a temporary one"
+        )
+        return (
+            f"joblease: this run's leases are kept in {storage_engine.describe_database(url)} (the embedded "
+            f"default: neither the resource's database_url nor ${storage_engine.DATABASE_URL_ENV} is set), "
+            f"but {runs}: its runs are discarded when it goes, the leases stay. A later run of a partition "
+            "done here will be skipped, naming a run no instance has. Set DAGSTER_HOME to a lasting folder "
+            f"(the leases then live in $DAGSTER_HOME/joblease.sqlite) or ${storage_engine.DATABASE_URL_ENV}."
+        )
+
+    def absent_winner_note(self, run_id: str, code: str, partition_key: str | None) -> str:
+        """What a skip adds when the run that did the key is not on this Dagster instance."""
+        url = self.resolved_url()
+        key = f"{code}@{partition_key}" if partition_key else f"{code} (initial)"
+        show = (
+            f"joblease --database-url {shlex.quote(storage_engine.redact_url(url))} leases show "
+            f"--code {shlex.quote(code)}"
+            + (f" --run-key {shlex.quote(partition_key)}" if partition_key else "")
+        )
+        return (
+            f"joblease: run {run_id}, which did {key}, is not on this Dagster instance: the lease in "
+            f"{storage_engine.describe_database(url)} outlived the instance that ran it (a temporary "
+            "instance, or another deployment sharing the database), so its run link leads nowhere here. "
+            f"The key is done and is not done again; `{show}` shows the lease, `joblease leases fail` "
+            "with the same options makes the next run redo it."
+        )
 
     def teardown_after_execution(self, context: dg.InitResourceContext) -> None:
         self.close()
@@ -161,8 +228,8 @@ class JobLeaseResource(dg.ConfigurableResource):  # type: ignore[type-arg]
         url = self.resolved_url()
         try:
             engine = storage_engine.create_engine(url)
-        except errors.ConfigurationError as exc:
-            raise errors.ConfigurationError(f"JobLeaseResource: {self._url_source()}: {exc}") from exc
+        except errors.ConfigurationError as exc:  # the message says it all: our frames add nothing
+            raise errors.ConfigurationError(f"JobLeaseResource: {self._url_source()}: {exc}") from None
         try:
             if self.migrate_on_first_use:
                 if current_revision(engine) != head_revision():
@@ -170,12 +237,19 @@ class JobLeaseResource(dg.ConfigurableResource):  # type: ignore[type-arg]
             else:
                 require_schema(engine)
             service = lease.LeaseService(engine, lease_ms=timing.lease_ms, heartbeat_ms=timing.heartbeat_ms)
-        except errors.SchemaNotAtHeadError:
+        except errors.SchemaNotAtHeadError as exc:
             engine.dispose()
-            raise
+            raise errors.SchemaNotAtHeadError(
+                db_revision=exc.db_revision,
+                head_revision=exc.head_revision,
+                database=f"{storage_engine.describe_database(url)} ({self._url_source()})",
+                advice=storage_engine.upgrade_advice(url),
+            ) from None
         except errors.StorageError as exc:
             engine.dispose()
-            raise errors.StorageError(self.unreachable_message(url, exc)) from exc
+            # The message carries the driver's first line; the chain would add only our own frames and
+            # SQLAlchemy's (hundreds of lines in a run's failure), so it is dropped.
+            raise errors.StorageError(self.unreachable_message(url, exc)) from None
         except BaseException:
             engine.dispose()
             raise
@@ -183,6 +257,8 @@ class JobLeaseResource(dg.ConfigurableResource):  # type: ignore[type-arg]
         self._service = service
 
     def _url_source(self) -> str:
+        if isinstance(self.database_url, dg.EnvVar):
+            return f"the URL in ${self.database_url.env_var_name} (its database_url)"
         if self.database_url:
             return "the URL in its database_url"
         if os.environ.get(storage_engine.DATABASE_URL_ENV):
@@ -192,15 +268,7 @@ class JobLeaseResource(dg.ConfigurableResource):  # type: ignore[type-arg]
     def unreachable_message(self, url: str, exc: BaseException) -> str:
         """What a run or tick says when the joblease database cannot be reached: the resource, where
         its URL came from, the database (never the user or password) and the variable to fix."""
-        try:
-            parsed = storage_engine.normalize_url(url)
-            where = (
-                f"sqlite file {parsed.database}"
-                if parsed.get_backend_name() == "sqlite"
-                else f"postgresql database {parsed.database!r} on {parsed.host}:{parsed.port or 5432}"
-            )
-        except errors.ConfigurationError:
-            where = "the configured database"
+        where = storage_engine.describe_database(url)
         detail = storage_engine.scrub_secrets(str(exc), url)
         return (
             f"JobLeaseResource cannot use the joblease database ({where}, {self._url_source()}): {detail}. "

@@ -6,6 +6,7 @@ from __future__ import annotations
 import contextlib
 import os
 import re
+import shlex
 import sqlite3
 import time
 import weakref
@@ -25,6 +26,7 @@ __all__ = [
     "DATABASE_URL_ENV",
     "create_engine",
     "default_sqlite_url",
+    "describe_database",
     "fork_safe",
     "is_psycopg",
     "normalize_url",
@@ -32,6 +34,8 @@ __all__ = [
     "scrub_secrets",
     "sqlite_file",
     "translate_errors",
+    "upgrade_advice",
+    "upgrade_command",
 ]
 
 #: The environment variable every entry point (CLI, Dagster resource, demo) reads the URL from.
@@ -49,12 +53,17 @@ _PID = "joblease_pid"
 def default_sqlite_url(*, create: bool = True) -> str:
     """The embedded default: a file under ``$DAGSTER_HOME``, else under ``./.joblease/``.
 
-    ``create=False`` only names it: a command that reads must not create the folder it would read from.
+    ``./.joblease/`` ignores itself (a ``.gitignore`` of ``*``, as a virtualenv does): it lands in a
+    project's folder, and lease state is no source. ``create=False`` only names it: a command that reads
+    must not create the folder it would read from.
     """
     home = os.environ.get("DAGSTER_HOME")
     folder = Path(home) if home else Path.cwd() / ".joblease"
     if create:
         folder.mkdir(parents=True, exist_ok=True)
+        ignore = folder / ".gitignore"
+        if not home and not ignore.exists():
+            ignore.write_text("# lease state of dagster-joblease's embedded default; not source\n*\n")
     return f"sqlite:///{folder / 'joblease.sqlite'}"
 
 
@@ -147,6 +156,46 @@ def redact_url(url: str | URL) -> str:
         scheme = url.split("://", 1)[0] if isinstance(url, str) and "://" in url else ""
         safe = scheme if scheme.replace("+", "").isalnum() else "database"
         return f"<{safe} URL hidden: ambiguous or unparseable>"
+
+
+def describe_database(url: str | URL) -> str:
+    """The database ``url`` opens, as every message about it names it: the SQLite file's absolute path,
+    or PostgreSQL's database, host, port, driver and user; never a password, a query or the raw URL."""
+    try:
+        parsed = normalize_url(url)
+    except errors.ConfigurationError:
+        return "the configured database (its URL cannot be parsed)"
+    if parsed.get_backend_name() == "sqlite":
+        path = sqlite_file(parsed)
+        return f"the SQLite file {path.absolute() if path else parsed.database}"
+    server = f"{parsed.host or 'the local socket'}:{parsed.port or 5432}"
+    who = f"{parsed.drivername}" + (f", user {parsed.username}" if parsed.username else "")
+    if not parsed.database:
+        return f"the PostgreSQL server {server} ({who}; the URL names no database)"
+    return f"the PostgreSQL database {parsed.database!r} on {server} ({who})"
+
+
+def upgrade_command(url: str | URL) -> str:
+    """The exact command that installs or upgrades the joblease schema of ``url``'s database, the
+    password shown as ``***`` (put it back, or pass ``--database-url "$VARIABLE"``)."""
+    try:
+        parsed = normalize_url(url)
+    except errors.ConfigurationError:
+        return "joblease --database-url URL db upgrade"
+    if parsed.get_backend_name() == "sqlite":
+        path = sqlite_file(parsed)
+        if path is not None:
+            parsed = parsed.set(database=str(path.absolute()))
+    return f"joblease --database-url {shlex.quote(parsed.render_as_string(hide_password=True))} db upgrade"
+
+
+def upgrade_advice(url: str | URL) -> str:
+    """What fixes a schema that is not at head: the command for ``url``'s database, and what ``***``
+    means when the URL holds a password."""
+    command = f"run `{upgrade_command(url)}`"
+    if ":***@" in command:  # render_as_string(hide_password=True) showed a password this way
+        command += ' (the password shown as ***: put it back, or pass --database-url "$YOUR_VARIABLE")'
+    return command + " or dagster_joblease.migrate(engine) on that database"
 
 
 def _secret_pieces(url: str) -> set[str]:

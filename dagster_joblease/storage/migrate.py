@@ -21,6 +21,7 @@ from alembic.script.revision import RevisionError
 from sqlalchemy.dialects import postgresql
 
 from dagster_joblease import errors
+from dagster_joblease.storage import engine as engine_module
 from dagster_joblease.storage import schema
 from dagster_joblease.storage.engine import APPLICATION_NAME, translate_errors
 
@@ -211,4 +212,9 @@ def require_schema(engine: sa.Engine) -> None:
     current = current_revision(engine)
     head = head_revision()
     if current != head:
-        raise errors.SchemaNotAtHeadError(db_revision=current, head_revision=head)
+        raise errors.SchemaNotAtHeadError(
+            db_revision=current,
+            head_revision=head,
+            database=engine_module.describe_database(engine.url),
+            advice=engine_module.upgrade_advice(engine.url),
+        )
