@@ -206,7 +206,7 @@ def test_bad_urls_exit_2_without_leaking_the_password(tmp_path: Path) -> None:
     for args in (["leases", "list"], ["db", "upgrade"], ["db", "current"], ["outbox", "stats", "--json"]):
         result = run(unreachable, *args)
         assert result.exit_code == 2, result.output
-        assert f"cannot connect to postgresql database 'joblease' on 127.0.0.1:{port}" in result.output
+        assert f"cannot connect to the PostgreSQL database 'joblease' on 127.0.0.1:{port}" in result.output
         assert SECRET not in result.output and "joblease:" not in result.output
 
     env_result = run(None, "leases", "list", env={"JOBLEASE_DATABASE_URL": unreachable})
@@ -535,7 +535,8 @@ def test_default_is_the_embedded_sqlite_file(tmp_path: Path, monkeypatch: pytest
     monkeypatch.delenv("JOBLEASE_DATABASE_URL", raising=False)
     assert run(None, "leases", "list").exit_code == 2  # not installed yet: run `joblease db upgrade`
     upgraded = run(None, "db", "upgrade")
-    assert upgraded.exit_code == 0 and "sqlite file" in upgraded.output
+    assert upgraded.exit_code == 0
+    assert f"the SQLite file {tmp_path / '.joblease' / 'joblease.sqlite'}: upgraded" in upgraded.output
     assert (tmp_path / ".joblease" / "joblease.sqlite").is_file()
     assert run(None, "leases", "list").output.strip() == "no leases match"
     assert json.loads(run(None, "outbox", "stats", "--json").output)["total"] == 0
@@ -724,7 +725,7 @@ def test_commands_other_than_db_upgrade_never_create_a_database(
         result = run(url, *command)
         assert result.exit_code == 2, (command, result.output)
         assert f"no such database file: {missing}" in result.output, result.output
-        assert "joblease db upgrade" in result.output
+        assert f"joblease --database-url {url} db upgrade" in result.output  # the command for that file
     assert not (tmp_path / "typo").exists()
 
     workdir = tmp_path / "cwd"

@@ -146,7 +146,8 @@ def test_a_postgres_url_without_a_database_says_what_is_missing_and_the_form() -
     assert result.exit_code == 2
     # It said "cannot connect to postgresql database None" and no more than "Check --database-url".
     assert result.output.startswith(
-        f"Error: cannot connect to postgresql server 127.0.0.1:{port} (the URL names no database): "
+        f"Error: cannot connect to the PostgreSQL server 127.0.0.1:{port} (postgresql+psycopg; the URL names "
+        "no database): "
     )
     assert result.output.endswith(
         "Name the database in --database-url / $JOBLEASE_DATABASE_URL: "
@@ -155,7 +156,7 @@ def test_a_postgres_url_without_a_database_says_what_is_missing_and_the_form() -
     named = run(f"postgresql+psycopg://app:sekret@127.0.0.1:{port}/app", "leases", "list")
     assert named.exit_code == 2 and "sekret" not in named.output
     assert named.output.startswith(
-        f"Error: cannot connect to postgresql database 'app' on 127.0.0.1:{port}: "
+        f"Error: cannot connect to the PostgreSQL database 'app' on 127.0.0.1:{port} (postgresql+psycopg): "
     )
     assert named.output.endswith(
         "Check that the server is up and that the host, port, user and database in --database-url / "
@@ -224,7 +225,7 @@ def test_an_unreachable_database_in_dagster_names_the_resource_and_the_variable(
     (ours,) = [m for m in messages if m.startswith("JobLeaseResource")]
     prefix = (
         "JobLeaseResource cannot use the joblease database "
-        f"(the PostgreSQL database 'app' on 127.0.0.1:{port} (postgresql+psycopg, user app), "
+        f"(the PostgreSQL database 'app' on 127.0.0.1:{port} (postgresql+psycopg), "
         "the URL in $JOBLEASE_DATABASE_URL): database error while trying to read the joblease schema "
         "revision: connection failed: "
     )

@@ -50,20 +50,6 @@ def exit_code_for(exc: errors.JobLeaseError) -> int:
     return EXIT_FAILED
 
 
-def describe_target(url: str) -> str:
-    """Where we are connected, for messages: backend, host, port, database — never user, password, query."""
-    try:
-        parsed = storage_engine.normalize_url(url)
-    except errors.ConfigurationError:
-        return "the configured database"
-    if parsed.get_backend_name() == "sqlite":
-        return f"sqlite file {parsed.database}"
-    server = f"{parsed.host or 'the local socket'}:{parsed.port or 5432}"
-    if not parsed.database:
-        return f"{parsed.get_backend_name()} server {server} (the URL names no database)"
-    return f"{parsed.get_backend_name()} database {parsed.database!r} on {server}"
-
-
 POSTGRES_URL_FORM = "postgresql+psycopg://USER[:PASSWORD]@HOST[:PORT]/DATABASE"
 
 
@@ -117,7 +103,7 @@ class State:
             if path is not None and not create and not path.is_file():
                 raise CliConfigError(
                     f"no such database file: {path}. Check --database-url / ${storage.DATABASE_URL_ENV}, "
-                    "or create and install it with `joblease db upgrade`."
+                    f"or create and install it with `{storage_engine.upgrade_command(url)}`."
                 )
             self._engine = storage.create_engine(url)
             try:
@@ -125,7 +111,10 @@ class State:
                     pass
             except errors.StorageError as exc:
                 raise CliConfigError(
-                    self.scrub(f"cannot connect to {describe_target(url)}: {exc}. {_connect_advice(url)}")
+                    self.scrub(
+                        f"cannot connect to {storage_engine.describe_database(url)}: {exc}. "
+                        + _connect_advice(url)
+                    )
                 ) from exc
         if require_head:
             storage.require_schema(self._engine)

@@ -11,10 +11,10 @@ from dagster_joblease.cli.common import (
     EXIT_FAILED,
     EXIT_USAGE,
     current_state,
-    describe_target,
     echo_json,
     json_option,
 )
+from dagster_joblease.storage import engine as storage_engine
 
 
 @click.group()
@@ -31,10 +31,11 @@ def db_upgrade() -> None:
         click.echo(f"warning: {warning}", err=True)
     before = storage.migrate(engine, warn=False)  # the warnings above, printed, not logged
     head = storage.head_revision()
+    where = storage_engine.describe_database(state.url)
     if before == head:
-        click.echo(f"{describe_target(state.url)}: already at head revision {head}")
+        click.echo(f"{where}: already at head revision {head}")
     else:
-        click.echo(f"{describe_target(state.url)}: upgraded from {before or 'none'} to {head}")
+        click.echo(f"{where}: upgraded from {before or 'none'} to {head}")
 
 
 @db.command("current")
@@ -47,9 +48,10 @@ def db_current(as_json: bool) -> None:
     if as_json:
         echo_json({"current_revision": current, "head_revision": head, "at_head": current == head})
         return
-    verdict = "at head" if current == head else "behind: run `joblease db upgrade`"
+    verdict = "at head" if current == head else f"behind: {storage_engine.upgrade_advice(state.url)}"
     installed = current or "none (not installed)"
-    click.echo(f"database: {describe_target(state.url)}\ncurrent:  {installed}\nhead:     {head}")
+    where = storage_engine.describe_database(state.url)
+    click.echo(f"database: {where}\ncurrent:  {installed}\nhead:     {head}")
     click.echo(f"status:   {verdict}")
 
 
@@ -61,7 +63,8 @@ def db_check(as_json: bool) -> None:
     Exit 0 when they match; 2 when the schema is behind (run `joblease db upgrade`); 1 when it is at head
     but differs (changed by hand) — the differences are listed.
     """
-    diff = storage.check_schema(current_state().engine(require_head=False))
+    state = current_state()
+    diff = storage.check_schema(state.engine(require_head=False))
     behind = diff.db_revision != diff.head_revision
     if as_json:
         echo_json(
@@ -78,7 +81,7 @@ def db_check(as_json: bool) -> None:
         if behind:
             click.echo(
                 f"schema is behind: database at {diff.db_revision or 'none (not installed)'}, this package "
-                f"needs {diff.head_revision}; run `joblease db upgrade`"
+                f"needs {diff.head_revision}; {storage_engine.upgrade_advice(state.url)}"
             )
         if diff.differences:
             click.echo("differences between the live schema and the models:")

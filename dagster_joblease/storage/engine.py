@@ -160,7 +160,7 @@ def redact_url(url: str | URL) -> str:
 
 def describe_database(url: str | URL) -> str:
     """The database ``url`` opens, as every message about it names it: the SQLite file's absolute path,
-    or PostgreSQL's database, host, port, driver and user; never a password, a query or the raw URL."""
+    or PostgreSQL's database, host, port and driver; never a user, a password, a query or the raw URL."""
     try:
         parsed = normalize_url(url)
     except errors.ConfigurationError:
@@ -169,10 +169,9 @@ def describe_database(url: str | URL) -> str:
         path = sqlite_file(parsed)
         return f"the SQLite file {path.absolute() if path else parsed.database}"
     server = f"{parsed.host or 'the local socket'}:{parsed.port or 5432}"
-    who = f"{parsed.drivername}" + (f", user {parsed.username}" if parsed.username else "")
     if not parsed.database:
-        return f"the PostgreSQL server {server} ({who}; the URL names no database)"
-    return f"the PostgreSQL database {parsed.database!r} on {server} ({who})"
+        return f"the PostgreSQL server {server} ({parsed.drivername}; the URL names no database)"
+    return f"the PostgreSQL database {parsed.database!r} on {server} ({parsed.drivername})"
 
 
 def upgrade_command(url: str | URL) -> str:
