@@ -27,8 +27,9 @@ import pytest
 import sqlalchemy as sa
 from click.testing import CliRunner, Result
 
-from dagster_joblease import cli, outbox
-from dagster_joblease.dispatch import Dispatcher
+from dagster_joblease import admin, cli, outbox
+from dagster_joblease.dispatch.dispatcher import Dispatcher
+from dagster_joblease.dispatch.routes import Route
 from dagster_joblease.storage import create_engine
 from dagster_joblease.storage.schema import outbox_table
 from tests import dispatch_workers
@@ -442,3 +443,65 @@ def test_skip_refusals_requeue_and_purge_of_skipped_rows(db_url: str, engine: sa
     # A skipped row requeued is PENDING again, due now, attempts from 0; the dispatcher may send it.
     assert _cli(db_url, "outbox", "requeue", str(ids["young"])).exit_code == 0
     assert _statuses(engine)["young"] == ("PENDING", 0, False)
+
+
+def test_a_timed_out_keyed_row_on_an_unlimited_route_overlaps_neither_itself_nor_its_successor(
+    engine: sa.Engine,
+) -> None:
+    """Scenario 1 of issue 36: k/000 times out after 1 s while the downstream works on it 2.5 s. Its retry
+    started ~0.1 s later (the grace that keeps a timed-out request in flight was a limited group's
+    only), succeeded, and k/001 went out while k/000's first request was still being processed. With the
+    grace on every route (timeout 1 s + grace 2 s > 2.5 s) nothing of the key overlaps."""
+    items = [outbox.OutboxItem(f"k/{seq:03d}", "work", {"seq": seq}, "k") for seq in range(2)]
+    _enqueue(engine, items)
+    with serve(latency_s=0.0) as server:
+        server.holds = lambda path, number: 2.5 if number == 1 else 0.0
+        route = Route(server.url + "/work", timeout_s=1.0, timeout_grace_s=2.0)
+        with Dispatcher(engine, {"work": route}, concurrency=4, claim_ms=5_000, **FAST) as dispatcher:
+            wait_until(
+                lambda: dispatcher.dispatch() is not None and status_counts(engine) == {"SENT": 2},
+                timeout=60,
+                interval=0.02,
+            )
+        wait_until(lambda: server.in_flight == 0, timeout=10)
+        assert server.most_at_once("/work") == 1, server.spans
+        with server.lock:
+            spans = sorted(server.spans)
+        for (_, first_end, _, _), (second_start, _, _, key) in itertools.pairwise(spans):
+            assert second_start >= first_end, f"{key} started while an earlier request of k was open"
+
+
+def test_a_skipped_row_requeued_while_a_later_row_of_its_key_is_in_flight_waits_for_it(
+    engine: sa.Engine,
+) -> None:
+    """Scenario 2 of issue 36: k/000 DEAD, then skipped; k/001 goes out and the downstream holds it. An
+    ``outbox requeue`` of k/000 meanwhile was accepted and a second dispatcher sent k/000 during k/001's
+    request. The head-of-key rule counts a row of the key in flight, whatever its id: the requeued row
+    waits for k/001's request to end."""
+    items = [outbox.OutboxItem(f"k/{seq:03d}", "work", {"seq": seq}, "k") for seq in range(2)]
+    _enqueue(engine, items)
+    ids = _ids(engine)
+    with engine.begin() as conn:
+        conn.execute(sa.update(outbox_table).where(outbox_table.c.id == ids["k/000"]).values(status="DEAD"))
+    admin.skip(engine, ids["k/000"])
+    with serve(latency_s=0.0) as server:
+        server.hold.set()
+        routes = {"work": Route(server.url + "/work", timeout_s=5.0)}
+        with (
+            Dispatcher(engine, routes, claim_ms=20_000, **FAST) as first,
+            Dispatcher(engine, routes, claim_ms=20_000, **FAST) as second,
+        ):
+            sending = threading.Thread(target=first.dispatch)
+            sending.start()
+            try:
+                wait_until(lambda: server.in_flight == 1, timeout=30)
+                assert admin.requeue(engine, row_id=ids["k/000"]) == 1
+                assert second.dispatch().claimed == 0  # k/001 is in flight: k/000 waits
+            finally:
+                server.released.set()
+                sending.join(30)
+            wait_until(
+                lambda: second.dispatch() is not None and status_counts(engine) == {"SENT": 2}, timeout=60
+            )
+        assert server.most_at_once("/work") == 1, server.spans
+        assert [key for _, _, key, _ in server.requests] == ["k/001", "k/000"]

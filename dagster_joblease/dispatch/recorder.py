@@ -195,7 +195,7 @@ class Recorder:
                     reason=decision.reason,
                     delay_ms=decision.delay_ms,
                     deferred=decision.deferred,
-                    hold=(row.group, hold_ms) if hold_ms and row.group is not None else None,
+                    hold=(row.group, hold_ms) if hold_ms else None,
                 )
                 statements.append((stmt, None, True))
             else:
@@ -219,8 +219,10 @@ class Recorder:
         return statements
 
     def hold_ms(self, row: Claimed, decision: policy.Decision) -> int:
-        """How long a finished row keeps its group's slot after its outcome (a timeout's grace), in ms."""
-        if row.group is None or not decision.timed_out:
+        """How long a finished row stays in flight after its outcome (a timeout's grace, on every route),
+        in ms: the downstream may still be working on the request, so neither the row's retry nor its
+        ordering key's next row may start, and a limited group's slot stays taken."""
+        if not decision.timed_out:
             return 0
         return int(self.routes[row.topic].slot_grace_s * 1000)
 

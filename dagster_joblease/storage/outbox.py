@@ -55,6 +55,7 @@ __all__ = [
     "insert_pending",
     "blocked_keys",
     "last_id",
+    "live_claim",
     "lock_for_skip",
     "lock_for_requeue",
     "mark_sent",
@@ -92,31 +93,42 @@ _SKIPPED = _t.c.status == _SKIPPED_TEXT
 _LIVE_STATUSES = (_PENDING_TEXT, _DEAD_TEXT)
 
 
+def live_claim(row: sa.FromClause = _t) -> sa.ColumnElement[bool]:
+    """A claim is live: its expiry is later than the database clock now. The one spelling of it (a
+    claim expiring exactly now is over); a timed-out request's grace (:func:`record_retry`'s ``hold``) is
+    a live claim without a token. False or NULL for a row without a claim."""
+    return row.c.claim_expires_at > db_now()
+
+
 def _not_in_flight() -> sa.ColumnElement[bool]:
-    """No claim, or an expired one: no dispatcher is delivering the row now."""
-    return sa.or_(_t.c.claim_expires_at.is_(None), _t.c.claim_expires_at < db_now())
+    """No claim, or an expired one: no dispatcher is delivering the row now (not :func:`live_claim`)."""
+    return sa.or_(_t.c.claim_expires_at.is_(None), sa.not_(live_claim()))
 
 
 def head_of_its_key(row: sa.TableClause | sa.Table = _t) -> sa.ColumnElement[bool]:
-    """Per-key ordering, the one spelling of it: ``row`` has no ordering key, or no row of its key with a
-    smaller id is PENDING (due, retry-scheduled or in flight) or DEAD. So only the head of each key goes,
-    one at a time and in id order, and a DEAD row holds its key until a person requeues or skips it.
+    """Per-key ordering, the one spelling of it: ``row`` has no ordering key, or no other row of its key
+    is PENDING or DEAD with a smaller id (due, retry-scheduled, in flight or parked) or PENDING with a
+    :func:`live_claim` whatever its id (in flight, or a timed-out request's grace). So only the head of
+    each key goes, one at a time and in id order; a DEAD row holds its key until a person requeues or
+    skips it; and a row requeued while a later row of its key is in flight waits for that request to
+    end (claims, ``outbox requeue`` and ``outbox skip`` all meet this one rule, at the claim).
 
     ``row`` is the outbox table as the claim names it (``outbox_table``, or an alias a hand-written claim
-    uses). One probe of ``ix_joblease_outbox_ordering`` per keyed candidate; a row without a key costs
-    nothing (the ``IS NULL`` arm is decided first).
+    uses). One probe of ``ix_joblease_outbox_ordering`` per keyed candidate (the key's live rows); a row
+    without a key costs nothing (the ``IS NULL`` arm is decided first).
     """
     ahead = _t.alias("ahead")
-    earlier = (
+    blocking = (
         sa.select(ahead.c.id)
         .where(
             ahead.c.ordering_key == row.c.ordering_key,
             ahead.c.status.in_(_LIVE_STATUSES),
-            ahead.c.id < row.c.id,
+            ahead.c.id != row.c.id,
+            sa.or_(ahead.c.id < row.c.id, live_claim(ahead)),
         )
         .correlate(row)
     )
-    return sa.or_(row.c.ordering_key.is_(None), ~earlier.exists())
+    return sa.or_(row.c.ordering_key.is_(None), ~blocking.exists())
 
 
 def due_clause() -> sa.ColumnElement[bool]:
@@ -512,11 +524,8 @@ def due_backlog(conn: sa.Connection) -> tuple[int, int | None]:
 
 
 def _claimed() -> sa.ColumnElement[bool]:
-    """A dispatcher holds an unexpired claim on the row."""
-    return sa.case(
-        (sa.and_(_t.c.claim_expires_at.is_not(None), _t.c.claim_expires_at >= db_now()), sa.true()),
-        else_=sa.false(),
-    ).label("claimed")
+    """A dispatcher holds a :func:`live_claim` on the row."""
+    return sa.case((live_claim(), sa.true()), else_=sa.false()).label("claimed")
 
 
 def _rows_select() -> sa.Select[Any]:
@@ -631,13 +640,12 @@ def purge_sent(engine: sa.Engine, *, sent_before_ms: int, dry_run: bool) -> int:
 def delivery_counts_by_topic(conn: sa.Connection) -> dict[str, list[int]]:
     """Topic → [due now, in flight, waiting (a backoff or a pause), retrying, dead, skipped], from one
     grouped read of the pending, dead and skipped rows."""
-    live_claim = sa.and_(_t.c.claim_expires_at.is_not(None), _t.c.claim_expires_at > db_now())
-    idle = sa.and_(_PENDING, sa.not_(live_claim))
+    idle = sa.and_(_PENDING, _not_in_flight())
     stmt = (
         sa.select(
             _t.c.topic,
             sa.func.count().filter(sa.and_(idle, _t.c.next_attempt_at <= db_now())),
-            sa.func.count().filter(sa.and_(_PENDING, live_claim)),
+            sa.func.count().filter(sa.and_(_PENDING, live_claim())),
             sa.func.count().filter(sa.and_(idle, _t.c.next_attempt_at > db_now())),
             sa.func.count().filter(sa.and_(idle, _t.c.attempts > 0)),
             sa.func.count().filter(_DEAD),
@@ -652,10 +660,9 @@ def delivery_counts_by_topic(conn: sa.Connection) -> dict[str, list[int]]:
 
 def in_flight_by_group(conn: sa.Connection) -> dict[str, int]:
     """Limit group → unexpired claims holding its capacity (every dispatcher)."""
-    live_claim = sa.and_(_t.c.claim_expires_at.is_not(None), _t.c.claim_expires_at > db_now())
     stmt = (
         sa.select(_t.c.claim_group, sa.func.count())
-        .where(_t.c.claim_group.is_not(None), live_claim, _PENDING)
+        .where(_t.c.claim_group.is_not(None), live_claim(), _PENDING)
         .group_by(_t.c.claim_group)
     )
     return {str(group): int(n) for group, n in conn.execute(stmt)}
@@ -665,11 +672,7 @@ def in_flight_query(group: str) -> sa.Select[Any]:
     """``SELECT count(*)`` of the claims holding ``group``'s capacity now (see :func:`count_in_flight`);
     a limited claim counts it as a subquery in its own LIMIT
     (:func:`dagster_joblease.storage.route_groups.slots_left`)."""
-    return (
-        sa.select(sa.func.count())
-        .select_from(_t)
-        .where(_t.c.claim_group == group, _t.c.claim_expires_at > db_now(), _PENDING)
-    )
+    return sa.select(sa.func.count()).select_from(_t).where(_t.c.claim_group == group, live_claim(), _PENDING)
 
 
 def count_in_flight(conn: sa.Connection, group: str) -> int:
@@ -854,12 +857,13 @@ def record_retry(
     reason: str,
     delay_ms: int,
     deferred: bool,
-    hold: tuple[str, int] | None = None,
+    hold: tuple[str | None, int] | None = None,
 ) -> sa.Update:
     """When may a failed row be tried again? In ``delay_ms`` (database clock), fenced by claim; returns
     its id if it matched. ``deferred``: a ``Retry-After`` pause, not counted against max_attempts.
-    ``hold``: (group, ms) the row keeps its group's slot, counted as an unexpired claim without a token
-    (a timed-out request the downstream may still be working on)."""
+    ``hold``: (group or None, ms) the row stays in flight, a :func:`live_claim` without a token (a
+    timed-out request the downstream may still be working on): it is not claimed again, its ordering
+    key's later rows wait (:func:`head_of_its_key`), and a limited group's slot stays taken."""
     values: dict[str, Any] = {
         **_unclaimed(),
         "last_status": status_code,
@@ -983,7 +987,7 @@ def swap(
     others = (
         sa.select(sa.func.count().label("n"))
         .select_from(_t)
-        .where(_t.c.claim_group == group, _t.c.claim_expires_at > db_now(), _PENDING, sa.not_(mine_ids))
+        .where(_t.c.claim_group == group, live_claim(), _PENDING, sa.not_(mine_ids))
         .cte("others")
     )
     g = route_group_table
