@@ -228,49 +228,64 @@ class Recorder:
 
     def _group_writes(self, finished: list[Finished]) -> list[Callable[[sa.Connection], object]]:
         """Writes to the limit groups' rows that ``finished`` calls for: pauses a downstream asked for,
-        and consecutive connection failures where a route counts them."""
+        and consecutive connection failures where a route counts them. Group by group, in the groups'
+        order: the order every claim locks them in (writes in finishing order deadlocked two dispatchers
+        whose outcomes touched the same groups)."""
+        pauses, streaks = self._group_tallies(finished)
         writes: list[Callable[[sa.Connection], object]] = []
+        for group in sorted(pauses.keys() | streaks.keys()):
+            if group in pauses:
+                pause_ms, reason = pauses[group]
+                writes.append(
+                    functools.partial(
+                        route_groups.record_pause, group=group, pause_ms=pause_ms, reason=reason
+                    )
+                )
+            answered, failures, last = streaks.get(group, (False, 0, ""))
+            if answered:
+                writes.append(functools.partial(route_groups.record_answers, group=group))
+            if failures:
+                writes.append(self._failures_write(group, failures, last))
+        return writes
+
+    def _group_tallies(
+        self, finished: list[Finished]
+    ) -> tuple[dict[str, tuple[int, str]], dict[str, tuple[bool, int, str]]]:
+        """Per group, the longest pause ``finished`` asks for (ms, reason), and its streak: (answered at
+        all, connection failures since, the last one's reason), for groups whose routes count them."""
         pauses: dict[str, tuple[int, str]] = {}
-        streaks: dict[str, tuple[bool, int, str]] = {}  # group → (answered at all, failures since, last)
+        streaks: dict[str, tuple[bool, int, str]] = {}
         for row, decision in finished:
             if decision is None or decision.unsent:
                 continue
             group = self._group_of[row.topic]
-            if decision.pause_ms:
-                reason = pause_reason(row, decision)
-                if decision.pause_ms > pauses.get(group, (0, ""))[0]:
-                    pauses[group] = (decision.pause_ms, reason)
+            if decision.pause_ms and decision.pause_ms > pauses.get(group, (0, ""))[0]:
+                pauses[group] = (decision.pause_ms, pause_reason(row, decision))
             if self.routes[row.topic].pause_after_failures is not None:
                 answered, failures, last = streaks.get(group, (False, 0, ""))
                 if decision.status_code is None and decision.outcome is not policy.Outcome.SENT:
                     streaks[group] = (answered, failures + 1, decision.reason)
                 else:
                     streaks[group] = (True, 0, last)
-        for group, (pause_ms, reason) in pauses.items():
-            writes.append(
-                functools.partial(route_groups.record_pause, group=group, pause_ms=pause_ms, reason=reason)
-            )
-        for group, (answered, failures, last) in streaks.items():
-            if answered:
-                writes.append(functools.partial(route_groups.record_answers, group=group))
-            if failures:
-                route = self.routes[self._group_topics[group][0]]
-                threshold = min(
-                    r.pause_after_failures
-                    for t in self._group_topics[group]
-                    if (r := self.routes[t]).pause_after_failures is not None
-                )
-                writes.append(
-                    functools.partial(
-                        route_groups.record_connection_failures,
-                        group=group,
-                        count=failures,
-                        threshold=threshold,
-                        pause_ms=int(route.failure_pause_s * 1000),
-                        reason=last,
-                    )
-                )
-        return writes
+        return pauses, streaks
+
+    def _failures_write(self, group: str, failures: int, last: str) -> Callable[[sa.Connection], object]:
+        """The write adding ``failures`` connection failures to ``group``'s streak (the smallest threshold
+        of its routes; the failure pause of its first)."""
+        route = self.routes[self._group_topics[group][0]]
+        threshold = min(
+            r.pause_after_failures
+            for t in self._group_topics[group]
+            if (r := self.routes[t]).pause_after_failures is not None
+        )
+        return functools.partial(
+            route_groups.record_connection_failures,
+            group=group,
+            count=failures,
+            threshold=threshold,
+            pause_ms=int(route.failure_pause_s * 1000),
+            reason=last,
+        )
 
     def _write_with_retry(
         self,
