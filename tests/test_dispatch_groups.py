@@ -6,13 +6,20 @@ them. Real PostgreSQL (and SQLite where the rule is the backend's too), a real d
 from __future__ import annotations
 
 import socket
+import threading
+import uuid
 from typing import Any
 
 import sqlalchemy as sa
 
 from dagster_joblease.dispatch.dispatcher import Dispatcher
+from dagster_joblease.dispatch.recorder import DispatchReport
 from dagster_joblease.dispatch.routes import Route
-from tests.dispatch_workers import enqueue_many
+from dagster_joblease.storage import create_engine
+from dagster_joblease.storage.schema import outbox_table
+from tests.conftest import wait_until
+from tests.dispatch_workers import enqueue_many, status_counts
+from tests.limit_server import serve
 
 
 def _closed_port() -> int:
@@ -56,3 +63,68 @@ def test_outcomes_write_group_rows_in_the_order_claims_lock_them(engine: sa.Engi
         sa.event.remove(engine, "before_cursor_execute", spy)
     assert report.retried == 4
     assert written == ["g-a", "g-b", "g-c", "g-d"]
+
+
+def _terminate(engine: sa.Engine, application_name: str) -> int:
+    with engine.connect() as conn:
+        return int(
+            conn.execute(
+                sa.text(
+                    "SELECT count(pg_terminate_backend(pid)) FROM pg_stat_activity "
+                    "WHERE application_name = :name AND pid <> pg_backend_pid()"
+                ),
+                {"name": application_name},
+            ).scalar_one()
+        )
+
+
+def test_a_dropped_connection_mid_batch_loses_no_outcome(pg_url: str, pg_engine: sa.Engine) -> None:
+    """Scenario 3 of issue 36: three requests of a max_in_flight=3 group in flight, the dispatcher's
+    sessions terminated once. The batch's look for more due rows (idle workers poll for any routed row)
+    raised, nothing caught it, the three 200s were never recorded, and the group showed its slots held
+    until the claims expired. Every answer the downstream gave must be recorded (on a fresh connection),
+    and the batch goes on: a row enqueued after the drop is claimed by a later look."""
+    keys = enqueue_many(pg_engine, 6, topic="mif")
+    name = f"jl-drop-{uuid.uuid4().hex[:8]}"
+    engine = create_engine(pg_url, connect_args={"application_name": name})
+    reports: list[DispatchReport] = []
+    errors: list[BaseException] = []
+    try:
+        with serve(latency_s=0.0) as server:
+            server.hold.set()
+            routes = {
+                "mif": Route(server.url + "/mif", max_in_flight=3, timeout_s=20.0),
+                "plain": Route(server.url + "/plain", limit_group="plain", timeout_s=20.0),
+            }
+            with Dispatcher(engine, routes, concurrency=8, claim_ms=60_000) as dispatcher:
+
+                def run() -> None:
+                    try:
+                        reports.append(dispatcher.dispatch())
+                    except BaseException as exc:
+                        errors.append(exc)
+
+                batch = threading.Thread(target=run)
+                batch.start()
+                try:
+                    wait_until(lambda: server.in_flight == 3, timeout=30)
+                    assert _terminate(pg_engine, name) >= 1
+                    keys += enqueue_many(pg_engine, 1, topic="plain", prefix="v2:plain")
+                    wait_until(lambda: server.in_flight == 4 or not batch.is_alive(), timeout=30)
+                finally:
+                    server.released.set()
+                    batch.join(60)
+        assert not errors, errors
+        (report,) = reports
+        # The three answered before the drop are recorded; whatever the batch claimed after it too.
+        assert report.sent == report.claimed >= 3 and report.unrecorded == 0, report
+        with pg_engine.connect() as conn:
+            t = outbox_table
+            held = conn.execute(
+                sa.select(sa.func.count()).where(t.c.claim_expires_at.is_not(None), t.c.status == "PENDING")
+            ).scalar_one()
+        assert held == 0  # no slot left held by a claim whose answer was lost
+        counts = status_counts(pg_engine)
+        assert counts.get("SENT") == report.sent and sum(counts.values()) == len(keys), counts
+    finally:
+        engine.dispose()

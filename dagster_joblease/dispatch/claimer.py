@@ -128,7 +128,9 @@ class Claimer:
         if grow and left > 0 and idle > 0:
             # Room beside the swapped slots: claimed under the lock, a transaction of its own (the swap's
             # held the group row FOR SHARE).
-            extra, blocked_more = self._claim(token, left, idle, report, limited_only=True, busy=busy_groups)
+            extra, blocked_more = self._claim_during_batch(
+                token, left, idle, report, limited_only=True, busy=busy_groups
+            )
             more, blocked = [*more, *extra], {**blocked, **blocked_more}
         return more, blocked
 
@@ -214,7 +216,9 @@ class Claimer:
         budget, free = budget - len(taken), free - len(taken)
         if len(taken) < len(ids) or room > 0:
             if budget > 0 and free > 0:
-                more, blocked = self._claim(token, budget, free, report, limited_only=True, busy=busy)
+                more, blocked = self._claim_during_batch(
+                    token, budget, free, report, limited_only=True, busy=busy
+                )
                 taken.extend(more)
         elif taken:
             blocked[group] = SLOT_POLL_S  # full again: its next completion (or a poll) claims the next
@@ -328,6 +332,22 @@ class Claimer:
             )
         self._claim_took()
         return result
+
+    def _claim_during_batch(
+        self, token: str, budget: int, free: int, report: DispatchReport, **options: Any
+    ) -> tuple[list[Claimed], dict[str, float]]:
+        """A claim while a batch runs (:meth:`_claim`, the same ``options``): a database error claims
+        nothing, logged, instead of raising past the rows in flight and the outcomes still to record (the
+        next turn looks again; the failed transaction rolled back, so nothing was claimed)."""
+        try:
+            return self._claim(token, budget, free, report, **options)
+        except errors.StorageError as exc:
+            logger.warning(
+                "a claim during the batch failed; the rows in flight go on: %s",
+                exc,
+                extra={"action": "dispatch_claim_failed"},
+            )
+            return [], {}
 
     def _claim_in(
         self,

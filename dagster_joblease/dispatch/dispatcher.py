@@ -293,8 +293,12 @@ class Dispatcher(Claimer):
         if not rows and not blocked:
             return report
         batch = _Batch(self, token, limit - len(rows), blocked, report)
-        # Rows of limited groups first: they were claimed for idle workers and hold capacity.
-        batch.run(sorted(rows, key=lambda r: (r.group is None, r.id)))
+        try:
+            # Rows of limited groups first: they were claimed for idle workers and hold capacity.
+            batch.run(sorted(rows, key=lambda r: (r.group is None, r.id)))
+        except BaseException:
+            batch.settle()  # whatever failed, the answers already given are recorded
+            raise
         report.limited |= set(batch.blocked)
         logger.info(
             "dispatched %d rows: %d sent, %d retry, %d dead, %d lost claims, %d released",
@@ -583,6 +587,21 @@ class _Batch:
             stop.wait(pause)
             self.waited += pause
 
+    def settle(self) -> None:
+        """After the loop failed: every delivery in flight ends and every known outcome is recorded (the
+        recorder retries on a fresh connection); rows not started yet are given back."""
+        for future, row in list(self.inflight.items()):
+            try:
+                self.finished.append((row, future.result()))
+            except Exception:  # not judged: its claim expires, the row goes again
+                logger.exception("outbox row %d: its delivery failed unjudged", row.id)
+        self.inflight.clear()
+        self.finished.extend((row, None) for row in self.queue)
+        self.queue.clear()
+        if self.finished:
+            self.d._record(self.token, self.finished, self.report)
+            self.finished = []
+
     def _submit(self, pending: list[Claimed]) -> None:
         pool = self.d._pool
         for row in pending:
@@ -672,11 +691,13 @@ class _Batch:
         )
         if kind == capacity.Refill.LIMITED:
             busy_groups = d._busy_groups(self.inflight)
-            return d._claim(self.token, self.budget, free, self.report, limited_only=True, busy=busy_groups)
+            return d._claim_during_batch(
+                self.token, self.budget, free, self.report, limited_only=True, busy=busy_groups
+            )
         if kind == capacity.Refill.ANY:
             # Idle workers take any due row, not only the limited groups' (no more than are idle).
             busy_groups = d._busy_groups(self.inflight)
-            more = d._claim(
+            more = d._claim_during_batch(
                 self.token, min(self.budget, free), free, self.report, limited_only=False, busy=busy_groups
             )
             self.any_at = time.monotonic() + ANY_ROW_POLL_S
