@@ -689,10 +689,11 @@ def skip(engine: sa.Engine, row_id: int) -> str | None:
     ``no_dead_rows`` check, ``outbox status``), and it keeps its ordering key, which no longer holds that
     key's later rows back (:func:`dagster_joblease.storage.outbox.head_of_its_key` counts PENDING and DEAD
     rows only): they flow again, in order. Its ``last_error`` says who skipped it and when (the database
-    clock), and keeps the error it had. ``requeue`` of it makes it PENDING again (sent after whatever of its
-    key is still waiting, in id order). Refused for a row that is not DEAD: a PENDING row is still being
-    delivered or retried (let it finish, or wait until it is DEAD), a SENT row was delivered, a SKIPPED row
-    already is."""
+    clock), and keeps the error it had. ``requeue`` of it makes it PENDING again, the head of its key
+    again (the lowest id), sent once no row of its key is in flight (``head_of_its_key``: the one rule,
+    met at the claim). Refused for a row that is not DEAD: a PENDING row is still being delivered or
+    retried (let it finish, or wait until it is DEAD), a SENT row was delivered, a SKIPPED row already
+    is."""
     if isinstance(row_id, bool) or not isinstance(row_id, int):
         raise AdminArgumentError(f"invalid outbox row id {row_id!r}: must be an int")
     with translate_errors("skip an outbox row"), engine.begin() as conn:

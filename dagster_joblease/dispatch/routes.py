@@ -253,10 +253,11 @@ class Route:
             but dead-lettered for a person to reconcile, since a resend could be a second effect.
         key_format: ``"bare"`` (default: ``Idempotency-Key: v2:…``, what Stripe-style APIs expect) or
             ``"sf-string"`` (the IETF draft's RFC 8941 string: ``Idempotency-Key: "v2:…"``).
-        timeout_grace_s: how long a request that timed out keeps its ``max_in_flight`` slot after the
-            timeout (None: ``timeout_s``), since the downstream may still be working on it; the
-            downstream then sees at most ``max_in_flight`` requests unless it keeps one longer than
-            ``timeout_s + timeout_grace_s``.
+        timeout_grace_s: how long a request that timed out stays in flight after the timeout (None:
+            ``timeout_s``), on every route, since the downstream may still be working on it: it keeps
+            its ``max_in_flight`` slot, and neither its retry nor its ordering key's next row starts
+            before then. The downstream then sees at most ``max_in_flight`` requests (and one request
+            of a key at a time) unless it keeps one longer than ``timeout_s + timeout_grace_s``.
 
     When dispatchers configure different limits for one group, the smallest applies (and is logged).
     """
