@@ -122,3 +122,62 @@ def test_links_between_readme_and_docs_resolve() -> None:
     readme = (ROOT / "README.md").read_text()
     for target in re.findall(r"\]\((docs/[^)#]+)(?:#[^)]*)?\)", readme):
         assert (ROOT / target).is_file(), target
+
+
+def _hook(name: str) -> Any:
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location(name, ROOT / "docs" / "hooks" / f"{name}.py")
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.mark.parametrize(
+    ("html", "raw"),
+    [
+        ("<p>See :class:<code>StorageError</code>.</p>", True),
+        ("<p>See :func:`enqueue_once`.</p>", True),
+        ("<p>a :meth:<code>x</code>, :attr:<code>y</code>, :mod:<code>z</code></p>", True),
+        ("<p>Example::</p>", True),
+        ("<p>A routes file maps topics to routes::   </p>", True),
+        ('<p>See <a href="#x"><code>StorageError</code></a>.</p>', False),
+        ("<p>Example:</p><pre><code>x = 1</code></pre>", False),
+        ("<p>postgresql+psycopg://host and the ratio 2:1</p>", False),
+        ('<code>a::b</code> <span class="p">::</span>', False),
+    ],
+)
+def test_the_docs_build_refuses_raw_sphinx_markup(html: str, raw: bool) -> None:
+    """docs/hooks/raw_markup.py fails the build on a page showing a role or a literal block's '::'."""
+    assert bool(_hook("raw_markup").raw_markup(html)) is raw
+
+
+def test_sphinx_roles_and_literal_blocks_are_rendered_at_build_time() -> None:
+    """The griffe extension and the check are both wired into mkdocs.yml, and the extension turns a role
+    into an optional autorefs link and a reST literal block into a fenced one."""
+    config = (ROOT / "mkdocs.yml").read_text()
+    assert "- docs/hooks/sphinx_roles.py:SphinxRoles" in config
+    assert "- docs/hooks/raw_markup.py" in config
+    import griffe
+
+    roles = _hook("sphinx_roles")
+    text = (
+        "Example::\n\n    x = run(1)\n\n"
+        "Build it first::\n\n    CREATE INDEX CONCURRENTLY x\n      ON t (a);\n"
+    )
+    assert roles.render_literal_blocks(text) == (
+        "Example:\n\n```python\nx = run(1)\n```\n\n"
+        "Build it first:\n\n```text\nCREATE INDEX CONCURRENTLY x\n  ON t (a);\n```\n"
+    )
+    package = griffe.load("dagster_joblease", search_paths=[str(ROOT)], resolve_aliases=False)
+    owner = package["dagster.resource.JobLeaseResource"]
+    rendered = roles.render_roles(
+        "See :class:`LeaseService`, :func:`~dagster_joblease.outbox.enqueue_once` and :meth:`close`.", owner
+    )
+    assert rendered == (
+        'See <autoref identifier="dagster_joblease.lease.LeaseService" optional><code>LeaseService</code>'
+        '</autoref>, <autoref identifier="dagster_joblease.outbox.enqueue_once" optional><code>'
+        'enqueue_once()</code></autoref> and <autoref identifier="dagster_joblease.dagster.resource.'
+        'JobLeaseResource.close" optional><code>close()</code></autoref>.'
+    )
