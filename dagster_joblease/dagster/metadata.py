@@ -5,7 +5,8 @@ too; what tells a win from a skip are the ``joblease/*`` run tags (filterable in
 step's metadata. This module owns their names and values; other modules import them, never redefine them.
 A skipped key also says so first, where the run page shows it: the step's log line and engine event
 start with :func:`skip_note` (``skipped: done by run X``), and a leased asset records the skip as an
-asset observation (:func:`skip_observations`), not as a materialization.
+asset observation (:func:`skip_observations`), and as a materialization only where Dagster needs one
+(``asset_recording`` in :mod:`dagster_joblease.dagster.ops` decides).
 
 **Outcomes.** Per key (partition) of a leased step, exactly one of:
 
@@ -103,6 +104,7 @@ __all__ = [
     "META_RESULTS",
     "META_RUN_KEY",
     "META_SKIPPED",
+    "META_SKIPPED_DONE_BY",
     "META_WINNER",
     "MULTIPLE",
     "NONE",
@@ -202,8 +204,13 @@ META_OUTCOMES = "joblease/outcomes"  #: JSON object outcome -> count
 META_FIRST_KEYS = "joblease/first_keys"  #: JSON object outcome -> its first keys (past TABLE_MAX_KEYS)
 META_RESULTS = "joblease/results"  #: markdown table, one row per key (up to TABLE_MAX_KEYS)
 META_OP = "joblease/op"  #: the leased op's name (in the step's engine event)
-#: On a skipped key's asset observation: :func:`skip_note` (``skipped: done by run …``).
+#: A skipped key's :func:`skip_note` (``skipped: done by run …``): the first entry of its asset observation
+#: and of a materialization recorded for it.
 META_SKIPPED = "joblease/skipped"
+#: On a skipped key's asset observation: the run that did the key (a run link; a non-Dagster winner's
+#: holder as text). Not :data:`META_WINNER`: Dagster's partition page shows an observation's entry in place
+#: of the latest materialization's entry of the same label, and the win's must stay what it shows.
+META_SKIPPED_DONE_BY = "joblease/skipped_done_by"
 #: The message of the engine event each leased step logs with its outcome counts (the per-op truth).
 STEP_EVENT_MESSAGE = "joblease step outcome"
 TABLE_MAX_KEYS = 300
@@ -394,8 +401,11 @@ def skip_summary(results: Sequence[LeasedResult]) -> str | None:
 
 def skip_observations(asset_key: dg.AssetKey, results: Sequence[LeasedResult]) -> list[dg.AssetObservation]:
     """One :class:`dagster.AssetObservation` per skipped key (up to :data:`TABLE_MAX_KEYS`): a skip is
-    *observed*, not materialized, so it does not look like a win. Its description and first metadata entry
-    are :func:`skip_note`; the winner is a run link."""
+    *observed*, so it does not look like a win. Its description and first metadata entry
+    (:data:`META_SKIPPED`) are :func:`skip_note`; the winner is a run link under
+    :data:`META_SKIPPED_DONE_BY`. Its labels are none of a materialization's (no ``joblease/outcome``,
+    no ``joblease/winner``): Dagster's partition page lets a newer observation's entry replace the latest
+    materialization's entry of the same label, and the partition's win stays what the page shows."""
     observations = []
     for r in [r for r in results if r.skipped][:TABLE_MAX_KEYS]:
         note = skip_note(r) or SKIPPED_SUCCEEDED
@@ -406,8 +416,7 @@ def skip_observations(asset_key: dg.AssetKey, results: Sequence[LeasedResult]) -
                 description=note,
                 metadata={
                     META_SKIPPED: dg.MetadataValue.text(note),
-                    META_OUTCOME: dg.MetadataValue.text(r.outcome),
-                    META_WINNER: _winner_value(winner_of(r), [r]),
+                    META_SKIPPED_DONE_BY: _winner_value(winner_of(r), [r]),
                 },
             )
         )
@@ -521,8 +530,14 @@ def materialization_metadata(results: Sequence[LeasedResult]) -> dict[str, dg.Me
     """The metadata of the asset output's materializations: one key's every fact (as
     :func:`step_metadata`); for a range, Dagster repeats it on each key's materialization, so only the
     range's summary (:data:`RANGE_MATERIALIZATION_KEYS`, the same few hundred bytes whatever the range's
-    size): a 10,000-key range would otherwise repeat its whole metadata 10,000 times (~17 MB)."""
+    size): a 10,000-key range would otherwise repeat its whole metadata 10,000 times (~17 MB). A skipped
+    key's starts with :data:`META_SKIPPED` (:func:`skip_note`)."""
     meta = step_metadata(results, per_key_table=False)
-    if len(results) <= 1:
+    if len(results) > 1:
+        return {k: v for k, v in meta.items() if k in RANGE_MATERIALIZATION_KEYS}
+    note = skip_note(results[0]) if results else None
+    if note is None:
         return meta
-    return {k: v for k, v in meta.items() if k in RANGE_MATERIALIZATION_KEYS}
+    # A skip's materialization (the winner ran elsewhere, an asset backfill counts it, or a downstream step
+    # of the run needs the output) says so first: it is the partition page's latest materialization.
+    return {META_SKIPPED: dg.MetadataValue.text(note), **meta}

@@ -51,6 +51,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Set as AbstractSet
 from typing import Any, TypeVar, cast
 
 import dagster as dg
@@ -66,8 +67,10 @@ from dagster_joblease.dagster.resource import JobLeaseResource, check_held_wait_
 
 __all__ = [
     "DEFAULT_MAX_FAILURES_IN_A_ROW",
+    "AssetRecording",
     "LeasedBatch",
     "LeasedRun",
+    "asset_recording",
     "leased_asset",
     "leased_op",
     "run_leased",
@@ -81,6 +84,8 @@ DEFAULT_MAX_FAILURES_IN_A_ROW = 3
 AnyContext = dg.OpExecutionContext | dg.AssetExecutionContext
 F = TypeVar("F", bound=Callable[..., Any])
 EPHEMERAL_RUN_ID = "EPHEMERAL"
+#: Dagster's tag naming the backfill a run belongs to.
+BACKFILL_TAG = "dagster/backfill"
 #: A range logs one line per key up to this many keys, then a summary.
 _LOG_KEYS = 50
 _SETTLE_ROUNDS = 10
@@ -883,9 +888,10 @@ def leased_op(
 
 def _already_materialized(
     context: AssetExecutionContext, results: Sequence[metadata.LeasedResult]
-) -> set[str]:
-    """The skipped keys this instance already has a materialization for: one query for the whole range."""
-    skipped = {r.partition_key for r in results if r.skipped and r.partition_key is not None}
+) -> set[str | None]:
+    """The skipped keys this instance already has a materialization for (``None``: the INITIAL run's
+    unpartitioned asset): one query for the whole range."""
+    skipped = {r.partition_key for r in results if r.skipped}
     if not skipped:
         return set()
     if context.assets_def.partitions_def is None:  # an unpartitioned (INITIAL) asset
@@ -894,7 +900,7 @@ def _already_materialized(
         ).records
         return skipped if has_one else set()
     materialized: set[str] = context.instance.get_materialized_partitions(context.asset_key)
-    return skipped & materialized
+    return skipped & set(materialized)
 
 
 def _downstream_in_run(context: AssetExecutionContext) -> bool:
@@ -910,39 +916,93 @@ def _downstream_in_run(context: AssetExecutionContext) -> bool:
     return bool(set(children) & in_run)
 
 
+def _in_asset_backfill(context: AssetExecutionContext) -> bool:
+    """Is this run one of an *asset* backfill's (Dagster's ``dagster/backfill`` tag, a backfill of assets)?
+
+    Its daemon counts a partition done only by a materialization one of its runs recorded. A job backfill
+    is judged by its runs' statuses instead. When the backfill cannot be read: yes (a skip materialized
+    once more is harmless; a backfill that never sees its partition done is not).
+    """
+    run = _stored_run(context.op_execution_context)
+    backfill_id = None if run is None else run.tags.get(BACKFILL_TAG)
+    if not backfill_id:
+        return False
+    try:
+        backfill = context.instance.get_backfill(backfill_id)
+    except Exception:
+        return True
+    return backfill is None or bool(getattr(backfill, "is_asset_backfill", True))
+
+
+@dataclasses.dataclass(frozen=True)
+class AssetRecording:
+    """What a leased asset step records for its keys, besides the step's engine event and tags."""
+
+    #: yield the asset's output: Dagster materializes every key of the run (downstream steps go ahead)
+    output: bool
+    #: with no output: the keys materialized one by one (each its own metadata)
+    materialized: tuple[str | None, ...]
+    #: the skipped keys, each an asset observation (``skipped: done by run X``)
+    observed: tuple[str | None, ...]
+
+
+def asset_recording(
+    results: Sequence[metadata.LeasedResult],
+    *,
+    all_done: bool,
+    materialized_here: AbstractSet[str | None],
+    downstream_in_run: bool,
+    asset_backfill: bool,
+) -> AssetRecording:
+    """How a leased asset records its keys: the one rule for a skip (pure).
+
+    Every skipped key is observed (labels of its own, so the win stays what the partition page shows). A
+    skipped key is also materialized only where Dagster needs a materialization: in an asset backfill's
+    run (the backfill daemon counts a partition done only by a materialization of one of its runs; without
+    it the backfill ends Failed), where this instance has none for the key (the winner ran elsewhere), or
+    when a downstream step of the run needs the output. Anywhere else a skip adds no materialization, so
+    it triggers nothing downstream (automation reads materializations of a materialized asset).
+
+    ``all_done``: every key is done and the step was not interrupted: the output is yielded when any key
+    needs a materialization or a downstream step needs it, and it materializes every key of the run (a
+    range cannot materialize some of its keys through its output). Otherwise there is no output: each key
+    this run did is materialized, and each skip that needs one.
+    """
+    skipped = tuple(r.partition_key for r in results if r.skipped)
+    needs = {k for k in skipped if asset_backfill or k not in materialized_here}
+    if all_done:
+        output = downstream_in_run or bool(needs) or any(r.acquired for r in results)
+        return AssetRecording(output=output, materialized=(), observed=skipped)
+    keys = tuple(r.partition_key for r in results if r.acquired or (r.skipped and r.partition_key in needs))
+    return AssetRecording(output=False, materialized=keys, observed=skipped)
+
+
 def _asset_events(
     context: AssetExecutionContext, settled: _Settled
 ) -> Iterator[dg.MaterializeResult[Any] | dg.AssetMaterialization | dg.AssetObservation]:
-    """What the asset step yields: the output when every key is done, else one event per key it did.
-
-    Every key done: the output (a materialization for every key of the range, so downstream steps of this
-    run go ahead), unless every key was a skip this instance already has a materialization for and
-    nothing downstream runs here (nothing new to record). Otherwise no output: a materialization for each
-    key this run did, and for each skip this instance has none for (the winner ran elsewhere), pointing
-    at the winner. Before either, each skipped key is *observed* (an asset observation saying
-    ``skipped: done by run X``), so a skip never shows only as a materialization, like a win.
-    """
+    """What the asset step yields (:func:`asset_recording` decides): first an observation per skipped key,
+    then the output or one materialization per key that needs one."""
     results = settled.results
-    materialized = _already_materialized(context, results)
+    recording = asset_recording(
+        results,
+        all_done=not settled.not_done and settled.interrupt is None,
+        materialized_here=_already_materialized(context, results),
+        downstream_in_run=_downstream_in_run(context),
+        asset_backfill=_in_asset_backfill(context),
+    )
     # A skip is observed first ("skipped: done by run X"), whatever is materialized after it.
     yield from metadata.skip_observations(context.asset_key, results)
-    if not settled.not_done and settled.interrupt is None:
-        all_seen = all(r.skipped for r in results) and {r.partition_key for r in results} <= materialized
-        if (
-            all_seen
-            and not _downstream_in_run(context)
-            and not (context.assets_def.partitions_def is None and not materialized)
-        ):
-            return
+    if recording.output:
         yield dg.MaterializeResult(metadata=metadata.materialization_metadata(results))
         return
+    wanted = set(recording.materialized)
     for r in results:
-        if r.acquired or (r.skipped and r.partition_key not in materialized):
+        if r.partition_key in wanted:
             yield dg.AssetMaterialization(
                 asset_key=context.asset_key,
                 partition=r.partition_key,
                 description=metadata.skip_note(r),
-                metadata=metadata.step_metadata([r]),
+                metadata=metadata.materialization_metadata([r]),
             )
 
 
@@ -963,17 +1023,18 @@ def leased_asset(
 ) -> Callable[[Callable[[Any], Any]], dg.AssetsDefinition]:
     """Decorate ``fn(run: LeasedRun)`` into an asset that takes one lease per partition key.
 
-    When every key of the run is done (by this run, or already by another), the asset's output is produced:
-    Dagster records a materialization for every key (a skipped key's points at the winner in its metadata)
-    and downstream assets of the run go ahead for the whole range. A single partition that was a skip,
-    already materialized on this instance, with nothing downstream in the run, records nothing new (so
-    automation sees nothing new). When some key is not done, there is no output (downstream steps do not
-    run): a materialization is recorded for each key this run did (and each skip this instance has none
-    for, pointing at the winner), and the step fails naming the keys not done. ``held`` and failed keys
-    materialize nothing.
+    When every key of the run is done (by this run, or already by another), the asset's output is produced
+    (Dagster records a materialization for every key, and downstream assets of the run go ahead for the
+    whole range) unless no key needs one: a run whose keys were all skips, each already materialized on
+    this instance, outside an asset backfill and with nothing downstream in the run, records nothing new
+    (so automation sees nothing new). When some key is not done, there is no output (downstream steps do
+    not run): a materialization is recorded for each key this run did (and each skip that needs one), and
+    the step fails naming the keys not done. ``held`` and failed keys materialize nothing.
 
-    A skipped key is also recorded as an asset observation (first, before any materialization) whose
-    description says ``skipped: done by run X``: a skip is observed, a win materialized.
+    A skipped key is recorded as an asset observation (first, before any materialization) whose
+    description says ``skipped: done by run X``, and as a materialization only in an asset backfill's
+    run, where this instance has none for the key, or for a downstream step of the run: the one rule is
+    :func:`asset_recording` (docs/dagster.md, "How a skip is recorded").
 
     With ``backfill_policy=BackfillPolicy.single_run()`` a backfill is one run over a partition range;
     each key in it is still its own logical run (its own lease and idempotency key).
