@@ -182,6 +182,20 @@ class _DeadlineTransport(httpx.BaseTransport):
         self._connections.close()
 
 
+def _cap_at_deadline(request: httpx.Request, deadline: float) -> None:
+    """Cap each phase's timeout of a request sent through a caller's client at the time left until
+    ``deadline`` (local monotonic time): before it is sent, and again once its headers are in, for the
+    body's reads (httpcore reads the request's ``timeout`` extension when the body is first read). Each
+    read is then bounded by the deadline, so a downstream slow to its headers and again to its body
+    cannot keep the request open past it; one that dribbles bytes within a phase is still bounded only
+    by the caller's client (the body is checked against the deadline between chunks)."""
+    left = max(deadline - time.monotonic(), 0.001)
+    timeouts = request.extensions.get("timeout", {})
+    request.extensions["timeout"] = {
+        phase: left if value is None else min(value, left) for phase, value in timeouts.items()
+    }
+
+
 class HttpTransport:
     """Sends rows' POSTs for one dispatcher: through its own client (``client`` None: the deadline-bounded
     transport, each route's request prepared once) or through a caller's ``httpx.Client`` (its auth,
@@ -253,9 +267,11 @@ class HttpTransport:
                 headers=headers,
                 timeout=self._timeouts[message.topic],
             )
+            _cap_at_deadline(request, deadline)
             if send_by is not None and time.monotonic() > send_by:
                 raise TooLate
             response = self.client.send(request, stream=True, follow_redirects=False)
+            _cap_at_deadline(request, deadline)  # the body's reads get only what is left
         else:
             # The dispatcher's own client has no auth and never follows a redirect, so (without event
             # hooks) the request goes straight to its transport (the deadline-bounded pool): httpx.Client's
