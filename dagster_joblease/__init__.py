@@ -67,9 +67,6 @@ from dagster_joblease.errors import (
     SchemaNotAtHeadError,
     StorageError,
 )
-from dagster_joblease.exclusive import (
-    ExclusiveOutcome,
-)
 from dagster_joblease.identity import (
     JobIdentity,
     JobType,
@@ -84,6 +81,7 @@ from dagster_joblease.inbox import (
 )
 from dagster_joblease.lease import (
     AcquireResult,
+    ExclusiveOutcome,
     Lease,
     LeaseService,
     LeaseStatus,

@@ -29,6 +29,7 @@ from typing import Any
 import sqlalchemy as sa
 
 from dagster_joblease import errors, identity, staleness
+from dagster_joblease.errors import AdminArgumentError, AdminRefusedError
 from dagster_joblease.lease import LeaseStatus, bound_error
 from dagster_joblease.options import MAX_DURATION_MS, default_heartbeat_ms
 from dagster_joblease.outbox import OutboxStatus
@@ -42,8 +43,6 @@ __all__ = [
     "FORCED_MARK",
     "MIN_REPLAY_WINDOW_ENV",
     "MIN_RETENTION_ENV",
-    "AdminArgumentError",
-    "AdminRefusedError",
     "human_ms",
     "LeaseRow",
     "OutboxRow",
@@ -88,10 +87,6 @@ _TWO_HOLDERS_RISK = (
     "writes (heartbeat, complete, fail) will fail with LostLeaseError, but an external effect it already "
     "started may happen twice; only downstream deduplication by the idempotency key makes that harmless"
 )
-
-
-AdminArgumentError = errors.AdminArgumentError
-AdminRefusedError = errors.AdminRefusedError
 
 
 def human_ms(ms: int | None) -> str:

@@ -85,8 +85,6 @@ logger = logging.getLogger(__name__)
 MAX_BATCH_KEYS = rowset.MAX_ROWS
 #: Keys per statement: a larger call runs several statements, in key order (so still deadlock-free).
 STATEMENT_KEYS = rowset.ROWS_PER_STATEMENT
-#: Claim rounds per key: a row purged (or a lease lost in a race) between two statements is tried again.
-_CLAIM_ROUNDS = _lease.CLAIM_ROUNDS
 
 
 # -- results -------------------------------------------------------------------------------------------
@@ -278,7 +276,7 @@ def claim_many(
     Statements: one multi-row ``INSERT … ON CONFLICT DO NOTHING RETURNING`` for the set; when some keys
     met a row, one ``UPDATE`` reclaiming those that are reclaimable (row locks in key order), and one
     read reporting the rest. A row purged in between (or a key lost in a race to a concurrent claimer)
-    is tried again, in as many rounds as a single claim (``lease.CLAIM_ROUNDS``); a key still
+    is tried again, in as many rounds as a single claim (``storage.leases.CLAIM_ROUNDS``); a key still
     undecided is reported ``CONTENDED``. At most :data:`STATEMENT_KEYS` keys go in one statement; keys
     are processed in lock-key order, so overlapping sets claimed at once cannot deadlock.
 
@@ -344,10 +342,10 @@ def _claim_chunk(
     label: str,
     found: dict[str, KeyClaim],
 ) -> None:
-    """Claim one statement's worth of keys (in key order) in up to ``_CLAIM_ROUNDS`` rounds; a key still
+    """Claim one statement's worth of keys (in key order) in up to ``store.CLAIM_ROUNDS`` rounds; a key still
     undecided after the last round is reported ``CONTENDED``."""
     pending = chunk
-    for _ in range(_CLAIM_ROUNDS):
+    for _ in range(store.CLAIM_ROUNDS):
         pending = _claim_round(db, pending, tokens, call, length, label, found)
         if not pending:
             return

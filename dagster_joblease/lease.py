@@ -239,10 +239,6 @@ _REASONS = {
 #: sequence). Only keys whose claim met a row go in: new keys, the common case, never evict them.
 KNOWN_KEYS = 4096
 
-#: How many times a claim starts again when the row changed between its statements (see
-#: :data:`dagster_joblease.storage.leases.CLAIM_ROUNDS`).
-CLAIM_ROUNDS = leases.CLAIM_ROUNDS
-
 
 # -- run_exclusive: the outcome and the heartbeat thread ---------------------------------------------
 
@@ -547,8 +543,7 @@ class LeaseService:
         lease_ms: int | None = None,
         heartbeat_ms: int | None = None,
     ) -> ExclusiveOutcome[T]:
-        """Run ``fn(lease)`` only if this worker wins the lease for ``job`` (the same as
-        :func:`dagster_joblease.exclusive.run_exclusive`).
+        """Run ``fn(lease)`` only if this worker wins the lease for ``job``.
 
         A loser returns ``acquired=False`` with the reason and never calls ``fn``. The winner heartbeats from
         a background thread, so ``lease.lost`` turns true as soon as the lease is gone; then records

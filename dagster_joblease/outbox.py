@@ -41,7 +41,6 @@ __all__ = [
     "OutboxStatus",
     "canonical_json",
     "check_ordering_key",
-    "due_clause",
     "due_summary",
     "enqueue_many",
     "enqueue_once",
@@ -66,10 +65,6 @@ class OutboxStatus(enum.StrEnum):
     SKIPPED = (
         "SKIPPED"  #: a person decided this row is never sent (``joblease outbox skip``); requeue undoes it
     )
-
-
-#: Rows a dispatcher may claim now (see :func:`dagster_joblease.storage.outbox.due_clause`).
-due_clause = store.due_clause
 
 
 #: One encoder for every payload (``json.dumps`` with options builds a new one per call).

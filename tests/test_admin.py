@@ -76,9 +76,9 @@ def test_list_and_show_leases(engine: sa.Engine) -> None:
     with pytest.raises(errors.NotFoundError):
         admin.show_lease(engine, 10_000)
 
-    with pytest.raises(admin.AdminArgumentError, match="allowed"):
+    with pytest.raises(errors.AdminArgumentError, match="allowed"):
         admin.list_leases(engine, status="bogus")
-    with pytest.raises(admin.AdminArgumentError, match="limit"):
+    with pytest.raises(errors.AdminArgumentError, match="limit"):
         admin.list_leases(engine, limit=0)
     with pytest.raises(errors.InvalidJobIdentityError):
         admin.show_lease(engine, "x" * 65)
@@ -189,7 +189,7 @@ def test_admin_fail_refuses_a_live_lease_then_force_fences_the_old_holder(engine
     lease = svc.acquire(job, lease_ms=600_000)
     assert lease is not None
 
-    with pytest.raises(admin.AdminRefusedError, match=r"live lease.*two holders"):
+    with pytest.raises(errors.AdminRefusedError, match=r"live lease.*two holders"):
         admin.admin_fail(engine, lease.idempotency_key)
     svc.heartbeat(lease)  # untouched: the holder still owns it
 
@@ -225,15 +225,15 @@ def test_admin_fail_resets_an_expired_lease_without_force_and_refuses_success(en
 
     assert svc.run_exclusive(JobIdentity.initial("once"), lambda _: None).acquired
     done = admin.show_lease(engine, "once")
-    with pytest.raises(admin.AdminRefusedError, match="SUCCESS is final"):
+    with pytest.raises(errors.AdminRefusedError, match="SUCCESS is final"):
         admin.admin_fail(engine, done.idempotency_key, force=True)
     assert admin.show_lease(engine, "once").status == "SUCCESS"
 
     with pytest.raises(errors.NotFoundError):
         admin.admin_fail(engine, "v2:" + "1" * 64)
-    with pytest.raises(admin.AdminArgumentError, match="v2: idempotency key or a numeric lease id"):
+    with pytest.raises(errors.AdminArgumentError, match="v2: idempotency key or a numeric lease id"):
         admin.admin_fail(engine, "sync")
-    with pytest.raises(admin.AdminArgumentError, match="reason"):
+    with pytest.raises(errors.AdminArgumentError, match="reason"):
         admin.admin_fail(engine, stuck.id, reason="  ")
 
 
@@ -272,7 +272,7 @@ def test_replay_after_retention(engine: sa.Engine) -> None:
     assert replay is not None and replay.attempt == 1 and replay.idempotency_key == nightly.idempotency_key
     assert svc.acquire(JobIdentity.initial("bootstrap")) is None
 
-    with pytest.raises(admin.AdminArgumentError):
+    with pytest.raises(errors.AdminArgumentError):
         admin.purge_leases(engine, finished_before_ms=-1, min_replay_window_ms=0)
 
 
@@ -315,15 +315,15 @@ def test_outbox_stats_list_requeue_and_purge(engine: sa.Engine) -> None:
     assert admin.requeue(engine, all_dead=True) == 0
     assert admin.outbox_stats(engine).due == 4
 
-    with pytest.raises(admin.AdminRefusedError, match="already SENT"):
+    with pytest.raises(errors.AdminRefusedError, match="already SENT"):
         admin.requeue(engine, row_id=old_sent)
-    with pytest.raises(admin.AdminRefusedError, match="being delivered"):
+    with pytest.raises(errors.AdminRefusedError, match="being delivered"):
         admin.requeue(engine, row_id=in_flight)
     with pytest.raises(errors.NotFoundError, match="no outbox row with id 99999"):
         admin.requeue(engine, row_id=99_999)
-    with pytest.raises(admin.AdminArgumentError, match="needs a selection"):
+    with pytest.raises(errors.AdminArgumentError, match="needs a selection"):
         admin.requeue(engine)
-    with pytest.raises(admin.AdminArgumentError, match="not both"):
+    with pytest.raises(errors.AdminArgumentError, match="not both"):
         admin.requeue(engine, row_id=1, all_dead=True)
 
     with pytest.raises(errors.RetentionWindowError, match="deduplication window"):
@@ -407,13 +407,13 @@ def test_windows_are_bounded_so_what_is_accepted_works_on_both_backends(engine: 
     assert admin.purge_sent(engine, older_than_ms=MAX_DURATION_MS, min_retention_ms=MAX_DURATION_MS) == 0
     assert Inbox(engine).purge(MAX_DURATION_MS) == 0
     for huge in (MAX_DURATION_MS + 1, 10**20):
-        with pytest.raises(admin.AdminArgumentError, match="100 years"):
+        with pytest.raises(errors.AdminArgumentError, match="100 years"):
             admin.list_leases(engine, older_than_ms=huge)
-        with pytest.raises(admin.AdminArgumentError, match="100 years"):
+        with pytest.raises(errors.AdminArgumentError, match="100 years"):
             admin.purge_leases(engine, finished_before_ms=huge, min_replay_window_ms=0)
-        with pytest.raises(admin.AdminArgumentError, match="100 years"):
+        with pytest.raises(errors.AdminArgumentError, match="100 years"):
             admin.purge_sent(engine, older_than_ms=huge, min_retention_ms=0)
-        with pytest.raises(admin.AdminArgumentError, match="100 years"):
+        with pytest.raises(errors.AdminArgumentError, match="100 years"):
             admin.purge_sent(engine, older_than_ms=huge, min_retention_ms=huge)
         with pytest.raises(errors.InvalidInboxInputError, match="older_than_ms"):
             Inbox(engine).purge(huge)

@@ -38,7 +38,6 @@ def test_core_module_list_covers_the_core() -> None:
         "dagster_joblease.identity",
         "dagster_joblease.options",
         "dagster_joblease.lease",
-        "dagster_joblease.exclusive",
         "dagster_joblease.storage",
         "dagster_joblease.storage.clock",
         "dagster_joblease.storage.engine",

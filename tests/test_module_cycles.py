@@ -40,8 +40,8 @@ def _imports(name: str, path: Path, known: dict[str, Path]) -> set[str]:
 
 def test_no_two_modules_import_each_other() -> None:
     known = _modules()
-    assert "dagster_joblease.lease" in known and "dagster_joblease.exclusive" in known
+    assert "dagster_joblease.lease" in known and "dagster_joblease.batch" in known
     graph = {name: _imports(name, path, known) for name, path in known.items()}
-    assert "dagster_joblease.lease" in graph["dagster_joblease.exclusive"]  # the one direction
+    assert "dagster_joblease.lease" in graph["dagster_joblease.batch"]  # the one direction
     mutual = [(a, b) for a, b in itertools.combinations(sorted(graph), 2) if b in graph[a] and a in graph[b]]
     assert mutual == []

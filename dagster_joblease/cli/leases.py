@@ -335,7 +335,7 @@ def leases_fail(
     for ref in refs:
         try:
             outcome = admin.reset_lease(engine, ref, force=force, reason=reason)
-        except (errors.NotFoundError, admin.AdminRefusedError, admin.AdminArgumentError) as exc:
+        except (errors.NotFoundError, errors.AdminRefusedError, errors.AdminArgumentError) as exc:
             click.echo(f"Error: {ref}: {exc}", err=True)
             worst = max(worst, exit_code_for(exc))
             continue

@@ -43,6 +43,8 @@ from dagster_joblease.dagster.metadata import (
     STEP_TAGS,
     TAG_CODE,
     TAG_OUTCOME,
+    TAG_RECONCILE_REASON,
+    TAG_RELAUNCH,
     TAG_WINNER,
     TAG_WORK,
     WON,
@@ -57,12 +59,7 @@ from dagster_joblease.dagster.ops import (
     run_leased,
     settle_run_tags,
 )
-from dagster_joblease.dagster.reconcile import (
-    TAG_RECONCILE,
-    TAG_RECONCILE_REASON,
-    TAG_RELAUNCH,
-    build_reconciliation_sensor,
-)
+from dagster_joblease.dagster.reconcile import build_reconciliation_sensor
 from dagster_joblease.dagster.resource import JobLeaseResource
 from dagster_joblease.dagster.run_status import build_not_run_sensors
 from dagster_joblease.dagster.schedules import build_leased_schedule, partition_for_tick
@@ -85,7 +82,6 @@ __all__ = [
     "STEP_TAGS",
     "TAG_CODE",
     "TAG_OUTCOME",
-    "TAG_RECONCILE",
     "TAG_RECONCILE_REASON",
     "TAG_RELAUNCH",
     "TAG_WINNER",

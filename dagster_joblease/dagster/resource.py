@@ -18,7 +18,7 @@ import dagster as dg
 import sqlalchemy as sa
 from pydantic import Field, PrivateAttr
 
-from dagster_joblease import errors, exclusive, identity, lease, options, outbox
+from dagster_joblease import errors, identity, lease, options, outbox
 from dagster_joblease.dagster import holders
 from dagster_joblease.storage import engine as storage_engine
 from dagster_joblease.storage.migrate import current_revision, head_revision, migrate, require_schema
@@ -330,7 +330,7 @@ class JobLeaseResource(dg.ConfigurableResource):  # type: ignore[type-arg]
 
     def run_exclusive(
         self, job: identity.JobIdentity, fn: Callable[[lease.Lease], T]
-    ) -> exclusive.ExclusiveOutcome[T]:
+    ) -> lease.ExclusiveOutcome[T]:
         """``LeaseService.run_exclusive`` with this resource's timing."""
         return self.lease_service.run_exclusive(job, fn)
 

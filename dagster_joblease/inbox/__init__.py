@@ -16,7 +16,6 @@ from dagster_joblease.inbox.aio import AsyncInbox, AsyncInboxTransaction
 from dagster_joblease.inbox.asgi import InboxMiddleware, RequestParts, fingerprint_request, inbox_connection
 from dagster_joblease.inbox.core import (
     DEFAULT_LOCK_MS,
-    MAX_KEY_LENGTH,
     MAX_LOCK_MS,
     MIN_LOCK_MS,
     Answer,
@@ -25,6 +24,7 @@ from dagster_joblease.inbox.core import (
     validate_idempotency_key,
 )
 from dagster_joblease.inbox.sync import Effect, Inbox, InboxTransaction
+from dagster_joblease.outbox import MAX_KEY_LENGTH
 from dagster_joblease.storage.inbox import ADVISORY_LOCK_CLASS, InboxStatus
 
 __all__ = [

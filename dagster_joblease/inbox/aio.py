@@ -284,7 +284,7 @@ class AsyncInbox(Generic[C]):
         """Await ``effect(connection)`` once for the key, or return the answer recorded the first time
         (the async twin of :meth:`Inbox.process`: the same arguments, answers and errors)."""
         if not callable(effect):
-            raise core.InvalidInboxInputError("effect", f"{effect!r:.80} is not callable; pass a function")
+            raise errors.InvalidInboxInputError("effect", f"{effect!r:.80} is not callable; pass a function")
         tx = self.transaction(idempotency_key, core.request_fingerprint(payload), fence)
         replay = await tx.begin()
         if replay is not None:

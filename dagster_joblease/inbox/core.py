@@ -16,7 +16,9 @@ from collections.abc import Generator, Iterable, Mapping
 from typing import Any, NamedTuple
 
 from dagster_joblease import errors, outbox
+from dagster_joblease.errors import InvalidInboxInputError
 from dagster_joblease.options import MAX_DURATION_MS
+from dagster_joblease.outbox import MAX_KEY_LENGTH
 from dagster_joblease.storage import inbox as store
 from dagster_joblease.storage.driver import Query
 from dagster_joblease.storage.inbox import InboxStatus, KeyRow
@@ -24,7 +26,6 @@ from dagster_joblease.storage.inbox import InboxStatus, KeyRow
 __all__ = [
     "DEFAULT_LOCK_MS",
     "MAX_BODY_BYTES",
-    "MAX_KEY_LENGTH",
     "Answer",
     "InboxResult",
     "Verdict",
@@ -46,13 +47,11 @@ __all__ = [
 DEFAULT_LOCK_MS = 30_000
 MIN_LOCK_MS = 1
 MAX_LOCK_MS = 24 * 3600 * 1000
-MAX_KEY_LENGTH = outbox.MAX_KEY_LENGTH
 #: The largest answer body the inbox stores (characters of a str body, bytes of a bytes body).
 MAX_BODY_BYTES = 1024 * 1024
 #: The most headers one stored answer keeps.
 MAX_HEADERS = 64
 
-InvalidInboxInputError = errors.InvalidInboxInputError
 
 #: C0 controls, DEL and C1 controls: never part of a key.
 _CONTROL = re.compile("[\x00-\x1f\x7f-\x9f]")
@@ -211,7 +210,8 @@ def validate_idempotency_key(key: object) -> str:
         raise InvalidInboxInputError("idempotency_key", f"{key!r} is blank; send a non-empty key")
     if len(key) > MAX_KEY_LENGTH:
         raise InvalidInboxInputError(
-            "idempotency_key", f"is {len(key)} characters; at most {MAX_KEY_LENGTH} are allowed, shorten it"
+            "idempotency_key",
+            f"is {len(key)} characters; at most {MAX_KEY_LENGTH} are allowed, shorten it",
         )
     control = _CONTROL.search(key)
     if control is not None:

@@ -215,7 +215,7 @@ class Inbox:
         a failed effect did not happen; an effect that wants a rejection to be final returns a 4xx.
         """
         if not callable(effect):
-            raise core.InvalidInboxInputError("effect", f"{effect!r:.80} is not callable; pass a function")
+            raise errors.InvalidInboxInputError("effect", f"{effect!r:.80} is not callable; pass a function")
         tx = self.transaction(idempotency_key, core.request_fingerprint(payload), fence)
         replay = tx.begin()
         if replay is not None:

@@ -41,7 +41,6 @@ from dagster_joblease.storage.engine import translate_errors
 from dagster_joblease.testing.faults import DROPPED
 
 __all__ = [
-    "MAX_BODY_BYTES",
     "MAX_TOPIC_LENGTH",
     "RequestLog",
     "RequestLogMiddleware",
@@ -58,7 +57,6 @@ __all__ = [
 
 logger = logging.getLogger(__name__)
 
-MAX_BODY_BYTES = core.MAX_BODY_BYTES
 MAX_TOPIC_LENGTH = 320
 # "jlrecv" as an int: serializes concurrent receivers creating their tables on PostgreSQL.
 _CREATE_LOCK_ID = 0x6A6C72656376
@@ -408,7 +406,7 @@ def build_app(
         InboxMiddleware,
         inbox=inbox,
         methods=("POST",),
-        max_body_bytes=MAX_BODY_BYTES,
+        max_body_bytes=core.MAX_BODY_BYTES,
         body_timeout_s=read_timeout_s,
     )
     return Starlette(

@@ -55,17 +55,9 @@ code location).
 from __future__ import annotations
 
 from dagster_joblease.dagster.reconcile.judge import zombie_reason
-from dagster_joblease.dagster.reconcile.sensor import (
-    TAG_RECONCILE,
-    TAG_RECONCILE_REASON,
-    TAG_RELAUNCH,
-    build_reconciliation_sensor,
-)
+from dagster_joblease.dagster.reconcile.sensor import build_reconciliation_sensor
 
 __all__ = [
-    "TAG_RECONCILE",
-    "TAG_RECONCILE_REASON",
-    "TAG_RELAUNCH",
     "build_reconciliation_sensor",
     "zombie_reason",
 ]

@@ -27,12 +27,7 @@ from dagster_joblease.dagster.resource import JobLeaseResource
 from dagster_joblease.dagster.sensors import db_clock
 from dagster_joblease.storage import leases
 
-__all__ = ["TAG_RECONCILE", "TAG_RECONCILE_REASON", "TAG_RELAUNCH", "build_reconciliation_sensor"]
-
-#: Which sensor launched a run: Dagster's own ``dagster/sensor_name`` (the relaunch cap counts by it).
-TAG_RECONCILE = metadata.TAG_SENSOR_NAME
-TAG_RELAUNCH = metadata.TAG_RELAUNCH
-TAG_RECONCILE_REASON = metadata.TAG_RECONCILE_REASON
+__all__ = ["build_reconciliation_sensor"]
 
 #: The most recently active lease rows read first, every tick.
 RECENT_ROWS_PER_TICK = 200
@@ -312,8 +307,8 @@ class _Tick:
             asset_selection=selection,
             tags={
                 metadata.TAG_OUTCOME: metadata.PENDING,
-                TAG_RELAUNCH: f"{verdict.relaunch}/{self.settings.cap}",
-                TAG_RECONCILE_REASON: metadata.bound_tag_text(
+                metadata.TAG_RELAUNCH: f"{verdict.relaunch}/{self.settings.cap}",
+                metadata.TAG_RECONCILE_REASON: metadata.bound_tag_text(
                     verdict.why
                     + (f" (with upstream {', '.join(verdict.upstream)})" if verdict.upstream else "")
                 ),
@@ -384,8 +379,8 @@ class _Tick:
         log = self.context.log
         for request in requests[:SHOWN_IN_MESSAGE]:
             log.info(
-                f"relaunching {request.partition_key} ({request.tags[TAG_RECONCILE_REASON]}), "
-                f"relaunch {request.tags[TAG_RELAUNCH]}"
+                f"relaunching {request.partition_key} ({request.tags[metadata.TAG_RECONCILE_REASON]}), "
+                f"relaunch {request.tags[metadata.TAG_RELAUNCH]}"
             )
         if len(requests) > SHOWN_IN_MESSAGE:
             log.info(f"... and {len(requests) - SHOWN_IN_MESSAGE} more relaunches")
