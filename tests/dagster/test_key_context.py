@@ -4,10 +4,12 @@ from __future__ import annotations
 
 import copy
 from datetime import UTC, datetime
+from pathlib import Path
 
 import dagster as dg
 import pytest
 
+from dagster_joblease.dagster import JobLeaseResource, LeasedRun, leased_asset
 from dagster_joblease.dagster.key_context import KeyContext, key_time_window
 
 daily = dg.DailyPartitionsDefinition(start_date="2024-01-01")
@@ -61,6 +63,72 @@ def test_a_partitioning_without_time_gets_dagsters_own_error() -> None:
         _ = view.partition_time_window
 
 
+def test_an_upstream_question_without_a_per_key_answer_says_so() -> None:
+    view = KeyContext(dg.build_op_context(), "2024-03-02", daily)  # an op: no asset, no upstream asset
+    for ask in (
+        view.asset_partition_keys_for_input,
+        view.asset_partition_key_for_input,
+        view.asset_partition_key_range_for_input,
+        view.asset_partitions_time_window_for_input,
+    ):
+        with pytest.raises(dg.DagsterInvariantViolationError, match=r"input 'up' has no per-key answer"):
+            ask("up")
+
+
 def test_a_key_context_can_be_copied() -> None:
     view = KeyContext(dg.build_op_context(), "2024-03-02", daily)
     assert copy.copy(view).partition_key == "2024-03-02"
+
+
+# ---- Upstream questions in a real range run (#35 item 8) --------------------------------------------------
+
+days = dg.DailyPartitionsDefinition(start_date="2024-01-01")
+#: What each key's body was told, by key.
+SEEN: dict[str, dict[str, object]] = {}
+
+
+@dg.asset(partitions_def=days)
+def up_daily() -> None:
+    """A plain daily upstream."""
+
+
+@leased_asset(
+    code="t-key-upstream",
+    partitions_def=days,
+    backfill_policy=dg.BackfillPolicy.single_run(),
+    deps=[dg.AssetDep(up_daily, partition_mapping=dg.TimeWindowPartitionMapping(start_offset=-1))],
+)
+def reads_yesterday_and_today(run: LeasedRun) -> None:
+    """Reads its day and the day before of ``up_daily``; records what its context told it."""
+    context = run.context
+    window = context.asset_partitions_time_window_for_input("up_daily")
+    SEEN[str(run.partition_key)] = {
+        "keys": list(context.asset_partition_keys_for_input("up_daily")),
+        "range": context.asset_partition_key_range_for_input("up_daily"),
+        "window": (window.start.date().isoformat(), window.end.date().isoformat()),
+    }
+    with pytest.raises(dg.DagsterInvariantViolationError, match=r"no per-key answer.*2 upstream partitions"):
+        context.asset_partition_key_for_input("up_daily")  # two days: no single key
+
+
+def test_a_per_key_body_gets_its_own_keys_upstream_answers(tmp_path: Path) -> None:
+    SEEN.clear()
+    with dg.instance_for_test() as instance:
+        result = dg.materialize(
+            [up_daily, reads_yesterday_and_today],
+            selection=[reads_yesterday_and_today],
+            instance=instance,
+            resources={"joblease": JobLeaseResource(database_url=f"sqlite:///{tmp_path / 'l.db'}")},
+            tags={
+                "dagster/asset_partition_range_start": "2024-03-02",
+                "dagster/asset_partition_range_end": "2024-03-05",
+            },
+        )
+    assert result.success
+    assert SEEN["2024-03-04"] == {
+        "keys": ["2024-03-03", "2024-03-04"],
+        "range": dg.PartitionKeyRange("2024-03-03", "2024-03-04"),
+        "window": ("2024-03-03", "2024-03-05"),
+    }
+    assert sorted(SEEN) == ["2024-03-02", "2024-03-03", "2024-03-04", "2024-03-05"]
+    assert SEEN["2024-03-02"]["keys"] == ["2024-03-01", "2024-03-02"]
