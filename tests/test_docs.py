@@ -181,3 +181,34 @@ def test_sphinx_roles_and_literal_blocks_are_rendered_at_build_time() -> None:
         'enqueue_once()</code></autoref> and <autoref identifier="dagster_joblease.dagster.resource.'
         'JobLeaseResource.close" optional><code>close()</code></autoref>.'
     )
+
+
+def test_every_config_field_and_component_attribute_is_in_the_api_reference() -> None:
+    """docs/hooks/config_reference.py lists JobLeaseResource's fields and every Component's attributes
+    from their models (the build fails on one without a description); both pages carry its marker."""
+    import dataclasses
+
+    from dagster.components import Component
+
+    from dagster_joblease.dagster import components
+    from dagster_joblease.dagster.resource import JobLeaseResource
+
+    hook = _hook("config_reference")
+    table = hook.config_table("dagster_joblease.dagster.resource.JobLeaseResource")
+    for name in JobLeaseResource.model_fields:
+        assert f"| `{name}` |" in table
+    for name in components.__all__:
+        cls = getattr(components, name)
+        if isinstance(cls, type) and issubclass(cls, Component):
+            listed = {row[0] for row in hook.component_rows(cls)}
+            assert set(cls.model().model_fields) <= listed, name  # type: ignore[attr-defined]
+            assert {f.name for f in dataclasses.fields(cls)} <= listed  # type: ignore[arg-type]
+    assert (
+        "joblease-config: dagster_joblease.dagster.resource.JobLeaseResource"
+        in (ROOT / "docs" / "reference" / "dagster.md").read_text()
+    )
+    assert (
+        "joblease-components: dagster_joblease.dagster.components"
+        in (ROOT / "docs" / "reference" / "components.md").read_text()
+    )
+    assert "- docs/hooks/config_reference.py" in (ROOT / "mkdocs.yml").read_text()

@@ -159,6 +159,18 @@ class JobLeaseResourceComponent(Component, Resolvable):
     ``not_run_sensors`` (default on) adds :func:`build_not_run_sensors`' three run-status sensors, so a
     re-execution whose leased step never ran shows ``not-run``, not the ``won`` Dagster copied from its
     parent. Turn it off only where the location's Python code calls ``build_not_run_sensors()`` itself.
+
+    Attributes:
+        resource_key: The key the resource is defined under; every other component names it the same way.
+        database_url_env: The NAME of the environment variable holding the database URL (never the URL),
+            read when a run or tick starts. Default ``JOBLEASE_DATABASE_URL``: unset, the embedded SQLite
+            file under ``$DAGSTER_HOME``; any other name must be set.
+        lease_ms: Lease length in ms (default 3 minutes), as on ``JobLeaseResource``.
+        heartbeat_ms: Renewal interval in ms (default min(10 s, lease_ms / 3); 0: none).
+        held_wait_ms: How long a run that finds its partition held waits for the holder (default 5 minutes).
+        deployment: This deployment's name in lease holders (default derived from the instance's storage).
+        migrate_on_first_use: Upgrade the joblease schema when a run starts; false: require it at head.
+        not_run_sensors: Add the location's three not-run sensors (``build_not_run_sensors()``).
     """
 
     resource_key: str = "joblease"
@@ -198,7 +210,16 @@ class JobLeaseResourceComponent(Component, Resolvable):
 class RouteSpec(Resolvable):
     """One topic's destination. ``url`` or ``url_env`` (a variable read when a run or tick starts, with
     ``url`` as its default); ``secret_headers`` maps a header to the NAME of the variable holding its value;
-    ``options`` passes any further :class:`Route` keyword option through unchanged (e.g. delivery limits)."""
+    ``options`` passes any further :class:`Route` keyword option through unchanged (e.g. delivery limits).
+
+    Attributes:
+        url: The topic's URL (the default when ``url_env`` is set but its variable is not).
+        url_env: The NAME of a variable holding the URL, read when a run or tick starts.
+        headers: Headers sent with every request of this topic (no secrets: they show in the UI).
+        secret_headers: Header name to the NAME of the variable holding its value (e.g. a bearer token).
+        timeout_s: Seconds a request may take before it counts as failed and is retried.
+        options: Any further ``Route`` option, passed through (e.g. ``max_in_flight``, ``rate``).
+    """
 
     url: str | None = None
     url_env: str | None = None
@@ -239,7 +260,15 @@ class RouteSpec(Resolvable):
 
 @dataclasses.dataclass
 class DispatcherSpec(Resolvable):
-    """The dispatcher job (:func:`build_dispatcher_job`)."""
+    """The dispatcher job (:func:`build_dispatcher_job`).
+
+    Attributes:
+        name: The job's name.
+        max_attempts: Deliveries of a row before it is dead-lettered.
+        claim_ms: How long a claimed row is the dispatcher's before another may claim it.
+        concurrency: Rows a dispatcher run delivers at once.
+        tags: Tags of the dispatcher's runs.
+    """
 
     name: str = "outbox_dispatch_job"
     max_attempts: int = 10
@@ -251,7 +280,14 @@ class DispatcherSpec(Resolvable):
 @dataclasses.dataclass
 class OutboxSensorSpec(Resolvable):
     """The outbox sensor (:func:`build_outbox_sensor`); it also reports the checks every
-    ``checks_interval_seconds``."""
+    ``checks_interval_seconds``.
+
+    Attributes:
+        name: The sensor's name.
+        minimum_interval_seconds: Seconds between two evaluations.
+        default_status: ``stopped`` (the default) until a person turns it on, or ``running``.
+        checks_interval_seconds: Seconds between two reports of the outbox checks.
+    """
 
     name: str = "outbox_dispatch_sensor"
     minimum_interval_seconds: int = 30
@@ -262,7 +298,13 @@ class OutboxSensorSpec(Resolvable):
 
 @dataclasses.dataclass
 class CheckSpec(Resolvable):
-    """The three outbox checks on ``joblease_outbox`` (:class:`OutboxHealth`)."""
+    """The three outbox checks on ``joblease_outbox`` (:class:`OutboxHealth`).
+
+    Attributes:
+        stale_due_ms: ``delivery_backlog`` warns when the oldest due row has waited longer.
+        unrouted_after_ms: ``no_unrouted_rows`` warns when a pending row of a topic this location does not
+            route is older.
+    """
 
     stale_due_ms: int = 5 * 60_000
     unrouted_after_ms: int = 15 * 60_000
@@ -299,6 +341,13 @@ class JobLeaseDeliveryComponent(Component, Resolvable):
     The outbox sensor (``sensor: null`` for none) and the outbox checks (``checks: null`` for none) run on
     the resource named by ``resource_key``. The sensor is stopped by default: turn it on (in the UI, or
     ``default_status: running``) once every route's downstream answers, e.g. ``joblease receiver``.
+
+    Attributes:
+        routes: Topic to its route (``RouteSpec``): where and how each topic's rows are delivered.
+        resource_key: The joblease resource the job, sensor and checks use.
+        dispatcher: The dispatcher job (``DispatcherSpec``).
+        sensor: The outbox sensor (``OutboxSensorSpec``); ``null``: none.
+        checks: The outbox checks (``CheckSpec``); ``null``: none.
     """
 
     routes: dict[str, RouteSpec]
@@ -366,7 +415,13 @@ class JobLeaseDeliveryComponent(Component, Resolvable):
 class TargetSpec(Resolvable):
     """A job or leased asset of this project: ``defs_path`` (relative to the defs folder: a Python module
     such as ``billing.py`` or a component's folder) and the ``job`` name or the ``asset`` key
-    (``a/b`` for a multi-part key) defined there."""
+    (``a/b`` for a multi-part key) defined there.
+
+    Attributes:
+        defs_path: The module or component folder that defines the target, relative to the defs folder.
+        job: The partitioned job's name there (or ``asset``).
+        asset: The leased asset's key there, ``a/b`` for a multi-part key (or ``job``).
+    """
 
     defs_path: str
     job: str | None = None
@@ -444,6 +499,17 @@ class LeasedScheduleComponent(Component, Resolvable):
     :func:`build_leased_schedule`: partition key = Dagster run key = lease run key. For an asset target
     the component also defines the asset job it launches (``<asset>_job`` unless ``job_name`` says
     otherwise).
+
+    Attributes:
+        target: The job or leased asset it launches (``TargetSpec``).
+        code: The lease code of the target's leased step (``@leased_op(code=...)``).
+        cron_schedule: When it ticks (default: the partitions' own cadence).
+        execution_timezone: The cron's timezone (default: the partitions').
+        name: The schedule's name (default ``<job>_schedule``).
+        job_name: For an asset target, the name of the asset job it defines (default ``<asset>_job``).
+        description: The schedule's description in the UI.
+        default_status: ``stopped`` (the default) or ``running``.
+        resource_key: The resource a tick reads the partition's lease through (a done partition skips).
     """
 
     target: TargetSpec
@@ -512,6 +578,23 @@ class ReconciliationSensorComponent(Component, Resolvable):
     """Relaunches partitions whose lease failed, expired, lost its holder or ended held.
 
     :func:`build_reconciliation_sensor` for a partitioned job or leased asset; durations in seconds.
+
+    Attributes:
+        target: The job or leased asset whose partitions it relaunches (``TargetSpec``).
+        code: The lease code of the target's leased step.
+        name: The sensor's name (default from the code).
+        resource_key: The joblease resource it reads the leases through.
+        lookback_seconds: Only leases active, and runs created, within this window are considered.
+        catch_up_from: A partition key: never-attempted partitions from it on are requested too.
+        max_requests_per_tick: At most this many run requests per evaluation (relaunches first).
+        max_relaunches: Relaunches per partition before it gives up and says so.
+        backoff_seconds: The second relaunch waits this long after the lease's last activity, doubling.
+        max_backoff_seconds: The cap of that wait.
+        relaunch_canceled: Relaunch a partition whose latest run was canceled (default: leave it).
+        holder_stale_ms: May only lengthen how old a RUNNING holder's heartbeat must be to count as dead.
+        minimum_interval_seconds: Seconds between two evaluations.
+        description: The sensor's description in the UI.
+        default_status: ``running`` (the default: it is the safety net) or ``stopped``.
     """
 
     target: TargetSpec

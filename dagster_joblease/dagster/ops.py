@@ -844,6 +844,21 @@ def leased_op(
     resource's, 5 minutes). When some key is not done the op fails (retryable) naming those keys, and
     produces no output.
 
+    Args:
+        code: The lease code: with each partition key (the run key) it names one logical run.
+        name: The op's name (default: the function's).
+        initial: A run-once (``INITIAL``) op: one lease for ``code``, whatever the partition.
+        resource_key: The key of the ``JobLeaseResource`` the op uses (default ``joblease``).
+        lease_ms: Lease length in ms for this step (default: the resource's, 3 minutes).
+        heartbeat_ms: Renewal interval in ms (default: the resource's; 0: none).
+        held_wait_ms: How long a key found held by a live lease waits for its holder before it ends
+            ``held`` (default: the resource's, 5 minutes).
+        max_failures_in_a_row: In a range run, keys that may fail one after the other before the rest
+            are not attempted (default 3).
+        batch: Call the body once with a ``LeasedBatch`` of the keys this run won (claimed with one
+            statement) instead of once per key.
+        **op_kwargs: Passed to ``dagster.op`` (``tags`` are merged with the op's own).
+
     Example::
 
         @leased_op(code="daily-billing")
@@ -1038,6 +1053,30 @@ def leased_asset(
 
     With ``backfill_policy=BackfillPolicy.single_run()`` a backfill is one run over a partition range;
     each key in it is still its own logical run (its own lease and idempotency key).
+
+    Args:
+        code: The lease code: with each partition key (the run key) it names one logical run.
+        partitions_def: The asset's partitions; each key is one logical run.
+        name: The asset's name (default: the function's).
+        initial: A run-once (``INITIAL``) asset: one lease for ``code``.
+        resource_key: The key of the ``JobLeaseResource`` the asset uses (default ``joblease``).
+        backfill_policy: Dagster's; ``BackfillPolicy.single_run()`` makes a backfill one range run.
+        lease_ms: Lease length in ms for this step (default: the resource's, 3 minutes).
+        heartbeat_ms: Renewal interval in ms (default: the resource's; 0: none).
+        held_wait_ms: How long a key found held by a live lease waits for its holder before it ends
+            ``held`` (default: the resource's, 5 minutes).
+        max_failures_in_a_row: In a range run, keys that may fail one after the other before the rest
+            are not attempted (default 3).
+        batch: Call the body once with a ``LeasedBatch`` of the keys this run won (claimed with one
+            statement) instead of once per key.
+        **asset_kwargs: Passed to ``dagster.asset`` (``op_tags`` are merged with the asset's own).
+
+    Example::
+
+        @leased_asset(code="daily-report", partitions_def=dg.DailyPartitionsDefinition("2024-01-01"))
+        def daily_report(run: LeasedRun) -> None:
+            with run.transaction() as conn:
+                run.enqueue_once(conn, topic="reports.daily", payload={"day": run.partition_key})
     """
     identity.JobIdentity.initial(code)
     if held_wait_ms is not None:
