@@ -3,10 +3,10 @@ every key with a true outcome, on every exit path.
 
 A scheduler's run (a Dagster run of one partition, or a range of them) wants a set of logical runs. For each
 key the engine claims the lease and runs the caller's body under it; a key another holder has is claimed
-again, with back-off, until a deadline (``held_wait_ms``); a holder that is *dead* (stale by its own
-recorded heartbeat interval, :mod:`dagster_joblease.staleness`, and proved gone by the caller, e.g. its
-Dagster run is finished) has its lease failed at once and the key is claimed again. It reports one
-:class:`KeyOutcome` per key, in the order given:
+again, with back-off, until a deadline (``held_wait_ms``); a holder that is *dead* (its heartbeat missing
+for four of its own recorded intervals, or stale while the caller proves its run finished: the liveness
+rule, :func:`dagster_joblease.staleness.holder_death`) has its lease failed at once and the key is claimed
+again. It reports one :class:`KeyOutcome` per key, in the order given:
 
 ==================  ======================================================================================
 ``won``             this run claimed the key first and did it
@@ -61,6 +61,7 @@ __all__ = [
     "Watcher",
     "after_refusal",
     "cut_short",
+    "death_of",
     "next_delay",
     "range_goes_on",
     "read_row",
@@ -208,6 +209,19 @@ def stale_running(status: str | None, heartbeat_age_ms: int, stale_ms: int | Non
     return status == LeaseStatus.RUNNING.value and staleness.is_stale(heartbeat_age_ms, stale_ms)
 
 
+def death_of(row: Row, run_finished: str | None, legacy_ms: int) -> staleness.Death | None:
+    """Why the holder of ``row`` is dead to a waiter (the liveness rule, :func:`staleness.holder_death`;
+    ``run_finished``: what the watcher said of its run), or None: alive, wait for it."""
+    return staleness.holder_death(
+        status=row.status,
+        overdue_ms=-row.remaining_ms,
+        heartbeat_age_ms=row.heartbeat_age_ms,
+        heartbeat_ms=row.heartbeat_ms,
+        run_finished=run_finished,
+        legacy_ms=legacy_ms,
+    )
+
+
 def cut_short(*, held: bool, completed: bool) -> Outcome | None:
     """The outcome of the key an interrupt or an error outside the body stopped on: ``not-attempted`` if this
     run never held it (claiming, or waiting for another holder); None (done: the caller records it as
@@ -248,22 +262,25 @@ class _Backoff:
 
 
 def _take_over_if_dead(wait: Wait, job: identity.JobIdentity, row: Row | None) -> bool:
-    """A ``RUNNING`` row whose heartbeat is stale (by the holder's own interval) and whose holder the
-    watcher knows is gone: fail it now so it can be reclaimed. True if the caller should claim again."""
+    """A ``RUNNING`` row whose holder is dead by the liveness rule (:func:`staleness.holder_death`: its
+    heartbeat missing for the failover tolerance, or stale while the watcher knows its run finished): fail
+    it now so it can be reclaimed. True if the caller should claim again. (An expired row needs no
+    takeover: the next claim reclaims it.)"""
     if row is None:
         return False
-    stale_ms = staleness.stale_after_ms(row.heartbeat_ms, legacy_ms=2 * wait.timing.heartbeat_ms)
-    if not stale_running(row.status, row.heartbeat_age_ms, stale_ms):
-        return False
-    why = wait.watcher.dead_because(row.holder)
-    if why is None or stale_ms is None:
-        return False
-    reason = (
-        f"attempt {row.attempt}: holder {row.holder} is dead ({why} and its last heartbeat was "
-        f"{row.heartbeat_age_ms} ms ago); taken over by {wait.taker}"
+    legacy_ms = 2 * wait.timing.heartbeat_ms
+    stale_ms = staleness.stale_after_ms(row.heartbeat_ms, legacy_ms=legacy_ms)
+    finished = (
+        wait.watcher.dead_because(row.holder)
+        if stale_running(row.status, row.heartbeat_age_ms, stale_ms)
+        else None
     )
+    death = death_of(row, finished, legacy_ms)
+    if death is None or death.fence_ms is None:
+        return False
+    reason = f"attempt {row.attempt}: holder {row.holder} is dead ({death.why}); taken over by {wait.taker}"
     if wait.service.fail_dead_holder(
-        job, attempt=row.attempt, owner_token=row.owner_token, stale_ms=stale_ms, reason=reason
+        job, attempt=row.attempt, owner_token=row.owner_token, stale_ms=death.fence_ms, reason=reason
     ):
         wait.watcher.log.warning(f"joblease {job}: {reason}")
         wait.watcher.took_over(job, row, reason)

@@ -12,6 +12,8 @@ import sqlalchemy as sa
 from dagster_joblease import errors, options, waiting
 from dagster_joblease.identity import JobIdentity
 from dagster_joblease.lease import Lease, LeaseService
+from dagster_joblease.storage import schema
+from dagster_joblease.storage.clock import db_now_plus_ms
 from dagster_joblease.waiting import Next, Outcome
 
 # ---- decisions ----------------------------------------------------------------------------------------
@@ -212,17 +214,45 @@ def test_a_key_still_held_when_the_wait_ends_is_held(
     assert _statuses(engine, jobs) == ["SUCCESS", "SUCCESS", "RUNNING"]
 
 
+def _heartbeat_ago(engine: sa.Engine, job: JobIdentity, ms: int) -> None:
+    """As if the holder of ``job`` last heartbeated ``ms`` ago (database clock)."""
+    t = schema.lease_table
+    with engine.begin() as conn:
+        conn.execute(
+            sa.update(t).where(t.c.lock_key == job.idempotency_key).values(heartbeat_at=db_now_plus_ms(-ms))
+        )
+
+
+# The liveness rule (staleness.holder_death) as the engine applies it, on real leases: the holder's
+# interval is 1 s; its run's end (the watcher) is proof only with a stale heartbeat (> 2 intervals);
+# without it, 4 missed intervals (the failover tolerance) are; anything short of that waits.
+TAKEOVER = [
+    ("its run is gone and its heartbeat stale", {"gone"}, 3_000, "reclaimed", "its process is gone and"),
+    ("its heartbeat missing 4 intervals, its run said alive", set(), 4_500, "reclaimed", "4 of its own"),
+    ("stale but its run alive: a failover blip", set(), 3_500, "held", None),
+    ("its run gone but it heartbeats: a surviving step process", {"gone"}, 0, "held", None),
+]
+
+
+@pytest.mark.parametrize(
+    ("case", "dead", "ago_ms", "outcome", "said"), TAKEOVER, ids=[c[0] for c in TAKEOVER]
+)
 @pytest.mark.parametrize("mode", MODES)
-def test_a_dead_holder_is_taken_over_at_once(engine: sa.Engine, mode: str) -> None:
-    jobs = _jobs(f"dead-{mode}", 1)
-    dead = LeaseService(engine, lease_ms=600_000, heartbeat_ms=1, holder="gone")
-    assert dead.acquire(jobs[0]) is not None
-    watcher = _Watcher(_Log(), dead={"gone"})
+def test_a_dead_holder_is_taken_over_at_once_a_live_one_never(
+    engine: sa.Engine, mode: str, case: str, dead: set[str], ago_ms: int, outcome: str, said: str | None
+) -> None:
+    jobs = _jobs(f"dead-{mode}-{ago_ms}-{len(dead)}", 1)
+    holder = LeaseService(engine, lease_ms=600_000, heartbeat_ms=1_000, holder="gone")
+    assert holder.acquire(jobs[0]) is not None
+    _heartbeat_ago(engine, jobs[0], ago_ms)
+    watcher = _Watcher(_Log(), dead=dead)
 
-    report = MODES[mode](_wait(engine, watcher), jobs)
+    report = MODES[mode](_wait(engine, watcher, held_wait_ms=0), jobs)
 
-    assert _outcomes(report) == ["reclaimed"] and watcher.taken == [jobs[0].run_key]
-    assert any("holder gone is dead (its process is gone" in line for line in watcher.log.lines)
+    assert _outcomes(report) == [outcome], case
+    assert watcher.taken == ([jobs[0].run_key] if said else [])
+    if said:
+        assert any("holder gone is dead (" in line and said in line for line in watcher.log.lines)
 
 
 def test_per_key_interrupted_in_the_body_releases_its_lease_and_the_rest_are_not_attempted(

@@ -54,6 +54,7 @@ __all__ = [
     "report_many",
     "reset_to_fail",
     "run_keys_with_rows",
+    "running_held_by_runs",
     "states_of",
     "write_many",
 ]
@@ -884,6 +885,23 @@ def states_of(conn: sa.Connection, lock_keys: Mapping[str, str]) -> dict[str, Le
         rows = conn.execute(sa.select(_t.c.lock_key, *_state_columns()).where(_t.c.lock_key.in_(chunk))).all()
         for row, state in zip(rows, _states(r[1:] for r in rows), strict=True):
             found[lock_keys[row[0]]] = state
+    return found
+
+
+#: Runs whose leases of any code one statement of ``running_held_by_runs`` reads.
+RUNS_PER_STATEMENT = 100
+
+
+def running_held_by_runs(conn: sa.Connection, run_ids: Sequence[str]) -> list[LeaseState]:
+    """The ``RUNNING`` rows, of any code, whose holder names one of ``run_ids`` (``dagster:<deployment>/
+    <run id>``): what a run holds anywhere (a run busy in another asset's lease is alive). Only RUNNING
+    rows are read (the live-rows index holds them); :data:`RUNS_PER_STATEMENT` runs per statement."""
+    found: list[LeaseState] = []
+    for offset in range(0, len(run_ids), RUNS_PER_STATEMENT):
+        chunk = run_ids[offset : offset + RUNS_PER_STATEMENT]
+        names = sa.or_(*(_t.c.holder.endswith("/" + run_id, autoescape=True) for run_id in chunk))
+        stmt = sa.select(*_state_columns()).where(_t.c.status == "RUNNING", names)
+        found += _states(conn.execute(stmt))
     return found
 
 

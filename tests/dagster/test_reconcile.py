@@ -321,13 +321,13 @@ def test_bad_arguments_are_refused_before_anything_runs(case: tuple[str, dg.JobD
 def test_a_dead_or_zombie_dagster_holder_is_relaunched_a_live_one_is_not(
     dagster_pg: DagsterPg, engine: sa.Engine, case: tuple[str, dg.JobDefinition]
 ) -> None:
-    """A holder whose heartbeat is stale by its own recorded interval is dead when its Dagster run here is
-    finished, and a zombie when that run is still STARTED (DESIGN 8: a run still STARTED whose holder is
-    stale by its own interval is a zombie, not in flight; it used to count as live until its lease expired,
-    up to 15 minutes later). Either way the sensor fails its lease, fenced, and relaunches the partition,
-    which reclaims it. A STARTED holder that heartbeats is live."""
+    """A holder whose heartbeat is a minute old (six of its own 10 s intervals) is dead when its Dagster run
+    here is finished, and a zombie when that run is still STARTED (the liveness rule, #35: four missed
+    intervals; it used to count as live until its lease expired, up to 15 minutes later). Either way the
+    sensor fails its lease, fenced, and relaunches the partition, which reclaims it. A STARTED holder that
+    heartbeats is live."""
     code, job = case
-    service = LeaseService(engine, lease_ms=600_000, heartbeat_ms=10_000)  # stale after 2 x 10 s
+    service = LeaseService(engine, lease_ms=600_000, heartbeat_ms=10_000)  # dead: 4 x 10 s missed
     runs = {}
     for key, status in (
         (DAYS[0], dg.DagsterRunStatus.FAILURE),

@@ -28,7 +28,10 @@ JOB = Policy(cap=3, backoff_ms=60_000, max_backoff_ms=600_000, may_wait_ms=300_0
 ASSET = dataclasses.replace(JOB, asset=True)
 HOLDER = "dagster:prod/0c1f2d3e-1111-2222-3333-444455556666"
 HOLDER_RUN = "0c1f2d3e-1111-2222-3333-444455556666"
-STALE = "its heartbeat on k is 2 s old, stale by its own 1000 ms interval (attempt 2)"
+FINISHED_STALE = (
+    "its run here is FAILURE and its heartbeat (every 1000 ms) is 2500 ms old (lease of k, attempt 2)"
+)
+SILENT = "its heartbeat (every 1000 ms) is 4500 ms old: 4 of its own intervals missed (lease of k, attempt 2)"
 NAMED = Named("run-r", "range run run-r failed: held")
 
 
@@ -83,26 +86,44 @@ NEED_CASES = [
             f"dead holder {HOLDER}",
             2,
             2_500,
-            free=Free(2, 2_000, f"dead holder {HOLDER}: {STALE}", HOLDER_RUN),
+            free=Free(2, 2_000, f"dead holder {HOLDER}: {FINISHED_STALE}", HOLDER_RUN),
         ),
     ),
     (
-        "RUNNING, stale, its run here still STARTED: a zombie",
+        "RUNNING, stale but under the failover tolerance, its run here still STARTED: alive (#35 item 3)",
         JOB,
-        KeyFacts("k", lease(heartbeat_age_ms=2_500, idle_ms=2_500), holder_status=S.STARTED),
+        KeyFacts("k", lease(heartbeat_age_ms=3_500, idle_ms=3_500), holder_status=S.STARTED),
+        Verdict("k", Action.LIVE, f"held by {HOLDER}"),
+    ),
+    (
+        "RUNNING, 4 intervals missed, its run here still STARTED: a zombie",
+        JOB,
+        KeyFacts("k", lease(heartbeat_age_ms=4_500, idle_ms=4_500), holder_status=S.STARTED),
         Need(
             "k",
             f"zombie holder {HOLDER}",
             2,
-            2_500,
-            free=Free(2, 2_000, f"zombie holder {HOLDER}: {STALE}", HOLDER_RUN),
+            4_500,
+            free=Free(2, 4_000, f"zombie holder {HOLDER}: {SILENT}", HOLDER_RUN),
         ),
     ),
     (
-        "RUNNING, stale, its run not on this instance: wait for expiry",
+        "RUNNING, stale, its run not on this instance: alive",
         JOB,
         KeyFacts("k", lease(heartbeat_age_ms=2_500)),
-        Verdict("k", Action.LIVE, f"held by {HOLDER} (stale; waiting for its expiry)"),
+        Verdict("k", Action.LIVE, f"held by {HOLDER}"),
+    ),
+    (
+        "RUNNING, 4 intervals missed, its run not on this instance: dead by the lease alone",
+        JOB,
+        KeyFacts("k", lease(heartbeat_age_ms=4_500, idle_ms=4_500)),
+        Need(
+            "k",
+            f"dead holder {HOLDER}",
+            2,
+            4_500,
+            free=Free(2, 4_000, f"dead holder {HOLDER}: {SILENT}", HOLDER_RUN),
+        ),
     ),
     (
         "RUNNING, a holder that never heartbeats is never stale",
@@ -317,7 +338,7 @@ LIFE_CASES = [
     (
         "its lease expired",
         [lease(overdue_ms=61_000, idle_ms=70_000)],
-        Life(live=False, dead="its lease of k expired 61 s ago (attempt 2)", quiet_ms=70_000),
+        Life(live=False, dead="its lease expired 61 s ago (lease of k, attempt 2)", quiet_ms=70_000),
     ),
     (
         "one live lease outweighs a stale one (a live run heartbeats what it holds)",
@@ -362,7 +383,8 @@ def test_zombie_reason(status: dg.DagsterRunStatus, life: Life | None, zombie: b
         (lease("FAIL"), None, JOB, False, True),
         (lease(heartbeat_age_ms=10), None, JOB, False, False),
         (lease(overdue_ms=1), None, JOB, False, True),
-        (lease(heartbeat_age_ms=2_500), None, JOB, False, True),
+        (lease(heartbeat_age_ms=3_500), None, JOB, False, False),  # stale is not dead (#35 item 3)
+        (lease(heartbeat_age_ms=4_500), None, JOB, False, True),
         (lease("SUCCESS"), False, ASSET, False, True),
         (lease("SUCCESS"), True, ASSET, False, False),
         (lease("SUCCESS"), None, JOB, False, True),  # a job run that failed held: its latest run is red

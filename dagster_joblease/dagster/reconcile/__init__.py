@@ -21,13 +21,17 @@ It is three parts (:mod:`.facts` → :mod:`.judge` → :mod:`.sensor`):
   person's cancel, capped, backing off, or relaunched.
 - **Sensor**: turns verdicts into run requests and acts on the rest.
 
-**Zombies.** A run Dagster still calls STARTING/STARTED is a zombie, not in flight, when a RUNNING lease
-it holds expired, or its heartbeat is stale by the holder's own recorded interval (a live run renews every
-lease it holds), or when, holding no lease, it stayed quiet longer than the held wait plus
-``zombie_margin`` since it was created or last held one. Its undone keys (the one it held, and every key
-of its range it never tried) are relaunched, its done keys recorded, and it is tagged ``lost``. The
-sensor fails a dead holder's lease (fenced on its attempt and its stale heartbeat) before relaunching, so
-the relaunched run reclaims it at once. Enable run monitoring to have Dagster fail such runs too.
+**Life comes from the lease, by one rule** (:func:`dagster_joblease.staleness.holder_death`, the one
+waiting runs apply): a holder is dead when its lease expired, its heartbeat is missing for four of its own
+intervals, or its run is finished and its heartbeat stale; anything short of that is alive.
+
+**Zombies.** A run Dagster still calls STARTING/STARTED is a zombie, not in flight, when it holds no live
+lease of any code and a RUNNING lease it holds is dead by that rule, or when, holding no lease, it stayed
+quiet longer than the held wait plus ``zombie_margin`` since it started or last held one. Its undone
+keys (the one it held, and every key of its range it never tried) are relaunched, its done keys recorded,
+and it is tagged ``lost``. The sensor fails a dead holder's lease (fenced on its attempt and the heartbeat
+age the rule used) before relaunching, so the relaunched run reclaims it at once. Enable run monitoring
+to have Dagster fail such runs too.
 
 **Done but not recorded.** For a leased asset, a key whose lease is SUCCESS but which has no
 materialization on this instance is recorded (an ``AssetMaterialization`` pointing at the run that did it)

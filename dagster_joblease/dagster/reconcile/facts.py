@@ -177,6 +177,7 @@ class Reader:
         self._leases: dict[str, Lease | None] = {}
         self._records: dict[str, dg.RunRecord | None] = {}
         self._materialized: dict[str, bool] = {}  #: the target asset's keys
+        self._running: dict[str, list[Lease]] = {}  #: run id -> RUNNING leases it holds, any code
 
     # -- lease rows --
 
@@ -195,6 +196,13 @@ class Reader:
         """Run the store's reads on one connection of the joblease engine."""
         with translate_errors("read leases to reconcile"), self.engine.connect() as conn:
             return statements(conn)
+
+    def running_anywhere(self, run_id: str) -> list[Lease]:
+        """The RUNNING leases of any code whose holder is Dagster run ``run_id``."""
+        if run_id not in self._running:
+            states = self.read(lambda conn: leases.running_held_by_runs(conn, [run_id]))
+            self._running[run_id] = [lease_of(s) for s in states if lease_of(s).holder_run_id == run_id]
+        return self._running[run_id]
 
     def remember(self, rows: Sequence[Lease]) -> None:
         for row in rows:
@@ -471,8 +479,17 @@ def _key_runs(runs: list[Run], launched: list[dg.DagsterRun], records: Mapping[s
 
 
 def life(reader: Reader, record: dg.RunRecord, policy: judge.Policy) -> judge.Life:
-    """What the lease table says of a run of this instance (from the rows of the keys it covers)."""
-    return judge.life_of(age_ms(record.create_timestamp) or 0, held_by(reader, record), policy)
+    """What the lease table says of a run of this instance: the rows of the keys it covers whose holder it
+    is, and every RUNNING lease it holds of any code (a run busy in an upstream asset's lease is alive);
+    quiet since it started (a run that waited in the queue is not quiet for it)."""
+    run_id = record.dagster_run.run_id
+    held = [*held_by(reader, record), *reader.running_anywhere(run_id)]
+    return judge.life_of(age_ms(started_at(record)) or 0, held, policy)
+
+
+def started_at(record: dg.RunRecord) -> float:
+    """When a run started (its quiet time counts from then), or, not started yet, when it was created."""
+    return record.start_time or record.create_timestamp.timestamp()
 
 
 def held_by(reader: Reader, record: dg.RunRecord) -> list[Lease]:

@@ -11,10 +11,13 @@ key's runs, which are costly to look up and only needed for some keys:
    not a zombie covers it), left alone (its latest run was canceled by a person), capped, backing off, or
    relaunched.
 
-Zombies (:func:`zombie_reason`): a run Dagster still calls STARTING/STARTED is a zombie when a RUNNING lease
-it holds expired, or its heartbeat is stale by the holder's own recorded interval (proof: a live run renews
-every lease it holds), or, holding no lease at all, when it has been quiet (since it was created or since
-its last lease activity) for longer than it could be waiting for a holder.
+Life comes from the lease, by one rule (:func:`dagster_joblease.staleness.holder_death`, which waiters
+apply too): a holder is dead when its lease expired, its heartbeat has been missing for the failover
+tolerance (four of its own intervals), or the run named on its lease is finished and its heartbeat stopped.
+Zombies (:func:`zombie_reason`): a run Dagster still calls STARTING/STARTED is a zombie when it holds no
+live lease (of any code) and a RUNNING lease it holds is dead by that rule, or, holding no lease at all,
+when it has been quiet (since it started or since its last lease activity) for longer than it could be
+waiting for a holder.
 """
 
 from __future__ import annotations
@@ -91,9 +94,9 @@ class Run:
 class Life:
     """What the lease table says of an unfinished run of this instance."""
 
-    live: bool  #: it holds a RUNNING lease, unexpired, heartbeat fresh by its own interval
-    dead: str | None = None  #: it holds a RUNNING lease that expired or went stale: why (proof of death)
-    quiet_ms: int = 0  #: since its last sign of life: its creation, or its last lease activity
+    live: bool  #: it holds a RUNNING lease (of any code) whose holder is alive by the liveness rule
+    dead: str | None = None  #: it holds a RUNNING lease whose holder is dead by the liveness rule: why
+    quiet_ms: int = 0  #: since its last sign of life: its start, or its last lease activity
 
 
 @dataclasses.dataclass(frozen=True)
@@ -214,35 +217,29 @@ def backoff_ms(relaunches: int, base_ms: int, max_ms: int) -> int:
     return 0 if relaunches == 0 else min(max_ms, base_ms * 2 ** (relaunches - 1))
 
 
-def _stale_after(lease: Lease, policy: Policy) -> int | None:
-    return staleness.stale_after_ms(
-        lease.heartbeat_ms, legacy_ms=policy.legacy_stale_ms, at_least_ms=policy.holder_stale_ms
+def _death(lease: Lease, policy: Policy, run_finished: str | None = None) -> staleness.Death | None:
+    """Why a lease's holder is dead by the liveness rule (:func:`staleness.holder_death`), ``run_finished``
+    saying what proves the run named on it finished; None while it is alive."""
+    return staleness.holder_death(
+        status=lease.status,
+        overdue_ms=lease.overdue_ms,
+        heartbeat_age_ms=lease.heartbeat_age_ms,
+        heartbeat_ms=lease.heartbeat_ms,
+        run_finished=run_finished,
+        legacy_ms=policy.legacy_stale_ms,
+        at_least_ms=policy.holder_stale_ms,
     )
 
 
-def _death(lease: Lease, policy: Policy) -> tuple[str, int | None] | None:
-    """Why a RUNNING lease's holder is dead by the lease alone (expired, or stale by its own interval),
-    with the staleness threshold to fence a takeover on; None while it renews."""
-    if lease.overdue_ms > 0:
-        return (
-            f"its lease of {lease.key} expired {lease.overdue_ms // 1000} s ago (attempt {lease.attempt})",
-            None,
-        )
-    threshold = _stale_after(lease, policy)
-    if staleness.is_stale(lease.heartbeat_age_ms, threshold):
-        return (
-            f"its heartbeat on {lease.key} is {lease.heartbeat_age_ms // 1000} s old, stale by its own "
-            f"{lease.heartbeat_ms} ms interval (attempt {lease.attempt})",
-            threshold,
-        )
-    return None
+def _death_text(lease: Lease, death: staleness.Death) -> str:
+    return f"{death.why} (lease of {lease.key}, attempt {lease.attempt})"
 
 
-def life_of(created_age_ms: int, held: Iterable[Lease], policy: Policy) -> Life:
+def life_of(started_age_ms: int, held: Iterable[Lease], policy: Policy) -> Life:
     """What the lease rows a run holds (``held``: rows of any status whose holder is the run) say of it."""
     live = False
     dead: str | None = None
-    quiet = created_age_ms
+    quiet = started_age_ms
     for lease in held:
         quiet = min(quiet, lease.idle_ms)
         if lease.status != "RUNNING":
@@ -251,7 +248,7 @@ def life_of(created_age_ms: int, held: Iterable[Lease], policy: Policy) -> Life:
         if death is None:
             live = True
         elif dead is None:
-            dead = death[0]
+            dead = _death_text(lease, death)
     return Life(live=live, dead=None if live else dead, quiet_ms=quiet)
 
 
@@ -263,7 +260,7 @@ def zombie_reason(status: dg.DagsterRunStatus, life: Life | None, policy: Policy
         return life.dead
     if life.quiet_ms > policy.may_wait_ms:
         return (
-            f"it holds no lease {life.quiet_ms // 1000} s after it was created or last held one "
+            f"it holds no lease {life.quiet_ms // 1000} s after it started or last held one "
             f"(it could wait for a holder {policy.may_wait_ms // 1000} s)"
         )
     return None
@@ -322,20 +319,17 @@ def _done(facts: KeyFacts, lease: Lease, policy: Policy) -> Verdict | Need:
 
 
 def _running(facts: KeyFacts, lease: Lease, policy: Policy) -> Verdict | Need:
-    death = _death(lease, policy)
+    finished = f"its run here is {facts.holder_status.value}" if facts.holder_status in FINISHED else None
+    death = _death(lease, policy, finished)
     if death is None:
         return Verdict(facts.key, Action.LIVE, f"held by {lease.holder}")
-    if lease.overdue_ms > 0:
+    if death.fence_ms is None:
         return Need(facts.key, "lease expired", lease.attempt, lease.idle_ms, _upstream(facts))
-    threshold = death[1]
-    assert threshold is not None
-    if facts.holder_status in FINISHED:
-        why = f"dead holder {lease.holder}"
-    elif facts.holder_status in RUNNING:
+    if facts.holder_status in RUNNING:
         why = f"zombie holder {lease.holder}"
-    else:  # not a run of this instance: only its expiry proves it dead
-        return Verdict(facts.key, Action.LIVE, f"held by {lease.holder} (stale; waiting for its expiry)")
-    free = Free(lease.attempt, threshold, f"{why}: {death[0]}", lease.holder_run_id)
+    else:  # finished here, or not a run of this instance: the lease alone says it is dead
+        why = f"dead holder {lease.holder}"
+    free = Free(lease.attempt, death.fence_ms, f"{why}: {_death_text(lease, death)}", lease.holder_run_id)
     return Need(facts.key, why, lease.attempt, lease.idle_ms, _upstream(facts), free)
 
 

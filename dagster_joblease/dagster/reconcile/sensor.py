@@ -532,15 +532,17 @@ def build_reconciliation_sensor(
             last activity; the first relaunch is immediate.
         relaunch_canceled: relaunch a partition whose latest run was canceled (default: leave it alone),
             and the keys a canceled range run never reached.
-        holder_stale_ms: a RUNNING lease's holder is dead once its heartbeat is older than twice the
-            interval the *holder* recorded on its row, when its Dagster run on this instance is finished or
-            still STARTED (a zombie); this setting may only lengthen that threshold, never shorten it (a
-            holder recorded with no heartbeat is judged by expiry only). Rows from before migration 0002
-            keep the old rule: this value, default twice the resource's heartbeat. The sensor fails a dead
-            holder's lease (fenced) and relaunches the partition, which reclaims it.
+        holder_stale_ms: a RUNNING lease's holder is dead by the liveness rule
+            (:func:`dagster_joblease.staleness.holder_death`, which waiting runs apply too): its lease
+            expired, its heartbeat is missing for four of the intervals the *holder* recorded on its row,
+            or its Dagster run on this instance is finished and its heartbeat older than two of them. This
+            setting may only lengthen those thresholds, never shorten them (a holder recorded with no
+            heartbeat is judged by expiry only). Rows from before migration 0002: this value (default
+            twice the resource's heartbeat) stands for two intervals. The sensor fails a dead holder's
+            lease (fenced) and relaunches the partition, which reclaims it.
         zombie_margin: a STARTED run that holds no lease is still counted in flight for the resource's held
-            wait plus this margin after it was created or last held a lease (it may be waiting for a
-            holder); after that it is a zombie and its undone keys are relaunched.
+            wait plus this margin after it started or last held a lease (it may be waiting for a holder);
+            after that it is a zombie and its undone keys are relaunched.
         health: also report these outbox checks (at most every ``checks_interval_seconds``), so they run
             without a dispatcher run.
         default_status: RUNNING by default: it is the safety net, it only acts on partitions someone
