@@ -331,13 +331,12 @@ def _stderr_to(path: Path) -> Iterator[None]:
 @contextmanager
 def _graphql(instance: Any) -> Iterator[Callable[[str, Mapping[str, Any]], dict[str, Any]]]:
     """Dagster's GraphQL API on this instance and the demo location, in this process (what the UI uses)."""
-    from dagster._core.workspace.context import WorkspaceProcessContext
-    from dagster._core.workspace.load_target import ModuleTarget
     from dagster_graphql.schema import create_schema
 
+    from dagster_joblease.dagster.internals import module_workspace
+
     schema = create_schema()
-    target = ModuleTarget(module_name=LOCATION, attribute=None, working_directory=None, location_name=None)
-    with WorkspaceProcessContext(instance, target) as process_context:
+    with module_workspace(instance, LOCATION) as process_context:
 
         def execute(query: str, variables: Mapping[str, Any]) -> dict[str, Any]:
             context = process_context.create_request_context()

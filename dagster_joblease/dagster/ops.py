@@ -57,11 +57,11 @@ from typing import Any, TypeVar, cast
 import dagster as dg
 import sqlalchemy as sa
 from dagster import AssetExecutionContext, OpExecutionContext
-from dagster._core.events import EngineEventData  # the per-op truth: a step engine event with metadata
 
 from dagster_joblease import batch as batch_leases
 from dagster_joblease import errors, identity, lease, options, outbox, waiting
 from dagster_joblease.dagster import holders, metadata, not_run_coverage
+from dagster_joblease.dagster.internals import EngineEventData  # a step engine event with metadata
 from dagster_joblease.dagster.key_context import KeyContext
 from dagster_joblease.dagster.resource import JobLeaseResource, check_held_wait_ms
 

@@ -9,9 +9,9 @@ from typing import Any
 
 import dagster as dg
 import sqlalchemy as sa
-from dagster._core.storage.tags import REPOSITORY_LABEL_TAG
 
 from dagster_joblease import errors, outbox
+from dagster_joblease.dagster.internals import REPOSITORY_LABEL_TAG
 from dagster_joblease.dagster.jobs import (
     OutboxHealth,
     RoutesSource,

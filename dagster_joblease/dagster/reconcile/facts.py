@@ -23,7 +23,7 @@ from typing import Any, Literal, TypeVar
 
 import dagster as dg
 import sqlalchemy as sa
-from dagster._core.events import DagsterEventType
+from dagster import DagsterEventType
 
 from dagster_joblease import identity
 from dagster_joblease.dagster import metadata
@@ -775,7 +775,8 @@ def catch_up(
 # ---- finished re-executions: runs whose copied tags may lie ----------------------------------------------
 
 _FINISH_EVENTS: tuple[
-    Literal[DagsterEventType.RUN_SUCCESS, DagsterEventType.RUN_FAILURE, DagsterEventType.RUN_CANCELED], ...
+    Literal[DagsterEventType.RUN_SUCCESS, DagsterEventType.RUN_FAILURE, DagsterEventType.RUN_CANCELED],
+    ...,
 ] = (DagsterEventType.RUN_SUCCESS, DagsterEventType.RUN_FAILURE, DagsterEventType.RUN_CANCELED)
 
 
