@@ -22,6 +22,11 @@ What is guaranteed depends on where the app writes:
   database's write lock while the app runs, so the app's own writes to that same file wait and time out:
   write through the inbox's connection there.
 
+The transaction ends when the app's answer is complete (its last body chunk): the answer is stored and
+sent, and what the app does after that (FastAPI's and Starlette's background tasks) runs outside the
+transaction, covered by none of the above. On SQLite the requests take turns on the event loop (one
+writer at a time) before any worker thread is taken.
+
 Answers a sender retries (5xx, 408, 409, 425, 429: :func:`dagster_joblease.wire.is_retryable_status`) are
 not stored: the transaction rolls back (with anything the app wrote through it) and the answer goes out
 as it is, so the retry runs the app again. Raise ``store_status`` to change that.
@@ -38,12 +43,14 @@ from typing import Any, NamedTuple
 
 import anyio
 import anyio.to_thread
+from anyio.lowlevel import RunVar
 
 from dagster_joblease import errors, wire
 from dagster_joblease.inbox import core
 from dagster_joblease.inbox.aio import AsyncInbox, AsyncInboxTransaction
 from dagster_joblease.inbox.core import Answer, InboxResult
 from dagster_joblease.inbox.sync import Inbox, InboxTransaction
+from dagster_joblease.storage.engine import SQLITE_BUSY_TIMEOUT_MS
 
 __all__ = [
     "ASGIApp",
@@ -302,14 +309,20 @@ class InboxMiddleware:
                 scope["method"], scope["path"], scope.get("query_string", b""), scope["headers"], body
             )
             tx = self.inbox.transaction(key, self.fingerprint(parts), fence)
-            replay = await self._begin(tx)
+            turn = await _Turn.take(self.inbox)
+            try:
+                replay = await self._begin(tx)
+            except BaseException:
+                turn.release()
+                raise
         except _Refusal as refusal:
             await _send(send, refusal.status, refusal.headers, refusal.body)
             return
         if replay is not None:
+            turn.release()
             await _send_result(send, replay)
             return
-        await self._apply(tx, scope, body, receive, send)
+        await self._apply(tx, turn, scope, body, receive, send)
 
     def _read_headers(self, scope: Scope) -> tuple[str | None, int | None]:
         keys = [value for name, value in scope["headers"] if name == _KEY_HEADER]
@@ -370,36 +383,45 @@ class InboxMiddleware:
             raise _refusal_for(exc) from None
 
     async def _end(
-        self, tx: InboxTransaction | AsyncInboxTransaction[Any], answer: Answer | None
+        self, tx: InboxTransaction | AsyncInboxTransaction[Any], answer: Answer | None, turn: _Turn
     ) -> InboxResult | None:
-        """Commit ``answer`` (its result) or, for None, roll back; never cancelled half-way."""
+        """Commit ``answer`` (its result) or, for None, roll back; never cancelled half-way. The
+        database's turn (SQLite) passes on either way."""
         result: InboxResult | None = None
         with anyio.CancelScope(shield=True):
-            if isinstance(tx, InboxTransaction):
-                if answer is None:
-                    await anyio.to_thread.run_sync(tx.rollback)
+            try:
+                if isinstance(tx, InboxTransaction):
+                    if answer is None:
+                        await anyio.to_thread.run_sync(tx.rollback)
+                    else:
+                        result = await anyio.to_thread.run_sync(tx.commit, answer)
+                elif answer is None:
+                    await tx.rollback()
                 else:
-                    result = await anyio.to_thread.run_sync(tx.commit, answer)
-            elif answer is None:
-                await tx.rollback()
-            else:
-                result = await tx.commit(answer)
+                    result = await tx.commit(answer)
+            finally:
+                turn.release()
         return result
 
     async def _apply(
         self,
         tx: InboxTransaction | AsyncInboxTransaction[Any],
+        turn: _Turn,
         scope: Scope,
         body: bytes,
         receive: Receive,
         send: Send,
     ) -> None:
-        captured = _Captured(self.max_body_bytes)
-        inner = dict(scope)
-        inner["state"] = {**scope.get("state", {}), STATE_KEY: tx}
+        """Call the app on the request's own scope (what it sets in ``request.state``, and the router's
+        ``route`` and ``path_params``, reach the middlewares around this one) with the transaction in its
+        state. The answer is held back until its last body chunk; then the transaction ends and the answer
+        goes out, before the app's background work (which runs after, outside the key's transaction)."""
+        answering = _Answering(self, tx, turn, send)
+        state = scope.setdefault("state", {})
+        state[STATE_KEY] = tx
         extensions = scope.get("extensions")
         if extensions:
-            inner["extensions"] = {k: v for k, v in extensions.items() if k not in _BYPASSING_EXTENSIONS}
+            scope["extensions"] = {k: v for k, v in extensions.items() if k not in _BYPASSING_EXTENSIONS}
         delivered = False
 
         async def replay_body() -> Message:
@@ -410,17 +432,33 @@ class InboxMiddleware:
             return {"type": "http.request", "body": body, "more_body": False}
 
         try:
-            await self.app(inner, replay_body, captured.send)
+            await self.app(scope, replay_body, answering.send)
         except BaseException:
-            await self._end(tx, None)
+            if not answering.ended:
+                await self._end(tx, None, turn)
             raise
-        if captured.status is None or not captured.complete:
-            await self._end(tx, None)
+        finally:
+            state.pop(STATE_KEY, None)
+            if extensions:
+                scope["extensions"] = extensions
+        if not answering.ended:
+            await self._end(tx, None, turn)
             raise RuntimeError(
                 "the app returned without a complete answer; the inbox rolled back its transaction"
             )
+
+    async def _answer(
+        self,
+        tx: InboxTransaction | AsyncInboxTransaction[Any],
+        turn: _Turn,
+        captured: _Captured,
+        send: Send,
+    ) -> None:
+        """End the transaction for the app's complete answer (store and commit it, or roll back) and send
+        the client what the inbox decided."""
+        assert captured.status is not None
         if captured.too_large:
-            await self._end(tx, None)
+            await self._end(tx, None, turn)
             logger.error(
                 "the answer for key %r is over %d bytes: not stored, rolled back", tx.key, self.max_body_bytes
             )
@@ -436,7 +474,7 @@ class InboxMiddleware:
             )
             return
         if not self.store_status(captured.status):
-            await self._end(tx, None)
+            await self._end(tx, None, turn)
             await _send(send, captured.status, captured.headers, captured.body)
             return
         stored = tuple(
@@ -445,7 +483,7 @@ class InboxMiddleware:
             if name.lower() in self.stored_headers
         )
         try:
-            result = await self._end(tx, Answer(captured.status, captured.body, stored))
+            result = await self._end(tx, Answer(captured.status, captured.body, stored), turn)
         except errors.JobLeaseError as exc:
             refusal = _refusal_for(exc)
             await _send(send, refusal.status, refusal.headers, refusal.body)
@@ -455,6 +493,79 @@ class InboxMiddleware:
             await _send_result(send, result)
         else:
             await _send(send, captured.status, captured.headers, captured.body)
+
+
+class _Answering:
+    """The ``send`` the app gets: holds its answer back and, at its last body chunk, has the middleware
+    end the transaction and answer the client. What the app does after that (Starlette's and FastAPI's
+    background tasks) runs outside the transaction, with the answer already sent."""
+
+    def __init__(
+        self,
+        middleware: InboxMiddleware,
+        tx: InboxTransaction | AsyncInboxTransaction[Any],
+        turn: _Turn,
+        send: Send,
+    ) -> None:
+        self.middleware = middleware
+        self.tx = tx
+        self.turn = turn
+        self.client_send = send
+        self.captured = _Captured(middleware.max_body_bytes)
+        self.ended = False
+
+    async def send(self, message: Message) -> None:
+        if self.ended:
+            raise RuntimeError(f"the app sent {message.get('type')!r} after its complete answer")
+        await self.captured.send(message)
+        if self.captured.complete and self.captured.status is not None:
+            self.ended = True
+            await self.middleware._answer(self.tx, self.turn, self.captured, self.client_send)
+
+
+#: SQLite: per event loop, one turn per database file (see :class:`_Turn`).
+_SQLITE_TURNS: RunVar[dict[str, anyio.Semaphore]] = RunVar("dagster_joblease.inbox.sqlite_turns")
+
+
+class _Turn:
+    """A request's turn to hold a SQLite database's write lock, taken on the event loop before a worker
+    thread is; a no-op for PostgreSQL.
+
+    SQLite has one writer at a time (the inbox's transactions begin ``IMMEDIATE``). Waiting for that lock
+    inside worker threads let a burst larger than the thread pool take every thread, while the request
+    holding the lock needed one more thread for its endpoint and its commit: all waited out SQLite's busy
+    timeout. Taking turns here first costs no concurrency SQLite would have allowed, holds no thread while
+    waiting, and is bounded by the same busy timeout (then 503 with Retry-After, as for a busy database).
+    """
+
+    def __init__(self, semaphore: anyio.Semaphore | None) -> None:
+        self._semaphore = semaphore
+
+    @classmethod
+    async def take(cls, inbox: Inbox | AsyncInbox[Any]) -> _Turn:
+        if not isinstance(inbox, Inbox) or inbox.dialect_name != "sqlite":
+            return cls(None)
+        try:
+            turns = _SQLITE_TURNS.get()
+        except LookupError:
+            turns = {}
+            _SQLITE_TURNS.set(turns)
+        semaphore = turns.setdefault(str(inbox.engine.url), anyio.Semaphore(1))
+        with anyio.move_on_after(SQLITE_BUSY_TIMEOUT_MS / 1000):
+            await semaphore.acquire()
+            return cls(semaphore)
+        raise _Refusal(
+            503,
+            "Service Unavailable",
+            "the inbox's SQLite database stayed busy with other requests; retry later",
+            (b"retry-after", b"1"),
+        )
+
+    def release(self) -> None:
+        """Pass the turn on (once; later calls do nothing)."""
+        semaphore, self._semaphore = self._semaphore, None
+        if semaphore is not None:
+            semaphore.release()
 
 
 async def _send(send: Send, status: int, headers: list[tuple[bytes, bytes]], body: bytes) -> None:

@@ -88,7 +88,10 @@ class InboxTransaction:
             StorageError: the database failed.
         """
         inbox = self.inbox
-        conn = inbox.engine.connect()
+        with translate_errors("process an inbox key"):
+            # Inside the translation: a database that is down, or a pool that timed out, is a
+            # StorageError (503 under the middleware), as it is for the AsyncInbox.
+            conn = inbox.engine.connect()
         try:
             with translate_errors("process an inbox key"):
                 conn.begin()
