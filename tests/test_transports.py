@@ -3,8 +3,12 @@ transport chosen by its URL's scheme, and HTTP carrying the message's own header
 
 from __future__ import annotations
 
+import json
+import subprocess
+import sys
 import time
 from collections.abc import Iterator
+from pathlib import Path
 
 import httpx
 import pytest
@@ -79,3 +83,45 @@ def test_http_carries_the_message_headers_after_the_routes(recorder: Recorder, o
     assert (headers["x-source"], headers["idempotency-key"]) == ("joblease", "v2:h1")
     assert headers["content-type"] == "application/json"
     assert recorder.requests[0]["body"] == b'{"x":1}'
+
+
+def test_the_core_imports_without_the_broker_extras_and_a_broker_route_names_its_extra(
+    tmp_path: Path,
+) -> None:
+    """Without nats-py and aio-pika (hidden from the import system), every core module but the two broker
+    transports and their consumer helpers imports, an HTTP dispatcher starts, and a broker route is
+    refused at start naming the extra to install."""
+    program = f"""
+import importlib, json, sys
+for hidden in ("nats", "aio_pika", "aiormq", "pamqp"):
+    sys.modules[hidden] = None
+import sqlalchemy as sa
+from dagster_joblease import errors, migrate
+from dagster_joblease.dispatch import Dispatcher, Route
+from tests.test_import_boundary import core_modules
+needs_extra = ("transports.jetstream", "transports.rabbitmq", "consumers.jetstream", "consumers.rabbitmq")
+for name in core_modules():
+    if not name.endswith(needs_extra):
+        importlib.import_module(name)
+engine = sa.create_engine("sqlite:///{tmp_path}/db.sqlite")
+migrate(engine)
+Dispatcher(engine, {{"a": Route("http://127.0.0.1:9/x")}}).close()
+refusals = []
+for route in (
+    Route("nats://127.0.0.1:4222", subject="a.b", stream="S", dedupe_window=60),
+    Route("amqp://127.0.0.1:5672/", exchange="x"),
+):
+    try:
+        Dispatcher(engine, {{"a": route}})
+    except errors.ConfigurationError as exc:
+        refusals.append(str(exc))
+print(json.dumps(refusals))
+"""
+    done = subprocess.run(
+        [sys.executable, "-c", program], capture_output=True, text=True, timeout=120, check=False
+    )
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert json.loads(done.stdout.strip().splitlines()[-1]) == [
+        "a nats:// route needs nats-py: pip install 'dagster-joblease[nats]'",
+        "an amqp:// route needs aio-pika: pip install 'dagster-joblease[rabbitmq]'",
+    ]

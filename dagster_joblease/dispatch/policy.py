@@ -37,6 +37,7 @@ __all__ = [
     "Decision",
     "Outcome",
     "backoff_ms",
+    "bound",
     "classify_exception",
     "classify_response",
     "decide",
@@ -100,7 +101,8 @@ class Decision:
     timed_out: bool = False
 
 
-def _bound(text: str, limit: int = MAX_REASON_CHARS) -> str:
+def bound(text: str, limit: int = MAX_REASON_CHARS) -> str:
+    """``text`` cut to ``limit`` characters (the stored ``last_error``'s bound), an ellipsis marking a cut."""
     return text if len(text) <= limit else text[: limit - 1] + "…"
 
 
@@ -163,7 +165,7 @@ def classify_response(response: httpx.Response, body_snippet: str | None = None)
         return Classification(
             Outcome.DEAD,
             status,
-            _bound(
+            bound(
                 f"HTTP {status}: redirects are not followed (Location: {location[:200]}); point the route "
                 "at the final URL"
             ),
@@ -172,31 +174,31 @@ def classify_response(response: httpx.Response, body_snippet: str | None = None)
         retry_after = parse_retry_after_ms(
             response.headers.get("retry-after"), now=_response_now(response) or datetime.now(UTC)
         )
-        return Classification(Outcome.RETRY, status, _bound(detail), retry_after)
+        return Classification(Outcome.RETRY, status, bound(detail), retry_after)
     if status == 422:
         return Classification(
             Outcome.DEAD,
             status,
-            _bound(
+            bound(
                 f"{detail} (the downstream refused this key's request; per the Idempotency-Key draft the key "
                 "was reused with another payload: not retried, a person must look)"
             ),
         )
     if 400 <= status < 500:
-        return Classification(Outcome.DEAD, status, _bound(detail))
-    return Classification(Outcome.RETRY, status, _bound(f"unexpected HTTP status {status}"))
+        return Classification(Outcome.DEAD, status, bound(detail))
+    return Classification(Outcome.RETRY, status, bound(f"unexpected HTTP status {status}"))
 
 
 def classify_exception(exc: BaseException) -> Classification:
     """Judge an attempt that produced no response: transient unless we built an invalid request."""
     name = type(exc).__name__
     if isinstance(exc, httpx.LocalProtocolError | httpx.UnsupportedProtocol | httpx.InvalidURL):
-        return Classification(Outcome.DEAD, None, _bound(f"invalid request ({name}: {exc}); fix the route"))
+        return Classification(Outcome.DEAD, None, bound(f"invalid request ({name}: {exc}); fix the route"))
     if isinstance(exc, httpx.TimeoutException):
         # A connect or pool timeout never reached the downstream; a read or write timeout may have.
         started = isinstance(exc, httpx.ReadTimeout | httpx.WriteTimeout)
-        return Classification(Outcome.RETRY, None, _bound(f"timeout ({name}: {exc})"), timed_out=started)
-    return Classification(Outcome.RETRY, None, _bound(f"{name}: {exc}"))
+        return Classification(Outcome.RETRY, None, bound(f"timeout ({name}: {exc})"), timed_out=started)
+    return Classification(Outcome.RETRY, None, bound(f"{name}: {exc}"))
 
 
 def backoff_ms(attempts: int, *, base_ms: int, max_ms: int, rng: random.Random | None = None) -> int:
@@ -235,13 +237,13 @@ def decide(
             return Decision(
                 Outcome.DEAD,
                 c.status_code,
-                _bound(f"gave up after {deferrals} Retry-After deferrals; last: {c.reason}"),
+                bound(f"gave up after {deferrals} Retry-After deferrals; last: {c.reason}"),
             )
         pause = min(max_pause_ms, max(c.retry_after_ms, 1))
         return Decision(Outcome.RETRY, c.status_code, c.reason, pause, pause_ms=pause, deferred=True)
     if attempts >= max_attempts:
         return Decision(
-            Outcome.DEAD, c.status_code, _bound(f"gave up after {attempts} attempts; last: {c.reason}")
+            Outcome.DEAD, c.status_code, bound(f"gave up after {attempts} attempts; last: {c.reason}")
         )
     if c.retry_after_ms is not None:
         delay = min(max_ms, c.retry_after_ms)

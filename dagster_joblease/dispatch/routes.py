@@ -65,7 +65,20 @@ _MAX_LIMIT = 1_000_000
 _GROUP_CHARS = 255
 KEY_FORMATS = ("bare", "sf-string")
 #: A route URL's scheme → the transport (:mod:`dagster_joblease.dispatch.transports`) that sends its rows.
-TRANSPORTS = {"http": "http", "https": "http"}
+TRANSPORTS = {"http": "http", "https": "http", "nats": "jetstream", "amqp": "rabbitmq", "amqps": "rabbitmq"}
+#: A scheme's port when the URL names none (a route's default limit group spells it out).
+DEFAULT_PORTS = {"http": 80, "https": 443, "nats": 4222, "amqp": 5672, "amqps": 5671}
+#: The options that say where in a broker a route's rows go, and the transport each belongs to.
+BROKER_OPTIONS = {
+    "subject": "jetstream",
+    "stream": "jetstream",
+    "exchange": "rabbitmq",
+    "routing_key": "rabbitmq",
+}
+#: What ``{ordering_key}`` in a subject or routing key becomes for a row without an ordering key.
+NO_ORDERING_KEY = "_"
+_SUBJECT_TOKEN = re.compile(r"^[^\s.*>]+$")
+_NAME = re.compile(r"^[A-Za-z0-9_-]{1,255}$")
 _DURATION = re.compile(r"^(?:(\d+)d)?(?:(\d+)h)?(?:(\d+)m)?(?:(\d+)s)?$")
 
 
@@ -99,7 +112,7 @@ def _optional_int(value: object, where: str, name: str) -> int | None:
 def origin_of(url: str) -> str:
     """The origin of ``url`` (scheme://host:port, default ports spelled out): a route's default group."""
     parsed = httpx.URL(url)
-    port = parsed.port or (443 if parsed.scheme == "https" else 80)
+    port = parsed.port or DEFAULT_PORTS.get(parsed.scheme, 80)
     return f"{parsed.scheme}://{parsed.host}:{port}"
 
 
@@ -135,13 +148,83 @@ def _check_url(url: object) -> str:
         raise errors.ConfigurationError(
             f"route url {url[:200]!r} is not a valid URL; use e.g. https://host/path"
         ) from None
-    if parsed.scheme not in ("http", "https") or not parsed.host:
-        raise errors.ConfigurationError(f"route url {url[:200]!r} must be http:// or https:// with a host")
+    if parsed.scheme not in TRANSPORTS or not parsed.host:
+        raise errors.ConfigurationError(
+            f"route url {url[:200]!r} must be http:// or https:// (an HTTP POST), nats:// (NATS JetStream) "
+            "or amqp:// or amqps:// (RabbitMQ), with a host"
+        )
     if parsed.userinfo:
         raise errors.ConfigurationError(
-            "a route url must not embed credentials; put them in secret_headers (header → env variable)"
+            "a route url must not embed credentials; put them in secret_headers (header → env variable) "
+            "or, for a broker, credentials_env"
         )
     return f"route {url[:200]!r}"
+
+
+def _check_template(value: object, where: str, name: str, token: re.Pattern[str], allowed: str) -> str:
+    """A subject or routing key, ``{ordering_key}`` allowed in it: each ``.``-separated token must match."""
+    if not isinstance(value, str) or not value or len(value) > 255:
+        raise errors.ConfigurationError(
+            f"{where}: {name}={value!r} must be a non-empty str of at most 255 chars"
+        )
+    filled = value.replace("{ordering_key}", NO_ORDERING_KEY)
+    if "{" in filled or "}" in filled or not all(token.match(t) for t in filled.split(".")):
+        raise errors.ConfigurationError(
+            f"{where}: {name}={value!r} is not valid: {allowed}; `{{ordering_key}}` may stand for a token"
+        )
+    return value
+
+
+def check_subject(value: object, where: str) -> str:
+    """A JetStream route's subject: tokens without whitespace or wildcards, ``{ordering_key}`` allowed."""
+    return _check_template(
+        value, where, "subject", _SUBJECT_TOKEN, "dot-separated tokens without whitespace, `*` or `>`"
+    )
+
+
+def _check_destination(route: Route, where: str) -> None:
+    """The broker options fit the route's transport: JetStream needs ``subject`` and ``stream``, RabbitMQ
+    an ``exchange``; HTTP takes none of them (and only HTTP has a ``key_format``)."""
+    transport = route.transport
+    for name, owner in BROKER_OPTIONS.items():
+        if getattr(route, name) is not None and owner != transport:
+            raise errors.ConfigurationError(
+                f"{where}: {name} is an option of {owner} routes, not of this {transport} route; remove it"
+            )
+    if transport != "http" and route.key_format != "bare":
+        raise errors.ConfigurationError(f"{where}: key_format is an option of HTTP routes; remove it")
+    if route.credentials_env is not None:
+        if transport == "http":
+            raise errors.ConfigurationError(
+                f"{where}: credentials_env is for broker routes; an HTTP route sends secret_headers"
+            )
+        if not isinstance(route.credentials_env, str) or not _ENV_NAME.match(route.credentials_env):
+            raise errors.ConfigurationError(
+                f"{where}: credentials_env must name an environment variable (letters, digits, underscore), "
+                f"got {route.credentials_env!r}"
+            )
+    if transport == "jetstream":
+        check_subject(route.subject, where)
+        if not isinstance(route.stream, str) or not _NAME.match(route.stream):
+            raise errors.ConfigurationError(
+                f"{where}: a JetStream route needs stream= the name of the stream its subject is stored in "
+                f"(letters, digits, - and _), got {route.stream!r}"
+            )
+        if route.dedupe_window is None:
+            raise errors.ConfigurationError(
+                f"{where}: set dedupe_window (at most the stream's duplicate_window): JetStream forgets a "
+                "Nats-Msg-Id after that window, so a resend later than it would be stored twice"
+            )
+    elif transport == "rabbitmq":
+        if not isinstance(route.exchange, str) or len(route.exchange) > 255:
+            raise errors.ConfigurationError(
+                f'{where}: a RabbitMQ route needs exchange= the exchange to publish to (a str, "" for the '
+                f"default exchange), got {route.exchange!r}"
+            )
+        if route.routing_key is not None:
+            _check_template(
+                route.routing_key, where, "routing_key", re.compile(r"^[\x21-\x7e]*$"), "printable ASCII"
+            )
 
 
 def _check_headers(
@@ -258,6 +341,17 @@ class Route:
             its ``max_in_flight`` slot, and neither its retry nor its ordering key's next row starts
             before then. The downstream then sees at most ``max_in_flight`` requests (and one request
             of a key at a time) unless it keeps one longer than ``timeout_s + timeout_grace_s``.
+        subject: JetStream (``nats://`` URL): the subject a row is published on; ``{ordering_key}`` may stand
+            for one token (a row without a key: ``_``), for subject-based partitioning.
+        stream: JetStream: the stream that stores the subject. Its ``duplicate_window`` is read when the
+            dispatcher starts and must be at least the route's ``dedupe_window`` (which a JetStream route
+            must set: the stream forgets a ``Nats-Msg-Id`` after its window).
+        exchange: RabbitMQ (``amqp://``/``amqps://`` URL): the exchange published to (``""``: the default
+            exchange, which routes by queue name).
+        routing_key: RabbitMQ: the routing key (None: the row's topic); ``{ordering_key}`` may stand for a
+            part of it.
+        credentials_env: a broker route: the environment variable holding ``user:password`` (RabbitMQ;
+            default guest's) or a NATS ``user:password`` or token, read when the dispatcher starts.
 
     When dispatchers configure different limits for one group, the smallest applies (and is logged).
     """
@@ -275,9 +369,15 @@ class Route:
     dedupe_window: float | dt.timedelta | str | None = dataclasses.field(default=None, kw_only=True)
     key_format: str = dataclasses.field(default="bare", kw_only=True)
     timeout_grace_s: float | None = dataclasses.field(default=None, kw_only=True)
+    subject: str | None = dataclasses.field(default=None, kw_only=True)
+    stream: str | None = dataclasses.field(default=None, kw_only=True)
+    exchange: str | None = dataclasses.field(default=None, kw_only=True)
+    routing_key: str | None = dataclasses.field(default=None, kw_only=True)
+    credentials_env: str | None = dataclasses.field(default=None, kw_only=True)
 
     def __post_init__(self) -> None:
         where = _check_url(self.url)
+        _check_destination(self, where)
         headers, secrets_ = _check_headers(self.headers, self.secret_headers, where)
         timeout = _check_timeout(self.timeout_s, where)
         checked: dict[str, object] = {
@@ -302,8 +402,21 @@ class Route:
 
     @property
     def transport(self) -> str:
-        """The transport that sends this route's rows, from its URL's scheme (``http``)."""
+        """The transport that sends this route's rows, from its URL's scheme: ``http`` (http, https),
+        ``jetstream`` (nats) or ``rabbitmq`` (amqp, amqps)."""
         return TRANSPORTS[self.url.split(":", 1)[0].lower()]
+
+    def credentials(self, environ: Mapping[str, str] | None = None) -> str | None:
+        """The broker credentials from ``credentials_env`` (None: not set); a missing variable is named."""
+        if self.credentials_env is None:
+            return None
+        value = (os.environ if environ is None else environ).get(self.credentials_env)
+        if not value:
+            raise errors.ConfigurationError(
+                f"environment variable {self.credentials_env} (credentials of route {self.url[:200]!r}) is "
+                "not set; export it before starting the dispatcher"
+            )
+        return value
 
     @property
     def limited(self) -> bool:
@@ -370,7 +483,8 @@ _LIMIT_KEYS = (
     "key_format",
     "timeout_grace_s",
 )
-_ROUTE_KEYS = ("url", "headers", "secret_headers", "timeout_s", *_LIMIT_KEYS)
+_BROKER_KEYS = (*BROKER_OPTIONS, "credentials_env")
+_ROUTE_KEYS = ("url", "headers", "secret_headers", "timeout_s", *_LIMIT_KEYS, *_BROKER_KEYS)
 
 
 def _route_from(topic: str, spec: object, source: str) -> Route:
@@ -401,10 +515,13 @@ def _route_from(topic: str, spec: object, source: str) -> Route:
             if not isinstance(spec[key], Mapping):
                 raise errors.ConfigurationError(f"{source}: topic {topic!r}: `{key}` must be a table")
             kwargs[key] = spec[key]
-    for key in ("timeout_s", *_LIMIT_KEYS):
+    for key in ("timeout_s", *_LIMIT_KEYS, *_BROKER_KEYS):
         if key in spec:
             kwargs[key] = spec[key]
-    return Route(spec["url"], **kwargs)
+    try:
+        return Route(spec["url"], **kwargs)
+    except errors.ConfigurationError as exc:
+        raise errors.ConfigurationError(f"{source}: topic {topic!r}: {exc}") from None
 
 
 def load_routes(path: str | os.PathLike[str]) -> dict[str, Route]:

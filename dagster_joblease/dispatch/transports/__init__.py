@@ -27,8 +27,30 @@ def _http(
     return HttpTransport(routes, headers, concurrency, client)
 
 
+def _jetstream(
+    routes: Mapping[str, Route],
+    headers: Mapping[str, dict[str, str]],
+    concurrency: int,
+    client: httpx.Client | None,
+) -> Transport:
+    from dagster_joblease.dispatch.transports.jetstream import JetStreamTransport
+
+    return JetStreamTransport(routes, headers, concurrency)
+
+
+def _rabbitmq(
+    routes: Mapping[str, Route],
+    headers: Mapping[str, dict[str, str]],
+    concurrency: int,
+    client: httpx.Client | None,
+) -> Transport:
+    from dagster_joblease.dispatch.transports.rabbitmq import RabbitMQTransport
+
+    return RabbitMQTransport(routes, headers, concurrency)
+
+
 #: transport name → how to open it for its routes.
-_OPENERS: dict[str, _Opener] = {"http": _http}
+_OPENERS: dict[str, _Opener] = {"http": _http, "jetstream": _jetstream, "rabbitmq": _rabbitmq}
 
 
 def open_transports(
