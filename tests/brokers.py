@@ -13,11 +13,19 @@ import contextlib
 import os
 import socket
 import threading
+import time
 import uuid
 from collections.abc import Iterator
+from typing import Any
 from urllib.parse import urlsplit
 
 import pytest
+import sqlalchemy as sa
+
+from dagster_joblease import outbox
+from dagster_joblease.dispatch import Dispatcher
+from dagster_joblease.storage.schema import outbox_table
+from tests.dispatch_workers import status_counts
 
 NATS_URL_ENV = "JOBLEASE_TEST_NATS_URL"
 AMQP_URL_ENV = "JOBLEASE_TEST_AMQP_URL"
@@ -39,6 +47,35 @@ def broker_url(env: str, default: str, what: str) -> str:
             pytest.fail(f"{reason}; ${env} or CI=true requires the {what} tests", pytrace=False)
         pytest.skip(reason)
     return url
+
+
+def enqueue(engine: sa.Engine, count: int, prefix: str = "v2:ev", keyed: bool = False) -> list[str]:
+    """``count`` rows of topic ``events``; ``keyed``: ordering keys acct-0..2 in turn (then a key's rows
+    are sent one at a time, in order)."""
+    keys = [f"{prefix}-{i:04d}" for i in range(count)]
+    with engine.begin() as conn:
+        for i, key in enumerate(keys):
+            ordering = f"acct-{i % 3}" if keyed else None
+            outbox.enqueue_once(
+                conn, idempotency_key=key, topic="events", payload={"n": i}, ordering_key=ordering
+            )
+    return keys
+
+
+def rows(engine: sa.Engine) -> dict[str, Any]:
+    """The outbox rows by idempotency key."""
+    t = outbox_table
+    with engine.connect() as conn:
+        return {r.idempotency_key: r for r in conn.execute(sa.select(t))}
+
+
+def drain(dispatcher: Dispatcher, engine: sa.Engine, timeout: float = 60.0) -> None:
+    """Dispatch until no row is PENDING; fail after ``timeout`` seconds."""
+    deadline = time.monotonic() + timeout
+    while status_counts(engine).get("PENDING", 0):
+        assert time.monotonic() < deadline, f"rows still pending: {status_counts(engine)}"
+        if dispatcher.dispatch(500).claimed == 0:
+            time.sleep(0.02)
 
 
 def unique(prefix: str) -> str:

@@ -27,14 +27,10 @@ from dagster_joblease.consumers.jetstream import JetStreamConsumer
 from dagster_joblease.consumers.rabbitmq import RabbitMQConsumer
 from dagster_joblease.dispatch import Dispatcher
 from dagster_joblease.inbox import AsyncInbox, Inbox
-from tests.brokers import proxy_to
+from tests.brokers import drain, enqueue, proxy_to
 from tests.conftest import wait_until
 from tests.test_jetstream import Stream, nats_url, stream
-from tests.test_jetstream import drain as drain_js
-from tests.test_jetstream import enqueue as enqueue_js
 from tests.test_rabbitmq import Exchange, amqp_url, exchange
-from tests.test_rabbitmq import drain as drain_mq
-from tests.test_rabbitmq import enqueue as enqueue_mq
 
 __all__ = ["amqp_url", "exchange", "nats_url", "stream"]  # fixtures used here
 
@@ -92,9 +88,9 @@ def async_url(pg_url: str) -> str:
 def test_jetstream_consumer_applies_each_message_once_under_redelivery(
     pg_engine: sa.Engine, async_url: str, stream: Stream
 ) -> None:
-    keys = enqueue_js(pg_engine, 10)
+    keys = enqueue(pg_engine, 10)
     with Dispatcher(pg_engine, {"events": stream.route(stream.url)}, concurrency=4, **FAST) as dispatcher:
-        drain_js(dispatcher, pg_engine)
+        drain(dispatcher, pg_engine)
     _effects_table(pg_engine)
     handler = Effects(fail_once={keys[3]})
     lost_ack = keys[5]  # its effect commits, then the consumer "dies" before the ack
@@ -154,7 +150,7 @@ def test_jetstream_consumer_applies_each_message_once_under_redelivery(
 def test_rabbitmq_consumer_applies_each_key_once_across_copies_and_redelivery(
     pg_engine: sa.Engine, async_url: str, exchange: Exchange
 ) -> None:
-    keys = enqueue_mq(pg_engine, 6)
+    keys = enqueue(pg_engine, 6)
     with proxy_to(exchange.url) as proxy:
         route = exchange.route(proxy.url + "/", timeout_s=1.0)
         with Dispatcher(pg_engine, {"events": route}, concurrency=3, **FAST) as dispatcher:
@@ -162,7 +158,7 @@ def test_rabbitmq_consumer_applies_each_key_once_across_copies_and_redelivery(
             dispatcher.dispatch()
             wait_until(lambda: exchange.count() == 6)
             proxy.unstall()
-            drain_mq(dispatcher, pg_engine)
+            drain(dispatcher, pg_engine)
     assert exchange.count() == 12
     _effects_table(pg_engine)
     handler = Effects(fail_once={keys[2]})

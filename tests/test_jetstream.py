@@ -23,7 +23,7 @@ from dagster_joblease import errors, outbox
 from dagster_joblease.dispatch import Dispatcher, Route, policy
 from dagster_joblease.dispatch.transports import jetstream
 from dagster_joblease.storage.schema import outbox_table
-from tests.brokers import DEFAULT_NATS_URL, NATS_URL_ENV, broker_url, proxy_to, unique
+from tests.brokers import DEFAULT_NATS_URL, NATS_URL_ENV, broker_url, drain, enqueue, proxy_to, rows, unique
 from tests.conftest import wait_until
 from tests.dispatch_workers import status_counts
 
@@ -102,33 +102,6 @@ def stream(nats_url: str) -> Iterator[Stream]:
     s = Stream(nats_url)
     yield s
     s.delete()
-
-
-def enqueue(engine: sa.Engine, count: int, prefix: str = "v2:js", keyed: bool = False) -> list[str]:
-    """``count`` rows of topic ``events``; ``keyed``: ordering keys acct-0..2 in turn (then a key's rows
-    are sent one at a time, in order)."""
-    keys = [f"{prefix}-{i:04d}" for i in range(count)]
-    with engine.begin() as conn:
-        for i, key in enumerate(keys):
-            ordering = f"acct-{i % 3}" if keyed else None
-            outbox.enqueue_once(
-                conn, idempotency_key=key, topic="events", payload={"n": i}, ordering_key=ordering
-            )
-    return keys
-
-
-def rows(engine: sa.Engine) -> dict[str, Any]:
-    t = outbox_table
-    with engine.connect() as conn:
-        return {r.idempotency_key: r for r in conn.execute(sa.select(t))}
-
-
-def drain(dispatcher: Dispatcher, engine: sa.Engine, timeout: float = 60.0) -> None:
-    deadline = time.monotonic() + timeout
-    while status_counts(engine).get("PENDING", 0):
-        assert time.monotonic() < deadline, f"rows still pending: {status_counts(engine)}"
-        if dispatcher.dispatch(500).claimed == 0:
-            time.sleep(0.02)
 
 
 def msg_ids(stream: Stream) -> list[str]:

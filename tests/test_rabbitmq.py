@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import asyncio
 import threading
-import time
 from collections.abc import Awaitable, Callable, Iterator
 from typing import Any, TypeVar
 
@@ -23,11 +22,10 @@ import aiormq.exceptions
 import pamqp.commands
 from pamqp.header import ContentHeader
 
-from dagster_joblease import errors, outbox
+from dagster_joblease import errors
 from dagster_joblease.dispatch import Dispatcher, Route, policy
 from dagster_joblease.dispatch.transports import rabbitmq
-from dagster_joblease.storage.schema import outbox_table
-from tests.brokers import AMQP_URL_ENV, DEFAULT_AMQP_URL, broker_url, proxy_to, unique
+from tests.brokers import AMQP_URL_ENV, DEFAULT_AMQP_URL, broker_url, drain, enqueue, proxy_to, rows, unique
 from tests.conftest import wait_until
 from tests.dispatch_workers import status_counts
 
@@ -112,31 +110,6 @@ def exchange(amqp_url: str) -> Iterator[Exchange]:
     x = Exchange(amqp_url)
     yield x
     x.delete()
-
-
-def enqueue(engine: sa.Engine, count: int, prefix: str = "v2:mq", keyed: bool = False) -> list[str]:
-    keys = [f"{prefix}-{i:04d}" for i in range(count)]
-    with engine.begin() as conn:
-        for i, key in enumerate(keys):
-            ordering = f"acct-{i % 3}" if keyed else None
-            outbox.enqueue_once(
-                conn, idempotency_key=key, topic="events", payload={"n": i}, ordering_key=ordering
-            )
-    return keys
-
-
-def rows(engine: sa.Engine) -> dict[str, Any]:
-    t = outbox_table
-    with engine.connect() as conn:
-        return {r.idempotency_key: r for r in conn.execute(sa.select(t))}
-
-
-def drain(dispatcher: Dispatcher, engine: sa.Engine, timeout: float = 60.0) -> None:
-    deadline = time.monotonic() + timeout
-    while status_counts(engine).get("PENDING", 0):
-        assert time.monotonic() < deadline, f"rows still pending: {status_counts(engine)}"
-        if dispatcher.dispatch(500).claimed == 0:
-            time.sleep(0.02)
 
 
 # -- delivery ------------------------------------------------------------------------------------------

@@ -10,16 +10,20 @@ effect applied once per key: not "exactly-once".
 
 from __future__ import annotations
 
+import abc
 import asyncio
 import dataclasses
 import enum
+import logging
 from collections.abc import Awaitable, Callable, Mapping
-from typing import Any
+from typing import Any, ClassVar, Generic, TypeVar
 
 from dagster_joblease import errors
 from dagster_joblease.inbox import AsyncInbox, Inbox, InboxResult
 
-__all__ = ["Delivery", "Handled", "Handler", "Settle", "apply", "settle_after"]
+__all__ = ["BrokerConsumer", "Delivery", "Handled", "Handler", "Settle", "apply", "handle", "settle_after"]
+
+logger = logging.getLogger(__name__)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -100,3 +104,69 @@ async def handle(inbox: Inbox | AsyncInbox[Any], delivery: Delivery | None, hand
     except Exception as exc:
         return Handled(settle_after(exc), error=exc)
     return Handled(Settle.ACK, result)
+
+
+M = TypeVar("M")
+
+
+class BrokerConsumer(abc.ABC, Generic[M]):
+    """A broker's messages handled through an inbox and settled after (see :mod:`dagster_joblease.consumers`).
+
+    Args:
+        inbox: an :class:`~dagster_joblease.inbox.AsyncInbox` (``handler`` a coroutine function) or an
+            :class:`~dagster_joblease.inbox.Inbox` (``handler`` a plain function, run in a worker thread).
+        handler: ``handler(connection, delivery)`` writes the effect on the inbox's connection.
+        retry_delay_s: how long before a message whose effect failed is delivered again.
+    """
+
+    #: The broker's name in the log.
+    broker: ClassVar[str]
+
+    def __init__(
+        self, inbox: Inbox | AsyncInbox[Any], handler: Handler, *, retry_delay_s: float = 1.0
+    ) -> None:
+        self.inbox = inbox
+        self.handler = handler
+        self.retry_delay_s = retry_delay_s
+
+    @abc.abstractmethod
+    def delivery(self, message: M) -> Delivery | None:
+        """The message as a handler sees it (None: it carries no idempotency key)."""
+
+    @abc.abstractmethod
+    async def ack(self, message: M) -> None: ...
+
+    @abc.abstractmethod
+    async def retry(self, message: M) -> None:
+        """Have the message delivered again after :attr:`retry_delay_s`."""
+
+    @abc.abstractmethod
+    async def reject(self, message: M) -> None:
+        """Never deliver the message again."""
+
+    async def __call__(self, message: M) -> Handled:
+        delivery = self.delivery(message)
+        handled = await handle(self.inbox, delivery, self.handler)
+        what = delivery.key if delivery is not None else "without a key"
+        if handled.settled is Settle.ACK:
+            await self.ack(message)
+        elif handled.settled is Settle.RETRY:
+            logger.warning(
+                "%s message %s not applied, delivered again in %g s: %r",
+                self.broker,
+                what,
+                self.retry_delay_s,
+                handled.error,
+                extra={"action": "consumer_retry"},
+            )
+            await self.retry(message)
+        else:
+            logger.error(
+                "%s message %s rejected (never delivered again): %s",
+                self.broker,
+                what,
+                handled.error,
+                extra={"action": "consumer_reject"},
+            )
+            await self.reject(message)
+        return handled

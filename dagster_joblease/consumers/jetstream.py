@@ -23,11 +23,7 @@ and the inbox replays it without running the handler.
 
 from __future__ import annotations
 
-import logging
-from typing import Any
-
-from dagster_joblease.consumers.core import Delivery, Handled, Handler, Settle, handle
-from dagster_joblease.inbox import AsyncInbox, Inbox
+from dagster_joblease.consumers.core import BrokerConsumer, Delivery
 
 try:
     import nats.errors
@@ -39,60 +35,31 @@ except ImportError as exc:  # pragma: no cover - the nats extra is missing
         "the JetStream consumer needs nats-py: pip install 'dagster-joblease[nats]'"
     ) from exc
 
-__all__ = ["JetStreamConsumer", "delivery_of"]
-
-logger = logging.getLogger(__name__)
+__all__ = ["JetStreamConsumer"]
 
 
-def delivery_of(msg: Msg) -> Delivery | None:
-    """The message as a handler sees it (None: it has no ``Nats-Msg-Id``)."""
-    headers = dict(msg.headers or {})
-    key = headers.get("Nats-Msg-Id")
-    if not key:
-        return None
-    try:
-        redelivered = msg.metadata.num_delivered > 1
-    except (ValueError, IndexError, nats.errors.Error):  # not delivered by a JetStream consumer
-        redelivered = False
-    return Delivery(key, msg.subject, msg.data, headers, redelivered)
+class JetStreamConsumer(BrokerConsumer[Msg]):
+    """Handles JetStream messages through an inbox (see the module's docstring and
+    :class:`~dagster_joblease.consumers.core.BrokerConsumer` for the arguments)."""
 
+    broker = "JetStream"
 
-class JetStreamConsumer:
-    """Handles JetStream messages through an inbox (see the module's docstring).
+    def delivery(self, message: Msg) -> Delivery | None:
+        headers = dict(message.headers or {})
+        key = headers.get("Nats-Msg-Id")
+        if not key:
+            return None
+        try:
+            redelivered = message.metadata.num_delivered > 1
+        except (ValueError, IndexError, nats.errors.Error):  # not delivered by a JetStream consumer
+            redelivered = False
+        return Delivery(key, message.subject, message.data, headers, redelivered)
 
-    Args:
-        inbox: an :class:`~dagster_joblease.inbox.AsyncInbox` (``handler`` a coroutine function) or an
-            :class:`~dagster_joblease.inbox.Inbox` (``handler`` a plain function, run in a worker thread).
-        handler: ``handler(connection, delivery)`` writes the effect on the inbox's connection.
-        retry_delay_s: how long JetStream waits before redelivering a message whose effect failed.
-    """
+    async def ack(self, message: Msg) -> None:
+        await message.ack()
 
-    def __init__(
-        self, inbox: Inbox | AsyncInbox[Any], handler: Handler, *, retry_delay_s: float = 1.0
-    ) -> None:
-        self.inbox = inbox
-        self.handler = handler
-        self.retry_delay_s = retry_delay_s
+    async def retry(self, message: Msg) -> None:
+        await message.nak(delay=self.retry_delay_s)
 
-    async def __call__(self, msg: Msg) -> Handled:
-        handled = await handle(self.inbox, delivery_of(msg), self.handler)
-        if handled.settled is Settle.ACK:
-            await msg.ack()
-        elif handled.settled is Settle.RETRY:
-            logger.warning(
-                "JetStream message on %s not applied, redelivered in %g s: %r",
-                msg.subject,
-                self.retry_delay_s,
-                handled.error,
-                extra={"action": "consumer_retry"},
-            )
-            await msg.nak(delay=self.retry_delay_s)
-        else:
-            logger.error(
-                "JetStream message on %s rejected (never redelivered): %s",
-                msg.subject,
-                handled.error,
-                extra={"action": "consumer_reject"},
-            )
-            await msg.term()
-        return handled
+    async def reject(self, message: Msg) -> None:
+        await message.term()

@@ -21,11 +21,8 @@ for a message without ``message_id`` or whose key was used with another payload.
 from __future__ import annotations
 
 import asyncio
-import logging
-from typing import Any
 
-from dagster_joblease.consumers.core import Delivery, Handled, Handler, Settle, handle
-from dagster_joblease.inbox import AsyncInbox, Inbox
+from dagster_joblease.consumers.core import BrokerConsumer, Delivery
 
 try:
     import aio_pika.abc
@@ -36,59 +33,30 @@ except ImportError as exc:  # pragma: no cover - the rabbitmq extra is missing
         "the RabbitMQ consumer needs aio-pika: pip install 'dagster-joblease[rabbitmq]'"
     ) from exc
 
-__all__ = ["RabbitMQConsumer", "delivery_of"]
-
-logger = logging.getLogger(__name__)
+__all__ = ["RabbitMQConsumer"]
 
 
-def delivery_of(message: aio_pika.abc.AbstractIncomingMessage) -> Delivery | None:
-    """The message as a handler sees it (None: it has no ``message_id``)."""
-    if not message.message_id:
-        return None
-    headers = {str(k): str(v) for k, v in (message.headers or {}).items()}
-    return Delivery(
-        message.message_id, message.routing_key or "", message.body, headers, bool(message.redelivered)
-    )
+class RabbitMQConsumer(BrokerConsumer[aio_pika.abc.AbstractIncomingMessage]):
+    """Handles RabbitMQ deliveries through an inbox (see the module's docstring and
+    :class:`~dagster_joblease.consumers.core.BrokerConsumer` for the arguments; RabbitMQ redelivers a
+    requeued message at once, so a failed one waits ``retry_delay_s`` before it is requeued)."""
 
+    broker = "RabbitMQ"
 
-class RabbitMQConsumer:
-    """Handles RabbitMQ deliveries through an inbox (see the module's docstring).
+    def delivery(self, message: aio_pika.abc.AbstractIncomingMessage) -> Delivery | None:
+        if not message.message_id:
+            return None
+        headers = {str(k): str(v) for k, v in (message.headers or {}).items()}
+        return Delivery(
+            message.message_id, message.routing_key or "", message.body, headers, bool(message.redelivered)
+        )
 
-    Args:
-        inbox: an :class:`~dagster_joblease.inbox.AsyncInbox` (``handler`` a coroutine function) or an
-            :class:`~dagster_joblease.inbox.Inbox` (``handler`` a plain function, run in a worker thread).
-        handler: ``handler(connection, delivery)`` writes the effect on the inbox's connection.
-        retry_delay_s: how long a message whose effect failed waits before it is requeued (RabbitMQ
-            redelivers a requeued message at once).
-    """
+    async def ack(self, message: aio_pika.abc.AbstractIncomingMessage) -> None:
+        await message.ack()
 
-    def __init__(
-        self, inbox: Inbox | AsyncInbox[Any], handler: Handler, *, retry_delay_s: float = 1.0
-    ) -> None:
-        self.inbox = inbox
-        self.handler = handler
-        self.retry_delay_s = retry_delay_s
+    async def retry(self, message: aio_pika.abc.AbstractIncomingMessage) -> None:
+        await asyncio.sleep(self.retry_delay_s)
+        await message.nack(requeue=True)
 
-    async def __call__(self, message: aio_pika.abc.AbstractIncomingMessage) -> Handled:
-        handled = await handle(self.inbox, delivery_of(message), self.handler)
-        if handled.settled is Settle.ACK:
-            await message.ack()
-        elif handled.settled is Settle.RETRY:
-            logger.warning(
-                "RabbitMQ message %s not applied, requeued in %g s: %r",
-                message.message_id,
-                self.retry_delay_s,
-                handled.error,
-                extra={"action": "consumer_retry"},
-            )
-            await asyncio.sleep(self.retry_delay_s)
-            await message.nack(requeue=True)
-        else:
-            logger.error(
-                "RabbitMQ message %s rejected (not requeued): %s",
-                message.message_id,
-                handled.error,
-                extra={"action": "consumer_reject"},
-            )
-            await message.reject(requeue=False)
-        return handled
+    async def reject(self, message: aio_pika.abc.AbstractIncomingMessage) -> None:
+        await message.reject(requeue=False)

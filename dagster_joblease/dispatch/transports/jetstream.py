@@ -36,7 +36,13 @@ from dagster_joblease import errors
 from dagster_joblease.dispatch import policy
 from dagster_joblease.dispatch.routes import NO_ORDERING_KEY, Route
 from dagster_joblease.dispatch.transports.base import Message, TooLate
-from dagster_joblease.dispatch.transports.loop import LoopThread
+from dagster_joblease.dispatch.transports.broker import (
+    START_CONNECT_S,
+    BrokerTransport,
+    Endpoint,
+    Table,
+    classify,
+)
 
 try:
     import nats
@@ -63,8 +69,6 @@ __all__ = [
 
 logger = logging.getLogger(__name__)
 
-#: How long starting waits for each server before it goes on without it (its rows are then retried).
-START_CONNECT_S = 2.0
 _TOKEN = re.compile(r"^[^\s.*>]+$")
 
 
@@ -138,8 +142,8 @@ def classify_ack(ack: PubAck) -> policy.Classification:
 
 _RETRY, _DEAD = policy.Outcome.RETRY, policy.Outcome.DEAD
 _NO_ACK = "no publish ack before the deadline (the message may be stored: resent with the same Nats-Msg-Id)"
-#: JetStream's table, most specific first: (exception type, outcome, may it have been stored, reason).
-TABLE: tuple[tuple[type[BaseException], policy.Outcome, bool, str], ...] = (
+#: JetStream's table (see :data:`~.broker.Table`).
+TABLE: Table = (
     (RouteNotReady, _RETRY, False, "{exc}"),
     (Unsendable, _DEAD, False, "{exc}"),
     (
@@ -161,78 +165,50 @@ TABLE: tuple[tuple[type[BaseException], policy.Outcome, bool, str], ...] = (
 
 
 def classify_exception(exc: BaseException) -> policy.Classification:
-    """JetStream's table for a publish that raised instead of being acknowledged (anything not in
-    :data:`TABLE` is retried)."""
-    for kind, outcome, maybe_stored, reason in TABLE:
-        if isinstance(exc, kind):
-            text = reason.format(exc=exc, name=type(exc).__name__)
-            return policy.Classification(outcome, None, policy.bound(text), timed_out=maybe_stored)
-    return policy.Classification(_RETRY, None, policy.bound(f"{type(exc).__name__}: {exc}"))
+    """JetStream's table for a publish that raised instead of being acknowledged."""
+    return classify(TABLE, exc)
 
 
 @dataclasses.dataclass
-class _Server:
+class _Server(Endpoint):
     """One NATS server's connection and which of its routes' streams passed the check on it."""
 
-    url: str
-    credentials: str | None
-    topics: list[str]
     client: NatsClient | None = None
     checked: set[str] = dataclasses.field(default_factory=set)
-    lock: asyncio.Lock | None = None
 
 
-def _server_key(route: Route) -> str:
-    url = httpx.URL(route.url)
-    return f"nats://{url.host}:{url.port or 4222}"
-
-
-class JetStreamTransport:
+class JetStreamTransport(BrokerTransport[_Server]):
     """Publishes rows into JetStream for one dispatcher (see the module's docstring)."""
 
+    endpoint_name = "NATS server"
+    checked_name = "streams"
+    unreachable = (OSError, TimeoutError, nats.errors.Error)
+    table = TABLE
+
     def __init__(
-        self,
-        routes: Mapping[str, Route],
-        headers: Mapping[str, dict[str, str]],
-        concurrency: int,
-        client: object | None = None,
+        self, routes: Mapping[str, Route], headers: Mapping[str, dict[str, str]], concurrency: int
     ) -> None:
-        self._routes = dict(routes)
-        self._headers = {topic: dict(h) for topic, h in headers.items()}
-        self._servers: dict[str, _Server] = {}
-        for topic, route in self._routes.items():
-            key = _server_key(route)
-            server = self._servers.setdefault(key, _Server(key, route.credentials(), []))
-            server.topics.append(topic)
-        self._server_of = {t: self._servers[_server_key(r)] for t, r in self._routes.items()}
-        self._loop = LoopThread("joblease-jetstream")
-        try:
-            self._loop.run(self._start(), time.monotonic() + START_CONNECT_S * len(self._servers) + 5.0)
-        except BaseException:
-            self.close()
-            raise
+        super().__init__(routes, headers, "joblease-jetstream")
 
-    # -- start -------------------------------------------------------------------------------------
+    @staticmethod
+    def endpoint_key(route: Route) -> str:
+        url = httpx.URL(route.url)
+        return f"nats://{url.host}:{url.port or 4222}"
 
-    async def _start(self) -> None:
-        for server in self._servers.values():
-            server.lock = asyncio.Lock()
-            try:
-                await asyncio.wait_for(self._connect(server), START_CONNECT_S)
-            except (OSError, TimeoutError, nats.errors.Error) as exc:
-                logger.warning(
-                    "NATS server %s cannot be reached at start (%s: %s); its rows are retried, and its "
-                    "routes' streams are checked at the first connection",
-                    server.url,
-                    type(exc).__name__,
-                    exc,
-                    extra={"action": "broker_unreachable"},
-                )
-                continue
-            for topic in server.topics:
-                refusal = await self._check(server, topic)
-                if refusal is not None:
-                    raise errors.ConfigurationError(refusal)
+    def new_endpoint(self, url: str, credentials: str | None) -> _Server:
+        return _Server(url, credentials)
+
+    async def connect(self, endpoint: _Server) -> None:
+        await self._connect(endpoint)
+
+    async def check_at_start(self, endpoint: _Server, topic: str) -> None:
+        refusal = await self._check(endpoint, topic)
+        if refusal is not None:
+            raise errors.ConfigurationError(refusal)
+
+    async def close_endpoint(self, endpoint: _Server) -> None:
+        if endpoint.client is not None and not endpoint.client.is_closed:
+            await endpoint.client.close()
 
     async def _connect(self, server: _Server) -> NatsClient:
         """Connect to the server; its first failure is raised at once (nats-py would retry an initial
@@ -307,7 +283,7 @@ class JetStreamTransport:
     async def _publish(
         self, message: Message, route: Route, subject: str, headers: dict[str, str], deadline: float
     ) -> PubAck:
-        server = self._server_of[message.topic]
+        server = self._endpoint_of[message.topic]
         client = await self._ready(server, message.topic)
         try:
             return await client.jetstream().publish(
@@ -335,17 +311,3 @@ class JetStreamTransport:
                 if refusal is not None:
                     raise RouteNotReady(refusal)
             return server.client
-
-    @staticmethod
-    def classify_exception(exc: BaseException) -> policy.Classification:
-        """JetStream's table: :func:`classify_exception`."""
-        return classify_exception(exc)
-
-    def close(self) -> None:
-        """Close the connections and stop the event loop thread."""
-        self._loop.close(self._close_all())
-
-    async def _close_all(self) -> None:
-        for server in self._servers.values():
-            if server.client is not None and not server.client.is_closed:
-                await server.client.close()

@@ -29,7 +29,6 @@ per exchange (a channel the broker closes takes only its own exchange's publishe
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
 import dataclasses
 import logging
@@ -42,7 +41,13 @@ from dagster_joblease import errors
 from dagster_joblease.dispatch import policy
 from dagster_joblease.dispatch.routes import NO_ORDERING_KEY, Route
 from dagster_joblease.dispatch.transports.base import Message, TooLate
-from dagster_joblease.dispatch.transports.loop import LoopThread
+from dagster_joblease.dispatch.transports.broker import (
+    START_CONNECT_S,
+    BrokerTransport,
+    Endpoint,
+    Table,
+    classify,
+)
 
 try:
     import aio_pika
@@ -56,9 +61,6 @@ except ImportError as exc:  # pragma: no cover - exercised by test_transports' n
 __all__ = ["TABLE", "RabbitMQTransport", "Unsendable", "classify_exception", "routing_key_for"]
 
 logger = logging.getLogger(__name__)
-
-#: How long starting waits for each broker before it goes on without it (its rows are then retried).
-START_CONNECT_S = 2.0
 
 
 class Unsendable(Exception):
@@ -76,8 +78,8 @@ def routing_key_for(route: Route, topic: str, ordering_key: str | None) -> str:
 
 
 _RETRY, _DEAD = policy.Outcome.RETRY, policy.Outcome.DEAD
-#: RabbitMQ's table, most specific first: (exception type, outcome, may it have been enqueued, reason).
-TABLE: tuple[tuple[type[BaseException], policy.Outcome, bool, str], ...] = (
+#: RabbitMQ's table (see :data:`~.broker.Table`).
+TABLE: Table = (
     (Unsendable, _DEAD, False, "{exc}"),
     (
         aiormq.exceptions.PublishError,
@@ -104,28 +106,19 @@ TABLE: tuple[tuple[type[BaseException], policy.Outcome, bool, str], ...] = (
 
 
 def classify_exception(exc: BaseException) -> policy.Classification:
-    """RabbitMQ's table for a publish that raised instead of being confirmed (anything not in
-    :data:`TABLE` is retried)."""
-    for kind, outcome, maybe_queued, reason in TABLE:
-        if isinstance(exc, kind):
-            text = reason.format(exc=exc, name=type(exc).__name__)
-            return policy.Classification(outcome, None, policy.bound(text), timed_out=maybe_queued)
-    return policy.Classification(_RETRY, None, policy.bound(f"{type(exc).__name__}: {exc}"))
+    """RabbitMQ's table for a publish that raised instead of being confirmed."""
+    return classify(TABLE, exc)
 
 
 @dataclasses.dataclass
-class _Broker:
+class _Broker(Endpoint):
     """One broker's connection and its confirm channels, one per exchange."""
 
-    url: str
-    credentials: str | None
-    topics: list[str]
     connection: aio_pika.abc.AbstractConnection | None = None
     #: exchange name → its confirm channel and the exchange on it.
     exchanges: dict[str, tuple[aio_pika.abc.AbstractChannel, aio_pika.abc.AbstractExchange]] = (
         dataclasses.field(default_factory=dict)
     )
-    lock: asyncio.Lock | None = None
 
 
 def _open(connection: aio_pika.abc.AbstractConnection | None) -> bool:
@@ -134,61 +127,45 @@ def _open(connection: aio_pika.abc.AbstractConnection | None) -> bool:
     return connection is not None and not connection.is_closed
 
 
-def _broker_key(route: Route) -> str:
-    url = httpx.URL(route.url)
-    port = url.port or (5671 if url.scheme == "amqps" else 5672)
-    return str(url.copy_with(port=port, query=None, fragment=None))
-
-
-class RabbitMQTransport:
+class RabbitMQTransport(BrokerTransport[_Broker]):
     """Publishes rows to RabbitMQ exchanges for one dispatcher (see the module's docstring)."""
 
-    def __init__(
-        self,
-        routes: Mapping[str, Route],
-        headers: Mapping[str, dict[str, str]],
-        concurrency: int,
-        client: object | None = None,
-    ) -> None:
-        self._routes = dict(routes)
-        self._headers = {topic: dict(h) for topic, h in headers.items()}
-        self._brokers: dict[str, _Broker] = {}
-        for topic, route in self._routes.items():
-            key = _broker_key(route)
-            self._brokers.setdefault(key, _Broker(key, route.credentials(), [])).topics.append(topic)
-        self._broker_of = {t: self._brokers[_broker_key(r)] for t, r in self._routes.items()}
-        self._loop = LoopThread("joblease-rabbitmq")
-        try:
-            self._loop.run(self._start(), time.monotonic() + START_CONNECT_S * len(self._brokers) + 5.0)
-        except BaseException:
-            self.close()
-            raise
+    endpoint_name = "RabbitMQ broker"
+    checked_name = "exchanges"
+    unreachable = (OSError, TimeoutError, aiormq.exceptions.AMQPConnectionError)
+    table = TABLE
 
-    async def _start(self) -> None:
-        for broker in self._brokers.values():
-            broker.lock = asyncio.Lock()
-            try:
-                await asyncio.wait_for(self._connect(broker), START_CONNECT_S)
-            except (OSError, TimeoutError, aiormq.exceptions.AMQPConnectionError) as exc:
-                logger.warning(
-                    "RabbitMQ broker %s cannot be reached at start (%s: %s); its rows are retried, and its "
-                    "routes' exchanges are checked at the first connection",
-                    broker.url,
-                    type(exc).__name__,
-                    exc,
-                    extra={"action": "broker_unreachable"},
-                )
-                continue
-            for topic in broker.topics:
-                try:
-                    await self._exchange(broker, topic)
-                except aiormq.exceptions.ChannelNotFoundEntity:
-                    route = self._routes[topic]
-                    raise errors.ConfigurationError(
-                        f"topic {topic!r} (route {route.url[:200]!r}, exchange {route.exchange!r}): the "
-                        "exchange does not exist on the broker; declare it (with the bindings its consumers "
-                        "need) or fix `exchange`"
-                    ) from None
+    def __init__(
+        self, routes: Mapping[str, Route], headers: Mapping[str, dict[str, str]], concurrency: int
+    ) -> None:
+        super().__init__(routes, headers, "joblease-rabbitmq")
+
+    @staticmethod
+    def endpoint_key(route: Route) -> str:
+        url = httpx.URL(route.url)
+        port = url.port or (5671 if url.scheme == "amqps" else 5672)
+        return str(url.copy_with(port=port, query=None, fragment=None))
+
+    def new_endpoint(self, url: str, credentials: str | None) -> _Broker:
+        return _Broker(url, credentials)
+
+    async def connect(self, endpoint: _Broker) -> None:
+        await self._connect(endpoint)
+
+    async def check_at_start(self, endpoint: _Broker, topic: str) -> None:
+        try:
+            await self._exchange(endpoint, topic)
+        except aiormq.exceptions.ChannelNotFoundEntity:
+            route = self._routes[topic]
+            raise errors.ConfigurationError(
+                f"topic {topic!r} (route {route.url[:200]!r}, exchange {route.exchange!r}): the "
+                "exchange does not exist on the broker; declare it (with the bindings its consumers "
+                "need) or fix `exchange`"
+            ) from None
+
+    async def close_endpoint(self, endpoint: _Broker) -> None:
+        if endpoint.connection is not None and not endpoint.connection.is_closed:
+            await endpoint.connection.close()
 
     async def _connect(self, broker: _Broker) -> aio_pika.abc.AbstractConnection:
         login, password = "guest", "guest"
@@ -248,7 +225,7 @@ class RabbitMQTransport:
         )
 
     async def _publish(self, topic: str, amqp: aio_pika.Message, key: str, deadline: float) -> None:
-        broker = self._broker_of[topic]
+        broker = self._endpoint_of[topic]
         exchange = await self._ready(broker, topic)
         await exchange.publish(amqp, key, mandatory=True, timeout=max(0.001, deadline - time.monotonic()))
 
@@ -266,17 +243,3 @@ class RabbitMQTransport:
                         await broker.connection.close()
                 await self._connect(broker)
             return await self._exchange(broker, topic)
-
-    @staticmethod
-    def classify_exception(exc: BaseException) -> policy.Classification:
-        """RabbitMQ's table: :func:`classify_exception`."""
-        return classify_exception(exc)
-
-    def close(self) -> None:
-        """Close the connections and stop the event loop thread."""
-        self._loop.close(self._close_all())
-
-    async def _close_all(self) -> None:
-        for broker in self._brokers.values():
-            if broker.connection is not None and not broker.connection.is_closed:
-                await broker.connection.close()
