@@ -12,6 +12,7 @@ import contextlib
 import os
 import shlex
 from collections.abc import Callable, Iterator
+from pathlib import Path
 from typing import Any, TypeVar
 
 import dagster as dg
@@ -158,13 +159,14 @@ class JobLeaseResource(dg.ConfigurableResource):  # type: ignore[type-arg]
         """What a run says when its leases live in the embedded default file but Dagster's runs do not
         last as long: a temporary instance (``dg dev`` or ``dg launch`` without ``$DAGSTER_HOME``, an
         in-process run) discards its runs, the leases stay, and a later run of a done partition is
-        skipped naming a run no instance has. None when the leases live with a lasting instance."""
+        skipped naming a run no instance has. With ``$DAGSTER_HOME`` set, what runs made without it left
+        in ``./.joblease/`` (they are not seen). None when the leases live with a lasting instance."""
         if not self.uses_embedded_default():
             return None
         temporary = instance is not None and instance.is_ephemeral
-        if os.environ.get("DAGSTER_HOME") and not temporary:
-            return None
         url = storage_engine.default_sqlite_url(create=False)
+        if os.environ.get("DAGSTER_HOME") and not temporary:
+            return self._left_behind_warning(url)
         runs = (
             "this Dagster instance keeps its runs in memory"
             if temporary
@@ -176,6 +178,22 @@ class JobLeaseResource(dg.ConfigurableResource):  # type: ignore[type-arg]
             f"but {runs}: its runs are discarded when it goes, the leases stay. A later run of a partition "
             "done here will be skipped, naming a run no instance has. Set DAGSTER_HOME to a lasting folder "
             f"(the leases then live in $DAGSTER_HOME/joblease.sqlite) or ${storage_engine.DATABASE_URL_ENV}."
+        )
+
+    @staticmethod
+    def _left_behind_warning(url: str) -> str | None:
+        """``$DAGSTER_HOME`` is set now, but runs made without it left leases in ``./.joblease/``: these
+        runs do not see them (a partition done there is done again here), which must not pass silently."""
+        earlier = Path.cwd() / ".joblease" / "joblease.sqlite"
+        used = storage_engine.sqlite_file(url)
+        if not earlier.is_file() or (used is not None and used.absolute() == earlier.absolute()):
+            return None
+        return (
+            f"joblease: this run's leases are kept in {storage_engine.describe_database(url)}, but "
+            f"{earlier} holds leases from runs made here without DAGSTER_HOME, which this run does not see: "
+            "a partition done there is not known done here. Move that file to "
+            f"{used or 'the database above'} (before any run writes there) if those runs are the history "
+            "you mean to keep, or delete the .joblease folder."
         )
 
     def absent_winner_note(self, run_id: str, code: str, partition_key: str | None) -> str:

@@ -121,7 +121,8 @@ def test_leases_in_the_fallback_file_warn_and_a_skip_names_an_absent_run(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """Finding 2: without $DAGSTER_HOME the leases live in ./.joblease/ (which git ignores), each run says
-    so in its log, and a later instance's skip says the winner is a run it does not have."""
+    so in its log, and a later instance's skip says the winner is a run it does not have; once
+    $DAGSTER_HOME is set, a run names the lease file left behind instead of silently ignoring it."""
     monkeypatch.delenv("JOBLEASE_DATABASE_URL", raising=False)
     monkeypatch.delenv("DAGSTER_HOME", raising=False)
     monkeypatch.chdir(tmp_path)
@@ -148,7 +149,15 @@ def test_leases_in_the_fallback_file_warn_and_a_skip_names_an_absent_run(
         logs = _logs(second, skipped.run_id)
     absent = [m for m in logs if f"run {won.run_id}, which did i40-day@2024-01-01, is not on this" in m]
     assert absent, logs
-    assert (
-        f"joblease --database-url sqlite:///{leases} leases show --code i40-day --run-key 2024-01-01"
-        in (absent[0])
-    )
+    show = f"joblease --database-url sqlite:///{leases} leases show --code i40-day --run-key 2024-01-01"
+    assert show in absent[0]
+    # DAGSTER_HOME set later: the leases move to a file of its own, and the one left behind is named.
+    home = tmp_path / "home"
+    home.mkdir()
+    monkeypatch.setenv("DAGSTER_HOME", str(home))
+    with dg.DagsterInstance.local_temp(str(home)) as lasting:
+        again = _run(resource, lasting)
+        assert again.success
+        logs = _logs(lasting, again.run_id)
+    behind = [m for m in logs if f"{leases} holds leases from runs made here without DAGSTER_HOME" in m]
+    assert behind and f"the SQLite file {home / 'joblease.sqlite'}" in behind[0], logs
