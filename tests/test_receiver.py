@@ -7,6 +7,8 @@ import json
 import logging
 import re
 import socket
+import subprocess
+import sys
 import threading
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -771,3 +773,33 @@ def test_kept_alive_connections_answer_without_nagle(
         ]
         assert len(sockets) == 1  # the one kept-alive connection
         assert sockets[0].getsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY) != 0
+
+
+def test_the_receiver_on_postgresql_needs_no_greenlet(pg_url: str) -> None:
+    """Issue 38, scenario 5: SQLAlchemy 2.1 no longer installs greenlet, and `joblease receiver` on
+    PostgreSQL failed at start in a clean `[receiver]` install: AsyncInbox imported SQLAlchemy's asyncio
+    layer (which needs greenlet) even for a psycopg pool. Here, in a process where greenlet cannot be
+    imported, the receiver's inbox is built on its pool and applies a key. (.ci/smoke-extras installs each
+    extra in a clean venv; `[receiver]` now also names sqlalchemy[asyncio].)"""
+    script = """
+import sys
+sys.modules["greenlet"] = None  # importing it raises ImportError, as in a venv without it
+import anyio
+from psycopg_pool import AsyncConnectionPool
+from dagster_joblease.inbox.aio import AsyncInbox
+
+async def main():
+    async with AsyncConnectionPool(sys.argv[1], min_size=1, max_size=1) as pool:
+        inbox = AsyncInbox(pool.connection)
+        async def effect(conn):
+            return 200, "applied"
+        print((await inbox.process("no-greenlet", b"{}", effect)).body)
+
+anyio.run(main)
+"""
+    conninfo = "postgresql://" + pg_url.split("://", 1)[1]
+    done = subprocess.run(
+        [sys.executable, "-c", script, conninfo], capture_output=True, text=True, timeout=60
+    )
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip() == "applied"

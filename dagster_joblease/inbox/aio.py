@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import abc
 import logging
+import sys
 from collections.abc import Awaitable, Callable, Generator
 from contextlib import AbstractAsyncContextManager
 from typing import TYPE_CHECKING, Any, Generic, TypeVar, cast, overload
@@ -215,6 +216,14 @@ class AsyncInboxTransaction(Generic[C]):
         return replay
 
 
+def _is_async_engine(source: object) -> bool:
+    """Whether ``source`` is SQLAlchemy's ``AsyncEngine``, without importing ``sqlalchemy.ext.asyncio``
+    (which needs greenlet) when nothing did: an AsyncEngine cannot exist before that module is imported,
+    so an inbox on a psycopg pool never needs greenlet."""
+    module = sys.modules.get("sqlalchemy.ext.asyncio")
+    return module is not None and isinstance(source, module.AsyncEngine)
+
+
 class AsyncInbox(Generic[C]):
     """The inbox for asyncio code on PostgreSQL (same semantics and errors as :class:`Inbox`).
 
@@ -245,11 +254,9 @@ class AsyncInbox(Generic[C]):
     ) -> None: ...
 
     def __init__(self, source: Any, *, lock_ms: int = core.DEFAULT_LOCK_MS) -> None:
-        from sqlalchemy.ext.asyncio import AsyncEngine  # here: only async users need greenlet
-
         self.lock_ms = core.check_lock_ms(lock_ms)
         self.source = source
-        if isinstance(source, AsyncEngine):
+        if _is_async_engine(source):
             if source.dialect.name != "postgresql":
                 raise errors.ConfigurationError(
                     f"AsyncInbox needs PostgreSQL, not {source.dialect.name}; on SQLite use the sync Inbox "
