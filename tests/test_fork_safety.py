@@ -35,6 +35,8 @@ def _child_work(engine: sa.Engine, key: str, results: Any) -> None:
         service = LeaseService(engine, lease_ms=60_000)
         lease = service.acquire(JobIdentity.schedule("fork", key))
         assert lease is not None, "the child's claim was refused"
+        # Its dialect is whole before its first statement (a half-initialized one was used as it was).
+        assert hasattr(engine.dialect, "default_isolation_level"), "the child's dialect was never initialized"
         service.heartbeat(lease)
         pids = set()
         with service.fenced_transaction(lease) as conn:

@@ -164,6 +164,7 @@ def _factory(engine: sa.Engine) -> sa.pool.Pool:
     pid = os.getpid()
     found: tuple[int, sa.pool.Pool] | None = engine.__dict__.get(_FACTORY)
     if found is None or found[0] != pid:
+        engine_module.ready_dialect(engine)  # its raw connections never run the engine's engine_connect
         found = engine.__dict__[_FACTORY] = (pid, engine.pool.recreate())
     return found[1]
 

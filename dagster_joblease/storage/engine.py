@@ -17,8 +17,6 @@ import psycopg
 import sqlalchemy as sa
 from sqlalchemy import event
 from sqlalchemy.engine import URL, make_url
-from sqlalchemy.pool.base import _AdhocProxiedConnection
-from sqlalchemy.util import immutabledict
 
 from dagster_joblease import errors
 
@@ -406,6 +404,7 @@ def fork_safe(engine: sa.Engine) -> sa.Engine:
             event.listen(engine, "connect", _record_process)
             event.listen(engine, "checkout", _refuse_other_process)
             event.listen(engine, "connect", _DialectGuard(engine))
+            event.listen(engine, "engine_connect", _finish_dialect)
         _FORK_SAFE.add(engine)
     return engine
 
@@ -434,15 +433,15 @@ _DIALECT_UNSURE: weakref.WeakSet[sa.Dialect] = weakref.WeakSet()
 
 
 class _DialectGuard:
-    """A connect listener, after SQLAlchemy's own: notes that the dialect's initialization finished,
-    and in a forked child finishes it if the parent may have been inside it at the fork.
+    """A connect listener, after SQLAlchemy's own: notes that the dialect's initialization finished
+    (unless this is a forked child whose parent may have been inside it at the fork: then
+    :func:`_finish_dialect` finishes it).
 
     SQLAlchemy initializes an engine's dialect (server version, default isolation level, ...) once,
     from the pool's first connect, through a once-only wrapper that is used up *before* the
     initialization runs. A child forked while a thread of its parent is inside it inherits a
     half-initialized dialect and a used-up wrapper: nothing would ever finish it, and the child's first
-    checkin fails (``'PGDialect_psycopg' object has no attribute 'default_isolation_level'``). The
-    child's pool runs its first connect's listeners under a lock of its own, so this runs once there.
+    checkin fails (``'PGDialect_psycopg' object has no attribute 'default_isolation_level'``).
     """
 
     __slots__ = ("__weakref__", "engine")  # SQLAlchemy keeps listeners by weak reference too
@@ -454,28 +453,29 @@ class _DialectGuard:
         engine = self.engine()
         if engine is None:  # pragma: no cover - a pool outliving its engine
             return
-        dialect = engine.dialect
-        if dialect in _DIALECT_UNSURE:
-            _initialize_dialect(engine, dbapi_connection, record)
-            _DIALECT_UNSURE.discard(dialect)
+        if engine.dialect not in _DIALECT_UNSURE:
+            _DIALECT_READY.add(engine.dialect)
+
+
+def _finish_dialect(connection: sa.Connection) -> None:
+    """An ``engine_connect`` listener: in a forked child whose dialect may be half-initialized, run
+    ``dialect.initialize`` on this connection (what ``sqlalchemy.create_engine``'s first connect does),
+    then roll back what its queries began, before the caller uses it. Running it on a dialect that was in
+    fact initialized only repeats the same queries and assignments."""
+    dialect = connection.dialect
+    if dialect in _DIALECT_UNSURE:
+        dialect.initialize(connection)
+        connection.rollback()
+        _DIALECT_UNSURE.discard(dialect)
         _DIALECT_READY.add(dialect)
 
 
-def _initialize_dialect(engine: sa.Engine, dbapi_connection: Any, record: Any) -> None:
-    """What ``sqlalchemy.create_engine``'s first connect does: ``dialect.initialize`` on a bare
-    connection, then a rollback of what its queries began. Running it on a dialect that was in fact
-    initialized only repeats the same queries and assignments."""
-    connection = sa.Connection(
-        engine,
-        connection=_AdhocProxiedConnection(dbapi_connection, record),
-        _has_events=False,
-        _allow_revalidate=False,
-        _allow_autobegin=False,
-    )
-    connection._execution_options = immutabledict()
-    engine.dialect.initialize(connection)
-    if not connection.invalidated and not connection.closed:
-        engine.dialect.do_rollback(connection.connection)
+def ready_dialect(engine: sa.Engine) -> None:
+    """Finish a half-initialized dialect now (a forked child's, see :func:`_finish_dialect`), for a caller
+    about to use connections that do not come through ``Engine.connect`` (the autocommit pool's)."""
+    if engine.dialect in _DIALECT_UNSURE:
+        with engine.connect():
+            pass
 
 
 def _after_fork_in_child() -> None:
