@@ -29,8 +29,12 @@ class LoopThread:
     def run(self, coro: Coroutine[Any, Any, T], deadline: float) -> T:
         """Run ``coro`` on the loop and return its result; it is cancelled, and :class:`TimeoutError`
         raised, when ``deadline`` (local monotonic time) passes first."""
-        timeout = max(0.0, deadline - time.monotonic())
-        return asyncio.run_coroutine_threadsafe(asyncio.wait_for(coro, timeout), self.loop).result()
+        future = asyncio.run_coroutine_threadsafe(coro, self.loop)
+        try:
+            return future.result(max(0.0, deadline - time.monotonic()))
+        except TimeoutError:
+            future.cancel()  # the coroutine is cancelled on the loop
+            raise
 
     def close(self, last: Coroutine[Any, Any, None] | None = None) -> None:
         """Run ``last`` (closing connections; bounded by :data:`CLOSE_TIMEOUT_S`), then stop the loop."""
