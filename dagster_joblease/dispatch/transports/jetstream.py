@@ -157,7 +157,6 @@ TABLE: Table = (
     (nats.js.errors.APIError, _DEAD, False, "JetStream refused the message: {exc}"),
     (nats.errors.MaxPayloadError, _DEAD, False, "the payload is larger than the server's max_payload: {exc}"),
     (nats.errors.BadSubjectError, _DEAD, False, "the subject is not valid: {exc}"),
-    (nats.errors.BadHeaderError, _DEAD, False, "a header is not valid: {exc}"),
     (TimeoutError, _RETRY, True, _NO_ACK),
     (nats.errors.Error, _RETRY, False, "NATS: {name}: {exc}"),
     (OSError, _RETRY, False, "cannot reach the NATS server: {name}: {exc}"),
