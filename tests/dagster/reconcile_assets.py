@@ -67,7 +67,32 @@ rc_jobbed = leased_asset(
 )(enqueue_key)
 rc_asset_job = dg.define_asset_job("rc_asset_job", selection=[rc_jobbed])
 
-ASSETS = {a.key.to_user_string(): a for a in (rc_range, rc_long, rc_up, rc_down, rc_jobbed)}
+#: #35 item 1: a leased upstream, a plain step (it fails while ``JOBLEASE_RC_FAIL_PLAIN`` is set), a leased
+#: downstream.
+PLAIN_FAIL_ENV = "JOBLEASE_RC_FAIL_PLAIN"
+rc_a_up = leased_asset(code="t-rc-a-up", name="rc_a_up", partitions_def=days)(enqueue_key)
+
+
+@dg.asset(name="rc_a_mid", partitions_def=days, deps=[rc_a_up])
+def rc_a_mid() -> None:
+    if os.environ.get(PLAIN_FAIL_ENV):
+        raise RuntimeError("failing the plain step on purpose")
+
+
+rc_a_down = leased_asset(code="t-rc-a-down", name="rc_a_down", partitions_def=days, deps=[rc_a_mid])(
+    enqueue_key
+)
+#: #35 item 2: an upstream and a downstream in a define_asset_job job (its runs record no selection).
+rc_j_up = leased_asset(code="t-rc-j-up", name="rc_j_up", partitions_def=days)(enqueue_key)
+rc_j_down = leased_asset(code="t-rc-j-down", name="rc_j_down", partitions_def=days, deps=[rc_j_up])(
+    enqueue_key
+)
+rc_pair_job = dg.define_asset_job("rc_pair_job", selection=[rc_j_up, rc_j_down])
+
+ASSETS = {
+    a.key.to_user_string(): a
+    for a in (rc_range, rc_long, rc_up, rc_down, rc_jobbed, rc_a_up, rc_a_mid, rc_a_down, rc_j_up, rc_j_down)
+}
 
 
 def definitions(
@@ -76,7 +101,7 @@ def definitions(
     """Every asset and the asset job, with ``resource`` (default: from the environment) as ``joblease``."""
     return dg.Definitions(
         assets=list(ASSETS.values()),
-        jobs=[rc_asset_job],
+        jobs=[rc_asset_job, rc_pair_job],
         sensors=sensors or [],
         resources={"joblease": resource or JobLeaseResource()},
     )

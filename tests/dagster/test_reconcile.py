@@ -15,6 +15,7 @@ from typing import Any
 import dagster as dg
 import pytest
 import sqlalchemy as sa
+from dagster._core.events import EngineEventData
 from dagster._core.remote_origin import RegisteredCodeLocationOrigin, RemoteJobOrigin, RemoteRepositoryOrigin
 
 from dagster_joblease import JobIdentity, LeaseService, create_engine, errors, outbox
@@ -27,8 +28,10 @@ from dagster_joblease.dagster import (
     JobLeaseResource,
     OutboxHealth,
     build_reconciliation_sensor,
+    metadata,
 )
 from dagster_joblease.dagster.holders import encode_holder
+from dagster_joblease.dagster.ops import leased_op
 from dagster_joblease.dispatch import Route
 from dagster_joblease.storage.schema import lease_table
 from tests.conftest import wait_until
@@ -229,6 +232,18 @@ def test_a_run_that_failed_as_held_is_relaunched_once_the_holder_is_done(
     holder = service.acquire(JobIdentity.schedule(code, DAYS[0]), lease_ms=600_000)
     assert holder is not None
     held = _run(dagster_pg, job, DAYS[0], dg.DagsterRunStatus.FAILURE, {TAG_OUTCOME: "held"})
+    # What the run's leased step recorded (its own event, which reconciliation reads; the tag is for people).
+    dagster_pg.instance.report_engine_event(
+        f"{metadata.STEP_EVENT_MESSAGE}: held:1",
+        held,
+        EngineEventData(
+            metadata={
+                metadata.META_CODE: dg.MetadataValue.text(code),
+                metadata.META_OUTCOME: dg.MetadataValue.text(metadata.HELD),
+            }
+        ),
+        step_key=f"{job.name}_op",
+    )
     sensor = build_reconciliation_sensor(job, code=code)
     requests, message, _, _ = _tick(dagster_pg, sensor)
     assert requests == [] and "1 held by a live lease" in message  # the holder is still working
@@ -424,6 +439,44 @@ def test_re_executions_and_retries_of_a_relaunch_do_not_count_as_relaunches(
     assert second.run_key.endswith(":relaunch-2")
 
 
+def test_dagster_run_retries_of_a_relaunch_count_against_the_cap(
+    dagster_pg: DagsterPg, engine: sa.Engine, case: tuple[str, dg.JobDefinition]
+) -> None:
+    """#35 item 4: with Dagster's run retries on (3 per run), every retry of a relaunch is an attempt: a
+    partition that always fails is capped after max_relaunches attempts. (Only root runs counted, among the
+    newest cap + 10 runs read: with retries the cap never tripped.)"""
+    code, job = case
+    key = DAYS[0]
+    _fail(engine, code, key)
+    sensor = build_reconciliation_sensor(job, code=code, max_relaunches=5, backoff=dt.timedelta(seconds=1))
+    for relaunch in (1, 2):
+        requests, message, _, _ = _tick(dagster_pg, sensor)
+        assert requests, message
+        (request,) = requests
+        assert request.tags[TAG_RELAUNCH] == f"{relaunch}/5"
+        parent = _run(dagster_pg, job, key, dg.DagsterRunStatus.FAILURE, launched(sensor, request))
+        root = parent.run_id
+        for number in (1, 2, 3):  # the retry daemon's runs: each a child of the last, dagster/retry_number
+            parent = dagster_pg.instance.create_run_for_job(
+                job,
+                status=dg.DagsterRunStatus.FAILURE,
+                tags={
+                    "dagster/partition": key,
+                    **launched(sensor, request),
+                    "dagster/retry_number": str(number),
+                },
+                remote_job_origin=_origin(job.name),
+                parent_run_id=parent.run_id,
+                root_run_id=root,
+            )
+        _fail(engine, code, key)  # the last retry took the lease and failed again
+        _set_idle(engine, code, key, seconds=3600)
+    requests, message, cursor, _ = _tick(dagster_pg, sensor)
+    assert requests == [], message
+    assert f"CAPPED after 5 relaunches: {key} (8 attempts (2 relaunches and run retries)" in message
+    assert key in cursor["capped"]
+
+
 def test_held_runs_beyond_one_page_are_all_reached_in_turn(
     dagster_pg: DagsterPg,
     engine: sa.Engine,
@@ -457,3 +510,42 @@ def test_held_runs_beyond_one_page_are_all_reached_in_turn(
         if set(requested) == set(DAYS):
             break
     assert sorted(requested) == sorted(DAYS)  # each once, the oldest included
+
+
+def test_a_key_that_is_no_longer_a_partition_is_reported_and_passed(
+    dagster_pg: DagsterPg, engine: sa.Engine
+) -> None:
+    """#35 item 7: a failed key whose dynamic partition was deleted is reported and passed, and the sweep
+    moves past it (it used to stay unjudged: the sweep resumed before it on every tick, "rows still to look
+    at" for good, and keys after it beyond the recent page were never requested)."""
+    suffix = uuid.uuid4().hex[:6]
+    code, name = f"rc-dyn-{suffix}", f"rc_dyn_{suffix}"
+    dynamic = dg.DynamicPartitionsDefinition(name=f"dyn_{suffix}")
+    op = leased_op(code=code, name=f"{name}_op")(jobs.write_domain_and_outbox)
+
+    @dg.job(name=name, partitions_def=dynamic, resource_defs={"joblease": JobLeaseResource()})
+    def dynamic_job() -> None:
+        op()
+
+    JOBS[name] = dynamic_job
+    instance = dagster_pg.instance
+    instance.add_dynamic_partitions(dynamic.name or "", ["a", "b", "c"])
+    for key in ("a", "b", "c"):
+        _fail(engine, code, key)
+    instance.delete_dynamic_partition(dynamic.name or "", "b")
+
+    sensor = build_reconciliation_sensor(dynamic_job, code=code)
+    with dg.partition_loading_context(dynamic_partitions_store=instance):  # Dagster validates the requests
+        requests, message, cursor, _ = _tick(dagster_pg, sensor)
+    assert sorted(str(r.partition_key) for r in requests) == ["a", "c"], message
+    assert cursor["sweep_after"] == 0 and cursor["gone"] == ["b"]  # the sweep reached its end; b reported
+    for key in ("a", "c"):  # their relaunches ran
+        _run(dagster_pg, dynamic_job, key, dg.DagsterRunStatus.SUCCESS, launched(sensor, requests[0]))
+        service = LeaseService(engine)
+        held = service.acquire(JobIdentity.schedule(code, key))
+        assert held is not None
+        service.complete(held)
+    with dg.partition_loading_context(dynamic_partitions_store=instance):
+        requests, message, cursor, _ = _tick(dagster_pg, sensor, json.dumps(cursor))
+    assert requests == [] and "no longer a partition, passed: b" in message, message
+    assert "0 lease rows still to look at" in message and cursor["sweep_after"] == 0, message

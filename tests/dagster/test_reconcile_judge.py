@@ -377,24 +377,25 @@ def test_zombie_reason(status: dg.DagsterRunStatus, life: Life | None, zombie: b
 
 
 @pytest.mark.parametrize(
-    ("row", "materialized", "policy", "outcome_done", "undone"),
+    ("row", "materialized", "policy", "run_id", "step_undone", "undone"),
     [
-        (None, None, JOB, False, True),
-        (lease("FAIL"), None, JOB, False, True),
-        (lease(heartbeat_age_ms=10), None, JOB, False, False),
-        (lease(overdue_ms=1), None, JOB, False, True),
-        (lease(heartbeat_age_ms=3_500), None, JOB, False, False),  # stale is not dead (#35 item 3)
-        (lease(heartbeat_age_ms=4_500), None, JOB, False, True),
-        (lease("SUCCESS"), False, ASSET, False, True),
-        (lease("SUCCESS"), True, ASSET, False, False),
-        (lease("SUCCESS"), None, JOB, False, True),  # a job run that failed held: its latest run is red
-        (lease("SUCCESS"), None, JOB, True, False),
+        (None, None, JOB, "r", False, True),
+        (lease("FAIL"), None, JOB, "r", False, True),
+        (lease(heartbeat_age_ms=10), None, JOB, "r", False, False),
+        (lease(overdue_ms=1), None, JOB, "r", False, True),
+        (lease(heartbeat_age_ms=3_500), None, JOB, "r", False, False),  # stale is not dead (#35 item 3)
+        (lease(heartbeat_age_ms=4_500), None, JOB, "r", False, True),
+        (lease("SUCCESS"), False, ASSET, HOLDER_RUN, False, True),  # done, but not recorded here
+        (lease("SUCCESS"), True, ASSET, "r", False, False),
+        (lease("SUCCESS"), None, JOB, "r", True, True),  # its leased step failed held: another run did it
+        (lease("SUCCESS"), None, JOB, "r", False, False),  # its leased step never ran: done by another
+        (lease("SUCCESS"), None, JOB, HOLDER_RUN, True, False),  # this run did it
     ],
 )
 def test_left_undone(
-    row: Lease | None, materialized: bool | None, policy: Policy, outcome_done: bool, undone: bool
+    row: Lease | None, materialized: bool | None, policy: Policy, run_id: str, step_undone: bool, undone: bool
 ) -> None:
-    assert judge.left_undone(row, materialized, policy, outcome_done) is undone
+    assert judge.left_undone(row, materialized, policy, run_id, step_undone) is undone
 
 
 @pytest.mark.parametrize(

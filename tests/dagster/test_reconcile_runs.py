@@ -595,3 +595,64 @@ def test_an_all_steps_reexecution_failing_before_the_leased_step_says_not_run_in
     assert [r.partition_key for r in result.run_requests or []] == []  # the parent did the day
     kept = instance.get_run_by_id(parent_id)
     assert kept is not None and kept.tags[TAG_OUTCOME] == "won"
+
+
+# -- #35 items 1 and 2: a key's own facts decide, and a relaunch is the run's whole plan ------------------
+
+
+def _relaunch_as(
+    instance: dg.DagsterInstance,
+    target: dg.AssetsDefinition,
+    code: str,
+    key: str,
+    upstream: dg.AssetsDefinition,
+) -> None:
+    """One tick of ``target``'s sensor requests ``key`` with ``upstream`` and ``target`` selected (the
+    plan of the run that left it undone), and that relaunch, launched, succeeds."""
+    sensor = build_reconciliation_sensor(target, code=code)
+    requests, message, _ = _tick(instance, sensor)
+    mine = [r for r in requests if r.partition_key == key]
+    assert len(mine) == 1, message
+    assert set(mine[0].asset_selection or []) == {upstream.key, target.key}
+    assert _launch(instance, sensor, mine[0])
+
+
+def test_a_downstream_that_never_ran_is_relaunched_though_another_leased_step_of_its_run_won(
+    dagster_pg: DagsterPg, engine: sa.Engine
+) -> None:
+    """#35 item 1: a run of [up (leased), mid (plain, fails), down (leased)] for one partition: up wins,
+    mid fails, Dagster skips down. The run's outcome tag (computed from up) says nothing of down: down has
+    no lease row, so its sensor relaunches the partition with mid (which did not finish it), never up
+    again. (The tag used to keep the run from being walked: down was never requested.)"""
+    key = "2024-05-01"
+    instance = dagster_pg.instance
+    result = _run(
+        dagster_pg.env(), "rc_a_up,rc_a_mid,rc_a_down", key, **{reconcile_assets.PLAIN_FAIL_ENV: key}
+    )
+    assert not result["ok"]
+    assert _leases(engine, "t-rc-a-up", [key]) == {key: "SUCCESS"}
+    assert _leases(engine, "t-rc-a-down", [key]) == {}  # down never ran
+
+    _relaunch_as(instance, reconcile_assets.rc_a_down, "t-rc-a-down", key, reconcile_assets.rc_a_mid)
+    assert _leases(engine, "t-rc-a-down", [key]) == {key: "SUCCESS"}
+    assert _effects(engine, "t-rc-a-up", [key]) == {key: 1}  # up's effect once: it was not relaunched
+
+
+def test_a_define_asset_job_run_whose_upstream_failed_is_relaunched_as_its_whole_plan(
+    dagster_pg: DagsterPg, engine: sa.Engine
+) -> None:
+    """#35 item 2: in a job made with define_asset_job (its runs record no asset selection), up fails and
+    Dagster skips down. down's sensor relaunches the partition as [up, down], never down alone (it used
+    to take the run's upstream to be none: down ran alone and its lease was SUCCESS over an unmaterialized
+    up)."""
+    key = "2024-05-02"
+    instance = dagster_pg.instance
+    result = _run(dagster_pg.env(), "job:rc_pair_job", key, **{reconcile_assets.FAIL_ENV: key})
+    assert not result["ok"]
+    assert _leases(engine, "t-rc-j-up", [key]) == {key: "FAIL"}
+    assert _leases(engine, "t-rc-j-down", [key]) == {}
+
+    _relaunch_as(instance, reconcile_assets.rc_j_down, "t-rc-j-down", key, reconcile_assets.rc_j_up)
+    assert _leases(engine, "t-rc-j-up", [key]) == {key: "SUCCESS"}
+    assert _leases(engine, "t-rc-j-down", [key]) == {key: "SUCCESS"}
+    assert _materialized(instance, reconcile_assets.rc_j_up, [key]) == {key}

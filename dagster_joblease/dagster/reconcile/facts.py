@@ -27,6 +27,7 @@ from dagster import DagsterEventType
 
 from dagster_joblease import identity
 from dagster_joblease.dagster import metadata
+from dagster_joblease.dagster.ops import step_records
 from dagster_joblease.dagster.reconcile import judge
 from dagster_joblease.dagster.reconcile.judge import KeyRuns, Lease, Named, Run
 from dagster_joblease.dagster.sensors import NOT_FINISHED_STATUSES
@@ -46,6 +47,8 @@ RUNS_PER_PAGE = 500
 KEYS_PER_RUN_QUERY = 100
 #: Runs fetched per key of a page; a page's answer that fills its limit is re-read key by key.
 RUNS_PER_KEY = 10
+#: Dagster's tag on a run its retry daemon launched (a person's re-execution has none).
+RETRY_NUMBER_TAG = "dagster/retry_number"
 
 
 # ---- the target: which runs are its runs, and which keys a run covers ----------------------------------
@@ -69,6 +72,8 @@ class Target:
         #: run queries filter by this job (None for an asset: every job that materializes it)
         self.query_job: str | None = self.job_name if self.asset_key is None else None
         self._asset_jobs: set[str] = {ASSET_JOB_NAME}
+        #: the assets each job of the code location selects (a run of such a job records no selection)
+        self._job_assets: dict[str, frozenset[dg.AssetKey]] = {}
         self._graph: Any = None
 
     def bind(self, repository: Any) -> None:
@@ -78,10 +83,12 @@ class Target:
         self._graph = repository.asset_graph
         for job in repository.get_all_jobs():
             try:
-                if self.asset_key in job.asset_layer.selected_asset_keys:
-                    self._asset_jobs.add(job.name)
+                selected = frozenset(job.asset_layer.selected_asset_keys)
             except Exception:  # a job without an asset layer
                 continue
+            if self.asset_key in selected:
+                self._asset_jobs.add(job.name)
+                self._job_assets[job.name] = selected
 
     def targets(self, run: dg.DagsterRun) -> bool:
         """Does ``run`` run the target? An empty or absent asset selection means the whole job."""
@@ -108,9 +115,10 @@ class Target:
         """The target's upstream assets that ``run`` also selected (they run before it in that run)."""
         if self.asset_key is None or self._graph is None:
             return []
-        selected = set(run.asset_selection or ())
+        # A run of a define_asset_job job records no selection: the job's own selection is the plan.
+        selected = set(run.asset_selection or self._job_assets.get(run.job_name, frozenset()))
         if not selected:
-            return []  # a whole asset job: its selection is not recorded on the run; nothing to add
+            return []
         found: list[dg.AssetKey] = []
         frontier = [self.asset_key]
         seen = {self.asset_key}
@@ -178,6 +186,7 @@ class Reader:
         self._records: dict[str, dg.RunRecord | None] = {}
         self._materialized: dict[str, bool] = {}  #: the target asset's keys
         self._running: dict[str, list[Lease]] = {}  #: run id -> RUNNING leases it holds, any code
+        self._step_undone: dict[str, bool] = {}  #: run id -> a leased step of the code ended undone in it
 
     # -- lease rows --
 
@@ -307,6 +316,17 @@ class Reader:
                 self._materialized[key] = key in found
         return {k for k in keys if self._materialized.get(k)}
 
+    def step_undone(self, run_id: str) -> bool:
+        """Did a leased step of this code in run ``run_id`` record an outcome that is not done (its own
+        step event, not the run's tag)?"""
+        if run_id not in self._step_undone:
+            self._step_undone[run_id] = any(
+                record.get(metadata.META_CODE) == self.code
+                and record.get(metadata.META_OUTCOME) not in metadata.DONE_OUTCOMES
+                for record in step_records(self.instance, run_id).values()
+            )
+        return self._step_undone[run_id]
+
     def materialized_since(self, asset: dg.AssetKey, keys: Sequence[str], storage_id: int) -> set[str]:
         """Which of ``keys`` have a materialization of ``asset`` newer than event ``storage_id``."""
         found: set[str] = set()
@@ -421,22 +441,25 @@ def _singles(reader: Reader, keys: Sequence[str]) -> dict[str, list[dg.DagsterRu
 def key_runs(
     reader: Reader, ranges: RangeIndex, keys: Sequence[str], sensor_name: str, policy: judge.Policy
 ) -> tuple[dict[str, KeyRuns], dict[str, judge.Life]]:
-    """Per key: its runs newest first (single-partition and range runs) and this sensor's relaunches of it
-    (root runs it launched: a re-execution or a run retry copies the sensor's tag but is not a relaunch);
+    """Per key: its runs newest first (single-partition and range runs), this sensor's relaunches of it
+    (root runs it launched) and its attempts (those and Dagster's run retries of them, which carry
+    ``dagster/retry_number``; a person's re-execution copies the sensor's tag too but is neither);
     and what the lease table says of each unfinished run among them. Run records (timestamps) are read
     only for the runs that need them: unfinished ones, the last relaunch, and single runs to be ordered
     among range runs."""
     singles = _singles(reader, keys)
     ours = reader.by_partition(keys, {metadata.TAG_SENSOR_NAME: sensor_name}, policy.cap + RUNS_PER_KEY)
-    launched = {k: [r for r in ours[k] if r.parent_run_id is None] for k in keys}
+    attempts = {
+        k: [r for r in ours[k] if r.parent_run_id is None or RETRY_NUMBER_TAG in r.tags] for k in keys
+    }
     covering = {k: ranges.covering(k) for k in keys}
-    records = reader.records(records_wanted(keys, singles, covering, launched))
+    records = reader.records(records_wanted(keys, singles, covering, attempts))
     found: dict[str, KeyRuns] = {}
     lives: dict[str, judge.Life] = {}
     for key in keys:
         runs = _ordered(singles[key], covering[key], records)
         _add_lives(reader, ranges, policy, runs, records, lives)
-        found[key] = _key_runs(runs, launched[key], records)
+        found[key] = _key_runs(runs, attempts[key], records)
     return found, lives
 
 
@@ -447,7 +470,8 @@ def records_wanted(
     launched: Mapping[str, Sequence[dg.DagsterRun]],
 ) -> list[str]:
     """The runs whose records (timestamps) ``key_runs`` reads: a key's single runs when range runs cover
-    it (to order them among those) or when unfinished, then the last relaunch of each key."""
+    it (to order them among those) or when unfinished, then the last attempt (``launched``: relaunches and
+    their run retries, newest first) of each key."""
     wanted = [r.run_id for k in keys for r in singles[k] if covering[k] or r.status in NOT_FINISHED_STATUSES]
     return wanted + [runs[0].run_id for runs in launched.values() if runs]
 
@@ -468,11 +492,12 @@ def _add_lives(
                 lives[run.run_id] = life(reader, record, policy)
 
 
-def _key_runs(runs: list[Run], launched: list[dg.DagsterRun], records: Mapping[str, dg.RunRecord]) -> KeyRuns:
-    last = run_fact(launched[0], records.get(launched[0].run_id)) if launched else None
+def _key_runs(runs: list[Run], attempts: list[dg.DagsterRun], records: Mapping[str, dg.RunRecord]) -> KeyRuns:
+    last = run_fact(attempts[0], records.get(attempts[0].run_id)) if attempts else None
     return KeyRuns(
         runs=tuple(runs),
-        relaunches=len(launched),
+        relaunches=sum(1 for r in attempts if r.parent_run_id is None),
+        attempts=len(attempts),
         last_relaunch=None if last is None else last.run_id,
         last_relaunch_end_age_ms=None if last is None else last.ended_age_ms,
     )
@@ -541,12 +566,14 @@ class Walk:
 @dataclasses.dataclass(frozen=True)
 class _RunScope:
     """What the walk knows of one run while it walks its keys: the run as it names a key, its upstream
-    assets, the event-log position it started at, and whether its outcome tag says done."""
+    assets, the event-log position it started at, and why it is a zombie (an unfinished run)."""
 
     named: Named
     upstream: list[dg.AssetKey]
     start_id: int
-    outcome_done: bool
+    zombie: str | None = (
+        None  #: an unfinished run: why it is a zombie (it is tagged lost if it left keys undone)
+    )
 
 
 UNDONE_STATUSES = (dg.DagsterRunStatus.FAILURE, dg.DagsterRunStatus.STARTING, dg.DagsterRunStatus.STARTED)
@@ -605,7 +632,8 @@ class Walker:
             return False
         run = record.dagster_run
         self.walk.runs += 1
-        if not self._unsettled(record):
+        unsettled, zombie = self._unsettled(record)
+        if not unsettled:
             return True
         with dg.partition_loading_context(dynamic_partitions_store=self.reader.instance):
             keys = self.reader.target.keys_of(run)
@@ -614,7 +642,7 @@ class Walker:
             named=Named(run.run_id, self._why(record)),
             upstream=upstream,
             start_id=self.reader.first_storage_id(run.run_id) if upstream else 0,
-            outcome_done=run.tags.get(metadata.TAG_OUTCOME) in metadata.DONE_OUTCOMES,
+            zombie=zombie,
         )
         for begin in range(offset, len(keys), leases.KEYS_PER_STATEMENT):
             if self._spent():
@@ -629,13 +657,18 @@ class Walker:
         rows = self.reader.leases(chunk)
         done = [k for k, lease in rows.items() if lease.status == "SUCCESS"]
         materialized = self.reader.materialized(done) if self.policy.asset else set()
+        run_id = scope.named.run_id
+        # A job's key another run did: ask this run's own step events (read only then, once per run).
+        done_elsewhere = any(rows[k].holder_run_id != run_id for k in done)
+        step_undone = not self.policy.asset and done_elsewhere and self.reader.step_undone(run_id)
         undone = [
             k
             for k in chunk
-            if judge.left_undone(rows.get(k), k in materialized, self.policy, scope.outcome_done)
+            if judge.left_undone(rows.get(k), k in materialized, self.policy, run_id, step_undone)
         ]
         fresh = {a: self.reader.materialized_since(a, undone, scope.start_id) for a in scope.upstream}
-        run_id = scope.named.run_id
+        if undone and scope.zombie is not None:
+            self.walk.zombies[run_id] = scope.zombie
         for i, key in enumerate(chunk):
             if key in undone and key not in self.walk.named:
                 first = tuple(a.to_user_string() for a in scope.upstream if key not in fresh[a])
@@ -648,20 +681,16 @@ class Walker:
                 )
         self.walk.examined += len(chunk)
 
-    def _unsettled(self, record: dg.RunRecord) -> bool:
-        """Is this a run of the target that may have left keys undone (a zombie, if it is unfinished)?"""
+    def _unsettled(self, record: dg.RunRecord) -> tuple[bool, str | None]:
+        """Is this a run of the target that may have left keys undone (finished, or a zombie), and why it is
+        a zombie? Its keys decide what it left undone, never its outcome tag (a summary for people)."""
         run = record.dagster_run
-        if (
-            not self.reader.target.targets(run)
-            or run.tags.get(metadata.TAG_OUTCOME) in metadata.DONE_OUTCOMES
-        ):
-            return False
+        if not self.reader.target.targets(run):
+            return False, None
         if run.status not in judge.RUNNING:
-            return True
+            return True, None
         why = judge.zombie_reason(run.status, life(self.reader, record, self.policy), self.policy)
-        if why is not None:
-            self.walk.zombies[run.run_id] = why
-        return why is not None
+        return why is not None, why
 
     def _why(self, record: dg.RunRecord) -> str:
         run = record.dagster_run

@@ -123,10 +123,12 @@ class KeyFacts:
 
 @dataclasses.dataclass(frozen=True)
 class KeyRuns:
-    """A key's runs (newest first) and this sensor's relaunches of it (root runs it launched)."""
+    """A key's runs (newest first), this sensor's relaunches of it (root runs it launched) and its attempts
+    (those relaunches and Dagster's run retries of them; the last relaunch: the newest attempt)."""
 
     runs: tuple[Run, ...] = ()
     relaunches: int = 0
+    attempts: int = 0
     last_relaunch: str | None = None
     last_relaunch_end_age_ms: int | None = None
 
@@ -143,7 +145,7 @@ FINISHED = frozenset({dg.DagsterRunStatus.SUCCESS, dg.DagsterRunStatus.FAILURE, 
 class Policy:
     """The sensor's settings the judge applies (durations in milliseconds)."""
 
-    cap: int = 5  #: relaunches per key by this sensor
+    cap: int = 5  #: attempts per key by this sensor: its relaunches and Dagster's run retries of them
     backoff_ms: int = 120_000  #: the second relaunch waits this long after the key's last activity
     max_backoff_ms: int = 3_600_000
     relaunch_canceled: bool = False
@@ -163,6 +165,7 @@ class Action(enum.StrEnum):
     BACKING_OFF = "backing-off"  #: the next relaunch waits
     DONE = "done"  #: nothing to do
     DEFERRED = "deferred"  #: would be relaunched, but this tick's request budget is spent
+    GONE = "gone"  #: no longer a partition key of the target (a deleted dynamic partition): reported, passed
 
 
 @dataclasses.dataclass(frozen=True)
@@ -266,12 +269,16 @@ def zombie_reason(status: dg.DagsterRunStatus, life: Life | None, policy: Policy
     return None
 
 
-def left_undone(lease: Lease | None, materialized: bool | None, policy: Policy, outcome_done: bool) -> bool:
-    """Did a run that covered this key leave it undone (as the walk over unsettled runs asks)?
+def left_undone(
+    lease: Lease | None, materialized: bool | None, policy: Policy, run_id: str, step_undone: bool
+) -> bool:
+    """Did run ``run_id``, which covered this key, leave it undone (as the walk over unsettled runs asks)?
+    From the key's own facts only, never the run's outcome tag (a summary for people).
 
     No row, a FAIL row, or a RUNNING row whose holder is dead by the lease alone: yes. A SUCCESS row: for
-    an asset, when this instance has no materialization of the key; for a job, when the run's own outcome
-    for it was not done (it failed ``held``: another run did it, and this one ended red).
+    an asset, when this instance has no materialization of the key; for a job, when another run did it
+    and this run's leased step of the code ended undone (``step_undone``: it failed ``held``, so the run is
+    red on it: a green run settles it). A run whose leased step never ran left a done key done.
     """
     if lease is None or lease.status == "FAIL":
         return True
@@ -279,7 +286,7 @@ def left_undone(lease: Lease | None, materialized: bool | None, policy: Policy, 
         return _death(lease, policy) is not None
     if policy.asset:
         return materialized is False
-    return not outcome_done
+    return lease.holder_run_id != run_id and step_undone
 
 
 def _upstream(facts: KeyFacts) -> tuple[str, ...]:
@@ -372,8 +379,12 @@ def verdict_for(need: Need, runs: KeyRuns, lives: Mapping[str, Life], policy: Po
     if latest is not None and latest.status == dg.DagsterRunStatus.CANCELED and not policy.relaunch_canceled:
         return Verdict(key, Action.CANCELED, f"run {latest.run_id} was canceled")
     done = runs.relaunches
-    if done >= policy.cap:
-        return Verdict(key, Action.CAPPED, f"{done} relaunches ({need.why}); last run {runs.last_relaunch}")
+    tried = max(done, runs.attempts)
+    if tried >= policy.cap:
+        counted = (
+            f"{done} relaunches" if tried == done else f"{tried} attempts ({done} relaunches and run retries)"
+        )
+        return Verdict(key, Action.CAPPED, f"{counted} ({need.why}); last run {runs.last_relaunch}")
     idle = need.idle_ms if need.idle_ms is not None else runs.last_relaunch_end_age_ms
     wait = backoff_ms(done, policy.backoff_ms, policy.max_backoff_ms)
     if idle is not None and idle < wait:

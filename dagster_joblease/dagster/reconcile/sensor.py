@@ -109,6 +109,8 @@ class _Tick:
         self.out_of_time = False
         self.freed: dict[str, str] = {}  #: run id -> why: dead holders whose lease this tick took
         self._ranges: facts.RangeIndex | None = None
+        #: keys no longer partitions that earlier ticks reported (logged once; the message still counts them)
+        self.reported_gone: set[str] = set(self.cursor.get("gone", []))
 
     # -- sources --------------------------------------------------------------------------------------
 
@@ -171,11 +173,18 @@ class _Tick:
     def judge(self, keys: Sequence[str]) -> None:
         """Judge ``keys`` a page at a time; once the time budget is spent the rest stay unjudged."""
         with dg.partition_loading_context(effective_dt=self.now, dynamic_partitions_store=self.instance):
-            valid = [
-                k
-                for k in keys
-                if k not in self.judged and self.settings.target.partitions_def.has_partition_key(k)
-            ]
+            fresh = [k for k in keys if k not in self.judged]
+            valid = [k for k in fresh if self.settings.target.partitions_def.has_partition_key(k)]
+        for key in sorted(set(fresh) - set(valid)):  # judged (reported, passed): every cursor moves past it
+            self.judgement.verdicts.append(
+                Verdict(key, Action.GONE, f"no longer a partition of {self.settings.target.label}")
+            )
+            self.judged.add(key)
+            if key not in self.reported_gone and len(self.judgement.of(Action.GONE)) <= SHOWN_IN_MESSAGE:
+                self.context.log.warning(
+                    f"key {key!r} of code {self.settings.code!r} is no longer a partition of "
+                    f"{self.settings.target.label} (a deleted dynamic partition?); passed, not relaunched"
+                )
         for offset in range(0, len(valid), facts.KEYS_PER_RUN_QUERY):
             if time.monotonic() - self.started > TICK_BUDGET_S:
                 self.out_of_time = True
@@ -363,6 +372,9 @@ class _Tick:
             "finished": finished,
             "capped": dict(sorted(capped.items())[:SHOWN_IN_CURSOR]),
             "capped_count": len(capped),
+            "gone": sorted(self.reported_gone | {v.key for v in self.judgement.of(Action.GONE)})[
+                :SHOWN_IN_CURSOR
+            ],
         }
         requests = [self.request(v) for v in self.judgement.of(Action.RELAUNCH)]
         message = _message(self.judgement, self.settings, remaining, walk, self.out_of_time)
@@ -431,6 +443,9 @@ def _message(
     deferred = len(judgement.of(Action.DEFERRED)) + max(0, recorded - RECORDS_PER_TICK)
     if deferred:
         parts.append(f"{deferred} more next tick (max_requests_per_tick={settings.max_requests})")
+    gone = judgement.of(Action.GONE)
+    if gone:
+        parts.append("no longer a partition, passed: " + _listed(gone, with_why=False))
     live = len(judgement.of(Action.LIVE))
     if live:
         parts.append(f"{live} held by a live lease")
@@ -527,7 +542,9 @@ def build_reconciliation_sensor(
         catch_up_from: a partition key; partitions from it up to the last complete one that were never
             attempted (no lease row) are requested too, oldest first. ``None`` (default): no catch-up.
         max_requests_per_tick: at most this many run requests per evaluation (relaunches first).
-        max_relaunches: relaunches per partition by this sensor before it gives up and says so.
+        max_relaunches: attempts per partition by this sensor before it gives up and says so: its
+            relaunches and the run retries Dagster launched for them (``dagster/retry_number``); a
+            person's re-execution does not count.
         backoff / max_backoff: the n-th relaunch waits ``backoff * 2**(n-2)`` (capped) after the lease's
             last activity; the first relaunch is immediate.
         relaunch_canceled: relaunch a partition whose latest run was canceled (default: leave it alone),
