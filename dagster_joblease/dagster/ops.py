@@ -109,7 +109,10 @@ class LeasedRun:
         self.resource = resource
         self.lease = held
         self.partition_key = partition_key
+        #: what ``enqueue_once`` returned, for rows that are written: those of a :meth:`transaction` that
+        #: committed (a refused or rolled-back one adds none), and those on a connection of the body's own
         self.enqueued: list[bool] = []
+        self._uncommitted: list[bool] | None = None
 
     @property
     def idempotency_key(self) -> str:
@@ -126,8 +129,14 @@ class LeasedRun:
         If the lease was reclaimed, finished or expired, :class:`LostLeaseError` is raised and nothing
         of the transaction is written.
         """
-        with self.resource.lease_service.fenced_transaction(self.lease) as connection:
-            yield connection
+        pending: list[bool] = []
+        self._uncommitted = pending
+        try:
+            with self.resource.lease_service.fenced_transaction(self.lease) as connection:
+                yield connection
+        finally:
+            self._uncommitted = None
+        self.enqueued.extend(pending)  # committed: its rows exist, whatever happens to the lease next
 
     def enqueue_once(
         self,
@@ -148,7 +157,7 @@ class LeasedRun:
             payload=payload,
             ordering_key=ordering_key,
         )
-        self.enqueued.append(inserted)
+        (self.enqueued if self._uncommitted is None else self._uncommitted).append(inserted)
         return inserted
 
 
@@ -508,8 +517,12 @@ def _settle_per_key(step: _Step, jobs: Sequence[identity.JobIdentity]) -> _Settl
         return step.fn(run)
 
     report = waiting.settle_each(step.wait, jobs, body)
+    # A key's outbox result is what its body's committed transactions enqueued, whatever the key came to:
+    # a key lost after its commit has its row (it will be delivered).
     results = [
-        _leased_result(step, key, runs[key.job.idempotency_key].enqueued if key.lease is not None else [])
+        _leased_result(
+            step, key, runs[key.job.idempotency_key].enqueued if key.job.idempotency_key in runs else []
+        )
         for key in report.outcomes
     ]
     return _Settled(results, report.error, report.interrupt)
@@ -537,7 +550,10 @@ class LeasedBatch:
         self.service = service
         self.leases = tuple(leases)
         self.partition_keys: list[str | None] = [x.identity.run_key for x in self.leases]
+        #: per idempotency key, what ``enqueue_many`` returned, for rows that are written (as
+        #: :attr:`LeasedRun.enqueued`: a refused or rolled-back transaction adds none)
         self.enqueued: dict[str, bool] = {}
+        self._uncommitted: dict[str, bool] | None = None
 
     @property
     def idempotency_keys(self) -> dict[str | None, str]:
@@ -555,8 +571,14 @@ class LeasedBatch:
         If any lease of the set was lost, nothing of the block runs or commits, every lease of the set is
         failed for a retry and :class:`~dagster_joblease.errors.LostBatchLeaseError` names the key.
         """
-        with batch_leases.fenced_transaction_many(self.service, self.leases) as connection:
-            yield connection
+        pending: dict[str, bool] = {}
+        self._uncommitted = pending
+        try:
+            with batch_leases.fenced_transaction_many(self.service, self.leases) as connection:
+                yield connection
+        finally:
+            self._uncommitted = None
+        self.enqueued.update(pending)
 
     def enqueue_many(
         self,
@@ -580,8 +602,9 @@ class LeasedBatch:
             )
         items = [outbox.OutboxItem(keys[k], topic, payload, ordering_key) for k, payload in payloads.items()]
         inserted = outbox.enqueue_many(connection, items)
+        written = self.enqueued if self._uncommitted is None else self._uncommitted
         for item, was_inserted in zip(items, inserted, strict=True):
-            self.enqueued[item.idempotency_key] = was_inserted
+            written[item.idempotency_key] = was_inserted
         return inserted
 
 
