@@ -3,6 +3,13 @@
 Dagster's ``run_key`` only dedupes a schedule within one tick, and backfills, manual launches,
 re-executions and retries never consult it; the lease does the real deduplication. Mapping the tick's
 partition key onto the lease's run key is what makes all of those paths one logical run.
+
+**Missed ticks are not caught up** (:data:`NO_CATCH_UP`): ticks missed while the scheduler daemon was
+down are not evaluated, only the latest one, so their partitions are not requested. This is Dagster's
+own rule for every schedule in 1.12 and 1.13, ``build_schedule_from_partitioned_job``'s included (a
+schedule's snapshot carries no partition set, and the scheduler then logs "has no partition set, so not
+trying to catch up"): replacing one with this loses nothing. What covers missed partitions is the
+reconciliation sensor's ``catch_up_from`` (``build_reconciliation_sensor``), or a backfill.
 """
 
 from __future__ import annotations
@@ -19,7 +26,14 @@ from dagster_joblease.dagster.holders import decode_holder
 from dagster_joblease.storage import leases
 from dagster_joblease.storage.engine import translate_errors
 
-__all__ = ["build_leased_schedule", "partition_for_tick"]
+__all__ = ["NO_CATCH_UP", "build_leased_schedule", "partition_for_tick"]
+
+#: Said in every leased schedule's description (the UI's schedule page) and docstring.
+NO_CATCH_UP = (
+    "Ticks missed while the scheduler daemon was down are not caught up (Dagster evaluates only the "
+    "latest, as for every schedule); build_reconciliation_sensor(catch_up_from=...) or a backfill "
+    "requests their partitions."
+)
 
 
 def _time_partitions(job: dg.JobDefinition, code: str) -> dg.TimeWindowPartitionsDefinition:
@@ -68,6 +82,12 @@ def build_leased_schedule(
     requests its partition and the run itself skips, tagged ``skipped-succeeded``). When the look-up
     fails (the database is down), the tick requests the run anyway and logs why: the lease still decides.
 
+    **Missed ticks are not caught up**: when the scheduler daemon was down over several ticks, only the
+    latest is evaluated, so only its partition is requested (Dagster's rule for every schedule,
+    ``build_schedule_from_partitioned_job``'s included). Give the job's reconciliation sensor
+    ``catch_up_from=<first partition key>`` (it requests every never-attempted partition from there), or
+    launch a backfill. The schedule's description says so (:data:`NO_CATCH_UP`).
+
     ``job_by_name=True`` makes the schedule name its job instead of holding it, so the job must be in the
     same ``Definitions``' ``jobs``; the Components use it (a defs folder rebuilds the job objects it loads,
     and a schedule holding the original would be a second job of the same name).
@@ -84,8 +104,11 @@ def build_leased_schedule(
     @dg.schedule(
         cron_schedule=cron,
         name=name or f"{job.name}_schedule",
-        description=description
-        or f"Requests the last complete partition of {job.name} under lease code {code!r}.",
+        description=(
+            description or f"Requests the last complete partition of {job.name} under lease code {code!r}."
+        )
+        + " "
+        + NO_CATCH_UP,
         execution_timezone=timezone,
         default_status=default_status,
         tags={metadata.TAG_CODE: identity.JobIdentity.initial(code).code},
