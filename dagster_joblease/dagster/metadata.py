@@ -81,6 +81,7 @@ from typing import Any
 import dagster as dg
 
 from dagster_joblease import identity
+from dagster_joblease.dagster.holders import decode_holder
 from dagster_joblease.waiting import Outcome
 
 __all__ = [
@@ -94,6 +95,7 @@ __all__ = [
     "META_CODE",
     "META_ERROR",
     "META_FIRST_KEYS",
+    "META_HELD_BY",
     "META_HOLDER",
     "META_IDEMPOTENCY_KEY",
     "META_KEYS",
@@ -197,6 +199,9 @@ META_RUN_KEY = "joblease/run_key"
 META_IDEMPOTENCY_KEY = "joblease/idempotency_key"
 META_ATTEMPT = "joblease/attempt"
 META_HOLDER = "joblease/holder"
+#: On a ``held`` step: the live holder it waited for, a run link when it is a Dagster run (text for a
+#: holder outside Dagster; ``multiple`` when the held keys of a range had different holders).
+META_HELD_BY = "joblease/held_by"
 META_ERROR = "joblease/error"
 META_OUTBOX = "joblease/outbox"
 META_KEYS = "joblease/keys"  #: how many keys the step covered
@@ -455,7 +460,8 @@ def step_metadata(
     """A leased step's metadata: every fact the run tags leave out, and every key's outcome.
 
     One key: its outcome, winner (a link to the winner's run), code, run key, idempotency key, attempt,
-    holder, outbox result and error. Several keys (a range): the worst outcome, the winner (or
+    holder, outbox result and error; a ``held`` step also the holder it waited for (:data:`META_HELD_BY`,
+    a run link). Several keys (a range): the worst outcome, the winner (or
     ``multiple``), code, the range, the number of keys, the counts per outcome, the first error, and a
     per-key table up to :data:`TABLE_MAX_KEYS` keys; past that (or with ``per_key_table=False``), the
     first :data:`FIRST_KEYS_SHOWN` keys of each outcome instead.
@@ -470,9 +476,26 @@ def step_metadata(
         META_RUN_KEY: dg.MetadataValue.text(_run_key_label([r.partition_key for r in results])),
         META_ERROR: dg.MetadataValue.text(NONE if error is None else bound_tag_text(error)),
     }
+    held_by = held_by_value(results)
+    if held_by is not None:
+        meta[META_HELD_BY] = held_by
     if len(results) == 1:
         return {**meta, **_one_key_metadata(results[0])}
     return {**meta, **_range_metadata(results, per_key_table=per_key_table)}
+
+
+def held_by_value(results: Sequence[LeasedResult]) -> dg.MetadataValue | None:
+    """The live holder the ``held`` keys waited for (None when no key is held): a link to its Dagster run,
+    one click away like a skip's winner; its text for a holder outside Dagster; :data:`MULTIPLE` for
+    several holders."""
+    holders = {r.holder or NONE for r in results if r.outcome == HELD}
+    if not holders:
+        return None
+    if len(holders) > 1:
+        return dg.MetadataValue.text(MULTIPLE)
+    (holder,) = holders
+    decoded = decode_holder(holder)
+    return dg.MetadataValue.text(holder) if decoded is None else dg.MetadataValue.dagster_run(decoded.run_id)
 
 
 def first_error(results: Sequence[LeasedResult]) -> str | None:

@@ -13,7 +13,8 @@ import dagster as dg
 
 from dagster_joblease import JobIdentity, LeaseService, create_engine
 from dagster_joblease.dagster import TAG_OUTCOME, TAG_WINNER, TAG_WORK, JobLeaseResource, encode_holder
-from dagster_joblease.dagster.metadata import META_HOLDER, META_OUTCOME, META_WINNER
+from dagster_joblease.dagster.metadata import META_HELD_BY, META_HOLDER, META_OUTCOME, META_WINNER
+from dagster_joblease.dagster.ops import step_records
 from tests.dagster import jobs
 from tests.dagster.conftest import DagsterPg
 
@@ -107,6 +108,27 @@ def test_a_held_partition_fails_and_materializes_nothing(dagster_pg: DagsterPg) 
     assert failure.step_failure_data.user_failure_data.metadata[META_HOLDER] == dg.MetadataValue.text(
         "worker:7"
     )
+
+
+def test_a_held_run_links_the_run_holding_its_partition(dagster_pg: DagsterPg) -> None:
+    """The holder is one click away in the failure's metadata, as a skip's winner is (#40 item 6)."""
+    day, holder_run = "2024-03-04", str(uuid.uuid4())
+    engine = create_engine(dagster_pg.joblease_url)
+    try:
+        service = LeaseService(
+            engine, lease_ms=600_000, heartbeat_ms=0, holder=encode_holder("other-deployment", holder_run)
+        )
+        assert service.acquire(JobIdentity.schedule("t-asset", day)) is not None
+        result = _materialize(dagster_pg, day, held_wait_ms=200)
+    finally:
+        engine.dispose()
+    assert not result.success
+    (failure,) = [e for e in result.all_events if e.is_step_failure]
+    assert failure.step_failure_data.user_failure_data is not None
+    held_by = failure.step_failure_data.user_failure_data.metadata[META_HELD_BY]
+    assert held_by == dg.MetadataValue.dagster_run(holder_run)
+    records = step_records(dagster_pg.instance, result.run_id)
+    assert [r[META_HELD_BY] for r in records.values()] == [holder_run]
 
 
 def test_a_range_run_records_the_keys_it_did_even_when_one_is_held(dagster_pg: DagsterPg) -> None:
