@@ -12,23 +12,18 @@ from __future__ import annotations
 
 import datetime as dt
 import logging
-from pathlib import Path
 
 import dagster as dg
-from dagster._core.remote_origin import InProcessCodeLocationOrigin
 from dagster._core.test_utils import freeze_time
-from dagster._core.types.loadable_target_origin import LoadableTargetOrigin
-from dagster._core.workspace.context import WorkspaceProcessContext
-from dagster._core.workspace.load_target import InProcessWorkspaceLoadTarget
 from dagster._scheduler.scheduler import launch_scheduled_runs
 from dagster._time import get_current_datetime
 
 from dagster_joblease.dagster import build_leased_schedule
 from dagster_joblease.dagster.schedules import NO_CATCH_UP
 from tests.dagster import schedule_location as loc
+from tests.dagster.deployments import deployment
 
 MODULE = "tests.dagster.schedule_location"
-REPO_ROOT = Path(__file__).resolve().parents[2]
 LOG = logging.getLogger("test_schedule_catch_up")
 #: Runs are only counted: the coordinator records them and nothing launches them.
 NO_LAUNCH = {"run_launcher": {"module": "dagster._core.test_utils", "class": "MockedRunLauncher"}}
@@ -36,22 +31,15 @@ NO_LAUNCH = {"run_launcher": {"module": "dagster._core.test_utils", "class": "Mo
 
 def test_missed_ticks_are_not_caught_up_by_a_leased_schedule_nor_by_dagsters() -> None:
     started = dt.datetime(2024, 6, 10, 12, tzinfo=dt.UTC)
-    with dg.instance_for_test(overrides=NO_LAUNCH) as instance:
-        origin = InProcessCodeLocationOrigin(
-            loadable_target_origin=LoadableTargetOrigin(
-                module_name=MODULE, attribute="defs", working_directory=str(REPO_ROOT)
-            ),
-            location_name="schedule_location",
-        )
-        with WorkspaceProcessContext(instance, InProcessWorkspaceLoadTarget(origin)) as workspace:
-            location = workspace.create_request_context().get_code_location("schedule_location")
-            repository = next(iter(location.get_repositories().values()))
-            with freeze_time(started):
-                for name in ("leased_schedule", "dagsters_schedule"):
-                    instance.start_schedule(repository.get_schedule(name))
-            # The daemon was down for three days: 11, 12 and 13 June 00:00 were missed.
-            with freeze_time(started + dt.timedelta(days=3, hours=1)):
-                list(launch_scheduled_runs(workspace, LOG, get_current_datetime(), iteration_times={}))
+    with deployment(MODULE, NO_LAUNCH) as (instance, workspace):
+        location = workspace.create_request_context().get_code_location("schedule_location")
+        repository = next(iter(location.get_repositories().values()))
+        with freeze_time(started):
+            for name in ("leased_schedule", "dagsters_schedule"):
+                instance.start_schedule(repository.get_schedule(name))
+        # The daemon was down for three days: 11, 12 and 13 June 00:00 were missed.
+        with freeze_time(started + dt.timedelta(days=3, hours=1)):
+            list(launch_scheduled_runs(workspace, LOG, get_current_datetime(), iteration_times={}))
         launched = {
             name: sorted(
                 r.tags["dagster/partition"]

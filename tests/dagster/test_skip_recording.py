@@ -19,17 +19,13 @@ from __future__ import annotations
 
 import contextlib
 import logging
-from collections.abc import Iterator, Sequence
-from pathlib import Path
+from collections.abc import Sequence
 
 import dagster as dg
 import pytest
 import sqlalchemy as sa
 from dagster._core.execution.backfill import BulkActionStatus, PartitionBackfill
-from dagster._core.remote_origin import InProcessCodeLocationOrigin
-from dagster._core.types.loadable_target_origin import LoadableTargetOrigin
 from dagster._core.workspace.context import WorkspaceProcessContext
-from dagster._core.workspace.load_target import InProcessWorkspaceLoadTarget
 from dagster._daemon.backfill import execute_backfill_iteration
 from dagster._time import get_current_timestamp
 
@@ -41,10 +37,10 @@ from dagster_joblease.storage import create_engine
 from dagster_joblease.storage.schema import lease_table, outbox_table
 from tests.dagster import skip_location as loc
 from tests.dagster.conftest import DagsterPg
+from tests.dagster.deployments import deployment
 
 QUIET = {"loggers": {"console": {"config": {"log_level": "ERROR"}}}}
 MODULE = "tests.dagster.skip_location"
-REPO_ROOT = Path(__file__).resolve().parents[2]
 #: A backfill of a few partitions settles in a handful of daemon iterations; 1.12 never settles one whose
 #: successful runs materialized nothing (it waits for a materialization forever), so the loop is bounded.
 ITERATIONS = 12
@@ -58,18 +54,9 @@ SYNC_LAUNCHER = {
 }
 
 
-@contextlib.contextmanager
-def _deployment() -> Iterator[tuple[dg.DagsterInstance, WorkspaceProcessContext]]:
+def _deployment() -> contextlib.AbstractContextManager[tuple[dg.DagsterInstance, WorkspaceProcessContext]]:
     """A temporary instance whose runs execute in process, with ``skip_location`` loaded as a location."""
-    with dg.instance_for_test(overrides=SYNC_LAUNCHER) as instance:
-        origin = InProcessCodeLocationOrigin(
-            loadable_target_origin=LoadableTargetOrigin(
-                module_name=MODULE, attribute="defs", working_directory=str(REPO_ROOT)
-            ),
-            location_name="skip_location",
-        )
-        with WorkspaceProcessContext(instance, InProcessWorkspaceLoadTarget(origin)) as workspace:
-            yield instance, workspace
+    return deployment(MODULE, SYNC_LAUNCHER)
 
 
 def _backfill(
