@@ -26,11 +26,21 @@ flags, the machine's load). Paths:
   keep-alive ``httpx.HTTPTransport`` (how the dispatcher's own client sends). The receiver's CPU share
   of one core is printed for each side: a receiver near 100% is the bottleneck and the figure measures
   it, not the dispatcher.
+* ``no-op transport`` (issue 36: the dispatcher's own cost), in 1 and 4 processes: ``Dispatcher.dispatch(
+  limit=100)`` at concurrency 1 whose requests return at once (a caller's ``httpx.Client`` over
+  ``httpx.MockTransport`` answering 200: claim → send → record with no network), vs a bare psycopg loop
+  doing the same statements on the same table (claim 100 with ``FOR UPDATE SKIP LOCKED``, then mark the
+  100 SENT in one statement, both prepared, autocommit). Each call is one batch of 100 rows (both sides
+  check it), so batches/s x 100 is rows/s; 200,000 due rows are filled before each window.
+* ``enqueue_many``, 1,000 rows in one caller transaction per call (``with engine.begin()`` and on a
+  psycopg connection), vs a set-based floor: one ``INSERT … SELECT … FROM unnest(keys, payloads,
+  sha256s) ON CONFLICT DO NOTHING RETURNING`` of the same rows (JSON text and SHA-256 computed the plain
+  way, each array sent as one literal string), one transaction per call.
 * ``claim latency``: the dispatcher's claim of 100 rows with 1,000 due among 200,000 sent rows
   (1,000,000 with ``--long``) vs 1,000 due alone, alternating between two databases.
 
-Goals: enqueue >= 0.8 of physical and >= 0.9 of same-table; delivery at concurrency 8 >= 0.8; claim
-latency <= 1.5x.
+Goals: enqueue >= 0.8 of physical and >= 0.9 of same-table; delivery at concurrency 8 >= 0.8; the no-op
+transport >= 0.8 of its bare loop; enqueue_many >= 0.8 of unnest; claim latency <= 1.5x.
 """
 
 from __future__ import annotations
@@ -322,6 +332,155 @@ def _fill_pending(url: str, rows: int, prefix: str) -> None:
         conn.execute("ANALYZE joblease_outbox")
 
 
+# -- the no-op transport: the dispatcher's own cost --------------------------------------------------------
+
+NOOP_FILL = 200_000
+BARE_CLAIM = (
+    "WITH due AS (SELECT id FROM joblease_outbox WHERE status = 'PENDING' AND topic = 'bench' "
+    "AND next_attempt_at <= clock_timestamp() AND (claim_expires_at IS NULL OR claim_expires_at <= "
+    "clock_timestamp()) ORDER BY next_attempt_at, id LIMIT 100 FOR UPDATE SKIP LOCKED) "
+    "UPDATE joblease_outbox o SET claim_token = %s, claim_expires_at = clock_timestamp() + interval '60 s', "
+    "attempts = o.attempts + 1, updated_at = clock_timestamp() FROM due WHERE o.id = due.id "
+    "RETURNING o.id, o.idempotency_key, o.payload::text"
+)
+BARE_SENT = (
+    "UPDATE joblease_outbox SET status = 'SENT', sent_at = clock_timestamp(), last_status = 200, "
+    "claim_token = NULL, claim_expires_at = NULL, updated_at = clock_timestamp() "
+    "WHERE id = ANY(%s) AND claim_token = %s AND status = 'PENDING'"
+)
+
+
+def noop_side(kind: str, url: str) -> Setup:
+    """One batch of 100 rows per call: the dispatcher over a transport that answers at once, or the bare
+    claim + mark-SENT loop."""
+
+    def setup() -> tuple[Step, Callable[[], None]]:
+        if kind == "bare":
+            conn = psycopg.connect(dsn(url), autocommit=True)
+
+            def bare(_i: int) -> None:
+                token = secrets.token_hex(16)
+                rows = conn.execute(BARE_CLAIM, (token,), prepare=True).fetchall()
+                assert len(rows) == 100, len(rows)
+                conn.execute(BARE_SENT, ([r[0] for r in rows], token), prepare=True)
+
+            return bare, conn.close
+        engine = create_engine(url)
+        client = httpx.Client(transport=httpx.MockTransport(lambda _request: httpx.Response(200)))
+        route = Route("http://noop.invalid/bench")
+        dispatcher = Dispatcher(engine, {"bench": route}, concurrency=1, client=client)
+
+        def library(_i: int) -> None:
+            report = dispatcher.dispatch(limit=100)
+            assert report.sent == 100, report
+
+        def close() -> None:
+            dispatcher.close()
+            client.close()
+            engine.dispose()
+
+        return library, close
+
+    return setup
+
+
+# -- enqueue_many: 1,000 rows in one transaction --------------------------------------------------------
+
+MANY_ROWS = 1_000
+UNNEST_INSERT = (
+    "INSERT INTO joblease_outbox (idempotency_key, topic, payload, payload_sha256, status, attempts, "
+    "next_attempt_at, created_at, updated_at) SELECT k, 'bench', p::jsonb, s, 'PENDING', 0, "
+    "clock_timestamp(), clock_timestamp(), clock_timestamp() FROM unnest(%s::text[], %s::text[], "
+    "%s::text[]) AS r(k, p, s) ORDER BY k ON CONFLICT (idempotency_key) DO NOTHING RETURNING idempotency_key"
+)
+MANY_SIDES = ("unnest", "psycopg", "library")
+
+
+def _array(values: list[str]) -> str:
+    """A PostgreSQL array literal of ``values``, built as one string: psycopg's Python dumper of a list
+    costs more client CPU per element than the whole INSERT's other work (the library avoids it too,
+    ``storage/rowset.py``)."""
+    quoted = (v.replace("\\", "\\\\").replace('"', '\\"') for v in values)
+    return "{" + ",".join(f'"{q}"' for q in quoted) + "}"
+
+
+def many_side(kind: str, url: str) -> Setup:
+    """One call: 1,000 rows enqueued in one transaction."""
+
+    def setup() -> tuple[Step, Callable[[], None]]:
+        prefix = f"v2:many-{kind}-{os.getpid()}-{secrets.token_hex(3)}-"
+        engine = create_engine(url)
+        pg = psycopg.connect(dsn(url))
+
+        def step(i: int) -> None:
+            keys = [f"{prefix}{i}-{j}" for j in range(MANY_ROWS)]
+            if kind == "unnest":
+                texts = [_text(j) for j in range(MANY_ROWS)]
+                shas = [hashlib.sha256(t.encode()).hexdigest() for t in texts]
+                arrays = (_array(keys), _array(texts), _array(shas))
+                got = pg.execute(UNNEST_INSERT, arrays, prepare=True).fetchall()
+                assert len(got) == MANY_ROWS
+                pg.commit()
+                return
+            items = [(key, "bench", payload(j)) for j, key in enumerate(keys)]
+            if kind == "psycopg":
+                outbox.enqueue_many(pg, items)
+                pg.commit()
+            else:
+                with engine.begin() as conn:
+                    outbox.enqueue_many(conn, items)
+
+        def close() -> None:
+            pg.close()
+            engine.dispose()
+
+        return step, close
+
+    return setup
+
+
+def many_and_noop(url: str, rounds: int, seconds: float, processes: list[int]) -> list[Figure]:
+    """The enqueue_many and no-op transport figures (see the module's docstring)."""
+    out: list[Figure] = []
+    for procs in processes:
+
+        def many(kind: str, p: int = procs) -> Sample:
+            _truncate(url)
+            return run_window(many_side(kind, url), p, seconds, warm=2, before_window=lambda: checkpoint(url))
+
+        got = rotate(rounds, {kind: functools.partial(many, kind) for kind in MANY_SIDES})
+        for kind, label in (
+            ("psycopg", "enqueue_many, 1,000 rows/transaction, psycopg connection"),
+            ("library", "enqueue_many, 1,000 rows/transaction, inside engine.begin()"),
+        ):
+            out.append(figure(label, procs, "unnest INSERT", got["unnest"], got[kind], goal=0.8))
+            _show(out[-1])
+
+        def noop(kind: str, p: int = procs) -> Sample:
+            _truncate(url)
+            _fill_pending(url, NOOP_FILL, f"v2:noop-{secrets.token_hex(3)}-")
+            sample = run_window(
+                noop_side(kind, url), p, seconds, warm=2, before_window=lambda: checkpoint(url)
+            )
+            return Sample(sample.rate * 100, sample.cpu_us / 100)  # rows/s, CPU us per row
+
+        got = rotate(rounds, {"bare": lambda: noop("bare"), "library": lambda: noop("library")})
+        out.append(
+            figure(
+                "no-op transport: claim -> send -> record, rows/s",
+                procs,
+                "bare claim+SENT loop",
+                got["bare"],
+                got["library"],
+                goal=0.8,
+                note=f"bare loop median {statistics.median(s.rate for s in got['bare']):,.0f} rows/s, "
+                f"dispatcher {statistics.median(s.rate for s in got['library']):,.0f}",
+            )
+        )
+        _show(out[-1])
+    return out
+
+
 # -- claim latency --------------------------------------------------------------------------------------
 
 
@@ -426,6 +585,7 @@ def suite(
                 )
             )
             _show(out[-1])
+        out.extend(many_and_noop(url, rounds, seconds, processes))
         target_base, stop_receiver, receiver_pid = start_plain_receiver_process(dsn(url))
         target = target_base + "/bench"
         for concurrency in (1, 8):
