@@ -201,13 +201,13 @@ def test_record_now(finished: bool, urgent: bool, busy: bool, since_flush_s: flo
 @pytest.mark.parametrize(
     ("can_refill", "freed", "blocked", "busy", "mixed", "any_due", "expected"),
     [
-        (False, True, True, False, True, True, capacity.Refill.NONE),
-        (True, True, False, True, False, False, capacity.Refill.LIMITED),
-        (True, False, True, False, False, False, capacity.Refill.LIMITED),
-        (True, False, True, True, False, False, capacity.Refill.NONE),
-        (True, False, True, True, True, True, capacity.Refill.ANY),
-        (True, False, False, True, True, False, capacity.Refill.NONE),
-        (True, False, False, False, False, True, capacity.Refill.NONE),
+        (False, True, True, False, True, True, capacity.NextClaim.NONE),
+        (True, True, False, True, False, False, capacity.NextClaim.LIMITED),
+        (True, False, True, False, False, False, capacity.NextClaim.LIMITED),
+        (True, False, True, True, False, False, capacity.NextClaim.NONE),
+        (True, False, True, True, True, True, capacity.NextClaim.ANY),
+        (True, False, False, True, True, False, capacity.NextClaim.NONE),
+        (True, False, False, False, False, True, capacity.NextClaim.NONE),
     ],
 )
 def test_next_refill(

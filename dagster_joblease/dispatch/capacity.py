@@ -21,7 +21,7 @@ __all__ = [
     "LIMIT_WAIT_S",
     "SLOT_POLL_S",
     "Layout",
-    "Refill",
+    "NextClaim",
     "claim_size",
     "hands_on",
     "held_back",
@@ -165,7 +165,7 @@ def record_now(*, finished: bool, urgent: bool, busy: bool, since_flush_s: float
     return finished and (urgent or not busy or since_flush_s >= delay_s)
 
 
-class Refill:
+class NextClaim:
     """Which claim a running batch makes after a turn (see :func:`next_refill`)."""
 
     NONE = "none"
@@ -183,12 +183,12 @@ def next_refill(
     ``busy``: deliveries in flight; ``mixed``: the routes have limited and unlimited groups; ``any_due``:
     the poll for any due row is due."""
     if not can_refill:
-        return Refill.NONE
+        return NextClaim.NONE
     if freed or (blocked and not busy):
-        return Refill.LIMITED
+        return NextClaim.LIMITED
     if mixed and any_due:
-        return Refill.ANY
-    return Refill.NONE
+        return NextClaim.ANY
+    return NextClaim.NONE
 
 
 def limit_wait(blocked: Mapping[str, float], budget: int, waited: float, stopping: bool) -> float | None:

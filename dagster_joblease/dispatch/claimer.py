@@ -37,7 +37,13 @@ from dagster_joblease import errors, limits
 from dagster_joblease.dispatch import capacity, decisions, policy
 from dagster_joblease.dispatch.capacity import APPLIED_TRUST_S, GROW_NOW, SLOT_POLL_S
 from dagster_joblease.dispatch.claims import Claimed, Finished, from_row
-from dagster_joblease.dispatch.recorder import MAX_REPORT_ROWS, DispatchReport, Recorder, Refill, RowOutcome
+from dagster_joblease.dispatch.recorder import (
+    MAX_REPORT_ROWS,
+    DispatchReport,
+    MergedRefill,
+    Recorder,
+    RowOutcome,
+)
 from dagster_joblease.dispatch.routes import Route
 from dagster_joblease.storage import outbox as store
 from dagster_joblease.storage import route_groups
@@ -94,7 +100,7 @@ class Claimer:
     _claim_started: float
 
     def _record(
-        self, token: str, finished: list[Finished], report: DispatchReport, then: Refill | None = None
+        self, token: str, finished: list[Finished], report: DispatchReport, then: MergedRefill | None = None
     ) -> tuple[list[Claimed], dict[str, float], DispatchReport] | None:
         """Store ``finished`` rows' outcomes (see :meth:`Recorder.record`)."""
         return self._recorder.record(token, finished, report, then)
@@ -253,7 +259,7 @@ class Claimer:
         free: int,
         busy: Collection[str],
         handed: Mapping[str, list[int]] | None = None,
-    ) -> Refill:
+    ) -> MergedRefill:
         """The refill claim to run inside the outcomes' transaction: first the swaps of ``handed`` rows'
         slots (before the outcomes are written: a swap reads their claims), then the claim of whatever
         capacity is left. What it reports (pauses seen, rows dead-lettered) goes to a report of its own,
@@ -293,7 +299,7 @@ class Claimer:
             )
             return rows, blocked, sub
 
-        return Refill(swap, claim)
+        return MergedRefill(swap, claim)
 
     def _swap_statement(self, group: str) -> sa.Executable:
         """The swap run in the transaction that records the finished rows' outcomes (built once per

@@ -38,7 +38,7 @@ group in the database for every dispatcher (and at once for this one's other thr
 A row whose route has a ``dedupe_window`` and whose first attempt is older is not sent but dead-lettered.
 
 **Where things are.** This module: :class:`Dispatcher` (options, the delivery of one row, pauses,
-``run()``) and the batch loop (``_Batch``, one method per phase). Its parts, in ``dispatch/``:
+``run()``) and the batch loop (``_BatchLoop``, one method per phase). Its parts, in ``dispatch/``:
 ``claimer`` (the claims: the plain claim, a limited group's locked claim, the swap), ``capacity`` (pure:
 how much to claim, rate windows, wait hints, the loop's choices), ``decisions`` (pure: may this row start
 now?), ``policy`` (pure: what does this answer mean?), ``transports`` (one message per row, and how each
@@ -292,7 +292,7 @@ class Dispatcher(Claimer):
         report.claimed += len(rows)
         if not rows and not blocked:
             return report
-        batch = _Batch(self, token, limit - len(rows), blocked, report)
+        batch = _BatchLoop(self, token, limit - len(rows), blocked, report)
         try:
             # Rows of limited groups first: they were claimed for idle workers and hold capacity.
             batch.run(sorted(rows, key=lambda r: (r.group is None, r.id)))
@@ -534,7 +534,7 @@ class Dispatcher(Claimer):
             signal.signal(signum, handler)
 
 
-class _Batch:
+class _BatchLoop:
     """One batch's loop (:meth:`Dispatcher.dispatch`): rows are submitted to the workers (or queued,
     inline), finished deliveries collected and recorded (a group at a time), and the batch claims again
     while it has ``budget`` and idle workers: at once when a limited group's slot was freed, now and
@@ -689,12 +689,12 @@ class _Batch:
             mixed=self.mixed,
             any_due=time.monotonic() >= self.any_at,
         )
-        if kind == capacity.Refill.LIMITED:
+        if kind == capacity.NextClaim.LIMITED:
             busy_groups = d._busy_groups(self.inflight)
             return d._claim_during_batch(
                 self.token, self.budget, free, self.report, limited_only=True, busy=busy_groups
             )
-        if kind == capacity.Refill.ANY:
+        if kind == capacity.NextClaim.ANY:
             # Idle workers take any due row, not only the limited groups' (no more than are idle).
             busy_groups = d._busy_groups(self.inflight)
             more = d._claim_during_batch(

@@ -28,7 +28,15 @@ from dagster_joblease.storage import outbox as store
 from dagster_joblease.storage import route_groups
 from dagster_joblease.storage.engine import translate_errors
 
-__all__ = ["MAX_REPORT_ROWS", "DispatchReport", "Recorder", "Refill", "RowOutcome", "count", "pause_reason"]
+__all__ = [
+    "MAX_REPORT_ROWS",
+    "DispatchReport",
+    "Recorder",
+    "MergedRefill",
+    "RowOutcome",
+    "count",
+    "pause_reason",
+]
 
 logger = logging.getLogger(__name__)
 
@@ -97,7 +105,7 @@ class DispatchReport:
 
 
 @dataclasses.dataclass(frozen=True)
-class Refill:
+class MergedRefill:
     """A refill claim inside an outcomes' transaction: ``swap`` runs before the outcomes are written,
     ``claim`` after them (with the ids the outcomes matched)."""
 
@@ -124,7 +132,7 @@ class Recorder:
         token: str,
         finished: list[Finished],
         report: DispatchReport,
-        then: Refill | None = None,
+        then: MergedRefill | None = None,
     ) -> tuple[list[Claimed], dict[str, float], DispatchReport] | None:
         """Store the outcomes of ``finished`` rows in one transaction and count them into ``report``.
 
@@ -291,7 +299,7 @@ class Recorder:
         self,
         token: str,
         finished: list[Finished],
-        then: Refill | None = None,
+        then: MergedRefill | None = None,
         extra: list[tuple[list[Claimed], dict[str, float], DispatchReport]] | None = None,
     ) -> set[int]:
         """Run the fenced UPDATEs in one transaction; returns the ids they matched. A dropped connection
