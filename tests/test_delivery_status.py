@@ -17,7 +17,11 @@ ROUTES = {"mail": "smtp", "sms": "smtp", "billing": "billing"}
 
 
 def state(**fields: object) -> GroupState:
-    return GroupState(limit_group="smtp", now=NOW, **fields)  # type: ignore[arg-type]
+    """A group's row as read at NOW: a pause in force when it ends later (the database judges it in the
+    read, storage.route_groups.paused)."""
+    until = fields.get("paused_until")
+    paused = isinstance(until, dt.datetime) and until > NOW
+    return GroupState(limit_group="smtp", now=NOW, paused=paused, **fields)  # type: ignore[arg-type]
 
 
 def test_every_topic_with_rows_or_a_route_is_shown_sorted() -> None:

@@ -246,7 +246,7 @@ class Claimer:
                 topics=self._group_topics[group],
                 max_in_flight=mine,
                 claim_ms=self.claim_ms,
-                fresh_ms=limits.REGISTRATION_MS // 2,
+                fresh_ms=route_groups.FRESH_MS,
                 record_sent=record_sent,
                 async_commit=record_sent and self.async_swap_commit,
             )
@@ -598,7 +598,7 @@ class Claimer:
             slots = None
             if kind == "claim_slots":
                 assert max_in_flight is not None
-                slots = functools.partial(route_groups.slots_left, dialect, group, max_in_flight)
+                slots = functools.partial(store.slots_left, dialect, group, max_in_flight)
             stmt = store.claim_for_group(
                 dialect, group=group, topics=topics, claim_ms=self.claim_ms, slots=slots
             )

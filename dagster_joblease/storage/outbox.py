@@ -21,7 +21,7 @@ from typing import Any
 import sqlalchemy as sa
 from sqlalchemy.dialects import postgresql, sqlite
 
-from dagster_joblease.storage import driver, rowset
+from dagster_joblease.storage import driver, route_groups, rowset
 from dagster_joblease.storage.clock import claim_now, db_now, db_now_plus_ms, ms_until, readable_ts
 from dagster_joblease.storage.driver import Statements
 from dagster_joblease.storage.schema import outbox_table, route_group_table
@@ -69,6 +69,7 @@ __all__ = [
     "requeue_one",
     "skip_dead",
     "skipped_count",
+    "slots_left",
     "slot_look",
     "swap",
     "swap_result",
@@ -670,9 +671,22 @@ def in_flight_by_group(conn: sa.Connection) -> dict[str, int]:
 
 def in_flight_query(group: str) -> sa.Select[Any]:
     """``SELECT count(*)`` of the claims holding ``group``'s capacity now (see :func:`count_in_flight`);
-    a limited claim counts it as a subquery in its own LIMIT
-    (:func:`dagster_joblease.storage.route_groups.slots_left`)."""
+    a limited claim counts it as a subquery in its own LIMIT (:func:`slots_left`)."""
     return sa.select(sa.func.count()).select_from(_t).where(_t.c.claim_group == group, live_claim(), _PENDING)
+
+
+def slots_left(
+    dialect_name: str, group: str, max_in_flight: int, want: int | sa.ColumnElement[int]
+) -> sa.ColumnElement[int]:
+    """``min(want, max_in_flight - in flight now)``, at least 0, as an SQL expression: a claim's LIMIT, so
+    the count and the claim are one statement (under the group's lock, its snapshot sees every claim and
+    release committed before)."""
+    if isinstance(want, int):
+        want = sa.literal(want, sa.Integer())
+    left = sa.literal(max_in_flight, sa.Integer()) - in_flight_query(group).scalar_subquery()
+    if dialect_name == "postgresql":
+        return sa.func.greatest(0, sa.func.least(want, left), type_=sa.Integer())
+    return sa.func.max(0, sa.func.min(want, left), type_=sa.Integer())
 
 
 def count_in_flight(conn: sa.Connection, group: str) -> int:
@@ -995,11 +1009,11 @@ def swap(
         sa.select(g.c.max_in_flight.label("mif"))
         .where(
             g.c.limit_group == group,
-            sa.or_(g.c.paused_until.is_(None), g.c.paused_until <= db_now()),
-            sa.or_(g.c.rate.is_(None), g.c.rate_until.is_(None), g.c.rate_until <= db_now()),
+            sa.not_(route_groups.paused()),
+            sa.not_(sa.and_(g.c.rate.is_not(None), route_groups.in_force(g.c.rate_until))),
             g.c.max_in_flight.is_not(None),
             g.c.max_in_flight <= max_in_flight,
-            g.c.max_in_flight_until > db_now_plus_ms(sa.literal(fresh_ms, sa.BigInteger())),
+            route_groups.fresh_for(g.c.max_in_flight_until, fresh_ms),
         )
         .with_for_update(read=True)
         .cte("grp")

@@ -1,7 +1,10 @@
 """Every statement on ``joblease_route_group``, the limit groups' shared state: read it, lock a group for a
-claim, record a pause or a connection failure, end a pause early (:func:`resume`). The decisions themselves
-are in :mod:`dagster_joblease.limits`; the count of a group's claims in flight is a statement on the
-outbox, so it is :func:`dagster_joblease.storage.outbox.in_flight_query`.
+claim, record a pause or a connection failure, end a pause early (:func:`resume`). The rules a group's row
+is judged by (a pause in force, a registered limit in force, a registration fresh) are written once here as
+SQL (:func:`paused`, :func:`in_force`, :func:`fresh_for`) and used by the row's read (the locked claim's
+too) and by the swap (:func:`dagster_joblease.storage.outbox.swap`). The decisions themselves are in
+:mod:`dagster_joblease.limits`; the count of a group's claims in flight is a statement on the outbox, so
+it is :func:`dagster_joblease.storage.outbox.in_flight_query`.
 
 Only row locks inside short transactions (``SELECT … FOR UPDATE`` on PostgreSQL; SQLite's ``BEGIN
 IMMEDIATE`` serializes writers anyway): no advisory locks, no LISTEN/NOTIFY, no SQL-level PREPARE, so it
@@ -19,17 +22,21 @@ import sqlalchemy as sa
 from sqlalchemy.dialects import postgresql, sqlite
 
 from dagster_joblease import limits
-from dagster_joblease.storage import driver, outbox
+from dagster_joblease.storage import driver
 from dagster_joblease.storage.clock import db_now, db_now_plus_ms
 from dagster_joblease.storage.engine import is_psycopg, translate_errors
 from dagster_joblease.storage.schema import route_group_table
 
 __all__ = [
+    "FRESH_MS",
     "GroupState",
     "as_utc",
     "database_now",
     "delete_all",
+    "fresh_for",
+    "in_force",
     "lock_group",
+    "paused",
     "paused_now",
     "paused_remaining",
     "read_states",
@@ -37,7 +44,6 @@ __all__ = [
     "record_connection_failures",
     "record_pause",
     "resume",
-    "slots_left",
     "update_group",
 ]
 
@@ -71,19 +77,18 @@ class GroupState:
     failures: int = 0
     max_in_flight_until: dt.datetime | None = None
     rate_until: dt.datetime | None = None
+    #: A pause is in force (:func:`paused`, judged by the database in the read).
+    paused: bool = False
+    #: Each registration holds for more than half a registration's life (:func:`fresh_for`).
+    max_in_flight_fresh: bool = False
+    rate_fresh: bool = False
 
     def registration_fresh(self, name: str, value: int | None) -> bool:
         """Whether ``name`` (max_in_flight or rate) already holds ``value`` for more than half a
         registration's life: refreshing it now would be a write for nothing."""
-        until = self.max_in_flight_until if name == "max_in_flight" else self.rate_until
-        stored = self.max_in_flight if name == "max_in_flight" else self.rate
-        if stored != value or until is None:
-            return False
-        return (until - self.now).total_seconds() * 1000 > limits.REGISTRATION_MS / 2
-
-    @property
-    def paused(self) -> bool:
-        return self.paused_until is not None and self.paused_until > self.now
+        if name == "max_in_flight":
+            return self.max_in_flight == value and self.max_in_flight_fresh
+        return self.rate == value and self.rate_fresh
 
     @property
     def pause_remaining_ms(self) -> int:
@@ -100,6 +105,27 @@ class GroupState:
         )
 
 
+def paused(now: sa.ColumnElement[Any] | None = None) -> sa.ColumnElement[bool]:
+    """A pause is in force: it ends later than ``now`` (the database clock unless given); false
+    without one. The one spelling of the rule, for the row's read and the swap."""
+    return sa.func.coalesce(g.c.paused_until > (db_now() if now is None else now), sa.false())
+
+
+def in_force(until: sa.ColumnElement[Any]) -> sa.ColumnElement[bool]:
+    """A registration (``max_in_flight_until`` or ``rate_until``) lapses later than now; false without
+    one."""
+    return sa.func.coalesce(until > db_now(), sa.false())
+
+
+def fresh_for(until: sa.ColumnElement[Any], ms: int) -> sa.ColumnElement[bool]:
+    """A registration holds for more than ``ms`` from now: refreshing it now would be a write for
+    nothing, and a swap may trust it that long; false without one."""
+    return sa.func.coalesce(until > db_now_plus_ms(sa.literal(ms, sa.BigInteger())), sa.false())
+
+
+#: Half a registration's life: a registration fresher than this is not written again.
+FRESH_MS = limits.REGISTRATION_MS // 2
+
 _COLUMNS = (
     g.c.limit_group,
     db_now().label("now"),
@@ -111,26 +137,33 @@ _COLUMNS = (
     g.c.paused_until,
     g.c.pause_reason,
     g.c.failures,
+    paused().label("paused"),
+    in_force(g.c.max_in_flight_until).label("max_in_flight_live"),
+    in_force(g.c.rate_until).label("rate_live"),
+    fresh_for(g.c.max_in_flight_until, FRESH_MS).label("max_in_flight_fresh"),
+    fresh_for(g.c.rate_until, FRESH_MS).label("rate_fresh"),
 )
 
 
 def _state(row: Any) -> GroupState:
     now = as_utc(row.now)
     assert now is not None
-    mif_until, rate_until = as_utc(row.max_in_flight_until), as_utc(row.rate_until)
     return GroupState(
         limit_group=row.limit_group,
         now=now,
         max_in_flight=row.max_in_flight,
-        max_in_flight_live=mif_until is not None and mif_until > now,
+        max_in_flight_live=bool(row.max_in_flight_live),
         rate=row.rate,
-        rate_live=rate_until is not None and rate_until > now,
+        rate_live=bool(row.rate_live),
         rate_next_at=as_utc(row.rate_next_at),
         paused_until=as_utc(row.paused_until),
         pause_reason=row.pause_reason,
         failures=int(row.failures or 0),
-        max_in_flight_until=mif_until,
-        rate_until=rate_until,
+        max_in_flight_until=as_utc(row.max_in_flight_until),
+        rate_until=as_utc(row.rate_until),
+        paused=bool(row.paused),
+        max_in_flight_fresh=bool(row.max_in_flight_fresh),
+        rate_fresh=bool(row.rate_fresh),
     )
 
 
@@ -159,7 +192,7 @@ _PAUSED = driver.query(
     .select_from(g, _NOW)
     .where(
         g.c.limit_group == sa.any_(sa.bindparam("groups", type_=postgresql.ARRAY(sa.String()))),
-        g.c.paused_until > _NOW.c.now,
+        paused(_NOW.c.now),
     )
 )
 
@@ -217,20 +250,6 @@ def update_group(conn: sa.Connection, group: str, values: dict[str, Any]) -> Non
 def registration_until() -> sa.ColumnElement[Any]:
     """When a registration written now lapses."""
     return db_now_plus_ms(sa.literal(limits.REGISTRATION_MS, sa.BigInteger()))
-
-
-def slots_left(
-    dialect_name: str, group: str, max_in_flight: int, want: int | sa.ColumnElement[int]
-) -> sa.ColumnElement[int]:
-    """``min(want, max_in_flight - in flight now)``, at least 0, as an SQL expression: a claim's LIMIT, so
-    the count and the claim are one statement (under the group's lock, its snapshot sees every claim and
-    release committed before)."""
-    if isinstance(want, int):
-        want = sa.literal(want, sa.Integer())
-    left = sa.literal(max_in_flight, sa.Integer()) - outbox.in_flight_query(group).scalar_subquery()
-    if dialect_name == "postgresql":
-        return sa.func.greatest(0, sa.func.least(want, left), type_=sa.Integer())
-    return sa.func.max(0, sa.func.min(want, left), type_=sa.Integer())
 
 
 def _bound(text: str) -> str:
