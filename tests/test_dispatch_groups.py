@@ -10,16 +10,20 @@ import threading
 import uuid
 from typing import Any
 
+import pytest
 import sqlalchemy as sa
 
 from dagster_joblease.dispatch.dispatcher import Dispatcher
 from dagster_joblease.dispatch.recorder import DispatchReport
 from dagster_joblease.dispatch.routes import Route
+from dagster_joblease.errors import StorageError
 from dagster_joblease.storage import create_engine
 from dagster_joblease.storage.schema import outbox_table
 from tests.conftest import wait_until
 from tests.dispatch_workers import enqueue_many, status_counts
 from tests.limit_server import serve
+
+FAST = {"backoff_base_ms": 10, "backoff_max_ms": 100}
 
 
 def _closed_port() -> int:
@@ -128,3 +132,68 @@ def test_a_dropped_connection_mid_batch_loses_no_outcome(pg_url: str, pg_engine:
         assert counts.get("SENT") == report.sent and sum(counts.values()) == len(keys), counts
     finally:
         engine.dispose()
+
+
+#: The three kinds of limit group and a route of each: unlimited (one plain claim for its topics),
+#: locked (a rate: every claim under the group row's lock) and swapping (max_in_flight alone: freed slots
+#: handed on by a swap, growth under the lock).
+GROUP_KINDS = {
+    "unlimited": {},
+    "locked": {"rate": 1_000},
+    "swapping": {"max_in_flight": 2},
+}
+
+
+class _DropAt:
+    """Terminates the dispatcher's own database session right before its ``at``-th statement (the
+    statement then meets a dropped connection, as when PostgreSQL or a proxy drops it mid-batch)."""
+
+    def __init__(self, engine: sa.Engine, admin: sa.Engine, at: int) -> None:
+        self.engine, self.admin, self.at = engine, admin, at
+        self.seen = 0
+        self.dropped: str | None = None
+
+    def __call__(self, conn: Any, cursor: Any, statement: str, params: Any, context: Any, many: bool) -> None:
+        self.seen += 1
+        if self.seen != self.at:
+            return
+        self.dropped = " ".join(statement.split())[:80]
+        pid = cursor.connection.info.backend_pid
+        with self.admin.connect() as other:
+            other.execute(sa.text("SELECT pg_terminate_backend(:pid)"), {"pid": pid})
+
+
+@pytest.mark.parametrize("at", range(1, 13))
+@pytest.mark.parametrize("kind", sorted(GROUP_KINDS))
+def test_a_dropped_connection_at_each_statement_loses_no_outcome(
+    pg_url: str, pg_engine: sa.Engine, kind: str, at: int
+) -> None:
+    """Each kind of group, the dispatcher's session dropped right before its ``at``-th statement (a claim,
+    a swap, an outcome write, a group read): every row is delivered, each answer is recorded once (no
+    row POSTed twice: a lost outcome would be resent when its claim expired), no claim is lost."""
+    keys = enqueue_many(pg_engine, 6, topic="t")
+    engine = create_engine(pg_url)
+    drop = _DropAt(engine, pg_engine, at)
+    totals = DispatchReport()
+    try:
+        with serve(latency_s=0.0) as server:
+            route = Route(server.url + "/t", limit_group="g", **GROUP_KINDS[kind])
+            with Dispatcher(engine, {"t": route}, concurrency=2, claim_ms=30_000, **FAST) as dispatcher:
+                sa.event.listen(engine, "before_cursor_execute", drop)
+
+                def drained() -> bool:
+                    nonlocal totals
+                    try:
+                        totals = totals.merge(dispatcher.dispatch())
+                    except StorageError:
+                        pass  # the batch's first claim met the drop: nothing was claimed (run() retries)
+                    return status_counts(pg_engine) == {"SENT": len(keys)}
+
+                wait_until(drained, timeout=60, interval=0.01)
+            posts = [key for _, _, key, _ in server.requests]
+    finally:
+        sa.event.remove(engine, "before_cursor_execute", drop)
+        engine.dispose()
+    assert drop.dropped is not None or drop.seen < at, "the drop did not happen"
+    assert sorted(posts) == sorted(keys), f"dropped before {drop.dropped!r}: POSTs {posts}"
+    assert (totals.unrecorded, totals.lost_claims) == (0, 0), (drop.dropped, totals)
