@@ -74,17 +74,28 @@ def layout(routes: Mapping[str, Route]) -> Layout:
     group_limits: dict[str, Limits] = {}
     disagreeing: dict[str, tuple[list[int], list[int]]] = {}
     for group, topics in group_topics.items():
-        mifs = {m for t in topics if (m := routes[t].max_in_flight) is not None}
-        rates = {r for t in topics if (r := routes[t].rate) is not None}
+        mifs, rates = _configured(routes, topics)
         if len(mifs) > 1 or len(rates) > 1:
-            disagreeing[group] = (sorted(mifs), sorted(rates))
+            disagreeing[group] = (mifs, rates)
         group_limits[group] = (min(mifs, default=None), min(rates, default=None))
+    return Layout(group_of, group_topics, group_limits, disagreeing, _windows(routes))
+
+
+def _configured(routes: Mapping[str, Route], topics: Collection[str]) -> tuple[list[int], list[int]]:
+    """The distinct max_in_flight values and rates the routes of ``topics`` configure, sorted."""
+    mifs = {m for t in topics if (m := routes[t].max_in_flight) is not None}
+    rates = {r for t in topics if (r := routes[t].rate) is not None}
+    return sorted(mifs), sorted(rates)
+
+
+def _windows(routes: Mapping[str, Route]) -> dict[tuple[int, int], list[str]]:
+    """(dedupe_window ms, timeout ms) → the topics whose routes set that window."""
     windows: dict[tuple[int, int], list[str]] = {}
     for topic, route in sorted(routes.items()):
         if route.dedupe_window_s is not None:
             window = (int(route.dedupe_window_s * 1000), int(route.timeout_s * 1000))
             windows.setdefault(window, []).append(topic)
-    return Layout(group_of, group_topics, group_limits, disagreeing, windows)
+    return windows
 
 
 def limited_groups(

@@ -183,17 +183,11 @@ class Claimer:
         BEGIN, no COMMIT, no group row lock. Slots it could not hand on, and room the group has beside
         them, are claimed after it by the usual refill. None: not applicable, or the statement failed (it is
         atomic: nothing was written, the caller records the outcomes as usual)."""
-        handed = self._handoffs(finished)
-        if len(handed) != 1:
+        alone = self._swap_alone_case(finished)
+        if alone is None:
             return None
-        ((group, ids),) = handed.items()
-        if len(ids) != len(finished):
-            return None
-        codes = {d.status_code for _, d in finished if d is not None and d.outcome is policy.Outcome.SENT}
-        if len(codes) != 1 or any(d is None or d.outcome is not policy.Outcome.SENT for _, d in finished):
-            return None
-        want = min(len(ids), budget, free)
-        params = {"ids": ids, "token": token, "status_code": codes.pop(), "want": want}
+        group, ids, status_code = alone
+        params = {"ids": ids, "token": token, "status_code": status_code, "want": min(len(ids), budget, free)}
         started = self._claim_started = time.monotonic()
         try:
             with translate_errors("record outcomes and hand on their slots"), self.engine.connect() as conn:
@@ -209,26 +203,45 @@ class Claimer:
             )
             return None
         self._claim_took()
-        matched = swapped.done
         taken = [from_row(r, group=group, claimed_at=started) for r in swapped.claimed]
-        assert len(taken) <= len(matched), "a swap claimed more rows than it recorded"
-        self._recorder.tally(finished, matched, report)
+        assert len(taken) <= len(swapped.done), "a swap claimed more rows than it recorded"
+        self._recorder.tally(finished, swapped.done, report)
+        room = self._room_after_swap(group, swapped, len(taken))
         blocked: dict[str, float] = {}
-        if swapped.max_in_flight is not None:
-            self._applied[group] = (swapped.max_in_flight, None, time.monotonic() + APPLIED_TRUST_S)
-            room = swapped.max_in_flight - swapped.others - len(taken)
-        else:
-            room = 1  # the group's row did not allow a swap (paused, a rate, a stale registration): look
-        budget, free = budget - len(taken), free - len(taken)
         if len(taken) < len(ids) or room > 0:
-            if budget > 0 and free > 0:
+            # Slots not handed on, or room beside them: the usual refill (its own transaction, locked).
+            if budget > len(taken) and free > len(taken):
                 more, blocked = self._claim_during_batch(
-                    token, budget, free, report, limited_only=True, busy=busy
+                    token, budget - len(taken), free - len(taken), report, limited_only=True, busy=busy
                 )
                 taken.extend(more)
         elif taken:
             blocked[group] = SLOT_POLL_S  # full again: its next completion (or a poll) claims the next
         return sorted(taken, key=lambda r: r.id), blocked
+
+    def _room_after_swap(self, group: str, swapped: store.SwapResult, taken: int) -> int:
+        """Slots ``group`` has left beside the rows a swap handed on (the swap read its row, whose
+        max_in_flight alone is then in force: trusted for the lock-free look); 1 when the row did not
+        allow a swap (paused, a rate, a stale registration): the locked claim looks."""
+        if swapped.max_in_flight is None:
+            return 1
+        self._applied[group] = (swapped.max_in_flight, None, time.monotonic() + APPLIED_TRUST_S)
+        return swapped.max_in_flight - swapped.others - taken
+
+    def _swap_alone_case(self, finished: list[Finished]) -> tuple[str, list[int], int | None] | None:
+        """``(group, ids, status code)`` when ``finished`` can be recorded by one swap statement: rows of one
+        group whose slots may be handed on, every one sent with the same status code; else None."""
+        handed = self._handoffs(finished)
+        if len(handed) != 1:
+            return None
+        ((group, ids),) = handed.items()
+        outcomes = [d for _, d in finished]
+        if len(ids) != len(finished) or any(
+            d is None or d.outcome is not policy.Outcome.SENT for d in outcomes
+        ):
+            return None
+        codes = {d.status_code for d in outcomes if d is not None}
+        return (group, ids, codes.pop()) if len(codes) == 1 else None
 
     def _swap_alone_statement(self, group: str) -> sa.Executable:
         """The statement of :meth:`_swap_alone` (built once per group): :func:`store.swap` recording the
@@ -377,39 +390,80 @@ class Claimer:
         paused: set[str] = set()
         limited = set(self._limited_seen)
         if not limited_only:
-            states = self._read_states(conn)
-            paused = self._note_pauses(states, report, started)
-            registered = {name for name, state in states.items() if state.limited}
-            limited = capacity.limited_groups(self.groups, paused, self._group_limits, registered)
-            self._limited_seen = frozenset(limited)
-        open_topics = [t for t in sorted(self.topics) if self._group_of[t] not in paused]
-        if limited_only:
-            open_topics = [t for t in open_topics if self._group_of[t] in limited]
+            paused, limited = self._read_groups(conn, report, started)
+        open_topics = [
+            t
+            for t in sorted(self.topics)
+            if self._group_of[t] not in paused and (self._group_of[t] in limited or not limited_only)
+        ]
         self._expire(conn, open_topics, report)
         rows: list[Claimed] = []
         if not limited_only:
             plain = [t for t in open_topics if self._group_of[t] not in limited]
             rows = self._claim_plain(conn, token, budget, plain, started)
-        for name, (taken, applied) in sorted((swapped or {}).items()):
+        rows.extend(self._swapped_rows(swapped or {}, started))
+        # A swap's statement ran in this transaction: it holds group rows FOR SHARE, and an exclusive lock
+        # taken now could come after them out of the groups' order (a deadlock with another swap), so a
+        # free slot is only reported (GROW_NOW: claimed in a transaction of its own).
+        lock = not swapped
+        blocked = self._claim_groups(
+            conn, token, (budget, free), rows, sorted(limited), started, report, busy, lock
+        )
+        rows.sort(key=lambda r: r.id)
+        return rows, blocked
+
+    def _read_groups(
+        self, conn: sa.Connection, report: DispatchReport, started: float
+    ) -> tuple[set[str], set[str]]:
+        """The routed groups' rows read: the paused ones (held off, noted in ``report``), and the ones to
+        claim under their lock (limited here or by another dispatcher's registration)."""
+        states = self._read_states(conn)
+        paused = self._note_pauses(states, report, started)
+        registered = {name for name, state in states.items() if state.limited}
+        limited = capacity.limited_groups(self.groups, paused, self._group_limits, registered)
+        self._limited_seen = frozenset(limited)
+        return paused, limited
+
+    def _swapped_rows(
+        self, swapped: Mapping[str, tuple[list[Any], int | None]], started: float
+    ) -> list[Claimed]:
+        """The rows swaps claimed in this transaction, per group; a group a swap took rows of has its
+        max_in_flight alone in force (the swap read its row), trusted for the lock-free look."""
+        rows: list[Claimed] = []
+        for name, (taken, applied) in sorted(swapped.items()):
             rows.extend(from_row(r, group=name, claimed_at=started) for r in taken)
             if taken:
-                # The swap read the group's row: its max_in_flight alone is in force, so the look below
-                # (no lock) tells whether a slot is left beside the handed-on ones.
                 self._applied[name] = (applied, None, time.monotonic() + APPLIED_TRUST_S)
+        return rows
+
+    def _claim_groups(
+        self,
+        conn: sa.Connection,
+        token: str,
+        room: tuple[int, int],
+        rows: list[Claimed],
+        groups: list[str],
+        started: float,
+        report: DispatchReport,
+        busy: Collection[str],
+        lock: bool,
+    ) -> dict[str, float]:
+        """Claim the limited ``groups`` in their order, each under its lock (``lock``), into ``rows``, while
+        ``room`` (the budget, the idle workers) has some beside the rows claimed already; returns the
+        wait hints of the groups whose due rows had to wait for capacity."""
+        budget, free = room
         blocked: dict[str, float] = {}
         workers = free - len(rows)
-        for name in sorted(limited):
+        for name in groups:
             left = min(budget - len(rows), workers)
             if left <= 0:
                 break
-            lock = name not in (swapped or {})  # a swap's statement ran: the row is held FOR SHARE
             taken, wait_s = self._claim_limited(conn, token, name, left, started, report, name in busy, lock)
             rows.extend(taken)
             workers -= len(taken)
             if wait_s is not None:
                 blocked[name] = wait_s
-        rows.sort(key=lambda r: r.id)
-        return rows, blocked
+        return blocked
 
     def _claim_plain(
         self, conn: sa.Connection, token: str, budget: int, topics: list[str], started: float
@@ -473,16 +527,7 @@ class Claimer:
             self._hold_off(group, state, report, local_now)
             return [], None
         mif, rate, values = self._applied_limits(group, state, local_now)
-        size = capacity.claim_size(
-            want,
-            mif,
-            rate,
-            store.count_in_flight(conn, group) if mif is not None and rate is not None else None,
-        )
-        admission = None
-        if rate is not None and size is not None and size > 0:
-            admission = self._admit(conn, rate, state, size)
-            size = admission.rows.count
+        size, admission = self._size(conn, group, state, want, (mif, rate))
         rows: list[Claimed] = []
         if size is None or size > 0:
             rows = self._take(
@@ -492,13 +537,43 @@ class Claimer:
                 next_ms = admission.rows.next_after(len(rows))
                 values["rate_next_at"] = _as_stored(admission.now + dt.timedelta(milliseconds=next_ms), conn)
         route_groups.update_group(conn, group, values)
-        # Fewer rows than wanted, and the limit (not the backlog) is why: only if due rows stayed behind
-        # (busy: this batch has requests of the group in flight, whose completions claim again; the hint
-        # only says "look again", and costs no read).
+        return rows, self._hint(conn, group, (want, len(rows), size), admission, busy)
+
+    def _hint(
+        self,
+        conn: sa.Connection,
+        group: str,
+        counts: tuple[int, int, int | None],
+        admission: _Admission | None,
+        busy: bool,
+    ) -> float | None:
+        """The wait hint of a locked claim that took fewer rows than wanted because of the group's limit
+        (``counts``: wanted, taken, its size), if due rows stayed behind (``busy``: this batch has requests
+        of the group in flight, whose completions claim again; the hint only says "look again", and costs
+        no read); else None."""
+        want, got, size = counts
         rate_rows = admission.rows if admission is not None else None
-        if capacity.held_back(want, len(rows), size, rate_rows) and (busy or self._due_exists(conn, group)):
-            return rows, capacity.wait_hint(rate_rows)
-        return rows, None
+        if capacity.held_back(want, got, size, rate_rows) and (busy or self._due_exists(conn, group)):
+            return capacity.wait_hint(rate_rows)
+        return None
+
+    def _size(
+        self,
+        conn: sa.Connection,
+        group: str,
+        state: route_groups.GroupState,
+        want: int,
+        applied: tuple[int | None, int | None],
+    ) -> tuple[int | None, _Admission | None]:
+        """How many rows a locked claim of ``group`` takes (None: as many as its max_in_flight leaves,
+        counted by the claim statement) and its rate's admissions, under the ``applied`` limits."""
+        mif, rate = applied
+        in_flight = store.count_in_flight(conn, group) if mif is not None and rate is not None else None
+        size = capacity.claim_size(want, mif, rate, in_flight)
+        if rate is None or size is None or size <= 0:
+            return size, None
+        admission = self._admit(conn, rate, state, size)
+        return admission.rows.count, admission
 
     def _admit(self, conn: sa.Connection, rate: int, state: route_groups.GroupState, size: int) -> _Admission:
         """The rate's admissions for up to ``size`` rows of a locked group. The database clock is read

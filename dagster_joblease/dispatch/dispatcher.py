@@ -114,6 +114,51 @@ def _safety_ms(claim_ms: int) -> int:
     return min(1_000, claim_ms // 10)
 
 
+def _checked_routes(routes: object) -> dict[str, Route]:
+    """``routes`` (topic → :class:`Route`) as a dict, or a :class:`ConfigurationError` saying what is
+    not a route."""
+    if not isinstance(routes, Mapping):
+        raise errors.ConfigurationError("routes must be a mapping of topic → Route")
+    for topic, route in routes.items():
+        if not isinstance(route, Route):
+            raise errors.ConfigurationError(
+                f"route for topic {topic!r} must be a Route, got {type(route).__name__}"
+            )
+    return dict(routes)
+
+
+def _warn_disagreements(layout: capacity.Layout) -> None:
+    for group, (mifs, rates) in layout.disagreeing.items():
+        logger.warning(
+            "routes of limit group %s configure different limits (max_in_flight %s, rate %s); the "
+            "smallest applies",
+            group,
+            mifs,
+            rates,
+            extra={"action": "limit_mismatch"},
+        )
+
+
+def _check_poll_interval(poll_interval_s: object) -> None:
+    if (
+        isinstance(poll_interval_s, bool)
+        or not isinstance(poll_interval_s, int | float)
+        or poll_interval_s < 0
+    ):
+        raise errors.ConfigurationError(f"poll_interval_s={poll_interval_s!r} must be a number >= 0")
+
+
+def _check_claim_ms(claim_ms: int, routes: Mapping[str, Route]) -> None:
+    """A claim must outlast every route's whole timeout plus the safety margin."""
+    longest_ms = max((int(r.timeout_s * 1000) for r in routes.values()), default=0)
+    if longest_ms + _safety_ms(claim_ms) >= claim_ms:
+        raise errors.ConfigurationError(
+            f"claim_ms={claim_ms} must exceed the longest route timeout ({longest_ms} ms) plus a "
+            f"{_safety_ms(claim_ms)} ms margin, or a slow delivery could outlive its claim and "
+            "overlap with another dispatcher's; raise claim_ms or lower timeout_s"
+        )
+
+
 class Dispatcher(Claimer):
     """Deliver due outbox rows of the routed topics over HTTP, fenced by claim tokens; safe to run in
     several processes, and beside dispatchers that route other topics on the same database.
@@ -181,30 +226,13 @@ class Dispatcher(Claimer):
                 f"dispatcher option async_swap_commit={async_swap_commit!r} must be a bool"
             )
         self.async_swap_commit = async_swap_commit
-        if not isinstance(routes, Mapping):
-            raise errors.ConfigurationError("routes must be a mapping of topic → Route")
-        self.routes: dict[str, Route] = {}
-        self._headers: dict[str, dict[str, str]] = {}
-        for topic, route in routes.items():
-            if not isinstance(route, Route):
-                raise errors.ConfigurationError(
-                    f"route for topic {topic!r} must be a Route, got {type(route).__name__}"
-                )
-            self.routes[topic] = route
-            self._headers[topic] = route.resolve_headers()
+        self.routes: dict[str, Route] = _checked_routes(routes)
+        self._headers = {topic: route.resolve_headers() for topic, route in self.routes.items()}
         self.topics: frozenset[str] = frozenset(self.routes)
         # Limit groups: topic → group, group → its topics, and this dispatcher's own limits per group
         # (the smallest of its routes' when two routes of one group disagree).
         layout = capacity.layout(self.routes)
-        for group, (mifs, rates) in layout.disagreeing.items():
-            logger.warning(
-                "routes of limit group %s configure different limits (max_in_flight %s, rate %s); the "
-                "smallest applies",
-                group,
-                mifs,
-                rates,
-                extra={"action": "limit_mismatch"},
-            )
+        _warn_disagreements(layout)
         self._group_of = layout.group_of
         self._group_topics = layout.group_topics
         self._group_limits = layout.group_limits
@@ -226,13 +254,7 @@ class Dispatcher(Claimer):
         self._limited_seen: frozenset[str] = frozenset(
             g for g, (mif, rate) in self._group_limits.items() if mif is not None or rate is not None
         )
-        longest_ms = max((int(r.timeout_s * 1000) for r in self.routes.values()), default=0)
-        if longest_ms + _safety_ms(self.claim_ms) >= self.claim_ms:
-            raise errors.ConfigurationError(
-                f"claim_ms={self.claim_ms} must exceed the longest route timeout ({longest_ms} ms) plus a "
-                f"{_safety_ms(self.claim_ms)} ms margin, or a slow delivery could outlive its claim and "
-                "overlap with another dispatcher's; raise claim_ms or lower timeout_s"
-            )
+        _check_claim_ms(self.claim_ms, self.routes)
         self._transports: dict[str, Transport] = open_transports(
             self.routes, self._headers, self.concurrency, client
         )
@@ -384,10 +406,8 @@ class Dispatcher(Claimer):
         if route is None:
             return None
         group = self._group_of[row.topic]
-        if row.not_before is not None:
-            delay = row.not_before - time.monotonic()
-            if delay > 0 and self._stop.wait(delay):
-                return None
+        if not self._waited_for_admission(row):
+            return None
         now = time.monotonic()
         start = decisions.may_start(
             now=now,
@@ -433,6 +453,11 @@ class Dispatcher(Claimer):
             self._pause_settled[group] = time.monotonic()
         return decision
 
+    def _waited_for_admission(self, row: Claimed) -> bool:
+        """Wait until a rate-admitted row may start; False: the dispatcher was stopped meanwhile."""
+        delay = 0.0 if row.not_before is None else row.not_before - time.monotonic()
+        return not (delay > 0 and self._stop.wait(delay))
+
     def _write_pause_now(self, group: str, row: Claimed, decision: policy.Decision) -> None:
         """The one database write a delivery thread makes: a pause, in its own short transaction (the
         outcome's transaction writes it again; a failure here only delays the pause until then)."""
@@ -461,12 +486,7 @@ class Dispatcher(Claimer):
         from the main thread) in-flight deliveries finish and are recorded, unstarted ones are given back,
         and the totals are returned.
         """
-        if (
-            isinstance(poll_interval_s, bool)
-            or not isinstance(poll_interval_s, int | float)
-            or poll_interval_s < 0
-        ):
-            raise errors.ConfigurationError(f"poll_interval_s={poll_interval_s!r} must be a number >= 0")
+        _check_poll_interval(poll_interval_s)
         if max_batches is not None:
             _positive_int("max_batches", max_batches)
         limit = _positive_int("limit", limit)
@@ -636,13 +656,19 @@ class _BatchLoop:
         d = self.d
         freed = {row.group for row, _ in self.finished if row.group is not None}
         urgent = bool(freed) or any(dec is not None and dec.pause_ms for _, dec in self.finished)
-        free = d.concurrency - len(self.inflight) if d._pool is not None else (0 if self.queue else 1)
+        free = self._idle_workers()
         can_refill = self.budget > 0 and free > 0 and not d._stop.is_set()
         refill = self._flush(busy, urgent, bool(freed) and can_refill, free)
         self._refresh(busy)
         if refill is not None:
             return refill
         return self._claim_more(can_refill, bool(freed), busy, free)
+
+    def _idle_workers(self) -> int:
+        """Workers free for another row now (inline: one, once the queue is empty)."""
+        if self.d._pool is not None:
+            return self.d.concurrency - len(self.inflight)
+        return 0 if self.queue else 1
 
     def _flush(
         self, busy: bool, urgent: bool, merge: bool, free: int

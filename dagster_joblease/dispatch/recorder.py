@@ -193,28 +193,8 @@ class Recorder:
                 released.append(row)
             elif decision.outcome is policy.Outcome.SENT:
                 sent.setdefault(decision.status_code, []).append(row.id)
-            elif decision.outcome is policy.Outcome.RETRY:
-                hold_ms = self.hold_ms(row, decision)
-                # A timed-out request keeps its slot for a grace: the downstream may still be working on it.
-                stmt = store.record_retry(
-                    row.id,
-                    token,
-                    status_code=decision.status_code,
-                    reason=decision.reason,
-                    delay_ms=decision.delay_ms,
-                    deferred=decision.deferred,
-                    hold=(row.group, hold_ms) if hold_ms else None,
-                )
-                statements.append((stmt, None, True))
             else:
-                stmt = store.record_dead(
-                    row.id,
-                    token,
-                    status_code=decision.status_code,
-                    reason=decision.reason,
-                    unsent=decision.unsent,
-                )
-                statements.append((stmt, None, True))
+                statements.append((self._failed(token, row, decision), None, True))
         if sent:
             mark_sent = store.mark_sent(self.engine.dialect.name)
             for status_code, ids in sent.items():
@@ -225,6 +205,24 @@ class Recorder:
             if back:
                 statements.append((store.give_back(back, token, stamped=stamped), None, False))
         return statements
+
+    def _failed(self, token: str, row: Claimed, decision: policy.Decision) -> sa.Executable:
+        """The fenced write of a row that was not sent: a retry (a timed-out request stays in flight for
+        its grace: the downstream may still be working on it) or a dead row."""
+        if decision.outcome is policy.Outcome.RETRY:
+            hold_ms = self.hold_ms(row, decision)
+            return store.record_retry(
+                row.id,
+                token,
+                status_code=decision.status_code,
+                reason=decision.reason,
+                delay_ms=decision.delay_ms,
+                deferred=decision.deferred,
+                hold=(row.group, hold_ms) if hold_ms else None,
+            )
+        return store.record_dead(
+            row.id, token, status_code=decision.status_code, reason=decision.reason, unsent=decision.unsent
+        )
 
     def hold_ms(self, row: Claimed, decision: policy.Decision) -> int:
         """How long a finished row stays in flight after its outcome (a timeout's grace, on every route),
@@ -295,6 +293,29 @@ class Recorder:
             reason=last,
         )
 
+    def _write_once(
+        self,
+        statements: list[tuple[sa.Executable, dict[str, Any] | None, bool]],
+        group_writes: list[Callable[[sa.Connection], object]],
+        then: MergedRefill | None,
+        extra: list[tuple[list[Claimed], dict[str, float], DispatchReport]] | None,
+    ) -> set[int]:
+        """One transaction: ``then``'s swaps, the fenced outcome writes (the ids they matched are
+        returned), the group rows' writes, then ``then``'s claim (its result put in ``extra``)."""
+        matched: set[int] = set()
+        with translate_errors("record delivery outcomes"), self.engine.begin() as conn:
+            if then is not None:
+                then.swap(conn)
+            for stmt, params, returns_ids in statements:
+                result = conn.execute(stmt, params)
+                if returns_ids:
+                    matched.update(result.scalars())
+            for write in group_writes:
+                write(conn)
+            if then is not None and extra is not None:
+                extra.append(then.claim(conn, matched))
+        return matched
+
     def _write_with_retry(
         self,
         token: str,
@@ -314,19 +335,7 @@ class Recorder:
         retries = 0
         while True:
             try:
-                matched: set[int] = set()
-                with translate_errors("record delivery outcomes"), self.engine.begin() as conn:
-                    if then is not None:
-                        then.swap(conn)
-                    for stmt, params, returns_ids in statements:
-                        result = conn.execute(stmt, params)
-                        if returns_ids:
-                            matched.update(result.scalars())
-                    for write in group_writes:
-                        write(conn)
-                    if then is not None and extra is not None:
-                        extra.append(then.claim(conn, matched))
-                return matched
+                return self._write_once(statements, group_writes, then, extra)
             except errors.StorageError as exc:
                 if extra:
                     extra.clear()
