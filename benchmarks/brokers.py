@@ -21,7 +21,12 @@ objects (emptied between runs):
   acknowledgement awaited (a JetStream publish ack with ``Nats-Expected-Stream``; a publisher confirm),
   ``--concurrency`` publishes in flight per process on one connection, timed the same way. No database.
 
-The ratio is per round (dispatcher / bare client of the same round); the goal is >= 0.8.
+* ``transport alone``: the same messages sent through the library's transport (``open_transports``), by
+  ``--concurrency`` threads per process as the dispatcher's delivery threads call it, no database: how much
+  of the gap is the hand-off between delivery threads and the transport's event loop.
+
+Each round runs the three sides, the order rotated by one each round. The ratio is per round
+(dispatcher / bare client of the same round); the goal is >= 0.8.
 
 **Latency.** One producer thread enqueues a row every 1/``--rate`` s for ``--latency-seconds`` (its own
 transaction each, the payload carrying ``time.time()``); one dispatcher process runs ``Dispatcher.run`` with
@@ -43,6 +48,7 @@ import threading
 import time
 import uuid
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -53,6 +59,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from benchmarks.limits import DEFAULT_PG, PG_ENV, reset
 from dagster_joblease import outbox
 from dagster_joblease.dispatch import Dispatcher, Route
+from dagster_joblease.dispatch.transports import NO_HEADERS, Message, open_transports
 from dagster_joblease.storage import create_engine, migrate
 
 CTX = multiprocessing.get_context("fork")
@@ -233,6 +240,19 @@ def _bare_proc(
     ends.put(time.monotonic())
 
 
+def _threads_proc(
+    target: Target, share: list[tuple[str, bytes]], concurrency: int, barrier: Any, ends: Any
+) -> None:
+    route = target.route()
+    transport = open_transports({TOPIC: route}, {TOPIC: {}}, concurrency, None)[TOPIC]
+    messages = [Message(key, TOPIC, None, payload, NO_HEADERS) for key, payload in share]
+    barrier.wait()
+    with ThreadPoolExecutor(concurrency) as pool:
+        list(pool.map(lambda m: transport.send(m, route, time.monotonic() + 5, None), messages))
+    ends.put(time.monotonic())
+    transport.close()
+
+
 def _timed(procs: list[Any], barrier: Any, ends: Any) -> float:
     for proc in procs:
         proc.start()
@@ -266,14 +286,21 @@ def dispatcher_side(url: str, engine: sa.Engine, target: Target, rows: int, proc
     return rows / span
 
 
-def bare_side(target: Target, rows: int, procs: int, conc: int) -> float:
+def bare_side(target: Target, rows: int, procs: int, conc: int, threads: bool = False) -> float:
+    """The bare client (``threads``: the library's transport alone, driven by ``conc`` threads as the
+    dispatcher's delivery threads drive it, no database)."""
     target.empty()
     prefix = uuid.uuid4().hex[:8]
     messages = [(f"v2:{prefix}-{i:06d}", json.dumps(_payload(i)).encode()) for i in range(rows)]
     barrier, ends = CTX.Barrier(procs + 1), CTX.Queue()
     shares = [messages[p::procs] for p in range(procs)]
     span = _timed(
-        [CTX.Process(target=_bare_proc, args=(target, share, conc, barrier, ends)) for share in shares],
+        [
+            CTX.Process(
+                target=_threads_proc if threads else _bare_proc, args=(target, share, conc, barrier, ends)
+            )
+            for share in shares
+        ],
         barrier,
         ends,
     )
@@ -383,26 +410,31 @@ def _throughput(url: str, engine: sa.Engine, target: Target, procs: int, args: a
     sides: dict[str, Callable[[], float]] = {
         "dispatcher": lambda: dispatcher_side(url, engine, target, args.rows, procs, args.concurrency),
         "bare client": lambda: bare_side(target, args.rows, procs, args.concurrency),
+        "transport alone": lambda: bare_side(target, args.rows, procs, args.concurrency, threads=True),
     }
     got: dict[str, list[float]] = {side: [] for side in sides}
     for round_no in range(args.rounds):
-        order = list(sides) if round_no % 2 == 0 else list(sides)[::-1]
-        for side in order:
+        names = list(sides)
+        for side in names[round_no % 3 :] + names[: round_no % 3]:
             got[side].append(sides[side]())
         print(
             f"  {target.transport} x{procs} round {round_no + 1}: dispatcher "
-            f"{got['dispatcher'][-1]:,.0f} rows/s, bare client {got['bare client'][-1]:,.0f} /s",
+            f"{got['dispatcher'][-1]:,.0f} rows/s, bare client {got['bare client'][-1]:,.0f} /s, transport "
+            f"alone {got['transport alone'][-1]:,.0f} /s",
             flush=True,
         )
     ratios = [d / b for d, b in zip(got["dispatcher"], got["bare client"], strict=True)]
     med = {side: statistics.median(values) for side, values in got.items()}
     verdict = "OK" if statistics.median(ratios) >= GOAL else "BELOW"
+    alone = [a / b for a, b in zip(got["transport alone"], got["bare client"], strict=True)]
     d, b = got["dispatcher"], got["bare client"]
     print(
         f"{target.transport}, {procs} process(es) x concurrency {args.concurrency}, {args.rows} rows: "
         f"dispatcher {med['dispatcher']:,.0f} ({min(d):,.0f}-{max(d):,.0f}) rows/s, bare client "
         f"{med['bare client']:,.0f} ({min(b):,.0f}-{max(b):,.0f}) /s, ratio {statistics.median(ratios):.2f} "
-        f"({min(ratios):.2f}-{max(ratios):.2f}) >= {GOAL} {verdict}; load average {os.getloadavg()}",
+        f"({min(ratios):.2f}-{max(ratios):.2f}) >= {GOAL} {verdict}; the transport alone (threads, no "
+        f"database) {statistics.median(alone):.2f} ({min(alone):.2f}-{max(alone):.2f}) of the bare client; "
+        f"load average {os.getloadavg()}",
         flush=True,
     )
 

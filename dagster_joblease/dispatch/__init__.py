@@ -1,4 +1,5 @@
-"""Delivery of outbox rows over HTTP: routes (where), policy (how a result is judged), the dispatcher."""
+"""Delivery of outbox rows: routes (where, and over which transport: HTTP, NATS JetStream or RabbitMQ), policy
+(how a result is judged), the transports (how a row is sent), the dispatcher."""
 
 from __future__ import annotations
 
