@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING, Any, NamedTuple
 import psycopg
 import sqlalchemy as sa
 
-from dagster_joblease import errors
+from dagster_joblease import errors, tracing
 from dagster_joblease.storage import driver, route_groups, rowset
 from dagster_joblease.storage import outbox as store
 from dagster_joblease.storage.engine import translate_errors
@@ -252,6 +252,10 @@ def enqueue_once(
     (:func:`check_ordering_key` says what is allowed); a repeat of a row under another ordering key raises
     :class:`OutboxConflictError`.
 
+    Trace context: when an OpenTelemetry span is active, the enqueue opens a ``create {topic}`` span and
+    the same INSERT writes its W3C ``traceparent`` / ``tracestate`` with the row
+    (:mod:`dagster_joblease.tracing`); otherwise the row has none.
+
     Example::
 
         with engine.begin() as conn:
@@ -272,13 +276,16 @@ def enqueue_once(
     if max_pending is not None:
         with translate_errors("count pending outbox rows"):
             _check_backlog(db, key, topic, _check_max_pending(max_pending))
-    with translate_errors("enqueue an outbox row"):
+    with (
+        translate_errors("enqueue an outbox row"),
+        tracing.creating(topic, idempotency_key=key) as traced,
+    ):
         if ordering is not None:
             store.lock_ordering_keys(db, [ordering])
         # Two rounds: a conflicting row can vanish between the INSERT and the read (a concurrent purge or
         # a rolled-back writer); the second INSERT then simply succeeds.
         for _ in range(2):
-            if store.insert_pending(db, key, topic, text, fingerprint, ordering):
+            if store.insert_pending(db, key, topic, text, fingerprint, ordering, traced):
                 return True
             found = store.existing(db, key)
             if found is None:
@@ -427,11 +434,15 @@ def enqueue_many(
     ordering_keys = sorted({row[4] for row in prepared if row[4] is not None})
     ordered = _insert_order(prepared) if ordering_keys else sorted(prepared, key=lambda row: row[0])
     inserted: set[str] = set()
-    with translate_errors("enqueue outbox rows"):
+    topics = sorted({row[1] for row in prepared})
+    with (
+        translate_errors("enqueue outbox rows"),
+        tracing.creating(", ".join(topics), keys=len(prepared)) as traced,
+    ):
         try:
             store.lock_ordering_keys(db, ordering_keys)
             for start in range(0, len(ordered), rowset.ROWS_PER_STATEMENT):
-                _enqueue_chunk(db, ordered[start : start + rowset.ROWS_PER_STATEMENT], inserted)
+                _enqueue_chunk(db, ordered[start : start + rowset.ROWS_PER_STATEMENT], inserted, traced)
         except (errors.OutboxConflictError, _ReadBackFailed):
             if inserted:  # take back what this call inserted: it writes all of its rows or none
                 store.take_back(db, sorted(inserted))
@@ -446,15 +457,17 @@ def _insert_order(rows: list[_Row]) -> list[_Row]:
     return sorted(rows, key=lambda r: (0, r[0], 0) if r[4] is None else (1, r[4], position[r[0]]))
 
 
-def _enqueue_chunk(db: driver.Statements, chunk: list[_Row], inserted: set[str]) -> None:
+def _enqueue_chunk(
+    db: driver.Statements, chunk: list[_Row], inserted: set[str], traced: tracing.TraceContext
+) -> None:
     pending = chunk
     keyed = any(row[4] is not None for row in chunk)
     # Two rounds, as enqueue_once: a conflicting row can vanish between the INSERT and the read.
     for _ in range(2):
         if keyed:
-            inserted.update(store.insert_many_keyed(db, pending))
+            inserted.update(store.insert_many_keyed(db, pending, traced))
         else:
-            inserted.update(store.insert_many(db, [row[:4] for row in pending]))
+            inserted.update(store.insert_many(db, [row[:4] for row in pending], traced))
         met = [row for row in pending if row[0] not in inserted]
         if not met:
             return

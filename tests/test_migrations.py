@@ -295,7 +295,7 @@ def test_claim_indexes_upgrade_a_0004_database_with_rows_in_place(empty_engine: 
         assert admin.show_lease(empty_engine, "solo").run_key is None
 
     migrate(empty_engine)
-    assert current_revision(empty_engine) == head_revision() == "0009"
+    assert current_revision(empty_engine) == head_revision() == HEAD_REVISION
     assert check_schema(empty_engine).ok
     lease_ix = _index_names(empty_engine, "joblease_lease")
     assert "ix_joblease_lease_code_run_key" not in lease_ix
@@ -401,7 +401,7 @@ def test_check_domains_upgrade_a_0005_database_with_rows_in_place(empty_engine: 
     assert _refused_rows(empty_engine) == 6
 
     migrate(empty_engine)
-    assert current_revision(empty_engine) == head_revision() == "0009"
+    assert current_revision(empty_engine) == head_revision() == HEAD_REVISION
     assert check_schema(empty_engine).ok, check_schema(empty_engine).differences
     # PostgreSQL: no table CHECK left on the hot tables; SQLite keeps every one.
     assert checks() == (set() if pg else before)
@@ -520,7 +520,7 @@ def test_outbox_skipped_status_upgrades_a_0008_database_with_rows_in_every_statu
     before = rows()
     assert _outbox_status_refused(empty_engine, "SKIPPED")
     migrate(empty_engine)
-    assert current_revision(empty_engine) == head_revision() == "0009"
+    assert current_revision(empty_engine) == head_revision() == HEAD_REVISION
     assert check_schema(empty_engine).ok, check_schema(empty_engine).differences
     assert rows() == before
     assert not _outbox_status_refused(empty_engine, "SKIPPED")

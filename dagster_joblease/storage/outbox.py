@@ -144,9 +144,10 @@ _KEY = sa.bindparam("key", type_=sa.String())
 _TOPIC = sa.bindparam("topic", type_=sa.String())
 
 
-def _insert(dialect_name: str, *, keyed: bool = False) -> Any:
+def _insert(dialect_name: str, *, keyed: bool = False, traced: bool = False) -> Any:
     """``INSERT … ON CONFLICT (idempotency_key) DO NOTHING RETURNING id``: a new pending row, due now
-    (``keyed``: with the ``ordering_key`` parameter; the statement without it never names the column)."""
+    (``keyed``: with the ``ordering_key`` parameter; ``traced``: with the ``traceparent`` and
+    ``tracestate`` parameters; a statement without them never names those columns)."""
     # Bind the canonical text as-is instead of letting the JSON type encode the payload a second time.
     payload: sa.ColumnElement[Any] = sa.bindparam("payload_text", type_=sa.Text())
     if dialect_name == "postgresql":
@@ -164,12 +165,16 @@ def _insert(dialect_name: str, *, keyed: bool = False) -> Any:
             created_at=db_now(),
             updated_at=db_now(),
             **({"ordering_key": _ORDERING_KEY} if keyed else {}),
+            **({"traceparent": _TRACEPARENT, "tracestate": _TRACESTATE} if traced else {}),
         )
         .on_conflict_do_nothing(index_elements=[_t.c.idempotency_key])
         .returning(_t.c.id)
     )
 
 
+#: The row's W3C trace context (:mod:`dagster_joblease.tracing`), written by the same INSERT as the row.
+_TRACEPARENT = sa.bindparam("traceparent", type_=sa.String())
+_TRACESTATE = sa.bindparam("tracestate", type_=sa.String())
 _ORDERING_KEY = sa.bindparam("ordering_key", type_=sa.String())
 #: PostgreSQL: the first key of the two-int advisory lock an enqueue takes on its ordering key ("jlok").
 ORDERING_LOCK_CLASS = 0x6A6C6F6B
@@ -181,8 +186,14 @@ ORDERING_ALL_CLASS = 0x6A6C6F61
 #: every session together): a set of 10,000 keys must not fill it.
 MAX_KEY_LOCKS = 32
 
-INSERT_PENDING = driver.query(_insert("postgresql"), _insert("sqlite"))
-INSERT_PENDING_KEYED = driver.query(_insert("postgresql", keyed=True), _insert("sqlite", keyed=True))
+#: The enqueue's INSERT by (keyed, traced): one statement, naming the optional columns a row has.
+INSERT_PENDING = {
+    (keyed, traced): driver.query(
+        _insert("postgresql", keyed=keyed, traced=traced), _insert("sqlite", keyed=keyed, traced=traced)
+    )
+    for keyed in (False, True)
+    for traced in (False, True)
+}
 #: PostgreSQL: wait for (then hold, until the transaction ends) the ordering key's enqueue lock.
 _ALL_KEYS = (sa.literal_column(str(ORDERING_ALL_CLASS), sa.Integer()), sa.literal_column("0", sa.Integer()))
 LOCK_ORDERING_KEY = driver.query(
@@ -210,14 +221,22 @@ PENDING_COUNT = driver.query(
 
 
 def insert_pending(
-    db: Statements, key: str, topic: str, payload_text: str, sha256: str, ordering_key: str | None = None
+    db: Statements,
+    key: str,
+    topic: str,
+    payload_text: str,
+    sha256: str,
+    ordering_key: str | None = None,
+    trace: tuple[str | None, str | None] = (None, None),
 ) -> bool:
-    """Add a pending row (its payload as canonical JSON text; its ordering key, if any); False when the
-    key already has one."""
-    params = {"key": key, "topic": topic, "payload_text": payload_text, "sha256": sha256}
-    if ordering_key is None:
-        return db.first(INSERT_PENDING, params) is not None
-    return db.first(INSERT_PENDING_KEYED, {**params, "ordering_key": ordering_key}) is not None
+    """Add a pending row (its payload as canonical JSON text; its ordering key and its trace context
+    ``(traceparent, tracestate)``, if any); False when the key already has one."""
+    params: dict[str, Any] = {"key": key, "topic": topic, "payload_text": payload_text, "sha256": sha256}
+    if ordering_key is not None:
+        params["ordering_key"] = ordering_key
+    if trace[0] is not None:
+        params["traceparent"], params["tracestate"] = trace
+    return db.first(INSERT_PENDING[ordering_key is not None, trace[0] is not None], params) is not None
 
 
 def lock_ordering_keys(db: Statements, ordering_keys: Sequence[str]) -> None:
@@ -266,9 +285,10 @@ ENQUEUE_KEYED_COLUMNS = (*ENQUEUE_COLUMNS, ("ordering_key", sa.String()), ("seq"
 _ENQUEUE_KEYED_NAMES = tuple(name for name, _ in ENQUEUE_KEYED_COLUMNS)
 
 
-def _insert_many(dialect_name: str, *, keyed: bool = False) -> Any:
+def _insert_many(dialect_name: str, *, keyed: bool = False, traced: bool = False) -> Any:
     """``INSERT … SELECT … FROM <rows> ORDER BY key ON CONFLICT DO NOTHING RETURNING idempotency_key``
-    (``keyed``: with each row's ordering key, inserted in the order of ``seq``, so ids follow it)."""
+    (``keyed``: with each row's ordering key, inserted in the order of ``seq``, so ids follow it;
+    ``traced``: with the ``traceparent`` and ``tracestate`` parameters, the same for every row)."""
     source = rowset.rows_source(
         dialect_name, ENQUEUE_KEYED_COLUMNS if keyed else ENQUEUE_COLUMNS, joined=False
     )
@@ -287,6 +307,7 @@ def _insert_many(dialect_name: str, *, keyed: bool = False) -> Any:
             db_now(),
             db_now(),
             *([source.c.ordering_key] if keyed else []),
+            *([_TRACEPARENT, _TRACESTATE] if traced else []),
         )
         .select_from(source)
         .where(sa.true())  # SQLite: INSERT … SELECT … ON CONFLICT needs a WHERE to parse
@@ -296,6 +317,7 @@ def _insert_many(dialect_name: str, *, keyed: bool = False) -> Any:
     columns = ["idempotency_key", "topic", "payload", "payload_sha256", "status", "attempts"]
     columns += ["next_attempt_at", "created_at", "updated_at"]
     columns += ["ordering_key"] if keyed else []
+    columns += ["traceparent", "tracestate"] if traced else []
     insert = (postgresql.insert if dialect_name == "postgresql" else sqlite.insert)(_t)
     return (
         insert.from_select(columns, rows)
@@ -323,26 +345,49 @@ def _take_back(dialect_name: str) -> Any:
     )
 
 
-INSERT_MANY = driver.query(_insert_many("postgresql"), _insert_many("sqlite"))
-INSERT_MANY_KEYED = driver.query(_insert_many("postgresql", keyed=True), _insert_many("sqlite", keyed=True))
+#: The set's INSERT by (keyed, traced), as :data:`INSERT_PENDING`.
+INSERT_MANY = {
+    (keyed, traced): driver.query(
+        _insert_many("postgresql", keyed=keyed, traced=traced),
+        _insert_many("sqlite", keyed=keyed, traced=traced),
+    )
+    for keyed in (False, True)
+    for traced in (False, True)
+}
 EXISTING_MANY = driver.query(_existing_many("postgresql"), _existing_many("sqlite"))
 TAKE_BACK = driver.query(_take_back("postgresql"), _take_back("sqlite"))
 
 
-def insert_many(db: Statements, rows: Sequence[tuple[str, str, str, str]]) -> list[str]:
-    """Add pending rows (key, topic, payload text, sha256; in key order) for keys that have none: the
-    keys inserted."""
+def insert_many(
+    db: Statements,
+    rows: Sequence[tuple[str, str, str, str]],
+    trace: tuple[str | None, str | None] = (None, None),
+) -> list[str]:
+    """Add pending rows (key, topic, payload text, sha256; in key order) for keys that have none, each
+    with the trace context ``(traceparent, tracestate)`` if any: the keys inserted."""
     params = rowset.bind_rows(db.dialect, _ENQUEUE_NAMES, rows)
-    return [str(row[0]) for row in db.rows(INSERT_MANY, params)]
+    return [str(row[0]) for row in db.rows(INSERT_MANY[False, _traced(params, trace)], params)]
 
 
-def insert_many_keyed(db: Statements, rows: Sequence[tuple[str, str, str, str, str | None]]) -> list[str]:
+def insert_many_keyed(
+    db: Statements,
+    rows: Sequence[tuple[str, str, str, str, str | None]],
+    trace: tuple[str | None, str | None] = (None, None),
+) -> list[str]:
     """:func:`insert_many` for rows (key, topic, payload text, sha256, ordering key or None) some of which
     have an ordering key: inserted in the given order (ids follow it), so the caller orders them. The keys
     inserted."""
     numbered = [(*row, seq) for seq, row in enumerate(rows)]
     params = rowset.bind_rows(db.dialect, _ENQUEUE_KEYED_NAMES, numbered)
-    return [str(row[0]) for row in db.rows(INSERT_MANY_KEYED, params)]
+    return [str(row[0]) for row in db.rows(INSERT_MANY[True, _traced(params, trace)], params)]
+
+
+def _traced(params: dict[str, Any], trace: tuple[str | None, str | None]) -> bool:
+    """Add the trace context to ``params`` if there is one; whether there was."""
+    if trace[0] is None:
+        return False
+    params["traceparent"], params["tracestate"] = trace
+    return True
 
 
 def existing_many(db: Statements, keys: Sequence[str]) -> dict[str, tuple[str, str, str | None]]:
@@ -756,6 +801,11 @@ def _claim_update(
         _t.c.first_attempt_at,
         claim_now().label("claim_now"),
         _t.c.ordering_key,
+        # The row's creation trace context (0010) and its INSERT time: the send span's link, the headers'
+        # traceparent, and the time in the outbox (dagster_joblease.tracing).
+        _t.c.traceparent,
+        _t.c.tracestate,
+        _t.c.created_at,
     )
 
 
@@ -783,7 +833,8 @@ def claim_due(
     given), stamp ``token``, an expiry and ``claim_group`` (the limit group whose capacity the claim holds;
     ``limit`` may then be an SQL expression, the slots it has left), record the first attempt's time if
     this is it (a give-back undoes it), count the attempt, and return ``(id, idempotency_key, topic,
-    attempts, payload as text, deferrals, first_attempt_at, claim_now, ordering_key)``.
+    attempts, payload as text, deferrals, first_attempt_at, claim_now, ordering_key, traceparent,
+    tracestate, created_at)``.
 
     The payload comes back as text (``jsonb::text`` on PostgreSQL) and is sent as-is: decoding it to
     Python only to encode it again would cost time and could change it.

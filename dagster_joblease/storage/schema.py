@@ -14,6 +14,8 @@ from sqlalchemy.dialects import postgresql
 __all__ = [
     "HEAD_REVISION",
     "PG_DOMAINS",
+    "TRACEPARENT_LENGTH",
+    "TRACESTATE_LENGTH",
     "VERSION_TABLE",
     "any_status",
     "inbox_table",
@@ -26,7 +28,12 @@ __all__ = [
 #: Alembic's version table for this package, distinct from Dagster's and the host's ``alembic_version``.
 VERSION_TABLE = "joblease_alembic_version"
 #: The newest migration; ``db check`` compares the database against it.
-HEAD_REVISION = "0009"
+HEAD_REVISION = "0010"
+#: The longest W3C ``traceparent`` and ``tracestate`` an outbox row stores (0010; W3C Trace Context: a
+#: version-00 traceparent is 55 characters, later versions may append; a tracestate of more than 512
+#: characters may be dropped by any hop).
+TRACEPARENT_LENGTH = 128
+TRACESTATE_LENGTH = 512
 
 metadata = sa.MetaData(
     naming_convention={
@@ -170,6 +177,9 @@ outbox_table = sa.Table(
     sa.Column("deferrals", sa.Integer(), nullable=False, server_default=sa.text("0")),
     # Rows with the same ordering key are delivered one at a time, in id order (NULL: no ordering; 0008).
     sa.Column("ordering_key", sa.String(128), nullable=True),
+    # The W3C trace context of the span that enqueued the row (NULL: none was active, or before 0010).
+    sa.Column("traceparent", sa.String(TRACEPARENT_LENGTH), nullable=True),
+    sa.Column("tracestate", sa.String(TRACESTATE_LENGTH), nullable=True),
     sa.UniqueConstraint("idempotency_key"),
     _sqlite_check("status IN ('PENDING', 'SENT', 'DEAD', 'SKIPPED')", name="status"),
     _sqlite_check("attempts >= 0", name="attempts_nonnegative"),
