@@ -35,6 +35,11 @@ class Claimed:
     claim_now: dt.datetime | None = None
     #: The row's ordering key (None: it has none).
     ordering_key: str | None = None
+    #: The row's creation trace context (W3C traceparent / tracestate; None: the row has none).
+    traceparent: str | None = None
+    tracestate: str | None = None
+    #: When the row was inserted, on the database clock.
+    created_at: dt.datetime | None = None
 
     @property
     def stamped(self) -> bool:
@@ -49,6 +54,13 @@ class Claimed:
             return None
         return (self.claim_now - self.first_attempt_at).total_seconds() * 1000
 
+    def time_in_outbox_s(self, now: float) -> float | None:
+        """Seconds from the row's INSERT to local monotonic time ``now``: its age at the claim on the
+        database clock plus the time since the claim on this process's clock (None: unknown)."""
+        if self.created_at is None or self.claim_now is None:
+            return None
+        return (self.claim_now - self.created_at).total_seconds() + (now - self.claimed_at)
+
 
 def from_row(r: Any, **extra: Any) -> Claimed:
     """A row returned by a claim (:func:`dagster_joblease.storage.outbox.claim_due`)."""
@@ -62,6 +74,9 @@ def from_row(r: Any, **extra: Any) -> Claimed:
         first_attempt_at=r[6],
         claim_now=r[7],
         ordering_key=r[8],
+        traceparent=r[9],
+        tracestate=r[10],
+        created_at=r[11],
         **extra,
     )
 

@@ -66,7 +66,7 @@ from typing import Any
 import httpx
 import sqlalchemy as sa
 
-from dagster_joblease import errors
+from dagster_joblease import errors, tracing
 from dagster_joblease.dispatch import capacity, decisions, policy
 from dagster_joblease.dispatch.capacity import (
     ANY_ROW_POLL_S,
@@ -426,12 +426,26 @@ class Dispatcher(Claimer):
             reason = decisions.dedupe_window_reason(route.dedupe_window_s or 0.0)
             return policy.Decision(policy.Outcome.DEAD, None, reason, unsent=True)
         transport = self._transports[row.topic]
-        try:
-            classification = transport.send(message_of(row), route, now + route.timeout_s, row.send_by)
-        except TooLate:
-            return None  # started too late for its rate admission: sending now could burst
-        except Exception as exc:  # any failure to get an acknowledgement is judged, never stops the batch
-            classification = transport.classify_exception(exc)
+        traced = tracing.TraceContext(row.traceparent, row.tracestate)
+        with tracing.sending(row.topic, row.idempotency_key, traced, system=route.transport) as span:
+            try:
+                classification = transport.send(message_of(row), route, now + route.timeout_s, row.send_by)
+            except TooLate:
+                span.outcome("given back", "started too late for its rate admission")
+                return None  # started too late for its rate admission: sending now could burst
+            except Exception as exc:  # any failure to get an acknowledgement is judged, never stops the batch
+                classification = transport.classify_exception(exc)
+            decision = self._decide(row, route, classification)
+            span.outcome(decision.outcome.value, decision.reason)
+        if decision.outcome is policy.Outcome.SENT:
+            waited = row.time_in_outbox_s(time.monotonic())
+            if waited is not None:
+                tracing.record_time_in_outbox(waited, row.topic)
+        return decision
+
+    def _decide(self, row: Claimed, route: Route, classification: policy.Classification) -> policy.Decision:
+        """Judge one attempt's classification; a pause it asks for is written at once."""
+        group = self._group_of[row.topic]
         decision = policy.decide(
             classification,
             attempts=row.attempts,
