@@ -22,6 +22,7 @@ from collections.abc import Mapping
 from types import MappingProxyType
 from typing import Protocol
 
+from dagster_joblease import tracing
 from dagster_joblease.dispatch import policy
 from dagster_joblease.dispatch.claims import Claimed
 from dagster_joblease.dispatch.routes import Route
@@ -49,7 +50,9 @@ class Message:
 
 def message_of(row: Claimed) -> Message:
     """The message a claimed row is sent as: the one place a row becomes a message."""
-    return Message(row.idempotency_key, row.topic, row.ordering_key, row.payload.encode("utf-8"), NO_HEADERS)
+    # The row's creation trace context (dagster_joblease.tracing), read from its columns; none: no headers.
+    headers = tracing.message_headers(tracing.TraceContext(row.traceparent, row.tracestate)) or NO_HEADERS
+    return Message(row.idempotency_key, row.topic, row.ordering_key, row.payload.encode("utf-8"), headers)
 
 
 class TooLate(Exception):
