@@ -45,7 +45,7 @@ import anyio
 import anyio.to_thread
 from anyio.lowlevel import RunVar
 
-from dagster_joblease import errors, wire
+from dagster_joblease import errors, tracing, wire
 from dagster_joblease.inbox import core
 from dagster_joblease.inbox.aio import AsyncInbox, AsyncInboxTransaction
 from dagster_joblease.inbox.core import Answer, InboxResult
@@ -322,7 +322,9 @@ class InboxMiddleware:
             turn.release()
             await _send_result(send, replay)
             return
-        await self._apply(tx, turn, scope, body, receive, send)
+        # The effect continues the producer's trace (the request's traceparent/tracestate), if it has one.
+        with tracing.processing(scope["path"], scope["headers"], idempotency_key=key):
+            await self._apply(tx, turn, scope, body, receive, send)
 
     def _read_headers(self, scope: Scope) -> tuple[str | None, int | None]:
         keys = [value for name, value in scope["headers"] if name == _KEY_HEADER]
