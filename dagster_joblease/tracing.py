@@ -141,11 +141,13 @@ def creating(topic: str, *, keys: int = 1, idempotency_key: str | None = None) -
         attributes["messaging.message.id"] = idempotency_key
     if keys != 1:
         attributes["messaging.batch.message_count"] = keys
+    parent = trace.get_current_span()
     tracer = trace.get_tracer(_SCOPE, _version())
     with tracer.start_as_current_span(
         f"create {topic}", kind=trace.SpanKind.PRODUCER, attributes=attributes
     ) as span:
-        yield _context_of(span)
+        # No SDK (the API's no-op tracer makes an invalid span): the enqueuing span's own context.
+        yield _context_of(span) if span.get_span_context().is_valid else _context_of(parent)
 
 
 def message_headers(traced: TraceContext) -> dict[str, str]:
