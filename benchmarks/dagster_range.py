@@ -41,22 +41,15 @@ ratio batch/plain is what leasing the range costs on top. Figures from a shared,
 # (no postponed annotations: Dagster inspects the asset functions defined below)
 
 import argparse
-import contextlib
 import datetime as dt
-import glob
 import os
-import pwd
 import shutil
-import signal
-import socket
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
 import uuid
 import warnings
-from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -64,6 +57,7 @@ from typing import Any
 import dagster as dg
 import psycopg
 import sqlalchemy as sa
+from private_pg import private_server
 from report import dsn, print_table
 from sqlalchemy.engine import make_url
 
@@ -77,7 +71,6 @@ DOMAIN_INSERT = (
     "SELECT :code, d, length(d) FROM unnest(CAST(:days AS text[])) d"
 )
 PGSS = "pg_stat_statements"
-INITDB = ("-E", "UTF8", "--no-locale", "--no-sync")  # --no-sync: the cluster is thrown away
 COUNTED_BY = {True: PGSS, False: "SQLAlchemy events (raw driver statements missed)"}
 EVENT_BYTES = "SELECT count(*), coalesce(sum(octet_length(event)), 0) FROM event_logs WHERE run_id = %s"
 
@@ -130,89 +123,6 @@ def _assets(partitions: int, start: str) -> dict[str, Any]:
             )
 
     return {"batch": batch_side, "plain": plain_side, "per-key": per_key_side}
-
-
-# --- a throwaway cluster with pg_stat_statements -------------------------------------------------------
-
-
-def _pg_bin() -> Path:
-    """The newest installed PostgreSQL's bin directory (``/usr/lib/postgresql/<major>/bin``)."""
-    found = [Path(p) for p in glob.glob("/usr/lib/postgresql/*/bin") if Path(p, "initdb").exists()]
-    if not found:
-        raise SystemExit("--private-server: no initdb under /usr/lib/postgresql/*/bin")
-    return max(found, key=lambda p: int(p.parent.name) if p.parent.name.isdigit() else 0)
-
-
-def _as_cluster_user(argv: list[str]) -> list[str]:
-    """initdb and pg_ctl refuse to run as root: as root, run them as ``postgres``."""
-    if os.geteuid() != 0:
-        return argv
-    try:
-        pwd.getpwnam("postgres")
-    except KeyError:
-        raise SystemExit(
-            "--private-server as root needs a 'postgres' user to run initdb and pg_ctl"
-        ) from None
-    return ["runuser", "-u", "postgres", "--", *argv]
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port: int = s.getsockname()[1]
-        return port
-
-
-def _on_signal(signum: int, _frame: object) -> None:
-    raise SystemExit(128 + signum)  # unwinds through the finally blocks: the cluster is stopped
-
-
-@contextlib.contextmanager
-def private_server() -> Iterator[str]:
-    """Start a cluster with ``pg_stat_statements`` preloaded in a temporary directory; yield its URL;
-    stop it and remove the directory on the way out (an exception, Ctrl-C, SIGTERM or SIGHUP included)."""
-    bindir = _pg_bin()
-    home = Path(tempfile.mkdtemp(prefix="joblease-bench-pg-"))
-    if os.geteuid() == 0:
-        user = pwd.getpwnam("postgres")
-        os.chown(home, user.pw_uid, user.pw_gid)
-    data, log, port = home / "data", home / "server.log", _free_port()
-    previous = {s: signal.signal(s, _on_signal) for s in (signal.SIGTERM, signal.SIGHUP)}
-    started = False
-    try:
-        subprocess.run(
-            _as_cluster_user(
-                [str(bindir / "initdb"), "-D", str(data), "-U", "postgres", "--auth=trust", *INITDB]
-            ),
-            check=True,
-            stdout=subprocess.DEVNULL,
-        )
-        options = (
-            f"-p {port} -c listen_addresses=127.0.0.1 -c unix_socket_directories={home} "
-            f"-c shared_preload_libraries={PGSS} -c {PGSS}.max=100000"  # Dagster's NOTIFYs: one entry each
-        )
-        started = True
-        got = subprocess.run(
-            _as_cluster_user(
-                [str(bindir / "pg_ctl"), "-D", str(data), "-l", str(log), "-o", options, "start"]
-            ),
-            stdout=subprocess.DEVNULL,
-        )
-        if got.returncode:
-            raise SystemExit(f"--private-server: pg_ctl start failed:\n{log.read_text(errors='replace')}")
-        print(f"private server: PostgreSQL {bindir.parent.name} on 127.0.0.1:{port} in {home}", flush=True)
-        yield f"postgresql+psycopg://postgres@127.0.0.1:{port}/postgres"
-    finally:
-        if started:
-            subprocess.run(
-                _as_cluster_user([str(bindir / "pg_ctl"), "-D", str(data), "-m", "fast", "-w", "stop"]),
-                stdout=subprocess.DEVNULL,
-                stderr=subprocess.DEVNULL,
-            )
-        shutil.rmtree(home, ignore_errors=True)
-        for s, handler in previous.items():
-            signal.signal(s, handler)
-        print("private server: stopped and removed", flush=True)
 
 
 # --- what a run cost the databases ---------------------------------------------------------------------
@@ -480,7 +390,7 @@ def main(argv: list[str] | None = None) -> int:
     if _has_pgss(server) or not args.private_server:
         _measure(args, server, _has_pgss(server))
         return 0
-    with private_server() as private:
+    with private_server(settings=(f"shared_preload_libraries={PGSS}", f"{PGSS}.max=100000")) as private:
         _measure(args, private, True)
     return 0
 
