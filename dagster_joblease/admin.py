@@ -33,7 +33,7 @@ from dagster_joblease.errors import AdminArgumentError, AdminRefusedError
 from dagster_joblease.lease import LeaseStatus, bound_error
 from dagster_joblease.options import MAX_DURATION_MS, default_heartbeat_ms
 from dagster_joblease.outbox import OutboxStatus
-from dagster_joblease.storage import leases, outbox, route_groups
+from dagster_joblease.storage import leases, outbox, outbox_events, route_groups
 from dagster_joblease.storage.engine import translate_errors
 
 __all__ = [
@@ -56,6 +56,7 @@ __all__ = [
     "list_outbox",
     "outbox_stats",
     "parse_duration_ms",
+    "purge_events",
     "purge_leases",
     "purge_sent",
     "requeue",
@@ -752,13 +753,37 @@ def purge_sent(engine: sa.Engine, *, older_than_ms: int, min_retention_ms: int, 
     (aged by ``updated_at``, which the skip set to the database clock). PENDING and DEAD rows are never
     purged.
     """
+    window = _retention_window(older_than_ms, min_retention_ms, "outbox rows sent")
+    return outbox.purge_sent(engine, sent_before_ms=window, dry_run=dry_run)
+
+
+def purge_events(
+    engine: sa.Engine, *, older_than_ms: int, min_retention_ms: int, dry_run: bool = False
+) -> int:
+    """Delete CDC events (:mod:`dagster_joblease.cdc`) inserted more than ``older_than_ms`` ago (database
+    clock): retention of the hand-over table.
+
+    An event is shipped once its transaction commits: the connector reads the INSERT from the WAL, which
+    its replication slot keeps until the connector confirms it, and the router ignores the DELETE. The
+    window only keeps a key's row long enough that a repeat of the key writes nothing; after it, a repeat
+    is a new event, and only the consumer's deduplication (on the ``id`` header) stops a second effect.
+    So the window must be at least ``min_retention_ms`` (and ``$JOBLEASE_OUTBOX_MIN_RETENTION``), as for
+    :func:`purge_sent`, or :class:`RetentionWindowError` is raised and nothing is deleted.
+    """
+    window = _retention_window(older_than_ms, min_retention_ms, "CDC events written")
+    return outbox_events.purge_older_than(engine, older_than_ms=window, dry_run=dry_run)
+
+
+def _retention_window(older_than_ms: int, min_retention_ms: int, rows: str) -> int:
+    """``older_than_ms``, checked against the minimum retention (the argument, floored by
+    ``$JOBLEASE_OUTBOX_MIN_RETENTION``); :class:`RetentionWindowError` below it."""
     window = _check_ms("older_than_ms", older_than_ms)
     floor, source = _floor(_check_ms("min_retention_ms", min_retention_ms), MIN_RETENTION_ENV)
     if window < floor:
         raise errors.RetentionWindowError(
-            f"refusing to purge outbox rows sent before {human_ms(window)}: below the minimum retention of "
+            f"refusing to purge {rows} before {human_ms(window)}: below the minimum retention of "
             f"{human_ms(floor)}{source}, which must cover the downstream's deduplication window. After a "
             "purge, a re-enqueue of the same key is delivered again, and only the downstream can still "
             "deduplicate it. Nothing was deleted."
         )
-    return outbox.purge_sent(engine, sent_before_ms=window, dry_run=dry_run)
+    return window

@@ -190,7 +190,7 @@ def check_ordering_key(value: object) -> str | None:
     return value
 
 
-def _check_max_bytes(max_payload_bytes: object) -> int:
+def check_max_bytes(max_payload_bytes: object) -> int:
     if isinstance(max_payload_bytes, bool) or not isinstance(max_payload_bytes, int) or max_payload_bytes < 2:
         raise errors.InvalidPayloadError(
             "max_payload_bytes", f"{max_payload_bytes!r} must be an int >= 2 (bytes of canonical JSON)"
@@ -268,8 +268,8 @@ def enqueue_once(
             enqueue_once(pg, idempotency_key=…, topic="mail", payload={"v": 1, "invoice": 42})
     """
     target = callers_transaction(connection, clause=outbox_table)
-    key, _topic, text, fingerprint = _prepare_row(
-        idempotency_key, topic, payload, _check_max_bytes(max_payload_bytes)
+    key, _topic, text, fingerprint = prepare_row(
+        idempotency_key, topic, payload, check_max_bytes(max_payload_bytes)
     )
     ordering = check_ordering_key(ordering_key)
     db = driver.in_transaction(target)
@@ -340,7 +340,7 @@ class OutboxItem(NamedTuple):
     ordering_key: str | None = None
 
 
-def _prepare_row(idempotency_key: object, topic: object, payload: Any, limit: int) -> _Params:
+def prepare_row(idempotency_key: object, topic: object, payload: Any, limit: int) -> _Params:
     """Validate one outbox row (key, topic, payload of at most ``limit`` bytes); its parameters (key,
     topic, canonical text, sha256). :func:`enqueue_once` and :func:`enqueue_many` share it."""
     _check_text("idempotency_key", idempotency_key, MAX_KEY_LENGTH, ascii_only=True)
@@ -377,7 +377,7 @@ def _check_items(items: object, limit: int) -> list[_Row]:
             )
         key, topic, payload, *rest = item
         try:
-            row = (*_prepare_row(key, topic, payload, limit), check_ordering_key(rest[0] if rest else None))
+            row = (*prepare_row(key, topic, payload, limit), check_ordering_key(rest[0] if rest else None))
         except errors.InvalidPayloadError as exc:
             raise type(exc)(f"{exc.field} of row {index} (key {key!r:.60})", exc.rule) from None
         if row[0] in seen:
@@ -428,7 +428,7 @@ def enqueue_many(
                                 for x in claim.leases])
     """
     target = callers_transaction(connection, clause=outbox_table)
-    limit = _check_max_bytes(max_payload_bytes)
+    limit = check_max_bytes(max_payload_bytes)
     prepared = _check_items(rows, limit)
     db = driver.in_transaction(target)
     ordering_keys = sorted({row[4] for row in prepared if row[4] is not None})

@@ -27,7 +27,14 @@ from dagster_joblease.storage.schema import HEAD_REVISION, VERSION_TABLE
 from tests import lease_workers
 from tests.conftest import _admin_execute, admin_url
 
-OUR_TABLES = {"joblease_lease", "joblease_outbox", "joblease_inbox", "joblease_route_group", VERSION_TABLE}
+OUR_TABLES = {
+    "joblease_lease",
+    "joblease_outbox",
+    "joblease_outbox_event",
+    "joblease_inbox",
+    "joblease_route_group",
+    VERSION_TABLE,
+}
 
 
 @pytest.fixture

@@ -21,6 +21,7 @@ __all__ = [
     "inbox_table",
     "lease_table",
     "metadata",
+    "outbox_event_table",
     "outbox_table",
     "route_group_table",
 ]
@@ -28,7 +29,7 @@ __all__ = [
 #: Alembic's version table for this package, distinct from Dagster's and the host's ``alembic_version``.
 VERSION_TABLE = "joblease_alembic_version"
 #: The newest migration; ``db check`` compares the database against it.
-HEAD_REVISION = "0010"
+HEAD_REVISION = "0011"
 #: The longest W3C ``traceparent`` and ``tracestate`` an outbox row stores (0010; W3C Trace Context: a
 #: version-00 traceparent is 55 characters, later versions may append; a tracestate of more than 512
 #: characters may be dropped by any hop).
@@ -227,6 +228,28 @@ outbox_table = sa.Table(
         postgresql_where=sa.text("status = 'SENT'"),
         sqlite_where=sa.text("status = 'SENT'"),
     ),
+)
+
+# The CDC hand-over (0011; dagster_joblease.cdc): events for change-data capture in the shape of Debezium's
+# Outbox Event Router, written insert-only (never updated; deleted by retention only). The dispatcher never
+# reads this table: its topics leave through the connector reading the WAL.
+outbox_event_table = sa.Table(
+    "joblease_outbox_event",
+    metadata,
+    # The router's event id (the Kafka header ``id``): the row's idempotency key, one row per key.
+    sa.Column("id", sa.String(320), primary_key=True),
+    # The router's ``route.by.field``: the topic (Kafka topic ``outbox.event.<topic>`` by default).
+    sa.Column("aggregatetype", sa.String(128), nullable=False),
+    # The router's event key (the Kafka key, so per-key order holds): the ordering key, else the id.
+    sa.Column("aggregateid", sa.String(320), nullable=False),
+    sa.Column("type", sa.String(128), nullable=False),
+    sa.Column("payload", _Json, nullable=False),
+    # The router's ``tracing.span.context.field``: the W3C context as java.util.Properties text, or NULL.
+    sa.Column("tracingspancontext", sa.Text(), nullable=True),
+    sa.Column("payload_sha256", sa.String(64), nullable=False),
+    sa.Column("created_at", _Time, nullable=False),
+    # Retention: `purge_events` deletes rows older than a window (created_at < cutoff).
+    sa.Index("ix_joblease_outbox_event_created_at", "created_at"),
 )
 
 # One row per limit group (a downstream's capacity shared by every dispatcher on this database): the
