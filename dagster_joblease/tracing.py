@@ -122,6 +122,19 @@ def _span_context_of(traced: TraceContext) -> Any:
     return span_context if span_context.is_valid else None
 
 
+def _attributes(operation: str, destination: str, system: str, message_id: str | None) -> dict[str, Any]:
+    """A span's messaging attributes (OpenTelemetry's messaging semantic conventions)."""
+    attributes: dict[str, Any] = {
+        "messaging.system": system,
+        "messaging.operation.type": operation,
+        "messaging.operation.name": operation,
+        "messaging.destination.name": destination,
+    }
+    if message_id is not None:
+        attributes["messaging.message.id"] = message_id
+    return attributes
+
+
 @contextlib.contextmanager
 def creating(topic: str, *, keys: int = 1, idempotency_key: str | None = None) -> Iterator[TraceContext]:
     """Around an enqueue's INSERT: the ``create {topic}`` span, yielding the trace context to write with
@@ -131,14 +144,7 @@ def creating(topic: str, *, keys: int = 1, idempotency_key: str | None = None) -
     if trace is None or not trace.get_current_span().get_span_context().is_valid:
         yield NO_TRACE
         return
-    attributes: dict[str, Any] = {
-        "messaging.system": _SYSTEM,
-        "messaging.operation.type": "create",
-        "messaging.operation.name": "create",
-        "messaging.destination.name": topic,
-    }
-    if idempotency_key is not None:
-        attributes["messaging.message.id"] = idempotency_key
+    attributes = _attributes("create", topic, _SYSTEM, idempotency_key)
     if keys != 1:
         attributes["messaging.batch.message_count"] = keys
     parent = trace.get_current_span()
@@ -187,13 +193,7 @@ def sending(
         yield _Sending(None)
         return
     creation = _span_context_of(traced)
-    attributes = {
-        "messaging.system": system,
-        "messaging.operation.type": "send",
-        "messaging.operation.name": "send",
-        "messaging.destination.name": topic,
-        "messaging.message.id": idempotency_key,
-    }
+    attributes = _attributes("send", topic, system, idempotency_key)
     tracer = trace.get_tracer(_SCOPE, _version())
     with tracer.start_as_current_span(
         f"send {topic}",
@@ -234,14 +234,7 @@ def processing(
     if creation is None and not trace.get_current_span().get_span_context().is_valid:
         yield
         return
-    attributes = {
-        "messaging.system": system,
-        "messaging.operation.type": "process",
-        "messaging.operation.name": "process",
-        "messaging.destination.name": destination,
-    }
-    if idempotency_key is not None:
-        attributes["messaging.message.id"] = idempotency_key
+    attributes = _attributes("process", destination, system, idempotency_key)
     parent = trace.set_span_in_context(trace.NonRecordingSpan(creation)) if creation is not None else None
     tracer = trace.get_tracer(_SCOPE, _version())
     with tracer.start_as_current_span(

@@ -60,6 +60,7 @@ __all__ = [
     "lock_for_requeue",
     "mark_sent",
     "outbox_rows",
+    "payload_param",
     "pending_count",
     "pending_total",
     "purge_sent",
@@ -144,20 +145,25 @@ _KEY = sa.bindparam("key", type_=sa.String())
 _TOPIC = sa.bindparam("topic", type_=sa.String())
 
 
+def payload_param(dialect_name: str) -> sa.ColumnElement[Any]:
+    """The ``payload_text`` parameter as a JSON column's value: the canonical text bound as-is (rather than
+    letting the JSON type encode the payload a second time), cast to jsonb on PostgreSQL."""
+    payload: sa.ColumnElement[Any] = sa.bindparam("payload_text", type_=sa.Text())
+    if dialect_name == "postgresql":
+        payload = sa.cast(payload, postgresql.JSONB())
+    return payload
+
+
 def _insert(dialect_name: str, *, keyed: bool = False, traced: bool = False) -> Any:
     """``INSERT … ON CONFLICT (idempotency_key) DO NOTHING RETURNING id``: a new pending row, due now
     (``keyed``: with the ``ordering_key`` parameter; ``traced``: with the ``traceparent`` and
     ``tracestate`` parameters; a statement without them never names those columns)."""
-    # Bind the canonical text as-is instead of letting the JSON type encode the payload a second time.
-    payload: sa.ColumnElement[Any] = sa.bindparam("payload_text", type_=sa.Text())
-    if dialect_name == "postgresql":
-        payload = sa.cast(payload, postgresql.JSONB())
     insert = (postgresql.insert if dialect_name == "postgresql" else sqlite.insert)(_t)
     return (
         insert.values(
             idempotency_key=_KEY,
             topic=_TOPIC,
-            payload=payload,
+            payload=payload_param(dialect_name),
             payload_sha256=sa.bindparam("sha256", type_=sa.String()),
             status=_PENDING_TEXT,
             attempts=sa.literal_column("0", sa.Integer()),

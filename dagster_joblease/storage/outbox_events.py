@@ -16,6 +16,7 @@ from sqlalchemy.dialects import postgresql, sqlite
 from dagster_joblease.storage import driver
 from dagster_joblease.storage.clock import db_now
 from dagster_joblease.storage.driver import Statements
+from dagster_joblease.storage.outbox import payload_param
 from dagster_joblease.storage.schema import outbox_event_table
 
 __all__ = ["existing", "insert", "purge_older_than"]
@@ -26,9 +27,6 @@ _ID = sa.bindparam("id", type_=sa.String())
 
 def _insert(dialect_name: str) -> Any:
     """``INSERT … ON CONFLICT (id) DO NOTHING RETURNING id``: the event, unless its key has one."""
-    payload: sa.ColumnElement[Any] = sa.bindparam("payload_text", type_=sa.Text())
-    if dialect_name == "postgresql":
-        payload = sa.cast(payload, postgresql.JSONB())
     insert = (postgresql.insert if dialect_name == "postgresql" else sqlite.insert)(_t)
     return (
         insert.values(
@@ -36,7 +34,7 @@ def _insert(dialect_name: str) -> Any:
             aggregatetype=sa.bindparam("topic", type_=sa.String()),
             aggregateid=sa.bindparam("aggregateid", type_=sa.String()),
             type=sa.bindparam("topic", type_=sa.String()),
-            payload=payload,
+            payload=payload_param(dialect_name),
             tracingspancontext=sa.bindparam("tracingspancontext", type_=sa.Text()),
             payload_sha256=sa.bindparam("sha256", type_=sa.String()),
             created_at=db_now(),
