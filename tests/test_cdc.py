@@ -83,6 +83,28 @@ def test_purge_events_keeps_the_minimum_retention(engine: sa.Engine) -> None:
     assert _event(engine, "old") is None
 
 
+def test_the_cli_purges_events_past_the_minimum_retention(db_url: str, engine: sa.Engine) -> None:
+    from click.testing import CliRunner
+
+    from dagster_joblease.cli import main
+
+    with engine.begin() as conn:
+        enqueue_event(conn, idempotency_key="old", topic="orders", payload={})
+
+    def purge(*args: str) -> tuple[int, str]:
+        done = CliRunner().invoke(main, ["--database-url", db_url, "outbox", "purge-events", *args])
+        return done.exit_code, done.output
+
+    code, output = purge("--written-before", "1h")  # below the default 24h retention
+    assert code != 0 and "CDC events written" in output and "Nothing was deleted" in output
+    assert purge("--written-before", "0s", "--min-retention", "0s", "--dry-run") == (
+        0,
+        "would delete 1 CDC event(s)\n",
+    )
+    assert purge("--written-before", "0s", "--min-retention", "0s") == (0, "deleted 1 CDC event(s)\n")
+    assert _event(engine, "old") is None
+
+
 # -- the contract with logical decoding ----------------------------------------------------------------
 
 

@@ -1,4 +1,4 @@
-"""``joblease outbox``: stats, list, status, requeue, skip, resume a limit group, purge."""
+"""``joblease outbox``: stats, list, status, requeue, skip, resume a limit group, purge, purge-events."""
 
 from __future__ import annotations
 
@@ -256,3 +256,34 @@ def outbox_purge(sent_before: int, min_retention: int | None, dry_run: bool) -> 
         dry_run=dry_run,
     )
     click.echo(f"{'would delete' if dry_run else 'deleted'} {count} SENT or SKIPPED outbox row(s)")
+
+
+@outbox.command("purge-events", short_help="Delete CDC events (joblease_outbox_event) older than a window.")
+@click.option(
+    "--written-before",
+    type=DURATION,
+    required=True,
+    help="Delete events inserted longer ago (e.g. 7d); the connector read them from the WAL at commit.",
+)
+@click.option(
+    "--min-retention",
+    type=DURATION,
+    help="Refuse a --written-before below this; set it to at least the consumers' deduplication window. "
+    f"Default: ${MIN_RETENTION_ENV}, else 24h. ${MIN_RETENTION_ENV} is a floor: this flag can raise it, "
+    "never lower it.",
+)
+@click.option("--dry-run", is_flag=True, help="Only count the events that would be deleted.")
+def outbox_purge_events(written_before: int, min_retention: int | None, dry_run: bool) -> None:
+    """Delete the CDC hand-over's events (dagster_joblease.cdc) inserted before the window; the router
+    ignores the DELETEs.
+
+    A row only keeps a repeat of its key from writing a second event, so the window must be at least the
+    consumers' deduplication window (on the ``id`` header).
+    """
+    count = admin.purge_events(
+        current_state().engine(),
+        older_than_ms=written_before,
+        min_retention_ms=floor_option(min_retention, MIN_RETENTION_ENV, admin.DEFAULT_MIN_RETENTION_MS),
+        dry_run=dry_run,
+    )
+    click.echo(f"{'would delete' if dry_run else 'deleted'} {count} CDC event(s)")
