@@ -25,6 +25,7 @@ what the columns and the headers hold.
 from __future__ import annotations
 
 import contextlib
+import functools
 import re
 from collections.abc import Iterable, Iterator, Mapping
 from importlib import metadata
@@ -67,11 +68,15 @@ _TRACEPARENT = re.compile(r"(?!ff)[0-9a-f]{2}-[0-9a-f]{32}-[0-9a-f]{16}-[0-9a-f]
 _TRACESTATE = re.compile(r"[!-~]([ -~]*[!-~])?")
 
 
-def _version() -> str:
+@functools.cache
+def _tracer() -> Any:
+    """The library's tracer (a proxy until the process sets its provider; looked up once: reading the
+    package's version costs more than a span)."""
     try:
-        return metadata.version("dagster-joblease")
+        version = metadata.version("dagster-joblease")
     except metadata.PackageNotFoundError:  # pragma: no cover - a source tree without an install
-        return "0"
+        version = "0"
+    return trace.get_tracer(_SCOPE, version)
 
 
 class TraceContext(NamedTuple):
@@ -148,7 +153,7 @@ def creating(topic: str, *, keys: int = 1, idempotency_key: str | None = None) -
     if keys != 1:
         attributes["messaging.batch.message_count"] = keys
     parent = trace.get_current_span()
-    tracer = trace.get_tracer(_SCOPE, _version())
+    tracer = _tracer()
     with tracer.start_as_current_span(
         f"create {topic}", kind=trace.SpanKind.PRODUCER, attributes=attributes
     ) as span:
@@ -194,7 +199,7 @@ def sending(
         return
     creation = _span_context_of(traced)
     attributes = _attributes("send", topic, system, idempotency_key)
-    tracer = trace.get_tracer(_SCOPE, _version())
+    tracer = _tracer()
     with tracer.start_as_current_span(
         f"send {topic}",
         kind=trace.SpanKind.PRODUCER,
@@ -236,7 +241,7 @@ def processing(
         return
     attributes = _attributes("process", destination, system, idempotency_key)
     parent = trace.set_span_in_context(trace.NonRecordingSpan(creation)) if creation is not None else None
-    tracer = trace.get_tracer(_SCOPE, _version())
+    tracer = _tracer()
     with tracer.start_as_current_span(
         f"process {destination}",
         context=parent,
@@ -256,7 +261,7 @@ def record_time_in_outbox(seconds: float, topic: str) -> None:
     if metrics is None:
         return
     if _histogram is None:
-        _histogram = metrics.get_meter(_SCOPE, _version()).create_histogram(
+        _histogram = metrics.get_meter(_SCOPE).create_histogram(
             TIME_IN_OUTBOX,
             unit="s",
             description="Time from an outbox row's INSERT to the attempt that sent it",
