@@ -245,6 +245,7 @@ def test_own_schema_via_search_path_and_no_prepared_statements(empty_pg_url: str
         ("joblease", "joblease_inbox"),
         ("joblease", "joblease_lease"),
         ("joblease", "joblease_outbox"),
+        ("joblease", "joblease_outbox_event"),
         ("joblease", "joblease_route_group"),
     ]
     engine.dispose()
