@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -226,6 +226,24 @@ def outbox_resume(group: str) -> None:
     )
 
 
+def _retention_options(window: str, whose: str) -> Callable[[Callable[..., None]], Callable[..., None]]:
+    """``--min-retention`` (the floor under ``window``) and ``--dry-run``, as every outbox purge has them."""
+
+    def decorate(command: Callable[..., None]) -> Callable[..., None]:
+        command = click.option("--dry-run", is_flag=True, help="Only count the rows that would be deleted.")(
+            command
+        )
+        return click.option(
+            "--min-retention",
+            type=DURATION,
+            help=f"Refuse a {window} below this; set it to at least {whose} deduplication window. "
+            f"Default: ${MIN_RETENTION_ENV}, else 24h. ${MIN_RETENTION_ENV} is a floor: this flag can raise "
+            "it, never lower it.",
+        )(command)
+
+    return decorate
+
+
 @outbox.command("purge", short_help="Delete SENT (and SKIPPED) rows older than a window.")
 @click.option(
     "--sent-before",
@@ -234,14 +252,7 @@ def outbox_resume(group: str) -> None:
     help="Delete SENT rows delivered longer ago (e.g. 7d), and SKIPPED rows skipped longer ago (their "
     "updated_at, set to the database clock by the skip).",
 )
-@click.option(
-    "--min-retention",
-    type=DURATION,
-    help="Refuse a --sent-before below this; set it to at least the downstream's deduplication window. "
-    f"Default: ${MIN_RETENTION_ENV}, else 24h. ${MIN_RETENTION_ENV} is a floor: this flag can raise it, "
-    "never lower it.",
-)
-@click.option("--dry-run", is_flag=True, help="Only count the rows that would be deleted.")
+@_retention_options("--sent-before", "the downstream's")
 def outbox_purge(sent_before: int, min_retention: int | None, dry_run: bool) -> None:
     """Delete SENT rows older than the window, and SKIPPED rows skipped before it (by updated_at, which
     `outbox skip` sets to the database clock); PENDING and DEAD rows are kept.
@@ -265,14 +276,7 @@ def outbox_purge(sent_before: int, min_retention: int | None, dry_run: bool) -> 
     required=True,
     help="Delete events inserted longer ago (e.g. 7d); the connector read them from the WAL at commit.",
 )
-@click.option(
-    "--min-retention",
-    type=DURATION,
-    help="Refuse a --written-before below this; set it to at least the consumers' deduplication window. "
-    f"Default: ${MIN_RETENTION_ENV}, else 24h. ${MIN_RETENTION_ENV} is a floor: this flag can raise it, "
-    "never lower it.",
-)
-@click.option("--dry-run", is_flag=True, help="Only count the events that would be deleted.")
+@_retention_options("--written-before", "the consumers'")
 def outbox_purge_events(written_before: int, min_retention: int | None, dry_run: bool) -> None:
     """Delete the CDC hand-over's events (dagster_joblease.cdc) inserted before the window; the router
     ignores the DELETEs.
