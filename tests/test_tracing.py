@@ -39,6 +39,7 @@ from dagster_joblease.outbox import OutboxItem, enqueue_many, enqueue_once
 from dagster_joblease.storage.engine import create_engine
 from dagster_joblease.storage.migrate import migrate
 from dagster_joblease.storage.schema import outbox_table
+from tests.brokers import DEFAULT_NATS_URL, NATS_URL_ENV, broker_url
 
 _SPANS = InMemorySpanExporter()
 _METRICS = InMemoryMetricReader()
@@ -331,3 +332,54 @@ def test_migration_adds_and_drops_the_columns_with_rows_in_place(tmp_path: Any) 
         assert _row_trace(engine, "new") == (None, None)
     finally:
         engine.dispose()
+
+
+# -- a broker: the context travels in JetStream's headers, the consumer helper continues it ---------------
+
+
+def test_a_jetstream_consumer_continues_the_trace_of_the_enqueuing_span(engine: sa.Engine) -> None:
+    nats_url = broker_url(NATS_URL_ENV, DEFAULT_NATS_URL, "NATS (JetStream)")
+    pytest.importorskip("nats", reason="the nats extra is not installed")
+    import asyncio
+
+    import nats
+
+    from dagster_joblease.consumers.jetstream import JetStreamConsumer
+    from tests.test_jetstream import Stream
+
+    stream = Stream(nats_url)
+    try:
+        with _tracer().start_as_current_span("bill") as step, engine.begin() as conn:
+            enqueue_once(
+                conn, idempotency_key="v2:js-1", topic="events", payload={"n": 1}, ordering_key="c-1"
+            )
+        with Dispatcher(engine, {"events": stream.route(stream.url)}) as dispatcher:
+            assert dispatcher.dispatch().sent == 1
+
+        def handler(conn: sa.Connection, delivery: Any) -> None:
+            with _tracer().start_as_current_span("apply event"):
+                conn.execute(sa.text("SELECT 1"))
+
+        async def consume() -> Any:
+            nc = await nats.connect(stream.url)
+            try:
+                sub = await nc.jetstream().pull_subscribe(
+                    f"{stream.prefix}.>", durable="c", stream=stream.name
+                )
+                (msg,) = await sub.fetch(1, timeout=10)
+                return await JetStreamConsumer(Inbox(engine), handler)(msg)
+            finally:
+                await nc.close()
+
+        assert asyncio.run(consume()).result is not None
+    finally:
+        stream.delete()
+    (create,) = _spans("create events")
+    (send,) = _spans("send events")
+    (process,) = [s for s in _SPANS.get_finished_spans() if s.name.startswith("process ")]
+    (effect,) = _spans("apply event")
+    assert (send.attributes or {})["messaging.system"] == "jetstream"  # the route's transport
+    assert [link.context.span_id for link in send.links] == [create.context.span_id]
+    assert process.context.trace_id == step.get_span_context().trace_id == effect.context.trace_id
+    assert process.parent is not None and process.parent.span_id == create.context.span_id
+    assert effect.parent is not None and effect.parent.span_id == process.context.span_id

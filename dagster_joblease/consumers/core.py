@@ -18,7 +18,7 @@ import logging
 from collections.abc import Awaitable, Callable, Mapping
 from typing import Any, ClassVar, Generic, TypeVar
 
-from dagster_joblease import errors
+from dagster_joblease import errors, tracing
 from dagster_joblease.inbox import AsyncInbox, Inbox, InboxResult
 
 __all__ = ["BrokerConsumer", "Delivery", "Handled", "Handler", "Settle", "apply", "handle", "settle_after"]
@@ -100,7 +100,9 @@ async def handle(inbox: Inbox | AsyncInbox[Any], delivery: Delivery | None, hand
         missing = errors.InvalidInboxInputError("idempotency key", "the message carries none")
         return Handled(Settle.REJECT, error=missing)
     try:
-        result = await apply(inbox, delivery, handler)
+        # The effect continues the producer's trace (the message's traceparent/tracestate), if it has one.
+        with tracing.processing(delivery.source, delivery.headers, idempotency_key=delivery.key):
+            result = await apply(inbox, delivery, handler)
     except Exception as exc:
         return Handled(settle_after(exc), error=exc)
     return Handled(Settle.ACK, result)
