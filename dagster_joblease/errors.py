@@ -233,10 +233,21 @@ class OutboxBackpressureError(JobLeaseError):
 class InboxConflictError(JobLeaseError):
     """The consumer already saw this key with a different payload (HTTP 422)."""
 
-    def __init__(self, *, idempotency_key: str) -> None:
+    def __init__(
+        self, *, idempotency_key: str, first_fingerprint: str | None = None, first_seen: str | None = None
+    ) -> None:
         self.idempotency_key = idempotency_key
+        #: The fingerprint of the request the key was first used with (never its body), when known.
+        self.first_fingerprint = first_fingerprint
+        #: When the key was first seen (ISO 8601, UTC, the database clock), when known.
+        self.first_seen = first_seen
+        first = ""
+        if first_fingerprint is not None:
+            first = f" (fingerprint {first_fingerprint}" + (
+                f", first seen {first_seen})" if first_seen else ")"
+            )
         super().__init__(
-            f"idempotency key {idempotency_key!r} was already used with a different payload; "
+            f"idempotency key {idempotency_key!r} was already used with a different payload{first}; "
             "a key must not be reused for another request"
         )
 

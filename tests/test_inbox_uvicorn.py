@@ -27,10 +27,20 @@ from fastapi import BackgroundTasks, FastAPI, Request, Response
 from sqlalchemy.ext.asyncio import create_async_engine
 
 from dagster_joblease.inbox.aio import AsyncInbox
-from dagster_joblease.inbox.asgi import ASGIApp, Receive, Scope, Send, inbox_connection
+from dagster_joblease.inbox.asgi import (
+    ASGIApp,
+    Receive,
+    RequestParts,
+    Scope,
+    Send,
+    fingerprint_request,
+    inbox_connection,
+)
+from dagster_joblease.inbox.core import iso_utc
 from dagster_joblease.inbox.sync import Inbox
 from dagster_joblease.receiver.server import listening_socket
 from dagster_joblease.storage.engine import create_engine
+from dagster_joblease.storage.schema import inbox_table
 from tests.inbox_app import build_app, orders, shop_metadata
 
 pytestmark = pytest.mark.anyio
@@ -57,8 +67,10 @@ class Seen:
     def __init__(self, app: ASGIApp) -> None:
         self.app = app
         self.scopes: list[dict[str, Any]] = []
+        self.arrived = 0
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        self.arrived += 1
         await self.app(scope, receive, send)
         if scope["type"] == "http":
             route = scope.get("route")
@@ -153,7 +165,13 @@ async def _inbox(kind: str, url: str, engine: sa.Engine, **options: Any) -> Asyn
 
 @contextlib.contextmanager
 def serve(
-    kind: str, url: str, engine: sa.Engine | None = None, *, tables: bool = True, **options: Any
+    kind: str,
+    url: str,
+    engine: sa.Engine | None = None,
+    *,
+    tables: bool = True,
+    middleware: dict[str, Any] | None = None,
+    **options: Any,
 ) -> Iterator[Served]:
     """Serve the shop (``kind``: sync-postgresql, sync-sqlite, async-psycopg, async-sqlalchemy) on uvicorn;
     ``engine`` (default one on ``url``) is the sync inbox's and the receipts'; ``tables``: create the
@@ -170,7 +188,7 @@ def serve(
     async def main() -> None:
         try:
             async with _inbox(kind, url, engine, **options) as inbox:
-                app = build_app(inbox)
+                app = build_app(inbox, **(middleware or {}))
                 app.state.background_gate = threading.Event()
                 _add_receipt_route(app, engine, kind.startswith("sync"))
                 seen = Seen(app)
@@ -208,13 +226,19 @@ def _order(order_id: int) -> bytes:
 
 
 async def _post(
-    client: httpx.AsyncClient, served: Served, key: str, order_id: int, path: str = "/orders"
+    client: httpx.AsyncClient,
+    served: Served,
+    key: str,
+    order_id: int,
+    path: str = "/orders",
+    tenant: str | None = None,
+    amount: int = 10,
 ) -> httpx.Response:
-    return await client.post(
-        served.url + path,
-        content=_order(order_id),
-        headers={"Idempotency-Key": key, "Content-Type": "application/json"},
-    )
+    headers = {"Idempotency-Key": key, "Content-Type": "application/json"}
+    if tenant is not None:
+        headers["X-Tenant"] = tenant
+    body = json.dumps({"order_id": order_id, "amount": amount}).encode()
+    return await client.post(served.url + path, content=body, headers=headers)
 
 
 # -- scenario 1: a burst on SQLite ---------------------------------------------------------------------------
@@ -365,3 +389,139 @@ async def test_the_middlewares_around_the_inbox_see_the_apps_scope(served: Serve
     assert served.seen.scopes == [
         {"route": "/orders/{order_id}/receipt", "path_params": {"order_id": "9"}, "marked": "by the endpoint"}
     ]
+
+
+# -- scenarios 6-9: keys that belong to their caller ------------------------------------------------------
+
+
+def _tenant(scope: Scope) -> str | None:
+    """The caller, as an API behind an authenticating proxy would know it (here a header)."""
+    return dict(scope["headers"]).get(b"x-tenant", b"").decode() or None
+
+
+class ThreadGate:
+    """A gate the test opens from its thread, awaited by async endpoints in the server's event loop."""
+
+    def __init__(self) -> None:
+        self.event = threading.Event()
+
+    async def wait(self) -> None:
+        await anyio.to_thread.run_sync(self.event.wait, 60)
+
+    def set(self) -> None:
+        self.event.set()
+
+
+def _hold(served: Served) -> Any:
+    """Hold every /orders effect until the returned gate is set."""
+    gate: Any = threading.Event() if served.kind.startswith("sync") else ThreadGate()
+    served.app.state.gate = gate
+    return gate
+
+
+@pytest.fixture(params=KINDS)
+def scoped(request: pytest.FixtureRequest) -> Iterator[Served]:
+    url = request.getfixturevalue("sqlite_url" if request.param == "sync-sqlite" else "pg_url")
+    with serve(request.param, url, middleware={"key_scope": _tenant}) as made:
+        yield made
+
+
+async def test_a_key_belongs_to_its_caller(scoped: Served) -> None:
+    """Scenario 6: with ``key_scope``, tenant B's request under tenant A's key is B's own: B neither gets
+    A's stored answer nor a 422 that tells it the key exists, and B using a key first does not block A."""
+    async with httpx.AsyncClient(timeout=30) as client:
+        first = await _post(client, scoped, "shared", 1, tenant="a")
+        assert first.status_code == 201 and "idempotent-replayed" not in first.headers
+        same_body = await _post(client, scoped, "shared", 1, tenant="b")
+        assert same_body.status_code == 201 and "idempotent-replayed" not in same_body.headers
+        other_key = await _post(client, scoped, "b-first", 2, tenant="b", amount=99)
+        assert other_key.status_code == 201
+        a_after_b = await _post(client, scoped, "b-first", 2, tenant="a")
+        assert a_after_b.status_code == 201 and "idempotent-replayed" not in a_after_b.headers
+        again = await _post(client, scoped, "shared", 1, tenant="a")
+        assert again.status_code == 201 and again.headers["idempotent-replayed"] == "true"
+        conflict = await _post(client, scoped, "shared", 1, tenant="b", amount=5)
+        assert conflict.status_code == 422  # B's own record: B's key, B's conflict
+    assert scoped.count(orders, 1) == 2 and scoped.count(orders, 2) == 2
+
+
+async def test_a_422_names_the_first_requests_fingerprint_and_first_seen_time(served: Served) -> None:
+    """Scenario 7: the 422 problem names what the key conflicts with (the first request's fingerprint and
+    when the key was first seen, on the database clock), never the first request's body."""
+    first_body = json.dumps({"order_id": 3, "amount": 10}).encode()
+    async with httpx.AsyncClient(timeout=30) as client:
+        assert (await _post(client, served, "reused", 3)).status_code == 201
+        conflict = await _post(client, served, "reused", 3, amount=11)
+    assert conflict.status_code == 422
+    problem = conflict.json()
+    expected = fingerprint_request(RequestParts("POST", "/orders", b"", [], first_body))
+    assert problem["first_request_fingerprint"] == expected
+    with served.engine.connect() as conn:
+        created = conn.execute(sa.select(inbox_table.c.created_at)).scalar_one()
+    assert problem["first_seen_at"] == iso_utc(created)
+    assert problem["first_seen_at"].endswith("Z")
+    assert expected in problem["detail"] and '"amount": 10' not in conflict.text
+
+
+@pytest.mark.parametrize("kind", ["sync-postgresql", "async-psycopg"])
+async def test_an_in_flight_duplicate_can_wait_for_the_first_answer(kind: str, pg_url: str) -> None:
+    """Scenario 8: with ``wait_in_flight_ms``, a duplicate that arrives while the first request runs
+    waits for it and gets its answer replayed instead of 409; past the wait it still gets 409."""
+    with serve(kind, pg_url, middleware={"wait_in_flight_ms": 30_000}) as served:
+        gate = _hold(served)
+        async with httpx.AsyncClient(timeout=60) as client, anyio.create_task_group() as group:
+            answers: dict[str, httpx.Response] = {}
+
+            async def post(name: str) -> None:
+                answers[name] = await _post(client, served, "waited", 4)
+
+            group.start_soon(post, "first")
+            await _until(lambda: served.count(orders) == 0 and served.seen.arrived == 1)
+            group.start_soon(post, "duplicate")
+            await _until(lambda: served.seen.arrived == 2)
+            await anyio.sleep(0.3)  # let the duplicate find the key in flight (a wait, not an assertion)
+            gate.set()
+        assert answers["first"].status_code == 201 and "idempotent-replayed" not in answers["first"].headers
+        assert answers["duplicate"].status_code == 201
+        assert answers["duplicate"].headers["idempotent-replayed"] == "true"
+        assert served.count(orders, 4) == 1
+    with serve(kind, pg_url, middleware={"wait_in_flight_ms": 200}) as served:
+        gate = _hold(served)
+        async with httpx.AsyncClient(timeout=60) as client, anyio.create_task_group() as group:
+            group.start_soon(_post, client, served, "bounded", 5)
+            await _until(lambda: served.seen.arrived == 1)
+            await anyio.sleep(0.3)
+            refused = await _post(client, served, "bounded", 5)
+            gate.set()
+        assert refused.status_code == 409 and int(refused.headers["retry-after"]) >= 1
+
+
+@pytest.mark.parametrize("kind", ["sync-postgresql", "async-psycopg"])
+async def test_only_the_request_that_took_a_key_ends_it(kind: str, pg_url: str) -> None:
+    """Scenario 9: a slow first request keeps its key against every retry, whatever the retry sends:
+    the in-flight mark is the first transaction's own advisory lock, which only its commit, rollback or
+    lost session ends (its "token" is the transaction itself). The first request's answer is the one
+    stored. This held on main already: it guards the property rather than a defect."""
+    with serve(kind, pg_url) as served:
+        gate = _hold(served)
+        async with httpx.AsyncClient(timeout=60) as client, anyio.create_task_group() as group:
+            answers: list[httpx.Response] = []
+
+            async def first() -> None:
+                answers.append(await _post(client, served, "slow", 6))
+
+            group.start_soon(first)
+            await _until(lambda: served.seen.arrived == 1)
+            await anyio.sleep(0.3)
+            retries = [await _post(client, served, "slow", 6, amount=amount) for amount in (10, 11, 10)]
+            assert [r.status_code for r in retries] == [409, 409, 409]
+            gate.set()
+        assert answers[0].status_code == 201
+        replay = await _post_new(served, "slow", 6)
+        assert replay.headers["idempotent-replayed"] == "true" and replay.content == answers[0].content
+        assert served.count(orders, 6) == 1
+
+
+async def _post_new(served: Served, key: str, order_id: int) -> httpx.Response:
+    async with httpx.AsyncClient(timeout=30) as client:
+        return await _post(client, served, key, order_id)

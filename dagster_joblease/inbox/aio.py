@@ -145,11 +145,16 @@ class AsyncInboxTransaction(Generic[C]):
     """One key's transaction, in three awaits: :meth:`begin`, then :meth:`commit` or :meth:`rollback`
     (the async twin of :class:`~dagster_joblease.inbox.InboxTransaction`)."""
 
-    def __init__(self, inbox: AsyncInbox[C], key: str, fingerprint: str, fence: int | None) -> None:
+    def __init__(
+        self, inbox: AsyncInbox[C], key: str, fingerprint: str, fence: int | None, scope: str | None = None
+    ) -> None:
         self.inbox = inbox
         self.key = key
         self.fingerprint = fingerprint
         self.fence = fence
+        self.scope = scope
+        #: What the key's record is stored (and locked) under (see :class:`InboxTransaction`).
+        self.record_key = core.record_key(key, scope)
         self._session: _Session | None = None
 
     @property
@@ -164,7 +169,7 @@ class AsyncInboxTransaction(Generic[C]):
         (the same errors as :meth:`InboxTransaction.begin`)."""
         inbox = self.inbox
         session = inbox._session()
-        steps = core.begin_steps("postgresql", self.key, self.fingerprint, self.fence, inbox.lock_ms)
+        steps = core.begin_steps("postgresql", self.record_key, self.fingerprint, self.fence, inbox.lock_ms)
         with translate_errors("process an inbox key"):
             await session.open()
             try:
@@ -184,7 +189,7 @@ class AsyncInboxTransaction(Generic[C]):
         session = self._session
         if session is None:
             raise errors.ConfigurationError("the inbox transaction is not open: begin() returned an answer")
-        params = core.record_params(self.key, self.fingerprint, self.fence, answer)
+        params = core.record_params(self.record_key, self.fingerprint, self.fence, answer)
         try:
             with translate_errors("record an inbox result"):
                 recorded = await session.first(store.RECORD_DONE, params)
@@ -208,7 +213,7 @@ class AsyncInboxTransaction(Generic[C]):
                 await session.end(commit=False)
 
     async def _look_again(self) -> InboxResult:
-        again = AsyncInboxTransaction(self.inbox, self.key, self.fingerprint, self.fence)
+        again = AsyncInboxTransaction(self.inbox, self.key, self.fingerprint, self.fence, self.scope)
         replay = await again.begin()
         if replay is None:
             await again.rollback()
@@ -274,10 +279,17 @@ class AsyncInbox(Generic[C]):
     def _session(self) -> _Session:
         return self._make_session()
 
-    def transaction(self, key: str, fingerprint: str, fence: int | None = None) -> AsyncInboxTransaction[C]:
-        """A key's transaction for a caller that drives it itself."""
+    def transaction(
+        self, key: str, fingerprint: str, fence: int | None = None, *, scope: str | None = None
+    ) -> AsyncInboxTransaction[C]:
+        """A key's transaction for a caller that drives it itself (``scope`` as for
+        :meth:`Inbox.transaction`)."""
         return AsyncInboxTransaction(
-            self, core.validate_idempotency_key(key), fingerprint, core.check_fence(fence)
+            self,
+            core.validate_idempotency_key(key),
+            fingerprint,
+            core.check_fence(fence),
+            core.check_scope(scope),
         )
 
     async def process(

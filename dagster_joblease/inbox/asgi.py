@@ -157,6 +157,14 @@ def _check_max_body(value: object) -> int:
     return value
 
 
+def _check_wait_in_flight(value: object) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value <= 60_000:
+        raise errors.ConfigurationError(
+            f"wait_in_flight_ms={value!r} must be an int from 0 (answer 409 at once) to 60000 milliseconds"
+        )
+    return value
+
+
 def _check_body_timeout(value: object) -> float:
     if value is None:
         return math.inf
@@ -190,7 +198,13 @@ def _refusal_for(exc: errors.JobLeaseError) -> _Refusal:
         wait_s = 1 if exc.retry_after_ms is None else max(1, math.ceil(exc.retry_after_ms / 1000))
         return _Refusal(409, "Request in progress", str(exc), (b"retry-after", str(wait_s).encode()))
     if isinstance(exc, errors.InboxConflictError):
-        return _Refusal(422, "Idempotency-Key reused with another request", str(exc))
+        first = {"first_request_fingerprint": exc.first_fingerprint, "first_seen_at": exc.first_seen}
+        return _Refusal(
+            422,
+            "Idempotency-Key reused with another request",
+            str(exc),
+            **{name: value for name, value in first.items() if value is not None},
+        )
     if isinstance(exc, errors.StorageError):
         # The driver's text can name hosts, ports and users: it goes to the log, never to clients.
         logger.warning("the inbox's database failed: %s", exc)
@@ -254,6 +268,14 @@ class InboxMiddleware:
         body_timeout_s: the longest a request's body may take to arrive (408 and closed after it);
             default none. The body is read before any database work, so a slow client holds no
             connection meanwhile.
+        key_scope: whose key it is: a function of the request's ASGI scope returning the caller's
+            identity (an authenticated principal, a tenant, a client certificate's subject) or None.
+            The same key from two callers is then two records: neither can replay, block (409) or probe
+            (422) the other's. An API that several callers share must set it. Default: one namespace.
+        wait_in_flight_ms: a request whose key is in flight waits up to this long for the first one to
+            finish and gets its answer replayed (or applies the key, if the first rolled back), instead
+            of 409 at once; 409 with Retry-After when the key is still in flight then. Default 0 (no
+            wait); at most 60,000. Each waiting request holds its HTTP connection, not a database one.
     """
 
     def __init__(
@@ -269,6 +291,8 @@ class InboxMiddleware:
         max_body_bytes: int = core.MAX_BODY_BYTES,
         store_status: Callable[[int], bool] | None = None,
         body_timeout_s: float | None = None,
+        key_scope: Callable[[Scope], str | None] | None = None,
+        wait_in_flight_ms: int = 0,
     ) -> None:
         if not isinstance(inbox, Inbox | AsyncInbox):
             raise errors.ConfigurationError(
@@ -284,6 +308,12 @@ class InboxMiddleware:
         self.max_body_bytes = _check_max_body(max_body_bytes)
         self.body_timeout_s = _check_body_timeout(body_timeout_s)
         self.store_status = store_status or (lambda status: not wire.is_retryable_status(status))
+        if key_scope is not None and not callable(key_scope):
+            raise errors.ConfigurationError(
+                f"key_scope={key_scope!r:.80} must be a function of the request scope"
+            )
+        self.key_scope = key_scope
+        self.wait_in_flight_s = _check_wait_in_flight(wait_in_flight_ms) / 1000
 
     def _applies(self, scope: Scope) -> bool:
         if scope["type"] != "http" or scope["method"] not in self.methods:
@@ -308,7 +338,7 @@ class InboxMiddleware:
             parts = RequestParts(
                 scope["method"], scope["path"], scope.get("query_string", b""), scope["headers"], body
             )
-            tx = self.inbox.transaction(key, self.fingerprint(parts), fence)
+            tx = self.inbox.transaction(key, self.fingerprint(parts), fence, scope=self._scope_of(scope))
             turn = await _Turn.take(self.inbox)
             try:
                 replay = await self._begin(tx)
@@ -325,6 +355,15 @@ class InboxMiddleware:
         # The effect continues the producer's trace (the request's traceparent/tracestate), if it has one.
         with tracing.processing(scope["path"], scope["headers"], idempotency_key=key):
             await self._apply(tx, turn, scope, body, receive, send)
+
+    def _scope_of(self, scope: Scope) -> str | None:
+        if self.key_scope is None:
+            return None
+        try:
+            return core.check_scope(self.key_scope(scope))
+        except errors.InvalidInboxInputError as exc:
+            # The app's own function is wrong: nothing the client can fix.
+            raise errors.ConfigurationError(f"InboxMiddleware's key_scope: {exc}") from None
 
     def _read_headers(self, scope: Scope) -> tuple[str | None, int | None]:
         keys = [value for name, value in scope["headers"] if name == _KEY_HEADER]
@@ -377,12 +416,22 @@ class InboxMiddleware:
         )
 
     async def _begin(self, tx: InboxTransaction | AsyncInboxTransaction[Any]) -> InboxResult | None:
-        try:
-            if isinstance(tx, InboxTransaction):
-                return await anyio.to_thread.run_sync(tx.begin)
-            return await tx.begin()
-        except errors.JobLeaseError as exc:
-            raise _refusal_for(exc) from None
+        """Begin the key's transaction; while the key is in flight, look again (backing off from 10 ms to
+        200 ms) until ``wait_in_flight_ms`` has passed, then refuse with 409."""
+        deadline = anyio.current_time() + self.wait_in_flight_s
+        delay = 0.01
+        while True:
+            try:
+                if isinstance(tx, InboxTransaction):
+                    return await anyio.to_thread.run_sync(tx.begin)
+                return await tx.begin()
+            except errors.InboxInProgressError as exc:
+                if anyio.current_time() + delay > deadline:
+                    raise _refusal_for(exc) from None
+            except errors.JobLeaseError as exc:
+                raise _refusal_for(exc) from None
+            await anyio.sleep(delay)
+            delay = min(delay * 2, 0.2)
 
     async def _end(
         self, tx: InboxTransaction | AsyncInboxTransaction[Any], answer: Answer | None, turn: _Turn

@@ -8,6 +8,7 @@ on their connections, and the ASGI middleware drives either.
 from __future__ import annotations
 
 import dataclasses
+import datetime
 import enum
 import hashlib
 import json
@@ -34,10 +35,13 @@ __all__ = [
     "begin_steps",
     "check_answer",
     "check_fence",
+    "check_scope",
     "check_lock_ms",
     "check_older_than_ms",
     "judge",
     "raise_refusal",
+    "iso_utc",
+    "record_key",
     "record_params",
     "request_fingerprint",
     "stored_result",
@@ -107,6 +111,9 @@ class Verdict:
     retry_after_ms: int | None = None
     #: STALE_FENCE: the fencing number already accepted.
     accepted_fence: int | None = None
+    #: CONFLICT: the key's row (its first request's fingerprint and when it was first seen); what the
+    #: refusal tells, not part of the decision (verdicts compare without it).
+    first: KeyRow | None = dataclasses.field(default=None, compare=False)
 
 
 def judge(fingerprint: str, fence: int | None, got_lock: bool, row: KeyRow | None) -> Verdict:
@@ -123,7 +130,7 @@ def judge(fingerprint: str, fence: int | None, got_lock: bool, row: KeyRow | Non
         if fence is not None and row.fence is not None and fence < row.fence:
             return Verdict(VerdictKind.STALE_FENCE, accepted_fence=row.fence)
         if row.payload_sha256 != fingerprint:
-            return Verdict(VerdictKind.CONFLICT)
+            return Verdict(VerdictKind.CONFLICT, first=row)
         return Verdict(
             VerdictKind.REPLAY,
             raise_fence=fence is not None and (row.fence is None or row.fence < fence),
@@ -134,7 +141,7 @@ def judge(fingerprint: str, fence: int | None, got_lock: bool, row: KeyRow | Non
     if left is not None and left < 0:
         return Verdict(VerdictKind.APPLY_AFTER_EXPIRY)
     if row.payload_sha256 != fingerprint:
-        return Verdict(VerdictKind.CONFLICT)
+        return Verdict(VerdictKind.CONFLICT, first=row)
     return Verdict(VerdictKind.IN_FLIGHT, retry_after_ms=left)
 
 
@@ -171,12 +178,50 @@ def raise_refusal(key: str, fence: int | None, verdict: Verdict) -> None:
     if verdict.kind is VerdictKind.IN_FLIGHT:
         raise errors.InboxInProgressError(idempotency_key=key, retry_after_ms=verdict.retry_after_ms)
     if verdict.kind is VerdictKind.CONFLICT:
-        raise errors.InboxConflictError(idempotency_key=key)
+        first = verdict.first
+        raise errors.InboxConflictError(
+            idempotency_key=key,
+            first_fingerprint=None if first is None else first.payload_sha256,
+            first_seen=None if first is None else iso_utc(first.created_at),
+        )
     if verdict.kind is VerdictKind.STALE_FENCE:
         assert fence is not None and verdict.accepted_fence is not None
         raise errors.InboxStaleFenceError(
             idempotency_key=key, fence=fence, accepted_fence=verdict.accepted_fence
         )
+
+
+def iso_utc(moment: object) -> str | None:
+    """A database timestamp as ISO 8601 in UTC (``2026-12-06T01:02:03.456Z``); a naive one (SQLite) is UTC."""
+    if not isinstance(moment, datetime.datetime):
+        return None
+    aware = moment if moment.tzinfo is not None else moment.replace(tzinfo=datetime.UTC)
+    return aware.astimezone(datetime.UTC).isoformat(timespec="milliseconds").replace("+00:00", "Z")
+
+
+#: Marks a stored key as scoped (:func:`record_key`): a control character, never part of a valid key.
+_SCOPED = "\x1f"
+
+
+def record_key(key: str, scope: str | None) -> str:
+    """The key a request's record is stored under: ``key`` itself, or for a scoped caller a digest of its
+    scope and key (so two callers' equal keys are two records, and a scoped record can never be a valid
+    unscoped key: it starts with a control character)."""
+    if scope is None:
+        return key
+    digest = hashlib.sha256(f"{len(scope)}:{scope}\x00{key}".encode("utf-8", "surrogatepass")).hexdigest()
+    return _SCOPED + digest
+
+
+def check_scope(scope: object) -> str | None:
+    """``scope`` if it is None or a non-empty str of at most 1,024 characters."""
+    if scope is None or (isinstance(scope, str) and 0 < len(scope) <= 1024):
+        return scope
+    raise InvalidInboxInputError(
+        "key_scope",
+        f"{type(scope).__name__} of length {len(scope) if isinstance(scope, str) else '-'} is not a scope; "
+        "give None (unscoped) or a non-empty str of at most 1024 characters (e.g. the caller's account id)",
+    )
 
 
 def stored_result(row: KeyRow) -> InboxResult:

@@ -63,11 +63,16 @@ class InboxTransaction:
     :meth:`Inbox.process` and the ASGI middleware do; use it where the effect is not one function call.
     """
 
-    def __init__(self, inbox: Inbox, key: str, fingerprint: str, fence: int | None) -> None:
+    def __init__(
+        self, inbox: Inbox, key: str, fingerprint: str, fence: int | None, scope: str | None = None
+    ) -> None:
         self.inbox = inbox
         self.key = key
         self.fingerprint = fingerprint
         self.fence = fence
+        self.scope = scope
+        #: What the key's record is stored (and locked) under: the key, or its caller's scope and key.
+        self.record_key = core.record_key(key, scope)
         self._conn: sa.Connection | None = None
         self._db: driver.Statements | None = None
 
@@ -99,7 +104,7 @@ class InboxTransaction:
                 verdict, row = _drive(
                     db,
                     core.begin_steps(
-                        inbox.dialect_name, self.key, self.fingerprint, self.fence, inbox.lock_ms
+                        inbox.dialect_name, self.record_key, self.fingerprint, self.fence, inbox.lock_ms
                     ),
                 )
                 if verdict.kind in (VerdictKind.APPLY, VerdictKind.APPLY_AFTER_EXPIRY):
@@ -120,7 +125,7 @@ class InboxTransaction:
         """
         conn, db = self.connection, self._db
         assert db is not None
-        params = core.record_params(self.key, self.fingerprint, self.fence, answer)
+        params = core.record_params(self.record_key, self.fingerprint, self.fence, answer)
         try:
             with translate_errors("record an inbox result"):
                 recorded = db.first(store.RECORD_DONE, params)
@@ -156,7 +161,7 @@ class InboxTransaction:
             conn.close()
 
     def _look_again(self) -> InboxResult:
-        again = InboxTransaction(self.inbox, self.key, self.fingerprint, self.fence)
+        again = InboxTransaction(self.inbox, self.key, self.fingerprint, self.fence, self.scope)
         replay = again.begin()
         if replay is None:  # recorded and gone again (purged) meanwhile: let the sender retry
             again.rollback()
@@ -190,10 +195,20 @@ class Inbox:
         self.lock_ms = core.check_lock_ms(lock_ms)
         self.dialect_name = engine.dialect.name
 
-    def transaction(self, key: str, fingerprint: str, fence: int | None = None) -> InboxTransaction:
-        """A key's transaction for a caller that drives it itself (see :class:`InboxTransaction`)."""
+    def transaction(
+        self, key: str, fingerprint: str, fence: int | None = None, *, scope: str | None = None
+    ) -> InboxTransaction:
+        """A key's transaction for a caller that drives it itself (see :class:`InboxTransaction`).
+
+        ``scope`` makes the key its caller's (an account, a tenant): the same key under two scopes is two
+        records, neither able to read nor block the other. None: one namespace for every caller.
+        """
         return InboxTransaction(
-            self, core.validate_idempotency_key(key), fingerprint, core.check_fence(fence)
+            self,
+            core.validate_idempotency_key(key),
+            fingerprint,
+            core.check_fence(fence),
+            core.check_scope(scope),
         )
 
     def process(

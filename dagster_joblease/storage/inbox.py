@@ -65,6 +65,8 @@ class KeyRow(NamedTuple):
     response_headers: str | None
     fence: int | None
     lock_left_ms: int | None
+    #: When the key was first seen (the database clock): a 422 names it.
+    created_at: Any = None
 
 
 _t = inbox_table
@@ -102,6 +104,7 @@ def _read_key() -> Any:
         _t.c.response_headers,
         _t.c.fence,
         ms_until(_t.c.locked_until).label("lock_left_ms"),
+        _t.c.created_at,
     ).where(_t.c.idempotency_key == _key)
 
 
