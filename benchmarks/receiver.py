@@ -20,6 +20,13 @@ against the sync one, measured side by side in one run on a scratch database.
    Starlette app doing one INSERT per request against the same app under InboxMiddleware, on a first
    apply (a new key each request) and on a replay (one key repeated). Both additions are printed.
 3. The AsyncInbox (psycopg pool) against the sync Inbox (64 threads) with 64 keys in flight at once.
+4. The SQLite burst (``--burst``): the docs' FastAPI shop (sync Inbox on a SQLite file, sync endpoints) on
+   uvicorn, N requests at once on distinct keys, N = 1x, 2x and 4x anyio's worker-thread limit (40):
+   seconds from the first request to the last answer, and the answers' status counts. Printed rows.
+
+Senders keep their connections alive, as the dispatcher does (and so does every sender here): before
+issue 38 both receivers listened on a socket asyncio never set TCP_NODELAY on, and a kept-alive connection
+answered ~21 requests/s on either, which the ratio hid.
 
 The scratch database is dropped at the end.
 """
@@ -27,11 +34,15 @@ The scratch database is dropped at the end.
 from __future__ import annotations
 
 import argparse
+import asyncio
+import collections
 import functools
 import multiprocessing
 import os
+import shutil
 import statistics
 import sys
+import tempfile
 import threading
 import time
 import uuid
@@ -42,6 +53,7 @@ from typing import Any
 import anyio
 import httpx
 import sqlalchemy as sa
+import uvicorn
 from psycopg_pool import AsyncConnectionPool
 from starlette.applications import Starlette
 from starlette.middleware import Middleware
@@ -59,8 +71,13 @@ from benchmarks.plain_receiver import (  # noqa: E402
     libpq_conninfo,
     start_plain_receiver_process,
 )
-from dagster_joblease.inbox import AsyncInbox, Inbox, InboxMiddleware, inbox_connection  # noqa: E402
-from dagster_joblease.storage import create_engine, migrate  # noqa: E402
+from dagster_joblease.inbox.aio import AsyncInbox  # noqa: E402
+from dagster_joblease.inbox.asgi import InboxMiddleware, inbox_connection  # noqa: E402
+from dagster_joblease.inbox.sync import Inbox  # noqa: E402
+from dagster_joblease.receiver.server import listening_socket  # noqa: E402
+from dagster_joblease.storage.engine import create_engine  # noqa: E402
+from dagster_joblease.storage.migrate import migrate  # noqa: E402
+from tests.inbox_app import build_sync_app, shop_metadata  # noqa: E402
 from tests.receiver_proc import start_receiver  # noqa: E402
 
 DEFAULT_PG_URL = os.environ.get(
@@ -298,6 +315,71 @@ def inbox_figure(db_url: str, *, rounds: int, seconds: float) -> Figure:
     )
 
 
+# -- the SQLite burst ---------------------------------------------------------------------------------------
+
+#: anyio's default worker-thread limit (what FastAPI's sync endpoints and the sync inbox share).
+THREADS = 40
+
+
+def sqlite_burst(size: int) -> tuple[float, dict[int, int]]:
+    """Seconds for ``size`` requests at once on distinct keys to the docs' shop on SQLite, served by
+    uvicorn in a thread, and how many got each status (a connection error counts as status 0)."""
+
+    folder = tempfile.mkdtemp(prefix="joblease-burst-")
+    engine = create_engine(f"sqlite:///{folder}/shop.sqlite")
+    migrate(engine)
+    shop_metadata.create_all(engine)
+    sock = listening_socket("127.0.0.1", 0)
+    server = uvicorn.Server(
+        uvicorn.Config(build_sync_app(Inbox(engine)), lifespan="off", log_config=None, access_log=False)
+    )
+    thread = threading.Thread(target=asyncio.run, args=(server.serve(sockets=[sock]),), daemon=True)
+    thread.start()
+    while not server.started:
+        time.sleep(0.01)
+    url = "http://{}:{}/orders".format(*sock.getsockname()[:2])
+
+    async def burst() -> tuple[float, dict[int, int]]:
+        statuses: collections.Counter[int] = collections.Counter()
+        limits = httpx.Limits(max_connections=size, max_keepalive_connections=size)
+        async with httpx.AsyncClient(timeout=120, limits=limits) as client:
+
+            async def one(n: int) -> None:
+                try:
+                    answer = await client.post(
+                        url, json={"order_id": n, "amount": 1}, headers={"Idempotency-Key": f"burst-{n}"}
+                    )
+                    statuses[answer.status_code] += 1
+                except httpx.HTTPError:
+                    statuses[0] += 1
+
+            started = time.perf_counter()
+            async with anyio.create_task_group() as group:
+                for n in range(size):
+                    group.start_soon(one, n)
+            return time.perf_counter() - started, dict(sorted(statuses.items()))
+
+    try:
+        return anyio.run(burst)
+    finally:
+        server.should_exit = True
+        thread.join(30)
+        sock.close()
+        engine.dispose()
+        shutil.rmtree(folder, ignore_errors=True)
+
+
+def burst_rows() -> None:
+    """The SQLite burst at 1x, 2x and 4x the worker-thread limit (printed)."""
+    for times in (1, 2, 4):
+        seconds, statuses = sqlite_burst(THREADS * times)
+        print(
+            f"  SQLite burst {THREADS * times:4d} requests ({times}x the {THREADS} worker threads): "
+            f"{seconds:6.2f} s  statuses {statuses}",
+            flush=True,
+        )
+
+
 def _admin(url: str, sql: str) -> None:
     engine = sa.create_engine(url, isolation_level="AUTOCOMMIT", poolclass=sa.pool.NullPool)
     try:
@@ -368,7 +450,13 @@ def main() -> int:
     parser.add_argument("--seconds", type=float, default=2.0)
     parser.add_argument("--senders", type=int, nargs="+", default=[1, 4])
     parser.add_argument("--requests", type=int, default=500, help="requests per round of the middleware rows")
+    parser.add_argument("--burst", action="store_true", help="also the SQLite burst (printed rows)")
+    parser.add_argument("--burst-only", action="store_true", help="only the SQLite burst")
     args = parser.parse_args()
+    if args.burst or args.burst_only:
+        burst_rows()
+        if args.burst_only:
+            return 0
     started = time.perf_counter()
     figures = suite(
         args.pg_url, rounds=args.rounds, seconds=args.seconds, senders=args.senders, requests=args.requests

@@ -34,8 +34,18 @@ from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
 from dagster_joblease import errors, wire
-from dagster_joblease.inbox import AsyncInbox, Inbox, InboxMiddleware, core, inbox_connection
-from dagster_joblease.inbox.asgi import ASGIApp, Message, Receive, Scope, Send
+from dagster_joblease.inbox import core
+from dagster_joblease.inbox.aio import AsyncInbox
+from dagster_joblease.inbox.asgi import (
+    ASGIApp,
+    InboxMiddleware,
+    Message,
+    Receive,
+    Scope,
+    Send,
+    inbox_connection,
+)
+from dagster_joblease.inbox.sync import Inbox
 from dagster_joblease.storage.clock import db_now
 from dagster_joblease.storage.engine import translate_errors
 from dagster_joblease.testing.faults import DROPPED

@@ -32,7 +32,9 @@ from psycopg_pool import AsyncConnectionPool
 from starlette.applications import Starlette
 
 from dagster_joblease import errors
-from dagster_joblease.inbox import DEFAULT_LOCK_MS, AsyncInbox, Inbox
+from dagster_joblease.inbox.aio import AsyncInbox
+from dagster_joblease.inbox.core import DEFAULT_LOCK_MS
+from dagster_joblease.inbox.sync import Inbox
 from dagster_joblease.receiver.app import RequestLog, RequestLogMiddleware, build_app, ensure_tables
 from dagster_joblease.storage.engine import create_engine, translate_errors
 from dagster_joblease.storage.migrate import migrate as migrate_schema
