@@ -656,3 +656,41 @@ def test_a_define_asset_job_run_whose_upstream_failed_is_relaunched_as_its_whole
     assert _leases(engine, "t-rc-j-up", [key]) == {key: "SUCCESS"}
     assert _leases(engine, "t-rc-j-down", [key]) == {key: "SUCCESS"}
     assert _materialized(instance, reconcile_assets.rc_j_up, [key]) == {key}
+
+
+def test_an_op_job_whose_later_leased_op_never_ran_is_relaunched_though_its_first_won(
+    dagster_pg: DagsterPg, engine: sa.Engine, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """#35 item 1, an op job shaped leased -> failing plain -> leased: the first leased op wins, the plain
+    one fails, the second leased op never runs. Its sensor relaunches the partition (the whole job: the
+    first leased op then skips), whatever the run's outcome tag says (won, from the first op)."""
+
+    @dg.job(
+        name="leased_plain_leased_job",
+        partitions_def=jobs.days,
+        resource_defs={"joblease": jobs.WAIT_RESOURCE},
+    )
+    def three_steps() -> None:
+        jobs.not_run_leased_after(after=jobs.plain_op(after=jobs.not_run_leased()))
+
+    marker = tmp_path / "fail"
+    marker.write_text("")
+    monkeypatch.setenv(jobs.NOT_RUN_FAIL_ENV, str(marker))
+    day = "2024-07-20"
+    instance = dagster_pg.instance
+    first = three_steps.execute_in_process(
+        partition_key=day, instance=instance, run_config=QUIET, raise_on_error=False
+    )
+    assert not first.success
+    assert _leases(engine, "t-not-run", [day]) == {day: "SUCCESS"}
+    assert _leases(engine, "t-not-run-b", [day]) == {}
+
+    result = _reconcile_once(instance, three_steps, code="t-not-run-b", name="three_steps_reconcile")
+    (request,) = [r for r in result.run_requests or [] if r.partition_key == day]
+    marker.unlink()
+    again = three_steps.execute_in_process(
+        partition_key=day, instance=instance, run_config=QUIET, tags=dict(request.tags)
+    )
+    assert again.success
+    assert _leases(engine, "t-not-run-b", [day]) == {day: "SUCCESS"}
+    assert _effects(engine, "t-not-run", [day]) == {day: 1}  # the first leased op skipped
