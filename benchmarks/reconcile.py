@@ -57,6 +57,10 @@ CODE = "bench-reconcile"
 RANGE_START = "dagster/asset_partition_range_start"
 RANGE_END = "dagster/asset_partition_range_end"
 PARTITIONS = dg.DailyPartitionsDefinition(start_date="1850-01-01", end_date="2025-01-01")
+#: The last round's medians (ms: tick from an empty cursor, sweep tick; docs/performance.md, taken under a
+#: load of 3.6-5.3), printed beside this run's: a tick may not grow. Another load makes them a rough guide;
+#: the tick / floor ratio, taken in one run, is the comparison that holds.
+LAST_ROUND_MS = {50_000: (2_477, 2_204)}
 
 
 def _admin(url: URL, sql: str) -> None:
@@ -280,6 +284,7 @@ def bench(server: URL, rows: int, range_runs: int, range_keys: int, ticks: int, 
             f"{statistics.median(floors) * 1000:.1f} ms",
             f"{statistics.median(fresh) / statistics.median(floors):.0f}x",
             f"{joblease_statements} / {dagster_statements} / {records:,}",
+            " / ".join(f"{ms:,} ms" for ms in LAST_ROUND_MS.get(rows, ())) or "-",
         ]
     finally:
         engine.dispose()
@@ -317,6 +322,7 @@ def main() -> int:
             "floor: read pages",
             "tick / floor",
             "one tick reads: joblease stmts / Dagster stmts / run records",
+            "last round: tick / sweep tick (medians)",
         ],
         table,
         started,
