@@ -65,6 +65,13 @@ class _Session(abc.ABC):
     async def end(self, commit: bool) -> None:
         """Commit (``commit``) or roll back, and give the connection back."""
 
+    async def run(self, batch: core.Batch) -> tuple[Any, ...]:
+        """Each statement of ``batch`` in order: its first row (returning rows) or rowcount."""
+        return tuple([await self._one(query, params) for query, params in batch])
+
+    async def _one(self, query: Query, params: dict[str, Any]) -> Any:
+        return await (self.first(query, params) if query.returns_rows else self.count(query, params))
+
 
 class _EngineSession(_Session):
     def __init__(self, engine: Any) -> None:
@@ -103,8 +110,9 @@ class _PsycopgSession(_Session):
                     "the psycopg connection the inbox was given is inside a transaction; give the inbox "
                     "idle connections (a pool's connection() is)"
                 )
-            if conn.autocommit:
-                await conn.execute("BEGIN")
+            # An autocommit connection's BEGIN goes with the first batch (one round trip); otherwise
+            # psycopg sends its own BEGIN before the first statement (in the pipeline too).
+            self._begin = conn.autocommit
             # psycopg.AsyncCursor itself, not conn.cursor(): the connection's cursor factory may bind
             # differently (RawCursor's $1, ClientCursor's client-side binding), its row factory may be dicts.
             self._cursor = psycopg.AsyncCursor(conn, row_factory=psycopg.rows.tuple_row)
@@ -112,12 +120,40 @@ class _PsycopgSession(_Session):
             await self._manager.__aexit__(type(exc), exc, exc.__traceback__)
             raise
 
+    async def _started(self) -> None:
+        if self._begin:
+            self._begin = False
+            await self._cursor.execute("BEGIN")
+
     async def first(self, query: Query, params: dict[str, Any]) -> Any:
+        await self._started()
         await self._cursor.execute(query.sql, query.args(params))
         rows = await self._cursor.fetchall()
         return rows[0] if rows else None
 
+    async def run(self, batch: core.Batch) -> tuple[Any, ...]:
+        """The batch in psycopg's pipeline: BEGIN (if due) and every statement in one round trip, each
+        still a statement of its own (its own snapshot in READ COMMITTED); the first error aborts the rest."""
+        if len(batch) < 2 and not self._begin:
+            return await super().run(batch)
+        conn = self.connection
+        cursors = [psycopg.AsyncCursor(conn, row_factory=psycopg.rows.tuple_row) for _ in batch]
+        async with conn.pipeline():
+            await self._started()
+            for cursor, (query, params) in zip(cursors, batch, strict=True):
+                await cursor.execute(query.sql, query.args(params))
+        return tuple(
+            [await self._result(cursor, query) for cursor, (query, _) in zip(cursors, batch, strict=True)]
+        )
+
+    @staticmethod
+    async def _result(cursor: psycopg.AsyncCursor[Any], query: Query) -> Any:
+        if not query.returns_rows:
+            return int(cursor.rowcount)
+        return await cursor.fetchone()
+
     async def count(self, query: Query, params: dict[str, Any]) -> int:
+        await self._started()
         await self._cursor.execute(query.sql, query.args(params))
         return int(self._cursor.rowcount)
 
@@ -128,15 +164,11 @@ class _PsycopgSession(_Session):
             await self._manager.__aexit__(None, None, None)
 
 
-async def _drive(session: _Session, steps: Generator[core.Step, Any, Any]) -> Any:
+async def _drive(session: _Session, steps: Generator[core.Batch, Any, Any]) -> Any:
     try:
-        step = next(steps)
+        batch = next(steps)
         while True:
-            query, params = step
-            done = await (
-                session.first(query, params) if query.returns_rows else session.count(query, params)
-            )
-            step = steps.send(done)
+            batch = steps.send(await session.run(batch))
     except StopIteration as stop:
         return stop.value
 

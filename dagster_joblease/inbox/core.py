@@ -31,6 +31,7 @@ __all__ = [
     "InboxResult",
     "Verdict",
     "VerdictKind",
+    "Batch",
     "Step",
     "begin_steps",
     "check_answer",
@@ -152,24 +153,32 @@ class Step(NamedTuple):
     params: dict[str, Any]
 
 
+#: Statements a transaction runs in order, each its own statement, which a runner may send in one round
+#: trip (psycopg's pipeline); it sends back their first rows, in order.
+Batch = tuple[Step, ...]
+
+
 def begin_steps(
     dialect_name: str, key: str, fingerprint: str, fence: int | None, lock_ms: int
-) -> Generator[Step, Any, tuple[Verdict, KeyRow | None]]:
+) -> Generator[Batch, Any, tuple[Verdict, KeyRow | None]]:
     """The start of a key's transaction, as the statements to run (sans IO: the sync and async inboxes
-    drive it on their connections): the in-flight lock (PostgreSQL), the key's row, then what the
-    verdict needs written (an expired claim removed, a newer fencing number kept)."""
+    drive it on their connections): the in-flight lock (PostgreSQL) and the key's row in one batch (the
+    read is a statement of its own after the lock's, so its snapshot follows the lock; its row is ignored
+    when the lock was not taken), then what the verdict needs written (an expired claim removed, a newer
+    fencing number kept)."""
+    read = Step(store.READ_KEY, {"key": key})
     got = True
     if dialect_name == "postgresql":
-        got = bool((yield Step(store.LOCK_KEY, {"key": key, "idle_ms": str(lock_ms)}))[0])
-    row = None
-    if got:
-        found = yield Step(store.READ_KEY, {"key": key})
-        row = None if found is None else KeyRow(*found)
+        locked, found = yield (Step(store.LOCK_KEY, {"key": key, "idle_ms": str(lock_ms)}), read)
+        got = bool(locked[0])
+    else:
+        (found,) = yield (read,)
+    row = None if found is None or not got else KeyRow(*found)
     verdict = judge(fingerprint, fence, got, row)
     if verdict.kind is VerdictKind.APPLY_AFTER_EXPIRY:
-        yield Step(store.EXPIRE_CLAIM, {"key": key})
+        yield (Step(store.EXPIRE_CLAIM, {"key": key}),)
     elif verdict.raise_fence:
-        yield Step(store.RAISE_FENCE, {"key": key, "fence": fence})
+        yield (Step(store.RAISE_FENCE, {"key": key, "fence": fence}),)
     return verdict, row
 
 

@@ -44,13 +44,14 @@ logger = logging.getLogger(__name__)
 Effect = Callable[[sa.Connection], tuple[Any, ...]]
 
 
-def _drive(db: driver.Statements, steps: Generator[core.Step, Any, Any]) -> Any:
-    """Run a sans-IO statement sequence; its return value."""
+def _drive(db: driver.Statements, steps: Generator[core.Batch, Any, Any]) -> Any:
+    """Run a sans-IO statement sequence (each batch's statements one after another); its return value."""
     try:
-        step = next(steps)
+        batch = next(steps)
         while True:
-            query, params = step
-            step = steps.send(db.first(query, params) if query.returns_rows else db.rowcount(query, params))
+            batch = steps.send(
+                tuple(db.first(q, p) if q.returns_rows else db.rowcount(q, p) for q, p in batch)
+            )
     except StopIteration as done:
         return done.value
 
