@@ -14,6 +14,21 @@ Three statements put rows in flight (all :mod:`dagster_joblease.storage.outbox`'
   transaction that records mixed outcomes (:meth:`Claimer._refill_claim`). Room beside the handed-on
   slots is claimed by the locked claim afterwards, in a transaction of its own.
 
+Group rows are locked in the groups' order (sorted), and a transaction that read some ``FOR SHARE`` (a
+swap) takes no exclusive lock after them. When a statement fails (a dropped connection included):
+
+* a claim's transaction rolls back, so nothing was claimed; the batch's first claim raises (``run()``
+  logs it and tries again), a claim while the batch runs (:meth:`Claimer._claim_during_batch`) claims
+  nothing and the batch goes on with the rows in flight;
+* the swap alone (autocommit) wrote nothing: the outcomes are recorded as usual, by the recorder;
+* a swap or claim inside the outcomes' transaction rolls the outcomes back with it: the recorder writes
+  them again alone, on a fresh connection (:mod:`~dagster_joblease.dispatch.recorder`), and the batch
+  claims on its own;
+* the claims after a swap's hand-over keep the rows the swap already claimed.
+
+Not covered: a connection dropped after an autocommit swap committed but before its answer arrived (the
+rows it claimed wait for their claims to expire; the outcomes then match nothing and count as lost claims).
+
 :class:`Claimer` is the claim half of :class:`~dagster_joblease.dispatch.dispatcher.Dispatcher` (a base
 class sharing its state: the routes' groups, the local pauses, the limits applied at the last locked
 claim); the attributes it uses are declared below.
