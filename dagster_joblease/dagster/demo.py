@@ -329,14 +329,17 @@ def _stderr_to(path: Path) -> Iterator[None]:
 
 
 @contextmanager
-def _graphql(instance: Any) -> Iterator[Callable[[str, Mapping[str, Any]], dict[str, Any]]]:
-    """Dagster's GraphQL API on this instance and the demo location, in this process (what the UI uses)."""
+def _graphql(
+    instance: Any, location: str = LOCATION
+) -> Iterator[Callable[[str, Mapping[str, Any]], dict[str, Any]]]:
+    """Dagster's GraphQL API on this instance and a location (the demo's), in this process (what the UI
+    uses)."""
     from dagster_graphql.schema import create_schema
 
     from dagster_joblease.dagster.internals import module_workspace
 
     schema = create_schema()
-    with module_workspace(instance, LOCATION) as process_context:
+    with module_workspace(instance, location) as process_context:
 
         def execute(query: str, variables: Mapping[str, Any]) -> dict[str, Any]:
             context = process_context.create_request_context()
@@ -593,14 +596,16 @@ def _prepare_instance(plan: DemoPlan, engine: sa.Engine) -> Any:
     return instance
 
 
-def _start_processes(plan: DemoPlan, stack: contextlib.ExitStack) -> subprocess.Popen[Any]:
-    """Start the reference receiver, then the Dagster daemon (its own process group) on the demo
-    location; each is stopped when ``stack`` closes. Returns the daemon."""
+def _start_processes(
+    plan: DemoPlan, stack: contextlib.ExitStack, location: str = LOCATION
+) -> subprocess.Popen[Any]:
+    """Start the reference receiver, then the Dagster daemon (its own process group) on a location (the
+    demo's); each is stopped when ``stack`` closes. Returns the daemon."""
     receiver, base = start_receiver(plan.receiver_url, plan.work / "receiver.log")
     stack.callback(stop_process, receiver, group=False)
     os.environ["BILLING_API_URL"] = f"{base}/{TOPIC}"
     daemon = subprocess.Popen(
-        [sys.executable, "-m", "dagster._daemon", "run", "-m", LOCATION],
+        [sys.executable, "-m", "dagster._daemon", "run", "-m", location],
         stdout=(plan.work / "daemon.log").open("w"),
         stderr=subprocess.STDOUT,
         env={
