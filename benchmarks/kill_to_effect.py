@@ -7,7 +7,7 @@ The demo's pieces (:mod:`dagster_joblease.dagster.demo`: its receiver, its Dagst
 inside the leased body of ``daily_invoice``), on Dagster's default instance settings (run monitoring off,
 the default run coordinator and sensor loop; ``run_retries: {enabled: true, max_retries: 3}`` added for
 ``on``) and the location ``benchmarks/kill_to_effect_location.py``: the resource's default heartbeat and
-the sensors' default intervals (reconciliation 60 s, outbox dispatch 30 s) unless the options say
+the sensor builders' default intervals unless the options say
 otherwise. Runs use the in-process executor, so the run worker is the process that holds the lease.
 
 Each round launches one run of a new partition (GraphQL ``launchRun``, as the UI does), waits until it is
@@ -54,6 +54,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from benchmarks import kill_to_effect_location as location
 from dagster_joblease import identity
 from dagster_joblease.dagster import demo
+from dagster_joblease.dagster.reconcile import build_reconciliation_sensor
+from dagster_joblease.dagster.sensors import build_outbox_sensor
 from dagster_joblease.receiver import effects
 from dagster_joblease.storage import create_engine
 from dagster_joblease.storage.schema import lease_table, outbox_table
@@ -266,7 +268,8 @@ def summary(settings: Settings, rounds: list[Round]) -> str:
             f"run retries {'on' if settings.retries else 'off'}: heartbeat {heartbeat_s:g} s "
             f"(a holder is dead {STALE * heartbeat_s:g} s after its last beat once its run is finished, "
             f"{TOLERANCE * heartbeat_s:g} s while it is STARTED), reconciliation sensor "
-            f"{settings.reconcile_s or 60} s, outbox sensor {settings.dispatch_s or 30} s",
+            f"{settings.reconcile_s or location.default_interval(build_reconciliation_sensor)} s, "
+            f"outbox sensor {settings.dispatch_s or location.default_interval(build_outbox_sensor)} s",
             f"  kill -> effect: median {statistics.median(totals):.1f} s, min {min(totals):.1f}, "
             f"max {max(totals):.1f} ({len(rounds)} rounds; load average "
             f"{load[0]:.1f} {load[1]:.1f} {load[2]:.1f} on {os.cpu_count()} CPUs)",

@@ -130,6 +130,26 @@ def routes() -> dict[str, Route]:
 health = OutboxHealth(routes=routes)
 outbox_dispatch_job = build_dispatcher_job(routes, name="outbox_dispatch_job", health=health)
 
+
+def sensors(reconcile_s: int = 5, dispatch_s: int = 5) -> list[dg.SensorDefinition]:
+    """The location's two sensors, both RUNNING: the outbox dispatcher's and the reconciliation sensor,
+    evaluated every ``dispatch_s`` and ``reconcile_s`` seconds (the demo's 5 s; ``benchmarks/
+    kill_to_effect.py`` passes the documented defaults)."""
+    return [
+        build_outbox_sensor(
+            outbox_dispatch_job,
+            name="outbox_dispatch_sensor",
+            routes=routes,
+            health=health,
+            minimum_interval_seconds=dispatch_s,
+            default_status=dg.DefaultSensorStatus.RUNNING,
+        ),
+        build_reconciliation_sensor(
+            daily_invoice, code=BILLING_CODE, name=RECONCILE_NAME, minimum_interval_seconds=reconcile_s
+        ),
+    ]
+
+
 defs = dg.Definitions(
     assets=[daily_invoice, outbox_asset_spec],
     asset_checks=health.asset_checks(),
@@ -144,19 +164,7 @@ defs = dg.Definitions(
             job_by_name=True,
         )
     ],
-    sensors=[
-        build_outbox_sensor(
-            outbox_dispatch_job,
-            name="outbox_dispatch_sensor",
-            routes=routes,
-            health=health,
-            minimum_interval_seconds=5,
-            default_status=dg.DefaultSensorStatus.RUNNING,
-        ),
-        build_reconciliation_sensor(
-            daily_invoice, code=BILLING_CODE, name=RECONCILE_NAME, minimum_interval_seconds=5
-        ),
-    ],
+    sensors=sensors(),
     resources={"joblease": JobLeaseResource(heartbeat_ms=2_000)},
     executor=dg.in_process_executor,
 )
