@@ -47,10 +47,11 @@ from dagster.components import scaffold_with as _scaffold_with
 from dagster_joblease import errors
 from dagster_joblease.dagster.jobs import OutboxHealth, build_dispatcher_job, outbox_asset_spec
 from dagster_joblease.dagster.reconcile import build_reconciliation_sensor
+from dagster_joblease.dagster.reconcile.sensor import RECONCILE_INTERVAL_S
 from dagster_joblease.dagster.resource import JobLeaseResource
 from dagster_joblease.dagster.run_status import build_not_run_sensors
 from dagster_joblease.dagster.schedules import build_leased_schedule
-from dagster_joblease.dagster.sensors import build_outbox_sensor
+from dagster_joblease.dagster.sensors import OUTBOX_SENSOR_INTERVAL_S, build_outbox_sensor
 from dagster_joblease.dispatch import Route
 from dagster_joblease.storage.engine import DATABASE_URL_ENV
 
@@ -290,7 +291,7 @@ class OutboxSensorSpec(Resolvable):
     """
 
     name: str = "outbox_dispatch_sensor"
-    minimum_interval_seconds: int = 30
+    minimum_interval_seconds: int = OUTBOX_SENSOR_INTERVAL_S
     #: Stopped until a person turns it on: a new project's route points at a receiver nobody started yet.
     default_status: Status = "stopped"
     checks_interval_seconds: int = 300
@@ -609,7 +610,7 @@ class ReconciliationSensorComponent(Component, Resolvable):
     max_backoff_seconds: int = 3_600
     relaunch_canceled: bool = False
     holder_stale_ms: int | None = None
-    minimum_interval_seconds: int = 60
+    minimum_interval_seconds: int = RECONCILE_INTERVAL_S
     description: str | None = None
     default_status: Status = "running"
 

@@ -54,12 +54,18 @@ def _own_location(context: dg.SensorEvaluationContext) -> dict[str, str]:
     return {REPOSITORY_LABEL_TAG: f"{context.repository_name}@{origin.location_name}"}
 
 
+#: The outbox sensor's default interval: a committed row waits up to this long for a dispatcher run, so it
+#: is part of the time from a commit to its effect downstream (``benchmarks/kill_to_effect.py``). A tick
+#: is one query over the partial index of due rows.
+OUTBOX_SENSOR_INTERVAL_S = 10
+
+
 def build_outbox_sensor(
     job: dg.JobDefinition,
     *,
     name: str = "outbox_dispatch_sensor",
     resource_key: str = "joblease",
-    minimum_interval_seconds: int = 30,
+    minimum_interval_seconds: int = OUTBOX_SENSOR_INTERVAL_S,
     default_status: dg.DefaultSensorStatus = dg.DefaultSensorStatus.STOPPED,
     routes: RoutesSource | None = None,
     health: OutboxHealth | None = None,

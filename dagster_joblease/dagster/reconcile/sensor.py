@@ -512,6 +512,14 @@ def _check_catch_up(settings_target: facts.Target, catch_up_from: str | None) ->
             )
 
 
+#: The reconciliation sensor's default interval. With run retries off, a partition whose run worker was
+#: SIGKILLed is relaunched at the first tick after its holder is dead, so this interval is part of the
+#: recovery time: 10 s keeps a kill's effect at the downstream within a minute with the resource's
+#: default 10 s heartbeat (``benchmarks/kill_to_effect.py``; at 60 s it took 82-92 s). A tick at 50,000
+#: lease rows takes about 2.5 s: lengthen it for such lookbacks, at that price.
+RECONCILE_INTERVAL_S = 10
+
+
 def build_reconciliation_sensor(
     target: dg.JobDefinition | dg.AssetsDefinition,
     *,
@@ -528,7 +536,7 @@ def build_reconciliation_sensor(
     zombie_margin: dt.timedelta = dt.timedelta(minutes=5),
     health: OutboxHealth | None = None,
     checks_interval_seconds: int = 300,
-    minimum_interval_seconds: int = 60,
+    minimum_interval_seconds: int = RECONCILE_INTERVAL_S,
     resource_key: str = "joblease",
     default_status: dg.DefaultSensorStatus = dg.DefaultSensorStatus.RUNNING,
     description: str | None = None,
