@@ -278,7 +278,7 @@ def summary(settings: Settings, rounds: list[Round]) -> str:
     )
 
 
-def main(argv: list[str] | None = None) -> None:
+def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
@@ -301,7 +301,8 @@ def main(argv: list[str] | None = None) -> None:
         results.append((settings, measure(settings, base / ("retries" if retries else "no-retries"))))
     for settings, rounds in results:
         print(summary(settings, rounds))
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    raise SystemExit(main())

@@ -233,3 +233,16 @@ def test_the_checkouts_benchmark_measures_a_checkout_in_a_process_of_its_own(
     assert checkouts.main([root, *small]) == 0
     out = capsys.readouterr().out
     assert f"{root}: enqueue " in out and " claim " in out
+
+
+@pytest.mark.chaos
+def test_the_kill_to_effect_benchmark_times_one_kill_and_says_what_it_is_made_of(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """One round with run retries on: a real daemon, a SIGKILLed run worker, the receiver's effect."""
+    from benchmarks import kill_to_effect
+
+    assert kill_to_effect.main(["--rounds", "1", "--retries", "on", "--workdir", str(tmp_path)]) == 0
+    out = capsys.readouterr().out
+    assert "FAILURE +" in out and "holder dead +" in out  # its code server marked the killed run failed
+    assert "median" in out and all(f"{part} " in out for part in kill_to_effect.PARTS)
