@@ -336,7 +336,7 @@ def screenshot(
 
     path.parent.mkdir(parents=True, exist_ok=True)
     port = free_port()
-    with tempfile.TemporaryDirectory() as profile:
+    with tempfile.TemporaryDirectory(ignore_cleanup_errors=True) as profile:  # chromium may still write
         proc = subprocess.Popen(
             [
                 chromium,
