@@ -7,7 +7,10 @@
 
 It starts ``dg dev`` on the demo's Dagster home (127.0.0.1 only, a free port), waits for the UI, and saves
 the runs page (``demo-runs.png``), the backfill's page (``demo-backfill.png``) and the page of a
-skipped run, whose step names its winner as a link (``demo-skip.png``); then it stops ``dg dev``.
+skipped run, whose step names its winner as a link (``demo-skip.png``), and for docs/dagster.md's "Where
+to look on a run page" that run's green header above its step's asset observation alone (the events
+filtered to ``type:ASSET_OBSERVATION``), at a smaller size (``dagster-skip-events.png``); then it stops
+``dg dev``.
 """
 
 from __future__ import annotations
@@ -80,6 +83,14 @@ def main(work: Path, out: Path) -> int:
                 shows=["skipped-succeeded"],
                 local_storage=PREFS,
                 height=1000,
+            )
+            screenshot(
+                f"{url}/runs/{skipped[0].run_id}?logs=type%3AASSET_OBSERVATION",
+                out / "dagster-skip-events.png",
+                shows=["joblease/skipped_done_by"],
+                local_storage=PREFS,
+                width=1280,
+                height=720,
             )
     finally:
         os.killpg(dev.pid, signal.SIGINT)
