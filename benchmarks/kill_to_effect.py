@@ -1,6 +1,6 @@
 """Seconds from a SIGKILL of a leased run's whole run worker to the partition's effect at the downstream.
 
-    .venv/bin/python benchmarks/kill_to_effect.py [--rounds 3] [--retries both|on|off]
+    .venv/bin/python benchmarks/kill_to_effect.py [--rounds 3] [--retries both|on|off] [--node]
                                                   [--heartbeat-ms N] [--reconcile-s N] [--dispatch-s N]
 
 The demo's pieces (:mod:`dagster_joblease.dagster.demo`: its receiver, its Dagster daemon, its kill point
@@ -15,9 +15,9 @@ inside its leased body, SIGKILLs its run worker (the whole run process), and pol
 has the partition's effect. With Dagster's default run launcher the code server that started the run
 worker sees it die and marks the run ``FAILURE`` within a second or so (``DagsterApiServer``'s orphaned
 run check), so the holder is dead two of its heartbeat intervals after its last beat (``staleness``); a run
-left ``STARTED`` (its code server gone too) waits four. Printed per round (with when the run was marked
-failed, when the holder became dead, and whether a run retry or the reconciliation sensor did the
-partition again) and as medians: the total, and what it is made of, in order:
+left ``STARTED`` (its code server gone too: ``--node`` SIGKILLs both) waits four. Printed per round
+(with when the run was marked failed, when the holder became dead, and whether a run retry or the
+reconciliation sensor did the partition again) and as medians: the total, and what it is made of, in order:
 
 - ``request``: from the kill until the run that did the partition again was created (Dagster's run retry
   daemon, or the reconciliation sensor at its first tick after the holder became dead);
@@ -157,6 +157,15 @@ def _run(instance: Any, holder: str) -> Any:
     return record
 
 
+def _code_server(worker: int) -> int:
+    """The code server that started a run worker (its parent, ``dagster api grpc``; Linux ``/proc``)."""
+    parent = int(Path(f"/proc/{worker}/stat").read_text().rsplit(")", 1)[1].split()[1])
+    command = Path(f"/proc/{parent}/cmdline").read_bytes().replace(b"\0", b" ").decode()
+    if "api grpc" not in command:
+        raise SystemExit(f"kill_to_effect: the run worker's parent is not a code server: {command}")
+    return parent
+
+
 def _one_round(
     plan: demo.DemoPlan,
     day: str,
@@ -164,6 +173,7 @@ def _one_round(
     execute: Callable[[str, Mapping[str, Any]], dict[str, Any]],
     engines: tuple[sa.Engine, sa.Engine],
     instance: Any,
+    node: bool = False,
 ) -> Round:
     engine, receiver_engine = engines
     key = identity.idempotency_key("SCHEDULE", demo.BILLING_CODE, day)
@@ -172,7 +182,10 @@ def _one_round(
     _launch_run(execute, day)
     deadline.wait_for(pid_file.exists, f"the run of {day} to be inside its leased body")
     time.sleep(0.2)  # the file is written before the body waits; the lease is held by then
-    os.kill(int(pid_file.read_text()), signal.SIGKILL)
+    worker = int(pid_file.read_text())
+    victims = [worker, _code_server(worker)] if node else [worker]
+    for pid in victims:
+        os.kill(pid, signal.SIGKILL)
     killed = time.time()
     dead_holder = _lease(engine, key)  # the lock key is the idempotency key
     applied: list[float] = []
@@ -211,6 +224,7 @@ class Settings:
     heartbeat_ms: int | None = None
     reconcile_s: int | None = None
     dispatch_s: int | None = None
+    node: bool = False  #: SIGKILL the run worker's code server too (the run stays STARTED)
 
     def env(self) -> dict[str, str]:
         def text(value: int | None) -> str:
@@ -247,7 +261,8 @@ def measure(settings: Settings, work: Path) -> list[Round]:
         execute = stack.enter_context(demo._graphql(instance, LOCATION))
         rounds = []
         for day in days:
-            done = _one_round(plan, day, deadline, execute, (engine, receiver_engine), instance)
+            engines = (engine, receiver_engine)
+            done = _one_round(plan, day, deadline, execute, engines, instance, settings.node)
             rounds.append(done)
             print(f"  {_line(day, done.total, done.parts())}  ({done.how()})", flush=True)
         return rounds
@@ -288,6 +303,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--reconcile-s", type=int, help="the reconciliation sensor's interval (default 60)")
     parser.add_argument("--dispatch-s", type=int, help="the outbox sensor's interval (default 30)")
     parser.add_argument("--workdir", type=Path, help="keep the Dagster homes and logs here")
+    parser.add_argument(
+        "--node",
+        action="store_true",
+        help="SIGKILL the run worker's code server too (the whole node: the run stays STARTED)",
+    )
     args = parser.parse_args(argv)
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # stop the daemon and receiver on the way out
     if args.rounds < 1:
@@ -296,7 +316,9 @@ def main(argv: list[str] | None = None) -> int:
     base = args.workdir or Path(tempfile.mkdtemp(prefix="joblease-k2e-"))
     results = []
     for retries in modes:
-        settings = Settings(retries, args.rounds, args.heartbeat_ms, args.reconcile_s, args.dispatch_s)
+        settings = Settings(
+            retries, args.rounds, args.heartbeat_ms, args.reconcile_s, args.dispatch_s, node=args.node
+        )
         print(f"run retries {'on' if retries else 'off'} ({base}):", flush=True)
         results.append((settings, measure(settings, base / ("retries" if retries else "no-retries"))))
     for settings, rounds in results:
