@@ -91,7 +91,8 @@ def _days(partitions: int, start: str) -> dg.DailyPartitionsDefinition:
 
 def _assets(partitions: int, start: str) -> dict[str, Any]:
     from dagster_joblease import outbox
-    from dagster_joblease.dagster import LeasedBatch, LeasedRun, leased_asset
+    from dagster_joblease.dagster import LeasedRun, leased_asset
+    from dagster_joblease.dagster.ops import LeasedBatch
 
     days = _days(partitions, start)
     single = dg.BackfillPolicy.single_run()

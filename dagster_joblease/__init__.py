@@ -6,182 +6,36 @@ again under the same idempotency key. The outbox, the dispatcher's ``Idempotency
 consumer's inbox make that repetition harmless.
 
 This top-level package never imports Dagster; the integration lives in :mod:`dagster_joblease.dagster`.
+
+The package root exports what a first program needs: an identity, the lease service and its lease, the
+outbox's ``enqueue_once``/``enqueue_many``, the dispatcher and its route, the inbox, ``create_engine`` and
+``migrate``, and the base error. Everything else is public in the module it lives in:
+:mod:`dagster_joblease.errors`, :mod:`~dagster_joblease.identity`, :mod:`~dagster_joblease.lease`,
+:mod:`~dagster_joblease.batch`, :mod:`~dagster_joblease.outbox`, :mod:`~dagster_joblease.dispatch`,
+:mod:`~dagster_joblease.inbox`, :mod:`~dagster_joblease.admin`, :mod:`~dagster_joblease.storage`,
+:mod:`~dagster_joblease.testing`.
 """
 
 from __future__ import annotations
 
-from dagster_joblease.admin import (
-    LeaseRow,
-    OutboxRow,
-    OutboxStats,
-    admin_fail,
-    list_leases,
-    list_outbox,
-    outbox_stats,
-    purge_leases,
-    purge_sent,
-    requeue,
-    show_lease,
-)
-from dagster_joblease.batch import (
-    MAX_BATCH_KEYS,
-    BatchClaim,
-    BatchHeartbeat,
-    BatchWrite,
-    KeyClaim,
-    claim_many,
-    complete_many,
-    fail_many,
-    fenced_transaction_many,
-    heartbeat_many,
-    release_many,
-)
-from dagster_joblease.dispatch import (
-    Dispatcher,
-    DispatchReport,
-    Route,
-    RowOutcome,
-    load_routes,
-)
-from dagster_joblease.errors import (
-    AdminArgumentError,
-    AdminRefusedError,
-    ConfigurationError,
-    DispatchError,
-    InboxConflictError,
-    InboxInProgressError,
-    InboxStaleFenceError,
-    InvalidFaultError,
-    InvalidInboxInputError,
-    InvalidJobIdentityError,
-    InvalidLeaseOptionsError,
-    InvalidOrderingKeyError,
-    InvalidPayloadError,
-    JobLeaseError,
-    LostBatchLeaseError,
-    LostLeaseError,
-    NotFoundError,
-    OutboxBackpressureError,
-    OutboxConflictError,
-    RetentionWindowError,
-    SchemaNotAtHeadError,
-    StorageError,
-)
-from dagster_joblease.identity import (
-    JobIdentity,
-    JobType,
-    colon_free_id,
-    effect_key,
-    idempotency_key,
-)
-from dagster_joblease.inbox import (
-    Inbox,
-    InboxResult,
-    InboxStatus,
-)
-from dagster_joblease.lease import (
-    AcquireResult,
-    ExclusiveOutcome,
-    Lease,
-    LeaseService,
-    LeaseStatus,
-    NotAcquiredReason,
-)
-from dagster_joblease.outbox import (
-    DueSummary,
-    OutboxItem,
-    OutboxStatus,
-    canonical_json,
-    due_summary,
-    enqueue_many,
-    enqueue_once,
-    payload_fingerprint,
-)
-from dagster_joblease.storage import (
-    DATABASE_URL_ENV,
-    check_schema,
-    create_engine,
-    current_revision,
-    migrate,
-    redact_url,
-)
+from dagster_joblease.dispatch import Dispatcher, Route
+from dagster_joblease.errors import JobLeaseError
+from dagster_joblease.identity import JobIdentity
+from dagster_joblease.inbox import Inbox
+from dagster_joblease.lease import Lease, LeaseService
+from dagster_joblease.outbox import enqueue_many, enqueue_once
+from dagster_joblease.storage import create_engine, migrate
 
 __all__ = [
-    "DATABASE_URL_ENV",
-    "MAX_BATCH_KEYS",
-    "AcquireResult",
-    "AdminArgumentError",
-    "AdminRefusedError",
-    "BatchClaim",
-    "BatchHeartbeat",
-    "BatchWrite",
-    "ConfigurationError",
-    "DispatchError",
-    "DispatchReport",
     "Dispatcher",
-    "DueSummary",
-    "ExclusiveOutcome",
     "Inbox",
-    "InboxConflictError",
-    "InboxInProgressError",
-    "InboxResult",
-    "InboxStaleFenceError",
-    "InboxStatus",
-    "InvalidFaultError",
-    "InvalidInboxInputError",
-    "InvalidJobIdentityError",
-    "InvalidLeaseOptionsError",
-    "InvalidOrderingKeyError",
-    "InvalidPayloadError",
     "JobIdentity",
     "JobLeaseError",
-    "JobType",
-    "KeyClaim",
     "Lease",
-    "LeaseRow",
     "LeaseService",
-    "LeaseStatus",
-    "LostBatchLeaseError",
-    "LostLeaseError",
-    "NotAcquiredReason",
-    "NotFoundError",
-    "OutboxBackpressureError",
-    "OutboxConflictError",
-    "OutboxItem",
-    "OutboxRow",
-    "OutboxStats",
-    "OutboxStatus",
-    "RetentionWindowError",
     "Route",
-    "RowOutcome",
-    "SchemaNotAtHeadError",
-    "StorageError",
-    "admin_fail",
-    "canonical_json",
-    "check_schema",
-    "claim_many",
-    "colon_free_id",
-    "complete_many",
     "create_engine",
-    "current_revision",
-    "due_summary",
-    "effect_key",
     "enqueue_many",
     "enqueue_once",
-    "fail_many",
-    "fenced_transaction_many",
-    "heartbeat_many",
-    "idempotency_key",
-    "list_leases",
-    "list_outbox",
-    "load_routes",
     "migrate",
-    "outbox_stats",
-    "payload_fingerprint",
-    "purge_leases",
-    "purge_sent",
-    "redact_url",
-    "release_many",
-    "requeue",
-    "show_lease",
 ]

@@ -31,14 +31,13 @@ import sqlalchemy as sa
 
 from dagster_joblease.dagster import (
     LeasedRun,
-    OutboxHealth,
     build_dispatcher_job,
     build_leased_schedule,
     build_outbox_sensor,
     build_reconciliation_sensor,
     leased_op,
-    outbox_asset_spec,
 )
+from dagster_joblease.dagster.jobs import OutboxHealth, outbox_asset_spec
 from dagster_joblease.dispatch import Route
 from definitions.defs.reports import REPORTS_TOPIC
 

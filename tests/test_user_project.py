@@ -8,17 +8,10 @@ import httpx
 import pytest
 import sqlalchemy as sa
 
-from dagster_joblease import (
-    Dispatcher,
-    DispatchReport,
-    JobIdentity,
-    Lease,
-    LeaseService,
-    LostLeaseError,
-    Route,
-    enqueue_once,
-    list_outbox,
-)
+from dagster_joblease import Dispatcher, JobIdentity, Lease, LeaseService, Route, enqueue_once
+from dagster_joblease.admin import list_outbox
+from dagster_joblease.dispatch import DispatchReport
+from dagster_joblease.errors import LostLeaseError
 from dagster_joblease.testing import (
     CrashPoint,
     RecordingDownstream,

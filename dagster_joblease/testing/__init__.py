@@ -10,7 +10,7 @@
 
 Installing the package enables a pytest plugin with the fixtures ``joblease_engine``,
 ``joblease_database_url``, ``joblease_service`` and ``joblease_downstream``. Nothing here imports Dagster;
-the Dagster helper is :func:`dagster_joblease.dagster.run_partition_twice`.
+the Dagster helper is :func:`dagster_joblease.dagster.testing.run_partition_twice`.
 """
 
 from __future__ import annotations

@@ -27,13 +27,13 @@ import dagster as dg
 from dagster_joblease.dagster import (
     JobLeaseResource,
     LeasedRun,
-    OutboxHealth,
     build_dispatcher_job,
     build_leased_schedule,
     build_outbox_sensor,
     build_reconciliation_sensor,
     leased_op,
 )
+from dagster_joblease.dagster.jobs import OutboxHealth
 from dagster_joblease.dispatch import Route
 from dagster_joblease.identity import effect_key
 

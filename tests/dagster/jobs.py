@@ -17,13 +17,12 @@ from dagster_joblease import LeaseService
 from dagster_joblease.dagster import (
     JobLeaseResource,
     LeasedRun,
-    build_dead_rows_check,
     build_dispatcher_job,
     build_outbox_sensor,
     leased_asset,
     leased_op,
-    outbox_asset_spec,
 )
+from dagster_joblease.dagster.jobs import build_dead_rows_check, outbox_asset_spec
 from dagster_joblease.dispatch import Route
 
 TOPIC = "test.billing"

@@ -15,7 +15,8 @@ from pathlib import Path
 
 import dagster as dg
 
-from dagster_joblease.dagster import JobLeaseResource, LeasedBatch, LeasedRun, leased_asset, leased_op
+from dagster_joblease.dagster import JobLeaseResource, LeasedRun, leased_asset, leased_op
+from dagster_joblease.dagster.ops import LeasedBatch
 
 FAIL_ENV = "JOBLEASE_RANGE_FAIL"
 BLOCK_ENV = "JOBLEASE_RANGE_BLOCK"

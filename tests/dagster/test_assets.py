@@ -12,8 +12,17 @@ import uuid
 import dagster as dg
 
 from dagster_joblease import JobIdentity, LeaseService, create_engine
-from dagster_joblease.dagster import TAG_OUTCOME, TAG_WINNER, TAG_WORK, JobLeaseResource, encode_holder
-from dagster_joblease.dagster.metadata import META_HELD_BY, META_HOLDER, META_OUTCOME, META_WINNER
+from dagster_joblease.dagster import JobLeaseResource
+from dagster_joblease.dagster.holders import encode_holder
+from dagster_joblease.dagster.metadata import (
+    META_HELD_BY,
+    META_HOLDER,
+    META_OUTCOME,
+    META_WINNER,
+    TAG_OUTCOME,
+    TAG_WINNER,
+    TAG_WORK,
+)
 from dagster_joblease.dagster.ops import step_records
 from tests.dagster import jobs
 from tests.dagster.conftest import DagsterPg

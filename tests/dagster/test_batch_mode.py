@@ -21,8 +21,8 @@ import pytest
 import sqlalchemy as sa
 
 from dagster_joblease import JobIdentity, LeaseService, create_engine
-from dagster_joblease.dagster import TAG_OUTCOME, TAG_WINNER, TAG_WORK, JobLeaseResource
-from dagster_joblease.dagster.metadata import META_OUTCOMES
+from dagster_joblease.dagster import JobLeaseResource
+from dagster_joblease.dagster.metadata import META_OUTCOMES, TAG_OUTCOME, TAG_WINNER, TAG_WORK
 from dagster_joblease.dagster.ops import step_records
 from dagster_joblease.storage.schema import lease_table, outbox_table
 from tests.conftest import _admin_execute, clone_template, wait_until

@@ -21,7 +21,7 @@ import dagster as dg
 import pytest
 
 from dagster_joblease import errors, identity
-from dagster_joblease.dagster import TAG_OUTCOME
+from dagster_joblease.dagster.metadata import TAG_OUTCOME
 from dagster_joblease.testing import RecordingDownstream
 from tests.dagster.conftest import DagsterPg
 

@@ -15,13 +15,9 @@ import dagster as dg
 import sqlalchemy as sa
 
 from dagster_joblease import JobIdentity, LeaseService, create_engine
-from dagster_joblease.dagster import (
-    TAG_OUTCOME,
-    JobLeaseResource,
-    build_reconciliation_sensor,
-    encode_holder,
-    leased_op,
-)
+from dagster_joblease.dagster import JobLeaseResource, build_reconciliation_sensor, leased_op
+from dagster_joblease.dagster.holders import encode_holder
+from dagster_joblease.dagster.metadata import TAG_OUTCOME
 from dagster_joblease.storage.schema import lease_table
 from tests.dagster import jobs
 from tests.dagster.conftest import DagsterPg

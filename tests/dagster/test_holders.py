@@ -10,23 +10,18 @@ import pytest
 import sqlalchemy as sa
 from click.testing import CliRunner
 
-from dagster_joblease import (
-    ConfigurationError,
-    InvalidLeaseOptionsError,
-    JobIdentity,
-    LeaseService,
-    LostLeaseError,
-)
+from dagster_joblease import JobIdentity, LeaseService
 from dagster_joblease.cli import main as cli
-from dagster_joblease.dagster import (
+from dagster_joblease.dagster import JobLeaseResource
+from dagster_joblease.dagster.holders import (
     DagsterHolder,
-    JobLeaseResource,
     decode_holder,
+    default_deployment,
     encode_holder,
     holder_run_finished,
     holder_run_status,
 )
-from dagster_joblease.dagster.holders import default_deployment
+from dagster_joblease.errors import ConfigurationError, InvalidLeaseOptionsError, LostLeaseError
 from dagster_joblease.storage.schema import lease_table
 from tests.conftest import wait_until
 

@@ -14,9 +14,9 @@ from pathlib import Path
 import dagster as dg
 import pytest
 
-from dagster_joblease import ConfigurationError
 from dagster_joblease.dagster.ops import LeasedRun, leased_op
 from dagster_joblease.dagster.resource import JobLeaseResource
+from dagster_joblease.errors import ConfigurationError
 
 BIN = Path(sys.executable).parent
 

@@ -6,16 +6,14 @@ import dagster as dg
 import pytest
 import sqlalchemy as sa
 
-from dagster_joblease import (
+from dagster_joblease import JobIdentity, LeaseService, create_engine
+from dagster_joblease.dagster import JobLeaseResource, LeasedRun, leased_op
+from dagster_joblease.errors import (
     ConfigurationError,
     InvalidJobIdentityError,
     InvalidLeaseOptionsError,
-    JobIdentity,
-    LeaseService,
     LostLeaseError,
-    create_engine,
 )
-from dagster_joblease.dagster import JobLeaseResource, LeasedRun, leased_op
 from dagster_joblease.storage.schema import outbox_table
 from tests.conftest import wait_until
 

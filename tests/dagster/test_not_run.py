@@ -13,7 +13,8 @@ from pathlib import Path
 import dagster as dg
 import pytest
 
-from dagster_joblease.dagster import TAG_OUTCOME, build_not_run_sensors
+from dagster_joblease.dagster import build_not_run_sensors
+from dagster_joblease.dagster.metadata import TAG_OUTCOME
 from tests.dagster import jobs
 from tests.dagster.conftest import DagsterPg
 

@@ -29,7 +29,8 @@ from dagster._core.workspace.context import BaseWorkspaceRequestContext, Workspa
 from dagster._core.workspace.load_target import InProcessWorkspaceLoadTarget
 from dagster.components.core.component_tree import ComponentTree
 
-from dagster_joblease.dagster import TAG_OUTCOME, build_not_run_sensors
+from dagster_joblease.dagster import build_not_run_sensors
+from dagster_joblease.dagster.metadata import TAG_OUTCOME
 from tests.dagster import jobs
 from tests.dagster.conftest import DagsterPg
 

@@ -24,20 +24,17 @@ import pytest
 import sqlalchemy as sa
 
 from dagster_joblease import JobIdentity, LeaseService, create_engine
-from dagster_joblease.dagster import (
-    STEP_TAGS,
-    TAG_OUTCOME,
-    TAG_WINNER,
-    TAG_WORK,
-    JobLeaseResource,
-    leased_asset,
-)
+from dagster_joblease.dagster import JobLeaseResource, leased_asset
 from dagster_joblease.dagster.metadata import (
     META_FIRST_KEYS,
     META_OUTCOME,
     META_OUTCOMES,
     META_RUN_KEY,
     META_WINNER,
+    STEP_TAGS,
+    TAG_OUTCOME,
+    TAG_WINNER,
+    TAG_WORK,
 )
 from dagster_joblease.dagster.ops import step_records
 from dagster_joblease.storage.schema import lease_table, outbox_table

@@ -19,18 +19,10 @@ from dagster._core.events import EngineEventData
 from dagster._core.remote_origin import RegisteredCodeLocationOrigin, RemoteJobOrigin, RemoteRepositoryOrigin
 
 from dagster_joblease import JobIdentity, LeaseService, create_engine, errors, outbox
-from dagster_joblease.dagster import (
-    BACKLOG_CHECK,
-    DEAD_ROWS_CHECK,
-    TAG_OUTCOME,
-    TAG_RELAUNCH,
-    UNROUTED_CHECK,
-    JobLeaseResource,
-    OutboxHealth,
-    build_reconciliation_sensor,
-    metadata,
-)
+from dagster_joblease.dagster import JobLeaseResource, build_reconciliation_sensor, metadata
 from dagster_joblease.dagster.holders import encode_holder
+from dagster_joblease.dagster.jobs import BACKLOG_CHECK, DEAD_ROWS_CHECK, UNROUTED_CHECK, OutboxHealth
+from dagster_joblease.dagster.metadata import TAG_OUTCOME, TAG_RELAUNCH
 from dagster_joblease.dagster.ops import leased_op
 from dagster_joblease.dispatch import Route
 from dagster_joblease.storage.schema import lease_table

@@ -27,11 +27,8 @@ import pytest
 import sqlalchemy as sa
 
 from dagster_joblease import JobIdentity, create_engine
-from dagster_joblease.dagster import (
-    TAG_OUTCOME,
-    JobLeaseResource,
-    build_reconciliation_sensor,
-)
+from dagster_joblease.dagster import JobLeaseResource, build_reconciliation_sensor
+from dagster_joblease.dagster.metadata import TAG_OUTCOME
 from dagster_joblease.storage.schema import lease_table, outbox_table
 from tests.conftest import _admin_execute, clone_template, wait_until
 from tests.dagster import jobs, reconcile_assets, reconcile_worker

@@ -21,15 +21,9 @@ import pytest
 import sqlalchemy as sa
 
 from dagster_joblease import JobIdentity, LeaseService, create_engine
-from dagster_joblease.dagster import (
-    TAG_OUTCOME,
-    TAG_RELAUNCH,
-    JobLeaseResource,
-    build_reconciliation_sensor,
-    encode_holder,
-    leased_asset,
-    leased_op,
-)
+from dagster_joblease.dagster import JobLeaseResource, build_reconciliation_sensor, leased_asset, leased_op
+from dagster_joblease.dagster.holders import encode_holder
+from dagster_joblease.dagster.metadata import TAG_OUTCOME, TAG_RELAUNCH
 from dagster_joblease.storage.schema import lease_table
 from tests.dagster import jobs
 from tests.dagster import reconcile_helpers as helpers

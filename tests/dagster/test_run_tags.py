@@ -13,8 +13,9 @@ import dagster as dg
 from dagster._core.events import EngineEventData
 
 from dagster_joblease import JobIdentity, LeaseService, create_engine
-from dagster_joblease.dagster import TAG_OUTCOME, TAG_WINNER, TAG_WORK, metadata, settle_run_tags
-from dagster_joblease.dagster.ops import step_records
+from dagster_joblease.dagster import metadata
+from dagster_joblease.dagster.metadata import TAG_OUTCOME, TAG_WINNER, TAG_WORK
+from dagster_joblease.dagster.ops import settle_run_tags, step_records
 from tests.dagster import range_assets
 from tests.dagster.conftest import DagsterPg
 

@@ -16,7 +16,7 @@ import sqlalchemy as sa
 from dagster_graphql.test.utils import define_out_of_process_context, execute_dagster_graphql
 
 from dagster_joblease import JobIdentity, LeaseService, create_engine, outbox
-from dagster_joblease.dagster import STEP_TAGS, TAG_OUTCOME, TAG_WINNER, TAG_WORK, JobLeaseResource
+from dagster_joblease.dagster import JobLeaseResource
 from dagster_joblease.dagster.holders import default_deployment
 from dagster_joblease.dagster.metadata import (
     META_ATTEMPT,
@@ -30,6 +30,10 @@ from dagster_joblease.dagster.metadata import (
     META_OUTCOMES,
     META_RUN_KEY,
     META_WINNER,
+    STEP_TAGS,
+    TAG_OUTCOME,
+    TAG_WINNER,
+    TAG_WORK,
 )
 from dagster_joblease.dagster.ops import step_records
 from dagster_joblease.receiver import effect_count

@@ -10,8 +10,11 @@ from zoneinfo import ZoneInfo
 import dagster as dg
 import pytest
 
-from dagster_joblease import ConfigurationError, JobIdentity, LeaseService, create_engine
-from dagster_joblease.dagster import TAG_OUTCOME, JobLeaseResource, build_leased_schedule, encode_holder
+from dagster_joblease import JobIdentity, LeaseService, create_engine
+from dagster_joblease.dagster import JobLeaseResource, build_leased_schedule
+from dagster_joblease.dagster.holders import encode_holder
+from dagster_joblease.dagster.metadata import TAG_OUTCOME
+from dagster_joblease.errors import ConfigurationError
 
 UTC = dt.UTC
 #: The resource the ticks read leases through: an SQLite file of this module's own.

@@ -13,18 +13,16 @@ import sqlalchemy as sa
 from dagster._core.remote_origin import RegisteredCodeLocationOrigin, RemoteJobOrigin, RemoteRepositoryOrigin
 
 from dagster_joblease import create_engine, errors, outbox
-from dagster_joblease.dagster import (
+from dagster_joblease.dagster import JobLeaseResource, build_dispatcher_job, build_outbox_sensor
+from dagster_joblease.dagster.jobs import (
     BACKLOG_CHECK,
     DEAD_ROWS_CHECK,
-    NOT_FINISHED_STATUSES,
     OUTBOX_ASSET_KEY,
     UNROUTED_CHECK,
-    JobLeaseResource,
     OutboxHealth,
-    build_dispatcher_job,
-    build_outbox_sensor,
     outbox_asset_spec,
 )
+from dagster_joblease.dagster.sensors import NOT_FINISHED_STATUSES
 from dagster_joblease.dispatch import Route
 from dagster_joblease.receiver import effect_count
 from dagster_joblease.storage.schema import outbox_table

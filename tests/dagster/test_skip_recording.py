@@ -30,8 +30,8 @@ from dagster._daemon.backfill import execute_backfill_iteration
 from dagster._time import get_current_timestamp
 
 from dagster_joblease import JobIdentity
-from dagster_joblease.dagster import TAG_OUTCOME, TAG_WINNER, JobLeaseResource, metadata
-from dagster_joblease.dagster.metadata import META_OUTCOME, META_SKIPPED, META_WINNER
+from dagster_joblease.dagster import JobLeaseResource, metadata
+from dagster_joblease.dagster.metadata import META_OUTCOME, META_SKIPPED, META_WINNER, TAG_OUTCOME, TAG_WINNER
 from dagster_joblease.dagster.ops import AssetRecording, asset_recording
 from dagster_joblease.storage import create_engine
 from dagster_joblease.storage.schema import lease_table, outbox_table

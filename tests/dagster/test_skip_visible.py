@@ -13,13 +13,16 @@ import dagster as dg
 import pytest
 
 from dagster_joblease import JobIdentity, LeaseService, create_engine
-from dagster_joblease.dagster import TAG_OUTCOME, TAG_WINNER, JobLeaseResource, encode_holder, metadata
+from dagster_joblease.dagster import JobLeaseResource, metadata
+from dagster_joblease.dagster.holders import encode_holder
 from dagster_joblease.dagster.metadata import (
     META_OUTCOME,
     META_SKIPPED,
     META_SKIPPED_DONE_BY,
     META_WINNER,
     STEP_EVENT_MESSAGE,
+    TAG_OUTCOME,
+    TAG_WINNER,
 )
 from tests.dagster import jobs
 from tests.dagster.conftest import DagsterPg

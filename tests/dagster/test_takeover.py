@@ -22,8 +22,17 @@ import pytest
 import sqlalchemy as sa
 
 from dagster_joblease import JobIdentity, LeaseService, create_engine
-from dagster_joblease.dagster import TAG_OUTCOME, TAG_WINNER, TAG_WORK, encode_holder, holder_run_finished
-from dagster_joblease.dagster.metadata import META_ATTEMPT, META_ERROR, META_HOLDER, META_OUTBOX, META_WINNER
+from dagster_joblease.dagster.holders import encode_holder, holder_run_finished
+from dagster_joblease.dagster.metadata import (
+    META_ATTEMPT,
+    META_ERROR,
+    META_HOLDER,
+    META_OUTBOX,
+    META_WINNER,
+    TAG_OUTCOME,
+    TAG_WINNER,
+    TAG_WORK,
+)
 from dagster_joblease.dagster.ops import step_records
 from dagster_joblease.storage.schema import lease_table
 from tests.conftest import wait_until

@@ -7,9 +7,10 @@ import threading
 import dagster as dg
 import pytest
 
-from dagster_joblease import create_engine, errors, list_outbox
-from dagster_joblease.dagster import JobLeaseResource, LeasedRun, leased_op, metadata, run_partition_twice
-from dagster_joblease.dagster.testing import first_cause
+from dagster_joblease import create_engine, errors
+from dagster_joblease.admin import list_outbox
+from dagster_joblease.dagster import JobLeaseResource, LeasedRun, leased_op, metadata
+from dagster_joblease.dagster.testing import first_cause, run_partition_twice
 
 days = dg.DailyPartitionsDefinition(start_date="2024-01-01")
 

@@ -5,8 +5,9 @@ from __future__ import annotations
 import dagster as dg
 import sqlalchemy as sa
 
-from dagster_joblease import list_outbox
-from dagster_joblease.dagster import JobLeaseResource, LeasedRun, leased_op, run_partition_twice
+from dagster_joblease.admin import list_outbox
+from dagster_joblease.dagster import JobLeaseResource, LeasedRun, leased_op
+from dagster_joblease.dagster.testing import run_partition_twice
 
 
 @leased_op(code="daily-billing")

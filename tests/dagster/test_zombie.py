@@ -20,8 +20,9 @@ import pytest
 import sqlalchemy as sa
 
 from dagster_joblease import JobIdentity, LeaseService, create_engine
-from dagster_joblease.dagster import TAG_OUTCOME, JobLeaseResource, build_reconciliation_sensor
+from dagster_joblease.dagster import JobLeaseResource, build_reconciliation_sensor
 from dagster_joblease.dagster.holders import encode_holder
+from dagster_joblease.dagster.metadata import TAG_OUTCOME
 from dagster_joblease.storage.schema import lease_table
 from tests.conftest import wait_until
 from tests.dagster import jobs
