@@ -54,7 +54,7 @@ __all__ = [
     "MAX_POLL_S",
     "KeyOutcome",
     "Next",
-    "Outcome",
+    "WaitOutcome",
     "Report",
     "Row",
     "Wait",
@@ -75,7 +75,7 @@ FIRST_POLL_S = 0.05
 MAX_POLL_S = 1.0
 
 
-class Outcome(enum.StrEnum):
+class WaitOutcome(enum.StrEnum):
     """What one key came to (see the module's table)."""
 
     WON = "won"
@@ -88,7 +88,7 @@ class Outcome(enum.StrEnum):
 
 
 #: The key's effect is recorded, by this run or (a skip) provably by another.
-DONE = frozenset({Outcome.WON, Outcome.RECLAIMED, Outcome.SKIPPED_SUCCEEDED})
+DONE = frozenset({WaitOutcome.WON, WaitOutcome.RECLAIMED, WaitOutcome.SKIPPED_SUCCEEDED})
 
 
 @dataclasses.dataclass(frozen=True)
@@ -118,7 +118,7 @@ class KeyOutcome:
     for it (None: never held); ``result``: the body's return value (won or reclaimed)."""
 
     job: identity.JobIdentity
-    outcome: Outcome
+    outcome: WaitOutcome
     attempt: int | None = None
     holder: str | None = None
     error: str | None = None
@@ -222,13 +222,13 @@ def death_of(row: Row, run_finished: str | None, legacy_ms: int) -> staleness.De
     )
 
 
-def cut_short(*, held: bool, completed: bool) -> Outcome | None:
+def cut_short(*, held: bool, completed: bool) -> WaitOutcome | None:
     """The outcome of the key an interrupt or an error outside the body stopped on: ``not-attempted`` if this
     run never held it (claiming, or waiting for another holder); None (done: the caller records it as
     won) if its lease was completed first; else ``failed`` (its lease released or left to expire)."""
     if not held:
-        return Outcome.NOT_ATTEMPTED
-    return None if completed else Outcome.FAILED
+        return WaitOutcome.NOT_ATTEMPTED
+    return None if completed else WaitOutcome.FAILED
 
 
 def range_goes_on(failures_in_a_row: int, max_failures_in_a_row: int) -> bool:
@@ -304,7 +304,7 @@ def _held(wait: Wait, job: identity.JobIdentity, row: Row | None) -> KeyOutcome:
     running = row is not None and row.status == LeaseStatus.RUNNING.value
     return KeyOutcome(
         job,
-        Outcome.HELD,
+        WaitOutcome.HELD,
         attempt=row.attempt if row else None,
         holder=row.holder if running and row is not None else None,
         error=_held_error(wait, job, row),
@@ -319,7 +319,7 @@ def _held_now(wait: Wait, job: identity.JobIdentity) -> KeyOutcome:
 
 
 def _did(wait: Wait, held: Lease, result: Any = None) -> KeyOutcome:
-    outcome = Outcome.RECLAIMED if held.reclaimed else Outcome.WON
+    outcome = WaitOutcome.RECLAIMED if held.reclaimed else WaitOutcome.WON
     return KeyOutcome(held.identity, outcome, held.attempt, wait.holder, result=result, lease=held)
 
 
@@ -388,7 +388,7 @@ class _EachKey:
         status = None if row is None else row.status
         decided = after_refusal(status, took_over=took_over, past_deadline=time.monotonic() >= deadline)
         if decided is Next.SKIP and row is not None:
-            return KeyOutcome(job, Outcome.SKIPPED_SUCCEEDED, row.attempt, row.holder)
+            return KeyOutcome(job, WaitOutcome.SKIPPED_SUCCEEDED, row.attempt, row.holder)
         if decided is Next.HELD:
             return _held(wait, job, row)
         if decided is Next.WAIT and row is not None and row.status == LeaseStatus.RUNNING.value:
@@ -417,15 +417,15 @@ class _EachKey:
     def stopped(self, exc: BaseException) -> KeyOutcome:
         held = self.lease
         if held is not None and isinstance(exc, errors.LostLeaseError):
-            return KeyOutcome(self.job, Outcome.LOST, held.attempt, self.wait.holder, _error_text(exc))
+            return KeyOutcome(self.job, WaitOutcome.LOST, held.attempt, self.wait.holder, _error_text(exc))
         outcome = cut_short(held=held is not None, completed=held is not None and _completed(self.wait, held))
         if outcome is None and held is not None:
             return _did(self.wait, held)
         if held is None:
-            return KeyOutcome(self.job, Outcome.NOT_ATTEMPTED, error=_stopped_text(exc, held=False))
+            return KeyOutcome(self.job, WaitOutcome.NOT_ATTEMPTED, error=_stopped_text(exc, held=False))
         return KeyOutcome(
             self.job,
-            Outcome.FAILED,
+            WaitOutcome.FAILED,
             held.attempt,
             self.wait.holder,
             _stopped_text(exc, held=True),
@@ -472,10 +472,10 @@ def settle_each(wait: Wait, jobs: Sequence[identity.JobIdentity], body: Callable
     went_on = all(attempt(i, started) for i in range(len(jobs)))  # first pass: no waiting
     if went_on and wait.held_wait_ms > 0:
         deadline = started + wait.held_wait_ms / 1000
-        held = [i for i, o in sorted(outcomes.items()) if o.outcome is Outcome.HELD]
+        held = [i for i, o in sorted(outcomes.items()) if o.outcome is WaitOutcome.HELD]
         all(attempt(i, deadline) for i in held)
     report.outcomes = [
-        outcomes.get(i) or KeyOutcome(job, Outcome.NOT_ATTEMPTED) for i, job in enumerate(jobs)
+        outcomes.get(i) or KeyOutcome(job, WaitOutcome.NOT_ATTEMPTED) for i, job in enumerate(jobs)
     ]
     return report
 
@@ -483,7 +483,7 @@ def settle_each(wait: Wait, jobs: Sequence[identity.JobIdentity], body: Callable
 # -- batch mode ------------------------------------------------------------------------------------------
 
 
-class _Batch:
+class _WaitBatch:
     """The state of one :func:`settle_batch`: every key's outcome so far, the first error, an interrupt."""
 
     def __init__(self, wait: Wait, body: Callable[[Sequence[Lease]], Any]) -> None:
@@ -492,7 +492,7 @@ class _Batch:
         self.outcomes: dict[str, KeyOutcome] = {}
         self.report = Report([])
 
-    def record(self, held: Lease, outcome: Outcome, error: str | None = None, result: Any = None) -> None:
+    def record(self, held: Lease, outcome: WaitOutcome, error: str | None = None, result: Any = None) -> None:
         self.outcomes[held.idempotency_key] = KeyOutcome(
             held.identity, outcome, held.attempt, self.wait.holder, error, result, held
         )
@@ -503,10 +503,10 @@ class _Batch:
         lost_keys = exc.lost_keys if isinstance(exc, errors.LostBatchLeaseError) else None
         for x in won:
             if lost_keys is None or x.idempotency_key in lost_keys:
-                self.record(x, Outcome.LOST, _error_text(exc))
+                self.record(x, WaitOutcome.LOST, _error_text(exc))
             else:
                 why = f"failed by this run with its set: another key of the set was lost ({_error_text(exc)})"
-                self.record(x, Outcome.FAILED, why)
+                self.record(x, WaitOutcome.FAILED, why)
 
     def failed_set(self, won: Sequence[Lease], exc: Exception) -> None:
         """The body raised: fail the whole set for a retry (``lost`` for a key no longer ours)."""
@@ -518,7 +518,9 @@ class _Batch:
             )
             lost = set()
         for x in won:
-            self.record(x, Outcome.LOST if x.idempotency_key in lost else Outcome.FAILED, _error_text(exc))
+            self.record(
+                x, WaitOutcome.LOST if x.idempotency_key in lost else WaitOutcome.FAILED, _error_text(exc)
+            )
 
     def call(self, won: Sequence[Lease]) -> bool:
         """Call the body with the set ``won``; record every key of it. False when the range must stop."""
@@ -538,16 +540,16 @@ class _Batch:
             with contextlib.suppress(errors.JobLeaseError):
                 batch.release_many(service, won, f"released: interrupted by {type(exc).__name__}")
             for x in won:
-                self.record(x, Outcome.FAILED, _stopped_text(exc, held=True))
+                self.record(x, WaitOutcome.FAILED, _stopped_text(exc, held=True))
             raise
         lost = self.complete(won)
         for x in won:
             if x.idempotency_key in lost:
                 self.record(
-                    x, Outcome.LOST, "LostLeaseError: the lease was taken over before the set completed"
+                    x, WaitOutcome.LOST, "LostLeaseError: the lease was taken over before the set completed"
                 )
             else:
-                self.record(x, Outcome.RECLAIMED if x.reclaimed else Outcome.WON, result=value)
+                self.record(x, WaitOutcome.RECLAIMED if x.reclaimed else WaitOutcome.WON, result=value)
         return True
 
     def complete(self, won: Sequence[Lease]) -> set[str]:
@@ -558,9 +560,9 @@ class _Batch:
         except BaseException as exc:
             for x in won:
                 if cut_short(held=True, completed=_completed(self.wait, x)) is None:
-                    self.record(x, Outcome.RECLAIMED if x.reclaimed else Outcome.WON)
+                    self.record(x, WaitOutcome.RECLAIMED if x.reclaimed else WaitOutcome.WON)
                 else:
-                    self.record(x, Outcome.FAILED, _stopped_text(exc, held=True))
+                    self.record(x, WaitOutcome.FAILED, _stopped_text(exc, held=True))
             raise
 
     def claim_round(self, pending: Sequence[identity.JobIdentity]) -> tuple[list[identity.JobIdentity], bool]:
@@ -578,7 +580,7 @@ class _Batch:
             for refused in claim.refused:
                 if refused.reason is NotAcquiredReason.SUCCEEDED:
                     self.outcomes[refused.idempotency_key] = KeyOutcome(
-                        refused.identity, Outcome.SKIPPED_SUCCEEDED, refused.attempt, refused.holder
+                        refused.identity, WaitOutcome.SKIPPED_SUCCEEDED, refused.attempt, refused.holder
                     )
                 else:
                     waiting.append(refused.identity)
@@ -625,7 +627,7 @@ def settle_batch(
     won then go to a further call. A call that raises fails its whole set and ends the range (the rest
     ``not-attempted``). An interrupt or an error while claiming or waiting keeps what was done; the keys
     this run never held are ``not-attempted``, with the error or interrupt named."""
-    state = _Batch(wait, body)
+    state = _WaitBatch(wait, body)
     stopped: BaseException | None = None
     try:
         state.rounds(jobs)
@@ -637,7 +639,9 @@ def settle_batch(
     state.report.outcomes = [
         state.outcomes.get(job.idempotency_key)
         or KeyOutcome(
-            job, Outcome.NOT_ATTEMPTED, error=None if stopped is None else _stopped_text(stopped, held=False)
+            job,
+            WaitOutcome.NOT_ATTEMPTED,
+            error=None if stopped is None else _stopped_text(stopped, held=False),
         )
         for job in jobs
     ]

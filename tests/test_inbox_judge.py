@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from dagster_joblease import errors, wire
-from dagster_joblease.inbox.core import Verdict, VerdictKind, judge
+from dagster_joblease.inbox.core import KeyVerdict, VerdictKind, judge
 from dagster_joblease.storage.inbox import KeyRow
 
 FP, OTHER = "a" * 64, "b" * 64
@@ -23,28 +23,28 @@ def _claim(fingerprint: str = FP, left_ms: int | None = 5_000) -> KeyRow:
     ("fence", "got_lock", "row", "verdict"),
     [
         # the in-flight lock is held elsewhere: nothing else is read
-        (None, False, None, Verdict(VerdictKind.IN_FLIGHT)),
-        (None, True, None, Verdict(VerdictKind.APPLY)),
-        (7, True, None, Verdict(VerdictKind.APPLY)),
-        (None, True, _done(), Verdict(VerdictKind.REPLAY)),
-        (None, True, _done(OTHER), Verdict(VerdictKind.CONFLICT)),
+        (None, False, None, KeyVerdict(VerdictKind.IN_FLIGHT)),
+        (None, True, None, KeyVerdict(VerdictKind.APPLY)),
+        (7, True, None, KeyVerdict(VerdictKind.APPLY)),
+        (None, True, _done(), KeyVerdict(VerdictKind.REPLAY)),
+        (None, True, _done(OTHER), KeyVerdict(VerdictKind.CONFLICT)),
         # fencing: unfenced requests are not judged by it; a newer number is recorded on a replay
-        (None, True, _done(fence=3), Verdict(VerdictKind.REPLAY)),
-        (3, True, _done(fence=3), Verdict(VerdictKind.REPLAY)),
-        (4, True, _done(fence=3), Verdict(VerdictKind.REPLAY, raise_fence=True)),
-        (0, True, _done(fence=None), Verdict(VerdictKind.REPLAY, raise_fence=True)),
-        (2, True, _done(fence=3), Verdict(VerdictKind.STALE_FENCE, accepted_fence=3)),
-        (2, True, _done(OTHER, fence=3), Verdict(VerdictKind.STALE_FENCE, accepted_fence=3)),
-        (4, True, _done(OTHER, fence=3), Verdict(VerdictKind.CONFLICT)),
+        (None, True, _done(fence=3), KeyVerdict(VerdictKind.REPLAY)),
+        (3, True, _done(fence=3), KeyVerdict(VerdictKind.REPLAY)),
+        (4, True, _done(fence=3), KeyVerdict(VerdictKind.REPLAY, raise_fence=True)),
+        (0, True, _done(fence=None), KeyVerdict(VerdictKind.REPLAY, raise_fence=True)),
+        (2, True, _done(fence=3), KeyVerdict(VerdictKind.STALE_FENCE, accepted_fence=3)),
+        (2, True, _done(OTHER, fence=3), KeyVerdict(VerdictKind.STALE_FENCE, accepted_fence=3)),
+        (4, True, _done(OTHER, fence=3), KeyVerdict(VerdictKind.CONFLICT)),
         # an older version's two-step claim: live (409 with its lock, or 422), expired (taken over)
-        (None, True, _claim(), Verdict(VerdictKind.IN_FLIGHT, retry_after_ms=5_000)),
-        (None, True, _claim(left_ms=None), Verdict(VerdictKind.IN_FLIGHT)),
-        (None, True, _claim(OTHER), Verdict(VerdictKind.CONFLICT)),
-        (None, True, _claim(left_ms=-1), Verdict(VerdictKind.APPLY_AFTER_EXPIRY)),
-        (None, True, _claim(OTHER, left_ms=-1), Verdict(VerdictKind.APPLY_AFTER_EXPIRY)),
+        (None, True, _claim(), KeyVerdict(VerdictKind.IN_FLIGHT, retry_after_ms=5_000)),
+        (None, True, _claim(left_ms=None), KeyVerdict(VerdictKind.IN_FLIGHT)),
+        (None, True, _claim(OTHER), KeyVerdict(VerdictKind.CONFLICT)),
+        (None, True, _claim(left_ms=-1), KeyVerdict(VerdictKind.APPLY_AFTER_EXPIRY)),
+        (None, True, _claim(OTHER, left_ms=-1), KeyVerdict(VerdictKind.APPLY_AFTER_EXPIRY)),
     ],
 )
-def test_judge(fence: int | None, got_lock: bool, row: KeyRow | None, verdict: Verdict) -> None:
+def test_judge(fence: int | None, got_lock: bool, row: KeyRow | None, verdict: KeyVerdict) -> None:
     assert judge(FP, fence, got_lock, row) == verdict
 
 

@@ -14,7 +14,7 @@ from dagster_joblease.identity import JobIdentity
 from dagster_joblease.lease import Lease, LeaseService
 from dagster_joblease.storage import schema
 from dagster_joblease.storage.clock import db_now_plus_ms
-from dagster_joblease.waiting import Next, Outcome
+from dagster_joblease.waiting import Next, WaitOutcome
 
 # ---- decisions ----------------------------------------------------------------------------------------
 
@@ -58,12 +58,12 @@ def test_stale_running(status: str | None, age_ms: int, stale_ms: int | None, ex
 @pytest.mark.parametrize(
     ("held", "completed", "expected"),
     [
-        (False, False, Outcome.NOT_ATTEMPTED),  # claiming or waiting for another holder: never this run's
+        (False, False, WaitOutcome.NOT_ATTEMPTED),  # claiming or waiting for another holder: never this run's
         (True, True, None),  # the interrupt came after the completion: done (won)
-        (True, False, Outcome.FAILED),  # this run's lease, released (or left to expire): retryable
+        (True, False, WaitOutcome.FAILED),  # this run's lease, released (or left to expire): retryable
     ],
 )
-def test_cut_short(held: bool, completed: bool, expected: Outcome | None) -> None:
+def test_cut_short(held: bool, completed: bool, expected: WaitOutcome | None) -> None:
     assert waiting.cut_short(held=held, completed=completed) is expected
 
 

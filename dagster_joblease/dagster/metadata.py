@@ -82,7 +82,7 @@ import dagster as dg
 
 from dagster_joblease import identity
 from dagster_joblease.dagster.holders import decode_holder
-from dagster_joblease.waiting import Outcome
+from dagster_joblease.waiting import WaitOutcome
 
 __all__ = [
     "DONE_OUTCOMES",
@@ -152,19 +152,23 @@ __all__ = [
 
 # ---- Outcomes --------------------------------------------------------------------------------------------
 
-# The wait engine's outcomes (dagster_joblease.waiting.Outcome), as the step records them.
-WON: str = Outcome.WON.value  #: this run claimed the key first and did it
+# The wait engine's outcomes (dagster_joblease.waiting.WaitOutcome), as the step records them.
+WON: str = WaitOutcome.WON.value  #: this run claimed the key first and did it
 RECLAIMED: str = (
-    Outcome.RECLAIMED.value
+    WaitOutcome.RECLAIMED.value
 )  #: this run took over after a failed, expired or dead holder, and did it
-SKIPPED_SUCCEEDED: str = Outcome.SKIPPED_SUCCEEDED.value  #: another run already did it (see joblease/winner)
-HELD: str = Outcome.HELD.value  #: a live holder still had it when the wait ended: this run failed, retryably
+SKIPPED_SUCCEEDED: str = (
+    WaitOutcome.SKIPPED_SUCCEEDED.value
+)  #: another run already did it (see joblease/winner)
+HELD: str = (
+    WaitOutcome.HELD.value
+)  #: a live holder still had it when the wait ended: this run failed, retryably
 #: this run held the key and its body raised (or it was interrupted): the lease is FAIL, retryable
-FAILED: str = Outcome.FAILED.value
-LOST: str = Outcome.LOST.value  #: this run lost its lease (reclaimed from under it, or it was killed)
+FAILED: str = WaitOutcome.FAILED.value
+LOST: str = WaitOutcome.LOST.value  #: this run lost its lease (reclaimed from under it, or it was killed)
 #: this run never held the key (a range stopped; or terminated, or its database failed, while it claimed
 #: or waited for another holder, whose lease stays RUNNING)
-NOT_ATTEMPTED: str = Outcome.NOT_ATTEMPTED.value
+NOT_ATTEMPTED: str = WaitOutcome.NOT_ATTEMPTED.value
 NOT_RUN = "not-run"  #: the run's leased step never ran (written by the reconciliation side)
 PENDING = "pending"  #: the leased step has not finished yet (or the run died before it could say)
 

@@ -470,9 +470,9 @@ def _leased_result(
 ) -> metadata.LeasedResult:
     """The engine's outcome of one key as the step records it (with its outbox result and winner run)."""
     job = key.job
-    if key.outcome in (waiting.Outcome.WON, waiting.Outcome.RECLAIMED):
+    if key.outcome in (waiting.WaitOutcome.WON, waiting.WaitOutcome.RECLAIMED):
         winner = step.run_id
-    elif key.outcome is waiting.Outcome.SKIPPED_SUCCEEDED:
+    elif key.outcome is waiting.WaitOutcome.SKIPPED_SUCCEEDED:
         winner = _winner_run_id(key.holder)
     else:
         winner = None

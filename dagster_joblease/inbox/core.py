@@ -29,7 +29,7 @@ __all__ = [
     "MAX_BODY_BYTES",
     "Answer",
     "InboxResult",
-    "Verdict",
+    "KeyVerdict",
     "VerdictKind",
     "Batch",
     "Step",
@@ -104,7 +104,7 @@ class VerdictKind(enum.Enum):
 
 
 @dataclasses.dataclass(frozen=True)
-class Verdict:
+class KeyVerdict:
     kind: VerdictKind
     #: REPLAY: raise the key's stored fencing number to the request's.
     raise_fence: bool = False
@@ -117,22 +117,22 @@ class Verdict:
     first: KeyRow | None = dataclasses.field(default=None, compare=False)
 
 
-def judge(fingerprint: str, fence: int | None, got_lock: bool, row: KeyRow | None) -> Verdict:
+def judge(fingerprint: str, fence: int | None, got_lock: bool, row: KeyRow | None) -> KeyVerdict:
     """What to do with a request, from the in-flight lock's outcome and the key's row (None: no row).
 
     A fenced request (``fence`` not None) older than the key's accepted fencing number is refused before
     anything else: its sender's lease was reclaimed. A replay under a newer fencing number records it.
     """
     if not got_lock:
-        return Verdict(VerdictKind.IN_FLIGHT)
+        return KeyVerdict(VerdictKind.IN_FLIGHT)
     if row is None:
-        return Verdict(VerdictKind.APPLY)
+        return KeyVerdict(VerdictKind.APPLY)
     if row.status == InboxStatus.DONE.value:
         if fence is not None and row.fence is not None and fence < row.fence:
-            return Verdict(VerdictKind.STALE_FENCE, accepted_fence=row.fence)
+            return KeyVerdict(VerdictKind.STALE_FENCE, accepted_fence=row.fence)
         if row.payload_sha256 != fingerprint:
-            return Verdict(VerdictKind.CONFLICT, first=row)
-        return Verdict(
+            return KeyVerdict(VerdictKind.CONFLICT, first=row)
+        return KeyVerdict(
             VerdictKind.REPLAY,
             raise_fence=fence is not None and (row.fence is None or row.fence < fence),
         )
@@ -140,10 +140,10 @@ def judge(fingerprint: str, fence: int | None, got_lock: bool, row: KeyRow | Non
     # expired its holder is gone and left no effect, so any request may take it over.
     left = row.lock_left_ms
     if left is not None and left < 0:
-        return Verdict(VerdictKind.APPLY_AFTER_EXPIRY)
+        return KeyVerdict(VerdictKind.APPLY_AFTER_EXPIRY)
     if row.payload_sha256 != fingerprint:
-        return Verdict(VerdictKind.CONFLICT, first=row)
-    return Verdict(VerdictKind.IN_FLIGHT, retry_after_ms=left)
+        return KeyVerdict(VerdictKind.CONFLICT, first=row)
+    return KeyVerdict(VerdictKind.IN_FLIGHT, retry_after_ms=left)
 
 
 class Step(NamedTuple):
@@ -160,7 +160,7 @@ Batch = tuple[Step, ...]
 
 def begin_steps(
     dialect_name: str, key: str, fingerprint: str, fence: int | None, lock_ms: int
-) -> Generator[Batch, Any, tuple[Verdict, KeyRow | None]]:
+) -> Generator[Batch, Any, tuple[KeyVerdict, KeyRow | None]]:
     """The start of a key's transaction, as the statements to run (sans IO: the sync and async inboxes
     drive it on their connections): the in-flight lock (PostgreSQL) and the key's row in one batch (the
     read is a statement of its own after the lock's, so its snapshot follows the lock; its row is ignored
@@ -182,7 +182,7 @@ def begin_steps(
     return verdict, row
 
 
-def raise_refusal(key: str, fence: int | None, verdict: Verdict) -> None:
+def raise_refusal(key: str, fence: int | None, verdict: KeyVerdict) -> None:
     """Raise the error a refusing verdict stands for (409, 422); return for APPLY and REPLAY."""
     if verdict.kind is VerdictKind.IN_FLIGHT:
         raise errors.InboxInProgressError(idempotency_key=key, retry_after_ms=verdict.retry_after_ms)

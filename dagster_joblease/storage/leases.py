@@ -29,7 +29,7 @@ from dagster_joblease.storage.schema import any_status, lease_table
 __all__ = [
     "CLAIM_ROUNDS",
     "KEYS_PER_STATEMENT",
-    "Claimed",
+    "ClaimedRow",
     "LeaseState",
     "ReconcilePage",
     "claim",
@@ -218,7 +218,7 @@ RECLAIM_OR_STATUS = driver.query(_reclaim_or_status())
 REFUSING_STATUS = driver.query(sa.select(_t.c.status).where(_t.c.lock_key == _KEY, ~_reclaimable()))
 
 
-Claimed = tuple[Any, str | None, bool]
+ClaimedRow = tuple[Any, str | None, bool]
 """What :func:`claim` found: the won row ``(id, attempt, expires_at, last_error)`` or None; when refused,
 the status of the row that refused it (None: the row kept changing for :data:`CLAIM_ROUNDS` rounds);
 and whether the claim met an existing row."""
@@ -229,7 +229,7 @@ def claim(
     params: dict[str, Any],
     *,
     hinted: bool = False,
-) -> Claimed:
+) -> ClaimedRow:
     """Claim or reclaim the run of ``params`` (``p_lock_key``, ``p_job_type``, ``p_code``, ``p_run_key``,
     ``p_owner_token``, ``p_lease_ms``, ``p_heartbeat_ms``, ``p_holder``): who has it now?
 

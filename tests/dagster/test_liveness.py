@@ -13,7 +13,7 @@ import pytest
 
 from dagster_joblease import staleness, waiting
 from dagster_joblease.dagster.reconcile import judge
-from dagster_joblease.dagster.reconcile.judge import Action, KeyFacts, Lease, Policy
+from dagster_joblease.dagster.reconcile.judge import Action, KeyFacts, LeaseFacts, Policy
 
 S = dg.DagsterRunStatus
 HOLDER = "dagster:prod/0c1f2d3e-1111-2222-3333-444455556666"
@@ -78,7 +78,7 @@ def test_every_judge_applies_one_liveness_rule(
     row = waiting.Row("RUNNING", 1, "t" * 32, HOLDER, age_ms, -overdue_ms, beat_ms)
     assert (waiting.death_of(row, _finished(run), POLICY.legacy_stale_ms) is not None) is dead
 
-    lease = Lease("k", "RUNNING", 1, HOLDER, overdue_ms, age_ms, age_ms, beat_ms)
+    lease = LeaseFacts("k", "RUNNING", 1, HOLDER, overdue_ms, age_ms, age_ms, beat_ms)
     verdict = judge.need_of(KeyFacts("k", lease, holder_status=run), POLICY)
     assert (getattr(verdict, "action", None) is not Action.LIVE) is dead
     if run not in judge.FINISHED:  # the run that holds it, as the judge of zombies sees it

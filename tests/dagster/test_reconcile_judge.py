@@ -14,7 +14,7 @@ from dagster_joblease.dagster.reconcile.judge import (
     Free,
     KeyFacts,
     KeyRuns,
-    Lease,
+    LeaseFacts,
     Life,
     Named,
     Need,
@@ -35,7 +35,7 @@ SILENT = "its heartbeat (every 1000 ms) is 4500 ms old: 4 of its own intervals m
 NAMED = Named("run-r", "range run run-r failed: held")
 
 
-def lease(status: str = "RUNNING", **kw: object) -> Lease:
+def lease(status: str = "RUNNING", **kw: object) -> LeaseFacts:
     base: dict[str, object] = {
         "key": "k",
         "status": status,
@@ -44,7 +44,7 @@ def lease(status: str = "RUNNING", **kw: object) -> Lease:
         "heartbeat_ms": 1_000,
     }
     base.update(kw)
-    return Lease(**base)  # type: ignore[arg-type]
+    return LeaseFacts(**base)  # type: ignore[arg-type]
 
 
 # ---- step 1: what the lease row (and who named the key) says -------------------------------------------
@@ -355,7 +355,7 @@ LIFE_CASES = [
 
 
 @pytest.mark.parametrize(("held", "expected"), [c[1:] for c in LIFE_CASES], ids=[c[0] for c in LIFE_CASES])
-def test_life_of(held: list[Lease], expected: Life) -> None:
+def test_life_of(held: list[LeaseFacts], expected: Life) -> None:
     assert judge.life_of(100_000, held, JOB) == expected
 
 
@@ -393,7 +393,12 @@ def test_zombie_reason(status: dg.DagsterRunStatus, life: Life | None, zombie: b
     ],
 )
 def test_left_undone(
-    row: Lease | None, materialized: bool | None, policy: Policy, run_id: str, step_undone: bool, undone: bool
+    row: LeaseFacts | None,
+    materialized: bool | None,
+    policy: Policy,
+    run_id: str,
+    step_undone: bool,
+    undone: bool,
 ) -> None:
     assert judge.left_undone(row, materialized, policy, run_id, step_undone) is undone
 

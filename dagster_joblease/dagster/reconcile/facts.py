@@ -29,7 +29,7 @@ from dagster_joblease import identity
 from dagster_joblease.dagster import metadata
 from dagster_joblease.dagster.ops import step_records
 from dagster_joblease.dagster.reconcile import judge
-from dagster_joblease.dagster.reconcile.judge import KeyRuns, Lease, Named, Run
+from dagster_joblease.dagster.reconcile.judge import KeyRuns, LeaseFacts, Named, Run
 from dagster_joblease.dagster.sensors import NOT_FINISHED_STATUSES
 from dagster_joblease.storage import leases
 from dagster_joblease.storage.engine import translate_errors
@@ -134,8 +134,8 @@ class Target:
         return found
 
 
-def lease_of(state: leases.LeaseState) -> Lease:
-    return Lease(
+def lease_of(state: leases.LeaseState) -> LeaseFacts:
+    return LeaseFacts(
         key=state.run_key,
         status=state.status,
         attempt=state.attempt,
@@ -182,15 +182,15 @@ class Reader:
         self.instance = instance
         self.code = code
         self.target = target
-        self._leases: dict[str, Lease | None] = {}
+        self._leases: dict[str, LeaseFacts | None] = {}
         self._records: dict[str, dg.RunRecord | None] = {}
         self._materialized: dict[str, bool] = {}  #: the target asset's keys
-        self._running: dict[str, list[Lease]] = {}  #: run id -> RUNNING leases it holds, any code
+        self._running: dict[str, list[LeaseFacts]] = {}  #: run id -> RUNNING leases it holds, any code
         self._step_undone: dict[str, bool] = {}  #: run id -> a leased step of the code ended undone in it
 
     # -- lease rows --
 
-    def leases(self, keys: Sequence[str]) -> dict[str, Lease]:
+    def leases(self, keys: Sequence[str]) -> dict[str, LeaseFacts]:
         """The lease rows of ``keys`` (any status), by key; keys without a row are absent."""
         missing = [k for k in dict.fromkeys(keys) if k not in self._leases]
         if missing:
@@ -206,14 +206,14 @@ class Reader:
         with translate_errors("read leases to reconcile"), self.engine.connect() as conn:
             return statements(conn)
 
-    def running_anywhere(self, run_id: str) -> list[Lease]:
+    def running_anywhere(self, run_id: str) -> list[LeaseFacts]:
         """The RUNNING leases of any code whose holder is Dagster run ``run_id``."""
         if run_id not in self._running:
             states = self.read(lambda conn: leases.running_held_by_runs(conn, [run_id]))
             self._running[run_id] = [lease_of(s) for s in states if lease_of(s).holder_run_id == run_id]
         return self._running[run_id]
 
-    def remember(self, rows: Sequence[Lease]) -> None:
+    def remember(self, rows: Sequence[LeaseFacts]) -> None:
         for row in rows:
             self._leases[row.key] = row
 
@@ -517,7 +517,7 @@ def started_at(record: dg.RunRecord) -> float:
     return record.start_time or record.create_timestamp.timestamp()
 
 
-def held_by(reader: Reader, record: dg.RunRecord) -> list[Lease]:
+def held_by(reader: Reader, record: dg.RunRecord) -> list[LeaseFacts]:
     """The lease rows (any status) of the keys ``record``'s run covers whose holder is that run."""
     run = record.dagster_run
     with dg.partition_loading_context(dynamic_partitions_store=reader.instance):
@@ -554,7 +554,7 @@ class Position:
 class Walk:
     """Keys that runs of this deployment left undone, each with the run that named it and its position."""
 
-    named: dict[str, tuple[Named, Lease | None, bool | None, Position]] = dataclasses.field(
+    named: dict[str, tuple[Named, LeaseFacts | None, bool | None, Position]] = dataclasses.field(
         default_factory=dict
     )
     zombies: dict[str, str] = dataclasses.field(default_factory=dict)  #: run id -> why
@@ -712,7 +712,7 @@ class Candidate:
     """A key some source named, with what that source already read."""
 
     key: str
-    lease: Lease | None = None
+    lease: LeaseFacts | None = None
     lease_known: bool = False  #: ``lease`` was read (None: the key has no row)
     named: tuple[Named, ...] = ()
     catch_up: bool = False
@@ -720,7 +720,7 @@ class Candidate:
 
 
 def _holder(
-    reader: Reader, policy: judge.Policy, lease: Lease | None, runs: Mapping[str, dg.DagsterRun]
+    reader: Reader, policy: judge.Policy, lease: LeaseFacts | None, runs: Mapping[str, dg.DagsterRun]
 ) -> tuple[dg.DagsterRunStatus | None, bool]:
     """The status of the lease holder's run on this instance (None: not here), and whether it is a zombie."""
     holder = runs.get(lease.holder_run_id or "") if lease is not None else None
@@ -766,7 +766,7 @@ def materialized_fact(known: bool | None, found: bool, policy: judge.Policy) -> 
     return found if known is None else known
 
 
-def _succeeded(lease: Lease | None) -> bool:
+def _succeeded(lease: LeaseFacts | None) -> bool:
     return lease is not None and lease.status == "SUCCESS"
 
 

@@ -37,7 +37,7 @@ __all__ = [
     "Action",
     "KeyFacts",
     "KeyRuns",
-    "Lease",
+    "LeaseFacts",
     "Life",
     "Named",
     "Run",
@@ -59,7 +59,7 @@ __all__ = [
 
 
 @dataclasses.dataclass(frozen=True)
-class Lease:
+class LeaseFacts:
     """A lease row as reconciliation sees it; ages are on the database clock."""
 
     key: str
@@ -113,7 +113,7 @@ class KeyFacts:
     """Everything the judge's first step needs about one partition key."""
 
     key: str
-    lease: Lease | None = None
+    lease: LeaseFacts | None = None
     named: tuple[Named, ...] = ()
     catch_up: bool = False  #: from ``catch_up_from`` on and never attempted
     holder_status: dg.DagsterRunStatus | None = None  #: the lease holder's run on this instance
@@ -220,7 +220,7 @@ def backoff_ms(relaunches: int, base_ms: int, max_ms: int) -> int:
     return 0 if relaunches == 0 else min(max_ms, base_ms * 2 ** (relaunches - 1))
 
 
-def _death(lease: Lease, policy: Policy, run_finished: str | None = None) -> staleness.Death | None:
+def _death(lease: LeaseFacts, policy: Policy, run_finished: str | None = None) -> staleness.Death | None:
     """Why a lease's holder is dead by the liveness rule (:func:`staleness.holder_death`), ``run_finished``
     saying what proves the run named on it finished; None while it is alive."""
     return staleness.holder_death(
@@ -234,11 +234,11 @@ def _death(lease: Lease, policy: Policy, run_finished: str | None = None) -> sta
     )
 
 
-def _death_text(lease: Lease, death: staleness.Death) -> str:
+def _death_text(lease: LeaseFacts, death: staleness.Death) -> str:
     return f"{death.why} (lease of {lease.key}, attempt {lease.attempt})"
 
 
-def life_of(started_age_ms: int, held: Iterable[Lease], policy: Policy) -> Life:
+def life_of(started_age_ms: int, held: Iterable[LeaseFacts], policy: Policy) -> Life:
     """What the lease rows a run holds (``held``: rows of any status whose holder is the run) say of it."""
     live = False
     dead: str | None = None
@@ -270,7 +270,7 @@ def zombie_reason(status: dg.DagsterRunStatus, life: Life | None, policy: Policy
 
 
 def left_undone(
-    lease: Lease | None, materialized: bool | None, policy: Policy, run_id: str, step_undone: bool
+    lease: LeaseFacts | None, materialized: bool | None, policy: Policy, run_id: str, step_undone: bool
 ) -> bool:
     """Did run ``run_id``, which covered this key, leave it undone (as the walk over unsettled runs asks)?
     From the key's own facts only, never the run's outcome tag (a summary for people).
@@ -299,7 +299,7 @@ def _named_why(facts: KeyFacts) -> str:
     return first.why + more
 
 
-def _done(facts: KeyFacts, lease: Lease, policy: Policy) -> Verdict | Need:
+def _done(facts: KeyFacts, lease: LeaseFacts, policy: Policy) -> Verdict | Need:
     """A key whose lease is SUCCESS: done. Recorded here if it is an asset this instance has no
     materialization of and this deployment asked for it (a run here left it undone, or its holder's run
     here ended or died); for a job, relaunched while its latest run here ended undone (it will skip)."""
@@ -325,7 +325,7 @@ def _done(facts: KeyFacts, lease: Lease, policy: Policy) -> Verdict | Need:
     return Verdict(facts.key, Action.DONE, "lease SUCCESS")
 
 
-def _running(facts: KeyFacts, lease: Lease, policy: Policy) -> Verdict | Need:
+def _running(facts: KeyFacts, lease: LeaseFacts, policy: Policy) -> Verdict | Need:
     finished = f"its run here is {facts.holder_status.value}" if facts.holder_status in FINISHED else None
     death = _death(lease, policy, finished)
     if death is None:
