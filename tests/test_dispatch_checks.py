@@ -222,10 +222,10 @@ def test_a_running_dispatcher_survives_the_retyping_upgrade(url_at_0005: str) ->
     # prepared (after five runs on the pooled connection) then failed once: "cached plan must not change
     # result type", a dispatch() that raised StorageError mid-upgrade.
     engine = create_engine(url_at_0005)
-    with (
-        engine.begin() as conn
-    ):  # 0008's column, added ahead: this code's claim reads it (0006 is under test)
+    with engine.begin() as conn:  # 0008's and 0010's columns, added ahead: this code's claim reads them
         conn.exec_driver_sql("ALTER TABLE joblease_outbox ADD COLUMN ordering_key VARCHAR(128)")
+        conn.exec_driver_sql("ALTER TABLE joblease_outbox ADD COLUMN traceparent VARCHAR(128)")
+        conn.exec_driver_sql("ALTER TABLE joblease_outbox ADD COLUMN tracestate VARCHAR(512)")
     errors_seen: list[str] = []
     sent: list[int] = []
     with serve(latency_s=0.0) as server, Dispatcher(engine, {"w": Route(server.url + "/w")}) as dispatcher:
