@@ -169,8 +169,13 @@ def test_an_exchange_deleted_while_running_makes_its_rows_dead_with_the_reason(
         exchange.delete_exchange()
         later = enqueue(pg_engine, 3, prefix="v2:after")
         report = dispatcher.dispatch()
-        assert (report.claimed, report.dead) == (3, 3)
+        assert (report.claimed, report.sent) == (3, 0)
+        # Usually all three go DEAD in this pass. The broker closes a channel on NOT_FOUND, so a publish in
+        # flight beside it on that channel may fail as a closed channel instead: retried, and DEAD on its
+        # next attempt (seen once in CI at load ~4). Either way no row is sent or lost.
+        drain(dispatcher, pg_engine)
     found = rows(pg_engine)
+    assert {found[k].status for k in later} == {"DEAD"}
     assert all(
         "exchange does not exist" in found[k].last_error and "NOT_FOUND" in found[k].last_error for k in later
     )
