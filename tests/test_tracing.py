@@ -39,7 +39,7 @@ from dagster_joblease.outbox import OutboxItem, enqueue_many, enqueue_once
 from dagster_joblease.storage.engine import create_engine
 from dagster_joblease.storage.migrate import migrate
 from dagster_joblease.storage.schema import outbox_table
-from tests.brokers import DEFAULT_NATS_URL, NATS_URL_ENV, broker_url
+from tests.brokers import AMQP_URL_ENV, DEFAULT_AMQP_URL, DEFAULT_NATS_URL, NATS_URL_ENV, broker_url
 
 _SPANS = InMemorySpanExporter()
 _METRICS = InMemoryMetricReader()
@@ -379,7 +379,63 @@ def test_a_jetstream_consumer_continues_the_trace_of_the_enqueuing_span(engine: 
     (process,) = [s for s in _SPANS.get_finished_spans() if s.name.startswith("process ")]
     (effect,) = _spans("apply event")
     assert (send.attributes or {})["messaging.system"] == "jetstream"  # the route's transport
+    assert (process.attributes or {})["messaging.system"] == "jetstream"  # the consumer's broker: the same
     assert [link.context.span_id for link in send.links] == [create.context.span_id]
+    assert process.context.trace_id == step.get_span_context().trace_id == effect.context.trace_id
+    assert process.parent is not None and process.parent.span_id == create.context.span_id
+    assert effect.parent is not None and effect.parent.span_id == process.context.span_id
+
+
+def test_a_rabbitmq_consumer_continues_the_trace_of_the_enqueuing_span(engine: sa.Engine) -> None:
+    amqp_url = broker_url(AMQP_URL_ENV, DEFAULT_AMQP_URL, "RabbitMQ")
+    pytest.importorskip("aio_pika", reason="the rabbitmq extra is not installed")
+    import asyncio
+
+    import aio_pika
+
+    from dagster_joblease.consumers.rabbitmq import RabbitMQConsumer
+    from tests.test_rabbitmq import Exchange
+
+    exchange = Exchange(amqp_url)
+    try:
+        with _tracer().start_as_current_span("bill") as step, engine.begin() as conn:
+            enqueue_once(conn, idempotency_key="v2:mq-1", topic="events", payload={"n": 1})
+        with Dispatcher(engine, {"events": exchange.route(amqp_url)}) as dispatcher:
+            assert dispatcher.dispatch().sent == 1
+
+        def handler(conn: sa.Connection, delivery: Any) -> None:
+            with _tracer().start_as_current_span("apply event"):
+                conn.execute(sa.text("SELECT 1"))
+
+        async def consume() -> tuple[Any, Any]:
+            connection = await aio_pika.connect(amqp_url)
+            try:
+                channel = await connection.channel()
+                queue = await channel.declare_queue(exchange.queue, passive=True)
+                message = await queue.get(timeout=10)
+                assert message is not None
+                return message.headers, await RabbitMQConsumer(Inbox(engine), handler)(message)
+            finally:
+                await connection.close()
+
+        headers, handled = asyncio.run(consume())
+        assert handled.result is not None
+    finally:
+        exchange.delete()
+    (create,) = _spans("create events")
+    (send,) = _spans("send events")
+    (process,) = [s for s in _SPANS.get_finished_spans() if s.name.startswith("process ")]
+    (effect,) = _spans("apply event")
+    # The row's creation context travels in the AMQP headers, as the row's columns hold it.
+    assert headers == {"traceparent": _traceparent_of(create)}
+    assert send.kind is trace.SpanKind.PRODUCER and (send.attributes or {})["messaging.system"] == "rabbitmq"
+    assert [link.context.span_id for link in send.links] == [create.context.span_id]
+    assert send.parent is None or send.parent.trace_id != create.context.trace_id  # a link, not a parent
+    assert process.kind is trace.SpanKind.CONSUMER
+    assert (process.attributes or {})["messaging.system"] == "rabbitmq"
+    assert (process.attributes or {})["messaging.operation.type"] == "process"
+    assert (process.attributes or {})["messaging.message.id"] == "v2:mq-1"
+    assert [link.context.span_id for link in process.links] == [create.context.span_id]
     assert process.context.trace_id == step.get_span_context().trace_id == effect.context.trace_id
     assert process.parent is not None and process.parent.span_id == create.context.span_id
     assert effect.parent is not None and effect.parent.span_id == process.context.span_id

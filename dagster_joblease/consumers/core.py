@@ -94,14 +94,19 @@ async def apply(inbox: Inbox | AsyncInbox[Any], delivery: Delivery, handler: Han
     return await asyncio.to_thread(inbox.process, delivery.key, delivery.payload, sync_effect)
 
 
-async def handle(inbox: Inbox | AsyncInbox[Any], delivery: Delivery | None, handler: Handler) -> Handled:
-    """Apply one delivery (None: the message had no key) and say how to settle it."""
+async def handle(
+    inbox: Inbox | AsyncInbox[Any], delivery: Delivery | None, handler: Handler, *, system: str = "joblease"
+) -> Handled:
+    """Apply one delivery (None: the message had no key) and say how to settle it. ``system``: the
+    ``messaging.system`` of the process span (the broker the message came from)."""
     if delivery is None:
         missing = errors.InvalidInboxInputError("idempotency key", "the message carries none")
         return Handled(Settle.REJECT, error=missing)
     try:
         # The effect continues the producer's trace (the message's traceparent/tracestate), if it has one.
-        with tracing.processing(delivery.source, delivery.headers, idempotency_key=delivery.key):
+        with tracing.processing(
+            delivery.source, delivery.headers, idempotency_key=delivery.key, system=system
+        ):
             result = await apply(inbox, delivery, handler)
     except Exception as exc:
         return Handled(settle_after(exc), error=exc)
@@ -123,6 +128,9 @@ class BrokerConsumer(abc.ABC, Generic[M]):
 
     #: The broker's name in the log.
     broker: ClassVar[str]
+    #: ``messaging.system`` of the process span: the dispatcher's send span names the same (the route's
+    #: transport), so both ends of a message agree.
+    system: ClassVar[str]
 
     def __init__(
         self, inbox: Inbox | AsyncInbox[Any], handler: Handler, *, retry_delay_s: float = 1.0
@@ -148,7 +156,7 @@ class BrokerConsumer(abc.ABC, Generic[M]):
 
     async def __call__(self, message: M) -> Handled:
         delivery = self.delivery(message)
-        handled = await handle(self.inbox, delivery, self.handler)
+        handled = await handle(self.inbox, delivery, self.handler, system=self.system)
         what = delivery.key if delivery is not None else "without a key"
         if handled.settled is Settle.ACK:
             await self.ack(message)

@@ -43,6 +43,7 @@ class JetStreamConsumer(BrokerConsumer[Msg]):
     :class:`~dagster_joblease.consumers.core.BrokerConsumer` for the arguments)."""
 
     broker = "JetStream"
+    system = "jetstream"
 
     def delivery(self, message: Msg) -> Delivery | None:
         headers = dict(message.headers or {})

@@ -42,6 +42,7 @@ class RabbitMQConsumer(BrokerConsumer[aio_pika.abc.AbstractIncomingMessage]):
     requeued message at once, so a failed one waits ``retry_delay_s`` before it is requeued)."""
 
     broker = "RabbitMQ"
+    system = "rabbitmq"
 
     def delivery(self, message: aio_pika.abc.AbstractIncomingMessage) -> Delivery | None:
         if not message.message_id:
