@@ -3,7 +3,7 @@
     .venv/bin/python benchmarks/kill_to_effect.py [--rounds 3] [--retries both|on|off] [--node]
                                                   [--heartbeat-ms N] [--reconcile-s N] [--dispatch-s N]
 
-The demo's pieces (:mod:`dagster_joblease.dagster.demo`: its receiver, its Dagster daemon, its kill point
+The demo's pieces (:mod:`dagster_joblease.demo.runner`: its receiver, its Dagster daemon, its kill point
 inside the leased body of ``daily_invoice``), on Dagster's default instance settings (run monitoring off,
 the default run coordinator and sensor loop; ``run_retries: {enabled: true, max_retries: 3}`` added for
 ``on``) and the location ``benchmarks/kill_to_effect_location.py``: the resource's default heartbeat and
@@ -53,9 +53,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from benchmarks import kill_to_effect_location as location
 from dagster_joblease import identity
-from dagster_joblease.dagster import demo
 from dagster_joblease.dagster.reconcile import build_reconciliation_sensor
 from dagster_joblease.dagster.sensors import build_outbox_sensor
+from dagster_joblease.demo import runner as demo
 from dagster_joblease.receiver import effects
 from dagster_joblease.storage import create_engine
 from dagster_joblease.storage.schema import lease_table, outbox_table

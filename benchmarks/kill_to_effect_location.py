@@ -1,5 +1,5 @@
 """The code location of ``benchmarks/kill_to_effect.py``: the demo's leased ``daily_invoice`` asset, its
-job, its dispatcher and its sensors (:mod:`dagster_joblease.dagster.demo_location`), with the timings a
+job, its dispatcher and its sensors (:mod:`dagster_joblease.demo.location`), with the timings a
 deployment gets from the library's defaults instead of the demo's short ones. Loaded by ``dagster-daemon
 run -m`` in the benchmark's work directory.
 
@@ -16,11 +16,11 @@ from collections.abc import Callable
 
 import dagster as dg
 
-from dagster_joblease.dagster import demo_location as demo
 from dagster_joblease.dagster.jobs import outbox_asset_spec
 from dagster_joblease.dagster.reconcile import build_reconciliation_sensor
 from dagster_joblease.dagster.resource import JobLeaseResource
 from dagster_joblease.dagster.sensors import build_outbox_sensor
+from dagster_joblease.demo import location as demo
 
 HEARTBEAT_ENV = "JOBLEASE_K2E_HEARTBEAT_MS"
 RECONCILE_ENV = "JOBLEASE_K2E_RECONCILE_S"

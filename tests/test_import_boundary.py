@@ -10,7 +10,7 @@ from pathlib import Path
 import dagster_joblease
 
 PACKAGE_DIR = Path(dagster_joblease.__file__).resolve().parent
-NOT_CORE = ("dagster_joblease.dagster", "dagster_joblease.cli")
+NOT_CORE = ("dagster_joblease.dagster", "dagster_joblease.demo", "dagster_joblease.cli")
 
 
 def core_modules() -> list[str]:

@@ -1,5 +1,5 @@
 """``joblease demo`` and ``joblease demo-ui``: the end-to-end demo's command line (what it prints and what
-its options mean). The demo itself, which drives Dagster, is :mod:`dagster_joblease.dagster.demo`; this
+its options mean). The demo itself, which drives Dagster, is :mod:`dagster_joblease.demo.runner`; this
 module is loaded only when one of these commands runs, so ``joblease --help`` never imports it."""
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ from pathlib import Path
 
 import click
 
-from dagster_joblease.dagster import demo
+from dagster_joblease.demo import runner as demo
 
 __all__ = ["demo_command", "demo_ui_command", "ui_command"]
 

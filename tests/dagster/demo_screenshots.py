@@ -26,7 +26,7 @@ import httpx
 
 from tests.dagster.acceptance_harness import free_port, screenshot, wait_for
 
-LOCATION = "dagster_joblease.dagster.demo_location"
+LOCATION = "dagster_joblease.demo.location"
 #: What a person dismisses once: the UI's "Join the Dagster community" dialog on 127.0.0.1.
 PREFS = {"communityNux": True}
 

@@ -11,7 +11,7 @@ import dagster as dg
 import pytest
 from dagster._core.instance.ref import InstanceRef
 
-from dagster_joblease.dagster.demo import demo_days
+from dagster_joblease.demo.runner import demo_days
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -32,7 +32,7 @@ def test_definitions_validate_and_the_demo_pass_in_subprocesses(tmp_path: Path) 
             stderr=subprocess.STDOUT,
             text=True,
         )
-        for module in ("definitions", "dagster_joblease.dagster.demo_location")
+        for module in ("definitions", "dagster_joblease.demo.location")
     }
     # A real run of the example location with the default (multiprocess) executor: the run and its step
     # subprocess each load the location; none of them may print Dagster's beta/experimental warnings.

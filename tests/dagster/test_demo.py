@@ -11,8 +11,8 @@ from typing import Any
 import pytest
 
 from dagster_joblease import identity
-from dagster_joblease.dagster import demo
-from dagster_joblease.dagster.demo import RunTally
+from dagster_joblease.demo import runner as demo
+from dagster_joblease.demo.runner import RunTally
 
 
 def key(day: str) -> str:

@@ -2,7 +2,7 @@
 
 Build the wheel (``pip wheel --no-deps``), install it into a fresh venv in a temporary directory, run
 ``joblease demo`` there (it keeps its work directory), then the one command it prints, ``joblease
-demo-ui DIR`` (a receiver and ``dg dev -m dagster_joblease.dagster.demo_location``). The UI's own GraphQL
+demo-ui DIR`` (a receiver and ``dg dev -m dagster_joblease.demo.location``). The UI's own GraphQL
 API must then show the demo's partitions of ``daily_invoice`` materialized (what the asset's partition
 bar shows).
 
@@ -30,7 +30,7 @@ from pathlib import Path
 
 import pytest
 
-from dagster_joblease.dagster.demo import demo_days
+from dagster_joblease.demo.runner import demo_days
 
 ROOT = Path(__file__).resolve().parents[2]
 PARTITIONS_QUERY = """

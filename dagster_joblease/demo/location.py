@@ -1,6 +1,6 @@
 """The demo's code location, shipped inside the package so ``joblease demo`` works from an installed wheel.
 
-``dg dev -m dagster_joblease.dagster.demo_location`` (or ``dagster-daemon run -m …``, as the demo does)
+``dg dev -m dagster_joblease.demo.location`` (or ``dagster-daemon run -m …``, as the demo does)
 loads it; the location's name is the module's name. A small billing example built around a leased,
 daily-partitioned asset:
 

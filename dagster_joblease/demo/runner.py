@@ -1,7 +1,7 @@
 """``joblease demo``: the whole story end to end on the embedded SQLite default, with Dagster's own daemon.
 
 1. start the reference receiver (a real HTTP server in its own process) and ``dagster-daemon run`` on the
-   packaged code location :mod:`dagster_joblease.dagster.demo_location` (run monitoring on, the queued run
+   packaged code location :mod:`dagster_joblease.demo.location` (run monitoring on, the queued run
    coordinator, the sensors RUNNING);
 2. launch a real asset backfill of ``daily_invoice`` over the last N complete days, through Dagster's
    GraphQL API as the UI does (``launchPartitionBackfill``); the daemon's backfill loop submits its runs;
@@ -29,6 +29,7 @@ import dataclasses
 import datetime as dt
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -50,7 +51,7 @@ from dagster_joblease.storage import outbox as outbox_rows
 
 __all__ = ["DemoReport", "run_demo"]
 
-LOCATION = "dagster_joblease.dagster.demo_location"
+LOCATION = "dagster_joblease.demo.location"
 REPOSITORY = "__repository__"
 ASSET = "daily_invoice"
 JOB_NAME = "daily_billing_job"
@@ -596,6 +597,19 @@ def _prepare_instance(plan: DemoPlan, engine: sa.Engine) -> Any:
     return instance
 
 
+def _dagster_daemon() -> str:
+    """Dagster's public ``dagster-daemon`` command: the one installed beside this interpreter (a venv's, even
+    when it is not on PATH), else the one on PATH."""
+    beside = Path(sys.executable).with_name("dagster-daemon")
+    found = str(beside) if beside.exists() else shutil.which("dagster-daemon")
+    if found is None:
+        raise click.ClickException(
+            "the demo needs Dagster's dagster-daemon command, installed with dagster; none is beside "
+            f"{sys.executable} or on PATH. Install dagster in this environment."
+        )
+    return found
+
+
 def _start_processes(
     plan: DemoPlan, stack: contextlib.ExitStack, location: str = LOCATION
 ) -> subprocess.Popen[Any]:
@@ -605,7 +619,7 @@ def _start_processes(
     stack.callback(stop_process, receiver, group=False)
     os.environ["BILLING_API_URL"] = f"{base}/{TOPIC}"
     daemon = subprocess.Popen(
-        [sys.executable, "-m", "dagster._daemon", "run", "-m", location],
+        [_dagster_daemon(), "run", "-m", location],
         stdout=(plan.work / "daemon.log").open("w"),
         stderr=subprocess.STDOUT,
         env={
