@@ -29,7 +29,6 @@ import dataclasses
 import datetime as dt
 import json
 import os
-import shutil
 import signal
 import subprocess
 import sys
@@ -597,17 +596,12 @@ def _prepare_instance(plan: DemoPlan, engine: sa.Engine) -> Any:
     return instance
 
 
-def _dagster_daemon() -> str:
-    """Dagster's public ``dagster-daemon`` command: the one installed beside this interpreter (a venv's, even
-    when it is not on PATH), else the one on PATH."""
-    beside = Path(sys.executable).with_name("dagster-daemon")
-    found = str(beside) if beside.exists() else shutil.which("dagster-daemon")
-    if found is None:
-        raise click.ClickException(
-            "the demo needs Dagster's dagster-daemon command, installed with dagster; none is beside "
-            f"{sys.executable} or on PATH. Install dagster in this environment."
-        )
-    return found
+#: Runs Dagster's ``dagster-daemon`` console script by its entry point (public package metadata), so the
+#: demo needs only an importable dagster, not its scripts on PATH or beside this interpreter.
+_DAGSTER_DAEMON = (
+    "import sys; from importlib.metadata import entry_points; "
+    "(script,) = entry_points(group='console_scripts', name='dagster-daemon'); sys.exit(script.load()())"
+)
 
 
 def _start_processes(
@@ -619,7 +613,7 @@ def _start_processes(
     stack.callback(stop_process, receiver, group=False)
     os.environ["BILLING_API_URL"] = f"{base}/{TOPIC}"
     daemon = subprocess.Popen(
-        [_dagster_daemon(), "run", "-m", location],
+        [sys.executable, "-c", _DAGSTER_DAEMON, "run", "-m", location],
         stdout=(plan.work / "daemon.log").open("w"),
         stderr=subprocess.STDOUT,
         env={
