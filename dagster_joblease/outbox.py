@@ -420,6 +420,11 @@ def enqueue_many(
     written ordered by ordering key and, within a key, by list position (rows without one by idempotency
     key).
 
+    Trace context: when an OpenTelemetry span is active, the call opens one ``create {topic}`` span per
+    row (children of the active span) and writes each row's own W3C ``traceparent`` / ``tracestate`` in
+    the INSERT, so the dispatcher's send span of a row links to that row's creation alone
+    (:mod:`dagster_joblease.tracing`); otherwise the rows have none.
+
     Example, one outbox row per day of a range, in the transaction that bills the range::
 
         with fenced_transaction_many(service, claim.leases) as conn:
@@ -434,15 +439,18 @@ def enqueue_many(
     ordering_keys = sorted({row[4] for row in prepared if row[4] is not None})
     ordered = _insert_order(prepared) if ordering_keys else sorted(prepared, key=lambda row: row[0])
     inserted: set[str] = set()
-    topics = sorted({row[1] for row in prepared})
-    with (
-        translate_errors("enqueue outbox rows"),
-        tracing.creating(", ".join(topics), keys=len(prepared)) as traced,
-    ):
+    with translate_errors("enqueue outbox rows"):
         try:
             store.lock_ordering_keys(db, ordering_keys)
             for start in range(0, len(ordered), rowset.ROWS_PER_STATEMENT):
-                _enqueue_chunk(db, ordered[start : start + rowset.ROWS_PER_STATEMENT], inserted, traced)
+                chunk = ordered[start : start + rowset.ROWS_PER_STATEMENT]
+                # One create span per row around its statement (so at most one statement's rows' spans
+                # are held open); each row stores its own span's context. None: no span is active.
+                with tracing.creating_each([(row[1], row[0]) for row in chunk]) as contexts:
+                    traced = (
+                        None if contexts is None else dict(zip((r[0] for r in chunk), contexts, strict=True))
+                    )
+                    _enqueue_chunk(db, chunk, inserted, traced)
         except (errors.OutboxConflictError, _ReadBackFailed):
             if inserted:  # take back what this call inserted: it writes all of its rows or none
                 store.take_back(db, sorted(inserted))
@@ -458,16 +466,20 @@ def _insert_order(rows: list[_Row]) -> list[_Row]:
 
 
 def _enqueue_chunk(
-    db: driver.Statements, chunk: list[_Row], inserted: set[str], traced: tracing.TraceContext
+    db: driver.Statements,
+    chunk: list[_Row],
+    inserted: set[str],
+    traced: Mapping[str, tracing.TraceContext] | None,
 ) -> None:
     pending = chunk
     keyed = any(row[4] is not None for row in chunk)
     # Two rounds, as enqueue_once: a conflicting row can vanish between the INSERT and the read.
     for _ in range(2):
+        traces = None if traced is None else [traced[row[0]] for row in pending]
         if keyed:
-            inserted.update(store.insert_many_keyed(db, pending, traced))
+            inserted.update(store.insert_many_keyed(db, pending, traces))
         else:
-            inserted.update(store.insert_many(db, [row[:4] for row in pending], traced))
+            inserted.update(store.insert_many(db, [row[:4] for row in pending], traces))
         met = [row for row in pending if row[0] not in inserted]
         if not met:
             return

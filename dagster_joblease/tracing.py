@@ -4,9 +4,11 @@ The only module that imports ``opentelemetry`` (the optional dependency ``dagste
 which is ``opentelemetry-api``); without it every function here is a no-op and rows carry no trace. With
 it, spans follow OpenTelemetry's messaging semantic conventions:
 
-* ``create {topic}`` (PRODUCER), opened by ``enqueue_once`` / ``enqueue_many`` around the INSERT, only when
-  a span is active: its W3C ``traceparent`` / ``tracestate`` are written in the same INSERT as the row,
-  so a row's trace context commits (or rolls back) with it. A row enqueued outside any span has none.
+* ``create {topic}`` (PRODUCER), one per row, opened by ``enqueue_once`` / ``enqueue_many`` around the
+  INSERT, only when a span is active: its W3C ``traceparent`` / ``tracestate`` are written in the same
+  INSERT as the row, so a row's trace context commits (or rolls back) with it. A set gets one create span
+  per row (the conventions' create span accounts for one message and gives it a unique creation
+  context), so each row's send span links to its own row's. A row enqueued outside any span has none.
 * ``send {topic}`` (PRODUCER), one per delivery attempt by the dispatcher, *linked* to the row's creation
   context (a link, not a parent: the dispatcher's work is not part of the producer's transaction, and one
   dispatcher pass serves many producers). The creation context itself travels in the message's headers
@@ -27,7 +29,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import re
-from collections.abc import Iterable, Iterator, Mapping
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from importlib import metadata
 from typing import Any, NamedTuple
 
@@ -47,6 +49,7 @@ __all__ = [
     "TRACESTATE_HEADER",
     "TraceContext",
     "creating",
+    "creating_each",
     "enabled",
     "message_headers",
     "processing",
@@ -141,17 +144,15 @@ def _attributes(operation: str, destination: str, system: str, message_id: str |
 
 
 @contextlib.contextmanager
-def creating(topic: str, *, keys: int = 1, idempotency_key: str | None = None) -> Iterator[TraceContext]:
-    """Around an enqueue's INSERT: the ``create {topic}`` span, yielding the trace context to write with
-    the row (or the rows: ``keys`` of them). Only when a span is active, so that an enqueue outside any
-    trace neither starts one nor stores one; otherwise (or without OpenTelemetry) it yields
+def creating(topic: str, *, idempotency_key: str | None = None) -> Iterator[TraceContext]:
+    """Around an enqueue's INSERT: the ``create {topic}`` span of one message, yielding the trace context
+    to write with its row (a set: :func:`creating_each`). Only when a span is active, so that an enqueue
+    outside any trace neither starts one nor stores one; otherwise (or without OpenTelemetry) it yields
     ``TraceContext()``, and the row's columns stay NULL."""
     if trace is None or not trace.get_current_span().get_span_context().is_valid:
         yield NO_TRACE
         return
     attributes = _attributes("create", topic, _SYSTEM, idempotency_key)
-    if keys != 1:
-        attributes["messaging.batch.message_count"] = keys
     parent = trace.get_current_span()
     tracer = _tracer()
     with tracer.start_as_current_span(
@@ -159,6 +160,42 @@ def creating(topic: str, *, keys: int = 1, idempotency_key: str | None = None) -
     ) as span:
         # No SDK (the API's no-op tracer makes an invalid span): the enqueuing span's own context.
         yield _context_of(span) if span.get_span_context().is_valid else _context_of(parent)
+
+
+@contextlib.contextmanager
+def creating_each(messages: Sequence[tuple[str, str]]) -> Iterator[list[TraceContext] | None]:
+    """Around one INSERT of a set's rows: one ``create {topic}`` span per message (``(topic,
+    idempotency_key)``), each a child of the active span, yielding each message's own context in the given
+    order, to write with its row; a statement that raises marks them all as errors. OpenTelemetry's
+    messaging conventions: a create span accounts for one message and gives it a unique creation context,
+    which the send span of that message links to. Only when a span is active; otherwise (or without
+    OpenTelemetry) it yields None and the rows' columns stay NULL. Without an SDK (the API's no-op tracer)
+    every row stores the active span's context, as :func:`creating` does."""
+    if trace is None or not trace.get_current_span().get_span_context().is_valid or not messages:
+        yield None
+        return
+    parent = trace.get_current_span()
+    tracer = _tracer()
+    spans = [
+        tracer.start_span(
+            f"create {topic}",
+            kind=trace.SpanKind.PRODUCER,
+            attributes=_attributes("create", topic, _SYSTEM, key),
+        )
+        for topic, key in messages
+    ]
+    try:
+        if spans[0].get_span_context().is_valid:
+            yield [_context_of(span) for span in spans]
+        else:
+            yield [_context_of(parent)] * len(spans)
+    except BaseException as exc:
+        for span in spans:  # the set was refused or rolled back: none of its rows was created
+            span.set_status(trace.Status(trace.StatusCode.ERROR, f"{type(exc).__name__}: {exc}"))
+        raise
+    finally:
+        for span in spans:
+            span.end()
 
 
 def message_headers(traced: TraceContext) -> dict[str, str]:

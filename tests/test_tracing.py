@@ -33,6 +33,7 @@ from dagster_joblease.dagster.ops import LeasedRun, leased_op
 from dagster_joblease.dagster.resource import JobLeaseResource
 from dagster_joblease.dispatch.dispatcher import Dispatcher
 from dagster_joblease.dispatch.routes import Route
+from dagster_joblease.errors import OutboxConflictError
 from dagster_joblease.inbox.asgi import InboxMiddleware, inbox_connection
 from dagster_joblease.inbox.sync import Inbox
 from dagster_joblease.outbox import OutboxItem, enqueue_many, enqueue_once
@@ -111,13 +112,45 @@ def test_an_enqueue_outside_any_span_stores_none_and_starts_no_trace(engine: sa.
     assert _row_trace(engine, "k3") == (None, None)
 
 
-def test_a_set_shares_one_create_span_and_a_rollback_keeps_nothing(engine: sa.Engine) -> None:
-    items = [OutboxItem("a", "mail", {"n": 1}), OutboxItem("b", "sms", {"n": 2}, "c-1")]
-    with _tracer().start_as_current_span("bill"), engine.begin() as conn:
-        assert enqueue_many(conn, items) == (True, True)
-    (create,) = _spans("create mail, sms")
-    assert (create.attributes or {})["messaging.batch.message_count"] == 2
-    assert _row_trace(engine, "a") == _row_trace(engine, "b") == (_traceparent_of(create), None)
+def test_a_set_has_one_create_span_per_row_and_a_rollback_keeps_nothing(engine: sa.Engine) -> None:
+    # OpenTelemetry's messaging conventions: a create span accounts for one message and gives it a unique
+    # creation context, which that message's send span links to; so each row stores its own.
+    items = [
+        OutboxItem("c", "mail", {"n": 3}),
+        OutboxItem("a", "mail", {"n": 1}),
+        OutboxItem("b", "sms", {"n": 2}, "c-1"),
+        OutboxItem("d", "sms", {"n": 4}, "c-1"),
+    ]
+    with _tracer().start_as_current_span("bill") as bill, engine.begin() as conn:
+        assert enqueue_many(conn, items) == (True, True, True, True)
+    creates = {
+        (s.attributes or {})["messaging.message.id"]: s
+        for s in _SPANS.get_finished_spans()
+        if s.name != "bill"
+    }
+    assert sorted((s.name, key) for key, s in creates.items()) == [
+        ("create mail", "a"),
+        ("create mail", "c"),
+        ("create sms", "b"),
+        ("create sms", "d"),
+    ]
+    for key, create in creates.items():
+        assert create.kind is trace.SpanKind.PRODUCER
+        assert create.parent is not None and create.parent.span_id == bill.get_span_context().span_id
+        assert "messaging.batch.message_count" not in (create.attributes or {})
+        assert _row_trace(engine, key) == (_traceparent_of(create), None)
+    assert len({_row_trace(engine, key) for key in "abcd"}) == 4
+
+    # A repeat stores nothing new; a set refused by a conflict keeps none of its rows, its spans say so.
+    _SPANS.clear()
+    with pytest.raises(OutboxConflictError), _tracer().start_as_current_span("bill"):
+        with engine.begin() as conn:
+            enqueue_many(conn, [OutboxItem("e", "mail", {"n": 5}), OutboxItem("a", "mail", {"n": 9})])
+    refused = [s for s in _SPANS.get_finished_spans() if s.name == "create mail"]
+    assert len(refused) == 2 and all(s.status.status_code is trace.StatusCode.ERROR for s in refused)
+    with engine.connect() as conn:
+        left = conn.execute(sa.select(outbox_table.c.id).where(outbox_table.c.idempotency_key == "e"))
+        assert left.first() is None
 
     with pytest.raises(RuntimeError), _tracer().start_as_current_span("bill"), engine.begin() as conn:
         enqueue_once(conn, idempotency_key="gone", topic="mail", payload={})
@@ -255,6 +288,33 @@ def test_one_trace_from_a_leased_step_through_the_dispatcher_to_the_inbox_effect
 
     points = _time_in_outbox_points()
     assert points and points[-1]["count"] >= 1 and points[-1]["min"] >= 0
+
+
+def test_each_row_of_a_set_is_sent_linked_to_its_own_creation_and_processed_in_it(
+    engine: sa.Engine, shop_url: str
+) -> None:
+    keys = ["v2:set-a", "v2:set-b", "v2:set-c"]
+    with _tracer().start_as_current_span("bill range") as step, engine.begin() as conn:
+        enqueue_many(conn, [OutboxItem(key, "invoices", {"key": key}) for key in keys])
+    with Dispatcher(engine, {"invoices": Route(shop_url)}) as dispatcher:
+        assert dispatcher.dispatch().sent == 3
+
+    def by_key(name: str) -> dict[str, ReadableSpan]:
+        found = {(s.attributes or {})["messaging.message.id"]: s for s in _spans(name)}
+        assert sorted(found) == keys
+        return found  # type: ignore[return-value]
+
+    creates, sends, processes = (
+        by_key("create invoices"),
+        by_key("send invoices"),
+        by_key("process /invoices"),
+    )
+    for key in keys:
+        create = creates[key]
+        assert create.context.trace_id == step.get_span_context().trace_id
+        assert [link.context.span_id for link in sends[key].links] == [create.context.span_id]
+        assert processes[key].parent is not None and processes[key].parent.span_id == create.context.span_id
+    assert len({c.context.span_id for c in creates.values()}) == 3
 
 
 def _time_in_outbox_points() -> list[dict[str, Any]]:

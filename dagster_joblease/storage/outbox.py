@@ -289,14 +289,19 @@ _ENQUEUE_NAMES = tuple(name for name, _ in ENQUEUE_COLUMNS)
 #: :data:`ENQUEUE_COLUMNS` and each row's ordering key (or null) and its place in the insert order.
 ENQUEUE_KEYED_COLUMNS = (*ENQUEUE_COLUMNS, ("ordering_key", sa.String()), ("seq", sa.Integer()))
 _ENQUEUE_KEYED_NAMES = tuple(name for name, _ in ENQUEUE_KEYED_COLUMNS)
+#: Each row's own trace context, after the columns above (a set whose rows carry one).
+TRACE_COLUMNS = (("traceparent", sa.String()), ("tracestate", sa.String()))
+_TRACE_NAMES = tuple(name for name, _ in TRACE_COLUMNS)
 
 
 def _insert_many(dialect_name: str, *, keyed: bool = False, traced: bool = False) -> Any:
     """``INSERT … SELECT … FROM <rows> ORDER BY key ON CONFLICT DO NOTHING RETURNING idempotency_key``
     (``keyed``: with each row's ordering key, inserted in the order of ``seq``, so ids follow it;
-    ``traced``: with the ``traceparent`` and ``tracestate`` parameters, the same for every row)."""
+    ``traced``: with each row's own ``traceparent`` and ``tracestate``, :data:`TRACE_COLUMNS`)."""
     source = rowset.rows_source(
-        dialect_name, ENQUEUE_KEYED_COLUMNS if keyed else ENQUEUE_COLUMNS, joined=False
+        dialect_name,
+        (*(ENQUEUE_KEYED_COLUMNS if keyed else ENQUEUE_COLUMNS), *(TRACE_COLUMNS if traced else ())),
+        joined=False,
     )
     payload: sa.ColumnElement[Any] = source.c.payload_text
     if dialect_name == "postgresql":
@@ -313,7 +318,7 @@ def _insert_many(dialect_name: str, *, keyed: bool = False, traced: bool = False
             db_now(),
             db_now(),
             *([source.c.ordering_key] if keyed else []),
-            *([_TRACEPARENT, _TRACESTATE] if traced else []),
+            *([source.c.traceparent, source.c.tracestate] if traced else []),
         )
         .select_from(source)
         .where(sa.true())  # SQLite: INSERT … SELECT … ON CONFLICT needs a WHERE to parse
@@ -367,33 +372,43 @@ TAKE_BACK = driver.query(_take_back("postgresql"), _take_back("sqlite"))
 def insert_many(
     db: Statements,
     rows: Sequence[tuple[str, str, str, str]],
-    trace: tuple[str | None, str | None] = (None, None),
+    traces: Sequence[tuple[str | None, str | None]] | None = None,
 ) -> list[str]:
     """Add pending rows (key, topic, payload text, sha256; in key order) for keys that have none, each
-    with the trace context ``(traceparent, tracestate)`` if any: the keys inserted."""
-    params = rowset.bind_rows(db.dialect, _ENQUEUE_NAMES, rows)
-    return [str(row[0]) for row in db.rows(INSERT_MANY[False, _traced(params, trace)], params)]
+    with its own trace context ``(traceparent, tracestate)`` from ``traces`` (one per row, in the rows'
+    order; None: no row has one): the keys inserted."""
+    traced = traces is not None
+    params = rowset.bind_rows(
+        db.dialect, (*_ENQUEUE_NAMES, *(_TRACE_NAMES if traced else ())), _with_traces(rows, traces)
+    )
+    return [str(row[0]) for row in db.rows(INSERT_MANY[False, traced], params)]
 
 
 def insert_many_keyed(
     db: Statements,
     rows: Sequence[tuple[str, str, str, str, str | None]],
-    trace: tuple[str | None, str | None] = (None, None),
+    traces: Sequence[tuple[str | None, str | None]] | None = None,
 ) -> list[str]:
     """:func:`insert_many` for rows (key, topic, payload text, sha256, ordering key or None) some of which
     have an ordering key: inserted in the given order (ids follow it), so the caller orders them. The keys
     inserted."""
     numbered = [(*row, seq) for seq, row in enumerate(rows)]
-    params = rowset.bind_rows(db.dialect, _ENQUEUE_KEYED_NAMES, numbered)
-    return [str(row[0]) for row in db.rows(INSERT_MANY[True, _traced(params, trace)], params)]
+    traced = traces is not None
+    params = rowset.bind_rows(
+        db.dialect,
+        (*_ENQUEUE_KEYED_NAMES, *(_TRACE_NAMES if traced else ())),
+        _with_traces(numbered, traces),
+    )
+    return [str(row[0]) for row in db.rows(INSERT_MANY[True, traced], params)]
 
 
-def _traced(params: dict[str, Any], trace: tuple[str | None, str | None]) -> bool:
-    """Add the trace context to ``params`` if there is one; whether there was."""
-    if trace[0] is None:
-        return False
-    params["traceparent"], params["tracestate"] = trace
-    return True
+def _with_traces(
+    rows: Sequence[tuple[Any, ...]], traces: Sequence[tuple[str | None, str | None]] | None
+) -> Sequence[tuple[Any, ...]]:
+    """Each row followed by its trace context (``traces`` None: the rows as they are)."""
+    if traces is None:
+        return rows
+    return [(*row, *trace) for row, trace in zip(rows, traces, strict=True)]
 
 
 def existing_many(db: Statements, keys: Sequence[str]) -> dict[str, tuple[str, str, str | None]]:
