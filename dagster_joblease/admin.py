@@ -28,7 +28,7 @@ from typing import Any
 
 import sqlalchemy as sa
 
-from dagster_joblease import errors, identity, staleness
+from dagster_joblease import checks, errors, identity, staleness
 from dagster_joblease.errors import AdminArgumentError, AdminRefusedError
 from dagster_joblease.lease import LeaseStatus, bound_error
 from dagster_joblease.options import MAX_DURATION_MS, default_heartbeat_ms
@@ -270,21 +270,6 @@ class OutboxStats:
 # -- validation ------------------------------------------------------------------------------------
 
 
-def _check_ms(name: str, value: object) -> int:
-    if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value <= MAX_DURATION_MS:
-        raise AdminArgumentError(
-            f"invalid {name} {value!r}: must be an int number of milliseconds from 0 to {MAX_DURATION_MS} "
-            "(100 years); a longer window is not a date the database can compute"
-        )
-    return value
-
-
-def _check_limit(value: object) -> int:
-    if isinstance(value, bool) or not isinstance(value, int) or not 1 <= value <= MAX_LIMIT:
-        raise AdminArgumentError(f"invalid limit {value!r}: must be an int from 1 to {MAX_LIMIT}")
-    return value
-
-
 def _check_status(value: str | None, allowed: Sequence[str], what: str) -> str | None:
     if value is None:
         return None
@@ -294,12 +279,6 @@ def _check_status(value: str | None, allowed: Sequence[str], what: str) -> str |
             f"invalid {what} status {value!r}: allowed (any case): {', '.join(s.lower() for s in allowed)}"
         )
     return upper
-
-
-def _check_text(name: str, value: object) -> str:
-    if not isinstance(value, str) or not value.strip():
-        raise AdminArgumentError(f"invalid {name} {value!r}: must be a non-blank str")
-    return value.strip()
 
 
 # -- leases ----------------------------------------------------------------------------------------
@@ -352,9 +331,13 @@ def list_leases(
     ``expired_only`` keeps RUNNING rows whose holder is past its expiry (stuck or dead; reclaimable).
     """
     wanted = _check_status(status, _LEASE_STATUSES, "lease")
-    limit = _check_limit(limit)
-    before = None if older_than_ms is None else _check_ms("older_than_ms", older_than_ms)
-    name = None if code is None else _check_text("code", code)
+    limit = checks.integer("limit", limit, minimum=1, maximum=MAX_LIMIT, error=checks.admin_argument)
+    before = (
+        None
+        if older_than_ms is None
+        else checks.milliseconds("older_than_ms", older_than_ms, error=checks.admin_argument)
+    )
+    name = None if code is None else checks.text("code", code, error=checks.admin_argument)
     with translate_errors("list leases"), engine.connect() as conn:
         rows = leases.lease_rows(
             conn, code=name, status=wanted, acquired_before_ms=before, expired_only=expired_only, limit=limit
@@ -494,7 +477,7 @@ def reset_lease(
             f"invalid lease key {key!r}: give a v2: idempotency key or a numeric lease id "
             "(`joblease leases show CODE [RUN_KEY]` prints the key)"
         )
-    why = _check_text("reason", reason)
+    why = checks.text("reason", reason, error=checks.admin_argument)
     with translate_errors("reset a lease"), engine.begin() as conn:
         row = leases.lock_for_reset(conn, **where)
         if row is None:
@@ -554,8 +537,11 @@ def purge_leases(
     ``min_replay_window_ms``. RUNNING rows and INITIAL rows (run once, forever) are never purged. Returns
     the count (what would be deleted, with ``dry_run``).
     """
-    window = _check_ms("finished_before_ms", finished_before_ms)
-    floor, source = _floor(_check_ms("min_replay_window_ms", min_replay_window_ms), MIN_REPLAY_WINDOW_ENV)
+    window = checks.milliseconds("finished_before_ms", finished_before_ms, error=checks.admin_argument)
+    floor, source = _floor(
+        checks.milliseconds("min_replay_window_ms", min_replay_window_ms, error=checks.admin_argument),
+        MIN_REPLAY_WINDOW_ENV,
+    )
     if window < floor:
         raise errors.RetentionWindowError(
             f"refusing to purge leases finished before {human_ms(window)}: below the minimum replay window "
@@ -612,8 +598,8 @@ def list_outbox(
     """Outbox rows (without payloads), newest first; ``status`` is ``pending``, ``sent``, ``dead`` or
     ``skipped``."""
     wanted = _check_status(status, _OUTBOX_STATUSES, "outbox")
-    limit = _check_limit(limit)
-    name = None if topic is None else _check_text("topic", topic)
+    limit = checks.integer("limit", limit, minimum=1, maximum=MAX_LIMIT, error=checks.admin_argument)
+    name = None if topic is None else checks.text("topic", topic, error=checks.admin_argument)
     with translate_errors("list outbox rows"), engine.connect() as conn:
         rows = outbox.outbox_rows(conn, status=wanted, topic=name, limit=limit)
     return [_outbox_row(r) for r in rows]
@@ -639,14 +625,13 @@ def requeue(
         return _requeue_one(engine, row_id)
     if not all_dead and topic is None:
         raise AdminArgumentError("requeue needs a selection: a row id, all_dead=True or a topic")
-    name = None if topic is None else _check_text("topic", topic)
+    name = None if topic is None else checks.text("topic", topic, error=checks.admin_argument)
     with translate_errors("requeue outbox rows"), engine.begin() as conn:
         return outbox.requeue_dead(conn, name)
 
 
 def _requeue_one(engine: sa.Engine, row_id: int) -> int:
-    if isinstance(row_id, bool) or not isinstance(row_id, int):
-        raise AdminArgumentError(f"invalid outbox row id {row_id!r}: must be an int")
+    checks.integer("row_id", row_id, error=checks.admin_argument)
     with translate_errors("requeue an outbox row"), engine.begin() as conn:
         current = outbox.lock_for_requeue(conn, row_id)
         if current is None:
@@ -690,8 +675,7 @@ def skip(engine: sa.Engine, row_id: int) -> str | None:
     met at the claim). Refused for a row that is not DEAD: a PENDING row is still being delivered or
     retried (let it finish, or wait until it is DEAD), a SENT row was delivered, a SKIPPED row already
     is."""
-    if isinstance(row_id, bool) or not isinstance(row_id, int):
-        raise AdminArgumentError(f"invalid outbox row id {row_id!r}: must be an int")
+    checks.integer("row_id", row_id, error=checks.admin_argument)
     with translate_errors("skip an outbox row"), engine.begin() as conn:
         current = outbox.lock_for_skip(conn, row_id)
         if current is None:
@@ -777,8 +761,11 @@ def purge_events(
 def _retention_window(older_than_ms: int, min_retention_ms: int, rows: str) -> int:
     """``older_than_ms``, checked against the minimum retention (the argument, floored by
     ``$JOBLEASE_OUTBOX_MIN_RETENTION``); :class:`RetentionWindowError` below it."""
-    window = _check_ms("older_than_ms", older_than_ms)
-    floor, source = _floor(_check_ms("min_retention_ms", min_retention_ms), MIN_RETENTION_ENV)
+    window = checks.milliseconds("older_than_ms", older_than_ms, error=checks.admin_argument)
+    floor, source = _floor(
+        checks.milliseconds("min_retention_ms", min_retention_ms, error=checks.admin_argument),
+        MIN_RETENTION_ENV,
+    )
     if window < floor:
         raise errors.RetentionWindowError(
             f"refusing to purge {rows} before {human_ms(window)}: below the minimum retention of "

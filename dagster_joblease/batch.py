@@ -56,7 +56,7 @@ from typing import Any
 
 import sqlalchemy as sa
 
-from dagster_joblease import errors, identity
+from dagster_joblease import checks, errors, identity
 from dagster_joblease import lease as _lease
 from dagster_joblease.lease import Lease, LeaseService, LeaseStatus, NotAcquiredReason
 from dagster_joblease.storage import driver, rowset
@@ -629,10 +629,9 @@ class BatchHeartbeat:
         self._service = service
         self._leases = _check_leases(leases)
         interval = service.timing.heartbeat_ms if heartbeat_ms is None else heartbeat_ms
-        if isinstance(interval, bool) or not isinstance(interval, int) or interval < 0:
-            raise errors.InvalidLeaseOptionsError(
-                "heartbeat_ms", interval, "must be 0 (no heartbeat) or a positive int number of milliseconds"
-            )
+        interval = checks.milliseconds(
+            "heartbeat_ms", interval, why="0: no heartbeat", error=checks.lease_option
+        )
         self._interval_s = interval / 1000
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None

@@ -84,29 +84,29 @@ class InvalidJobIdentityError(JobLeaseError, ValueError):
 class InvalidLeaseOptionsError(JobLeaseError, ValueError):
     """A lease timing option is out of range; raised before any database work."""
 
-    def __init__(self, option: str, value: object, rule: str) -> None:
+    def __init__(self, option: str, value: object, rule: str, *, message: str | None = None) -> None:
         self.option = option
         self.value = value
         self.rule = rule
-        super().__init__(f"invalid {option} {_short(value)}: {rule}")
+        super().__init__(message or f"invalid {option} {_short(value)}: {rule}")
 
 
 class InvalidPayloadError(JobLeaseError, ValueError):
     """An outbox row was refused before anything was written."""
 
-    def __init__(self, field: str, rule: str) -> None:
+    def __init__(self, field: str, rule: str, *, message: str | None = None) -> None:
         self.field = field
         self.rule = rule
-        super().__init__(f"invalid outbox {field}: {rule}")
+        super().__init__(message or f"invalid outbox {field}: {rule}")
 
 
 class InvalidInboxInputError(InvalidPayloadError):
     """An inbox argument (key, lock time, effect result) broke a rule; raised before anything is written."""
 
-    def __init__(self, field: str, rule: str) -> None:
+    def __init__(self, field: str, rule: str, *, message: str | None = None) -> None:
         self.field = field
         self.rule = rule
-        JobLeaseError.__init__(self, f"invalid inbox {field}: {rule}")
+        JobLeaseError.__init__(self, message or f"invalid inbox {field}: {rule}")
 
 
 class InvalidOrderingKeyError(InvalidPayloadError):

@@ -26,7 +26,7 @@ from typing import Any, Generic, TypeVar
 
 import sqlalchemy as sa
 
-from dagster_joblease import errors, identity, options, wire
+from dagster_joblease import checks, errors, identity, options, wire
 from dagster_joblease.storage import driver, leases
 from dagster_joblease.storage.engine import fork_safe, translate_errors
 
@@ -432,11 +432,10 @@ class LeaseService:
         """
         if not isinstance(job, identity.JobIdentity):
             raise errors.InvalidJobIdentityError("identity", job, "must be a JobIdentity")
-        for name, value in (("attempt", attempt), ("stale_ms", stale_ms)):
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise errors.InvalidLeaseOptionsError(
-                    name, value, "must be a positive int (the attempt read from the row; milliseconds)"
-                )
+        checks.integer(
+            "attempt", attempt, minimum=1, why="the attempt read from the row", error=checks.lease_option
+        )
+        checks.milliseconds("stale_ms", stale_ms, minimum=1, error=checks.lease_option)
         with driver.statements(self.engine, "fail a dead holder's lease") as db:
             failed = leases.fail_dead_holder(
                 db,

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import dataclasses
 
-from dagster_joblease import errors
+from dagster_joblease import checks
+from dagster_joblease.checks import MAX_DURATION_MS
 
 __all__ = [
     "DEFAULT_LEASE_MS",
@@ -16,10 +17,6 @@ __all__ = [
 ]
 
 DEFAULT_LEASE_MS = 15 * 60_000  # 15 minutes
-#: The longest time option or window anywhere in the library: 100 years. Database now plus (or minus) this
-#: stays far inside what both backends store and Python decodes (years 1-9999); the seed's 2**53-1 ms
-#: did not (year 287453 on PostgreSQL, a failed insert on SQLite).
-MAX_DURATION_MS = 100 * 365 * 86_400_000
 MAX_LEASE_MS = MAX_DURATION_MS
 MAX_HEARTBEAT_MS = 60_000  # a minute: frequent enough to notice a lost lease quickly
 
@@ -29,35 +26,24 @@ def default_heartbeat_ms(lease_ms: int) -> int:
 
 
 def _check_lease_ms(value: object) -> int:
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise errors.InvalidLeaseOptionsError(
-            "lease_ms", value, f"must be an int number of milliseconds, got {type(value).__name__}"
-        )
-    if not 2 < value <= MAX_LEASE_MS:
-        raise errors.InvalidLeaseOptionsError(
-            "lease_ms",
-            value,
-            f"must be greater than 2 and at most {MAX_LEASE_MS} (100 years, so that the expiry stays a "
-            "date both backends can store)",
-        )
-    return value
+    return checks.milliseconds(
+        "lease_ms",
+        value,
+        minimum=3,
+        maximum=MAX_LEASE_MS,
+        error=checks.lease_option,
+    )
 
 
 def _check_heartbeat_ms(value: object, lease_ms: int) -> int:
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise errors.InvalidLeaseOptionsError(
-            "heartbeat_ms", value, f"must be an int number of milliseconds, got {type(value).__name__}"
-        )
-    if value == 0:
-        return 0
-    if not (0 < value and value * 2 < lease_ms):
-        raise errors.InvalidLeaseOptionsError(
-            "heartbeat_ms",
-            value,
-            f"must be 0 (no heartbeat) or a positive int below lease_ms / 2 = {lease_ms / 2:g}, so that one "
-            "missed heartbeat does not lose the lease",
-        )
-    return value
+    return checks.milliseconds(
+        "heartbeat_ms",
+        value,
+        maximum=(lease_ms - 1) // 2,
+        why=f"0 turns the heartbeat off; below lease_ms / 2 = {lease_ms / 2:g}, so that one missed "
+        "heartbeat does not lose the lease",
+        error=checks.lease_option,
+    )
 
 
 @dataclasses.dataclass(frozen=True, slots=True)

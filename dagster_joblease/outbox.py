@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING, Any, NamedTuple
 import psycopg
 import sqlalchemy as sa
 
-from dagster_joblease import errors, tracing
+from dagster_joblease import checks, errors, tracing
 from dagster_joblease.storage import driver, route_groups, rowset
 from dagster_joblease.storage import outbox as store
 from dagster_joblease.storage.engine import translate_errors
@@ -191,11 +191,9 @@ def check_ordering_key(value: object) -> str | None:
 
 
 def check_max_bytes(max_payload_bytes: object) -> int:
-    if isinstance(max_payload_bytes, bool) or not isinstance(max_payload_bytes, int) or max_payload_bytes < 2:
-        raise errors.InvalidPayloadError(
-            "max_payload_bytes", f"{max_payload_bytes!r} must be an int >= 2 (bytes of canonical JSON)"
-        )
-    return max_payload_bytes
+    return checks.integer(
+        "max_payload_bytes", max_payload_bytes, minimum=2, why="bytes of canonical JSON", error=checks.payload
+    )
 
 
 _Params = tuple[str, str, str, str]  #: key, topic, payload_text, sha256
@@ -311,11 +309,14 @@ def _conflict(key: str, found: tuple[str, str, str | None], new: tuple[str, str,
 
 
 def _check_max_pending(value: object) -> int:
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        raise errors.InvalidPayloadError(
-            "max_pending", f"{value!r} must be an int >= 1 (pending rows of the topic), or None for no bound"
-        )
-    return value
+    return checks.integer(
+        "max_pending",
+        value,
+        minimum=1,
+        none="no bound",
+        why="pending rows of the topic",
+        error=checks.payload,
+    )
 
 
 def _check_backlog(db: driver.Statements, key: str, topic: str, max_pending: int) -> None:
@@ -674,10 +675,7 @@ def delivery_health(
     """
 
     scoped = _check_topics(topics)
-    if isinstance(unrouted_after_ms, bool) or not isinstance(unrouted_after_ms, int) or unrouted_after_ms < 0:
-        raise errors.ConfigurationError(
-            f"unrouted_after_ms={unrouted_after_ms!r} must be an int >= 0 (milliseconds)"
-        )
+    checks.milliseconds("unrouted_after_ms", unrouted_after_ms)
     with translate_errors("summarize outbox delivery health"), _connection(engine_or_connection) as conn:
         summary = due_summary(conn, topics=scoped, groups=groups)
         dead = store.dead_count(conn, scoped)

@@ -391,16 +391,16 @@ def test_injected_faults_are_shared_fifo_by_concurrent_senders(
 @pytest.mark.parametrize(
     ("args", "kwargs", "rule"),
     [
-        ((0, "fail"), {}, "n=0 must be an int >= 1"),
-        ((True, "fail"), {}, "n=True"),
-        ((1.0, "fail"), {}, "n=1.0"),
+        ((0, "fail"), {}, "n must be an int >= 1, got 0"),
+        ((True, "fail"), {}, "n must be an int >= 1, got True"),
+        ((1.0, "fail"), {}, "n must be an int >= 1, got 1.0"),
         ((1, "explode"), {}, "'explode' is not a known fault; use one of fail, drop_after_apply, slow"),
-        ((1, "fail"), {"status": 99}, "status=99"),
-        ((1, "fail"), {"status": 600}, "status=600"),
-        ((1, "fail"), {"status": "500"}, "status='500'"),
-        ((1, "slow"), {"seconds": -0.1}, "seconds=-0.1"),
-        ((1, "slow"), {"seconds": float("nan")}, "seconds=nan"),
-        ((1, "slow"), {"seconds": "1"}, "seconds='1'"),
+        ((1, "fail"), {"status": 99}, "status must be an int from 100 to 599, got 99"),
+        ((1, "fail"), {"status": 600}, "status must be an int from 100 to 599, got 600"),
+        ((1, "fail"), {"status": "500"}, "status must be an int from 100 to 599, got '500'"),
+        ((1, "slow"), {"seconds": -0.1}, "seconds must be a finite number of seconds >= 0, got -0.1"),
+        ((1, "slow"), {"seconds": float("nan")}, "seconds must be a finite number of seconds >= 0, got nan"),
+        ((1, "slow"), {"seconds": "1"}, "seconds must be a finite number of seconds >= 0, got '1'"),
     ],
 )
 def test_inject_next_refuses_bad_arguments(
@@ -718,20 +718,23 @@ def test_the_receiver_has_no_http_parser_of_its_own() -> None:
 @pytest.mark.parametrize(
     ("options", "message"),
     [
-        ({"max_connections": 0}, "receiver max_connections=0 must be an int >= 1"),
-        ({"max_connections": True}, "receiver max_connections=True must be an int >= 1"),
-        ({"max_connections": 2.0}, "receiver max_connections=2.0 must be an int >= 1"),
+        ({"max_connections": 0}, "receiver max_connections must be an int >= 1, got 0"),
+        ({"max_connections": True}, "receiver max_connections must be an int >= 1, got True"),
+        ({"max_connections": 2.0}, "receiver max_connections must be an int >= 1, got 2.0"),
         (
             {"idle_timeout_s": 0},
-            "receiver idle_timeout_s=0 must be a number of seconds above 0 and at most 3600",
+            "receiver idle_timeout_s must be a finite number of seconds above 0 and at most 3600, got 0",
         ),
-        ({"read_timeout_s": 3600.5}, "receiver read_timeout_s=3600.5 must be a number of seconds above 0"),
-        ({"read_timeout_s": False}, "receiver read_timeout_s=False must be a number of seconds"),
-        ({"read_timeout_s": "10"}, "receiver read_timeout_s='10' must be a number of seconds"),
-        ({"retention_s": 0}, "receiver retention_s=0 must be above 0"),
+        ({"read_timeout_s": 3600.5}, "receiver read_timeout_s must be a finite number of seconds above 0"),
+        ({"read_timeout_s": False}, "receiver read_timeout_s must be a finite number of seconds above 0"),
+        ({"read_timeout_s": "10"}, "got '10'"),
+        (
+            {"retention_s": 0},
+            "receiver retention_s must be None (no purge) or a finite number of seconds above 0, got 0",
+        ),
         ({"http": "h2"}, "receiver http='h2' is not one of h11, httptools"),
-        ({"effect_delay_ms": -1}, "effect_delay_ms=-1 must be an int >= 0"),
-        ({"effect_delay_ms": True}, "effect_delay_ms=True must be an int >= 0"),
+        ({"effect_delay_ms": -1}, "effect_delay_ms must be an int number of milliseconds from 0 to"),
+        ({"effect_delay_ms": True}, "got True"),
     ],
 )
 def test_receiver_options_refuse_what_they_cannot_serve_with(options: dict[str, Any], message: str) -> None:

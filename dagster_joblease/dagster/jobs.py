@@ -24,7 +24,7 @@ import dagster as dg
 import sqlalchemy as sa
 from dagster import AssetCheckExecutionContext, OpExecutionContext
 
-from dagster_joblease import delivery_status, dispatch, errors, outbox
+from dagster_joblease import checks, delivery_status, dispatch, errors, outbox
 from dagster_joblease.dagster.ops import real_annotations
 from dagster_joblease.storage import outbox as outbox_store
 from dagster_joblease.storage.engine import translate_errors
@@ -152,12 +152,6 @@ def dead_rows_evaluation(
     )
 
 
-def _ms(name: str, value: object) -> int:
-    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
-        raise errors.ConfigurationError(f"OutboxHealth {name}={value!r} must be an int >= 0 (milliseconds)")
-    return value
-
-
 def _age(ms: int | None) -> str:
     return "n/a" if ms is None else f"{ms / 1000:.1f} s"
 
@@ -181,8 +175,8 @@ class OutboxHealth:
     resource_key: str = "joblease"
 
     def __post_init__(self) -> None:
-        _ms("stale_due_ms", self.stale_due_ms)
-        _ms("unrouted_after_ms", self.unrouted_after_ms)
+        checks.milliseconds("OutboxHealth stale_due_ms", self.stale_due_ms)
+        checks.milliseconds("OutboxHealth unrouted_after_ms", self.unrouted_after_ms)
         if self.routes is not None and not (callable(self.routes) or isinstance(self.routes, Mapping)):
             raise errors.ConfigurationError(
                 f"OutboxHealth routes={self.routes!r} must be a mapping of topic → Route, a callable "

@@ -59,7 +59,7 @@ import sqlalchemy as sa
 from dagster import AssetExecutionContext, OpExecutionContext
 
 from dagster_joblease import batch as batch_leases
-from dagster_joblease import errors, identity, lease, options, outbox, waiting
+from dagster_joblease import checks, errors, identity, lease, options, outbox, waiting
 from dagster_joblease.dagster import holders, metadata, not_run_coverage
 from dagster_joblease.dagster.internals import EngineEventData  # a step engine event with metadata
 from dagster_joblease.dagster.key_context import KeyContext
@@ -820,7 +820,7 @@ def run_leased(
     ``batch=True``: ``fn`` gets a :class:`LeasedBatch` (the keys this run won, at once) instead; see
     the module docstring.
     """
-    _check_max_failures(max_failures_in_a_row)
+    checks.integer("max_failures_in_a_row", max_failures_in_a_row, minimum=1, why=_MAX_FAILURES_WHY)
     settled = _settle(
         context,
         resource,
@@ -837,13 +837,11 @@ def run_leased(
     return settled.results
 
 
-def _check_max_failures(value: object) -> int:
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        raise errors.ConfigurationError(
-            f"max_failures_in_a_row={value!r} must be an int >= 1 (how many keys of a range may fail one "
-            f"after the other before the rest are not attempted; default {DEFAULT_MAX_FAILURES_IN_A_ROW})"
-        )
-    return value
+#: Why ``max_failures_in_a_row`` exists, said when it is refused.
+_MAX_FAILURES_WHY = (
+    "how many keys of a range may fail one after the other before the rest are not attempted; "
+    f"default {DEFAULT_MAX_FAILURES_IN_A_ROW}"
+)
 
 
 def leased_op(
@@ -893,7 +891,7 @@ def leased_op(
     identity.JobIdentity.initial(code)  # validate the code and the options at definition time
     if held_wait_ms is not None:
         check_held_wait_ms(held_wait_ms)
-    _check_max_failures(max_failures_in_a_row)
+    checks.integer("max_failures_in_a_row", max_failures_in_a_row, minimum=1, why=_MAX_FAILURES_WHY)
     tags = {metadata.TAG_CODE: code, **op_kwargs.pop("tags", {})}
 
     def decorate(fn: Callable[[Any], Any]) -> dg.OpDefinition:
@@ -1104,7 +1102,7 @@ def leased_asset(
     identity.JobIdentity.initial(code)
     if held_wait_ms is not None:
         check_held_wait_ms(held_wait_ms)
-    _check_max_failures(max_failures_in_a_row)
+    checks.integer("max_failures_in_a_row", max_failures_in_a_row, minimum=1, why=_MAX_FAILURES_WHY)
     op_tags = {metadata.TAG_CODE: code, **asset_kwargs.pop("op_tags", {})}
 
     def decorate(fn: Callable[[Any], Any]) -> dg.AssetsDefinition:

@@ -19,7 +19,7 @@ import dagster as dg
 import sqlalchemy as sa
 from pydantic import Field, PrivateAttr
 
-from dagster_joblease import errors, identity, lease, options, outbox
+from dagster_joblease import checks, errors, identity, lease, options, outbox
 from dagster_joblease.dagster import holders
 from dagster_joblease.storage import engine as storage_engine
 from dagster_joblease.storage.migrate import current_revision, head_revision, migrate, require_schema
@@ -46,13 +46,13 @@ MAX_HELD_WAIT_MS = 24 * 3_600_000
 
 def check_held_wait_ms(value: object) -> int:
     """``held_wait_ms``: 0 (do not wait) up to a day, as an int number of milliseconds."""
-    if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value <= MAX_HELD_WAIT_MS:
-        raise errors.InvalidLeaseOptionsError(
-            "held_wait_ms",
-            value,
-            f"must be an int number of milliseconds from 0 (fail at once) to {MAX_HELD_WAIT_MS} (a day)",
-        )
-    return value
+    return checks.milliseconds(
+        "held_wait_ms",
+        value,
+        maximum=MAX_HELD_WAIT_MS,
+        why="0 fails at once, a day at most",
+        error=checks.lease_option,
+    )
 
 
 class JobLeaseResource(dg.ConfigurableResource):  # type: ignore[type-arg]

@@ -10,7 +10,7 @@ from typing import Any
 import dagster as dg
 import sqlalchemy as sa
 
-from dagster_joblease import errors, outbox
+from dagster_joblease import checks, outbox
 from dagster_joblease.dagster.internals import REPOSITORY_LABEL_TAG
 from dagster_joblease.dagster.jobs import (
     OutboxHealth,
@@ -88,10 +88,7 @@ def build_outbox_sensor(
     Test it with ``sensor.evaluate_tick(ctx)`` inside ``with build_sensor_context(resources=...) as ctx``
     (the resource has setup/teardown hooks, so the ``with`` is required).
     """
-    if isinstance(checks_interval_seconds, bool) or not isinstance(checks_interval_seconds, int):
-        raise errors.ConfigurationError(
-            f"checks_interval_seconds={checks_interval_seconds!r} must be an int (seconds)"
-        )
+    checks.integer("checks_interval_seconds", checks_interval_seconds, unit="seconds")
 
     # By name, not by object: Definitions rebuilds a sensor's job objects when it binds resources, and
     # that copy passes `owners=[]`, which Dagster 1.13 reports as a BetaWarning in every process.

@@ -11,7 +11,7 @@ from typing import Any
 
 import dagster as dg
 
-from dagster_joblease import errors
+from dagster_joblease import checks, errors
 from dagster_joblease.dagster import metadata, ops
 
 __all__ = ["PartitionRun", "run_partition_twice"]
@@ -128,8 +128,7 @@ def _check_twice(job: object, partition_key: object, timeout_s: object) -> None:
         )
     if not isinstance(partition_key, str) or not partition_key.strip():
         raise errors.ConfigurationError(f"partition_key={partition_key!r} must be a non-blank str")
-    if isinstance(timeout_s, bool) or not isinstance(timeout_s, int | float) or timeout_s <= 0:
-        raise errors.ConfigurationError(f"timeout_s={timeout_s!r} must be a number of seconds > 0")
+    checks.number("timeout_s", timeout_s, above=0)
 
 
 def first_cause(raised: Iterable[BaseException]) -> BaseException | None:

@@ -66,7 +66,7 @@ from typing import Any
 import httpx
 import sqlalchemy as sa
 
-from dagster_joblease import errors, tracing
+from dagster_joblease import checks, errors, tracing
 from dagster_joblease.dispatch import capacity, decisions, policy
 from dagster_joblease.dispatch.capacity import (
     ANY_ROW_POLL_S,
@@ -83,7 +83,6 @@ from dagster_joblease.dispatch.recorder import (
 from dagster_joblease.dispatch.routes import Route
 from dagster_joblease.dispatch.transports import TooLate, Transport, message_of, open_transports
 from dagster_joblease.dispatch.transports.http import HttpTransport
-from dagster_joblease.options import MAX_DURATION_MS
 from dagster_joblease.storage import route_groups
 from dagster_joblease.storage.engine import translate_errors
 
@@ -96,17 +95,6 @@ MAX_RECORD_DELAY_S = 0.25
 #: How often a batch with undelivered rows re-reads its groups' pauses (another dispatcher may open one).
 PAUSE_REFRESH_S = 0.05
 DEFAULT_MAX_DEFERRALS = 100
-
-
-def _positive_int(name: str, value: object, minimum: int = 1, maximum: int | None = None) -> int:
-    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
-        raise errors.ConfigurationError(f"dispatcher option {name}={value!r} must be an int >= {minimum}")
-    if maximum is not None and value > maximum:
-        raise errors.ConfigurationError(
-            f"dispatcher option {name}={value!r} must be at most {maximum} ms (100 years): a later time is "
-            "not one the database can store"
-        )
-    return value
 
 
 def _safety_ms(claim_ms: int) -> int:
@@ -137,15 +125,6 @@ def _warn_disagreements(layout: capacity.Layout) -> None:
             rates,
             extra={"action": "limit_mismatch"},
         )
-
-
-def _check_poll_interval(poll_interval_s: object) -> None:
-    if (
-        isinstance(poll_interval_s, bool)
-        or not isinstance(poll_interval_s, int | float)
-        or poll_interval_s < 0
-    ):
-        raise errors.ConfigurationError(f"poll_interval_s={poll_interval_s!r} must be a number >= 0")
 
 
 def _check_claim_ms(claim_ms: int, routes: Mapping[str, Route]) -> None:
@@ -213,14 +192,14 @@ class Dispatcher(Claimer):
         async_swap_commit: bool = False,
     ) -> None:
         self.engine = engine
-        self.max_attempts = _positive_int("max_attempts", max_attempts)
-        self.claim_ms = _positive_int("claim_ms", claim_ms, 100, MAX_DURATION_MS)
-        self.concurrency = _positive_int("concurrency", concurrency)
-        self.backoff_base_ms = _positive_int("backoff_base_ms", backoff_base_ms, 1, MAX_DURATION_MS)
-        self.backoff_max_ms = _positive_int(
-            "backoff_max_ms", backoff_max_ms, backoff_base_ms, MAX_DURATION_MS
+        self.max_attempts = checks.integer("max_attempts", max_attempts, minimum=1)
+        self.claim_ms = checks.milliseconds("claim_ms", claim_ms, minimum=100)
+        self.concurrency = checks.integer("concurrency", concurrency, minimum=1)
+        self.backoff_base_ms = checks.milliseconds("backoff_base_ms", backoff_base_ms, minimum=1)
+        self.backoff_max_ms = checks.milliseconds(
+            "backoff_max_ms", backoff_max_ms, minimum=self.backoff_base_ms
         )
-        self.max_deferrals = _positive_int("max_deferrals", max_deferrals)
+        self.max_deferrals = checks.integer("max_deferrals", max_deferrals, minimum=1)
         if not isinstance(async_swap_commit, bool):
             raise errors.ConfigurationError(
                 f"dispatcher option async_swap_commit={async_swap_commit!r} must be a bool"
@@ -301,7 +280,7 @@ class Dispatcher(Claimer):
         claiming them while it has budget; it waits at most :data:`LIMIT_WAIT_S` in all for capacity
         other dispatchers hold). Rows of paused groups are not claimed (``report.paused`` names them).
         """
-        limit = _positive_int("limit", limit)
+        limit = checks.integer("limit", limit, minimum=1)
         if self._closed:
             raise errors.DispatchError("this dispatcher is closed; create a new one")
         report = DispatchReport()
@@ -500,10 +479,9 @@ class Dispatcher(Claimer):
         from the main thread) in-flight deliveries finish and are recorded, unstarted ones are given back,
         and the totals are returned.
         """
-        _check_poll_interval(poll_interval_s)
-        if max_batches is not None:
-            _positive_int("max_batches", max_batches)
-        limit = _positive_int("limit", limit)
+        checks.number("poll_interval_s", poll_interval_s, minimum=0)
+        checks.optional_integer("max_batches", max_batches, none="no bound", minimum=1)
+        limit = checks.integer("limit", limit, minimum=1)
         self._stop = stop if stop is not None else threading.Event()
         previous = self._install_signal_handlers()
         totals = DispatchReport()

@@ -38,7 +38,7 @@ from typing import Any
 
 import httpx
 
-from dagster_joblease import errors
+from dagster_joblease import checks, errors
 
 __all__ = [
     "DEFAULT_MAX_PAUSE_S",
@@ -97,16 +97,6 @@ def duration_s(value: object, where: str, name: str) -> float:
         f"{where}: {name}={value!r} is not a duration; give seconds, a timedelta, or text like 24h, 30m, "
         "1h30m, 90s or 7d"
     )
-
-
-def _optional_int(value: object, where: str, name: str) -> int | None:
-    if value is None:
-        return None
-    if isinstance(value, bool) or not isinstance(value, int) or not 1 <= value <= _MAX_LIMIT:
-        raise errors.ConfigurationError(
-            f"{where}: {name}={value!r} must be an int in [1, {_MAX_LIMIT}], or None for no limit"
-        )
-    return value
 
 
 def origin_of(url: str) -> str:
@@ -249,25 +239,6 @@ def _check_headers(
     return static, secrets_
 
 
-def _check_timeout(timeout: object, where: str) -> float:
-    if isinstance(timeout, bool) or not isinstance(timeout, int | float) or not 0 < timeout <= _MAX_TIMEOUT_S:
-        raise errors.ConfigurationError(
-            f"{where}: timeout_s {timeout!r} must be a number of seconds in (0, {_MAX_TIMEOUT_S:g}]"
-        )
-    return float(timeout)
-
-
-def _check_grace(grace: object, where: str) -> float | None:
-    if grace is None:
-        return None
-    if isinstance(grace, bool) or not isinstance(grace, int | float) or not 0 <= grace <= _MAX_TIMEOUT_S:
-        raise errors.ConfigurationError(
-            f"{where}: timeout_grace_s {grace!r} must be None (the route's timeout_s) or a number of seconds "
-            f"in [0, {_MAX_TIMEOUT_S:g}]"
-        )
-    return float(grace)
-
-
 def _check_group(limit_group: object, url: str, where: str) -> str:
     group = origin_of(url) if limit_group is None else limit_group
     if (
@@ -281,14 +252,6 @@ def _check_group(limit_group: object, url: str, where: str) -> str:
             "control characters"
         )
     return group
-
-
-def _check_pause(value: object, where: str, name: str) -> float:
-    if isinstance(value, bool) or not isinstance(value, int | float) or not 0 <= value <= _MAX_PAUSE_S:
-        raise errors.ConfigurationError(
-            f"{where}: {name}={value!r} must be a number of seconds in [0, {_MAX_PAUSE_S:g}]"
-        )
-    return float(value)
 
 
 def _check_window(
@@ -379,19 +342,39 @@ class Route:
         where = _check_url(self.url)
         _check_destination(self, where)
         headers, secrets_ = _check_headers(self.headers, self.secret_headers, where)
-        timeout = _check_timeout(self.timeout_s, where)
+        timeout = checks.number(f"{where}: timeout_s", self.timeout_s, above=0, maximum=_MAX_TIMEOUT_S)
         checked: dict[str, object] = {
             "headers": MappingProxyType(headers),
             "secret_headers": MappingProxyType(secrets_),
             "timeout_s": timeout,
             "limit_group": _check_group(self.limit_group, self.url, where),
-            "max_in_flight": _optional_int(self.max_in_flight, where, "max_in_flight"),
-            "rate": _optional_int(self.rate, where, "rate"),
-            "pause_after_failures": _optional_int(self.pause_after_failures, where, "pause_after_failures"),
-            "max_pause_s": _check_pause(self.max_pause_s, where, "max_pause_s"),
-            "failure_pause_s": _check_pause(self.failure_pause_s, where, "failure_pause_s"),
+            "max_in_flight": checks.optional_integer(
+                f"{where}: max_in_flight", self.max_in_flight, none="no limit", minimum=1, maximum=_MAX_LIMIT
+            ),
+            "rate": checks.optional_integer(
+                f"{where}: rate", self.rate, none="no limit", minimum=1, maximum=_MAX_LIMIT
+            ),
+            "pause_after_failures": checks.optional_integer(
+                f"{where}: pause_after_failures",
+                self.pause_after_failures,
+                none="no limit",
+                minimum=1,
+                maximum=_MAX_LIMIT,
+            ),
+            "max_pause_s": checks.number(
+                f"{where}: max_pause_s", self.max_pause_s, minimum=0, maximum=_MAX_PAUSE_S
+            ),
+            "failure_pause_s": checks.number(
+                f"{where}: failure_pause_s", self.failure_pause_s, minimum=0, maximum=_MAX_PAUSE_S
+            ),
             "dedupe_window": _check_window(self.dedupe_window, timeout, where),
-            "timeout_grace_s": _check_grace(self.timeout_grace_s, where),
+            "timeout_grace_s": checks.optional_number(
+                f"{where}: timeout_grace_s",
+                self.timeout_grace_s,
+                none="the route's timeout_s",
+                minimum=0,
+                maximum=_MAX_TIMEOUT_S,
+            ),
         }
         if self.key_format not in KEY_FORMATS:
             raise errors.ConfigurationError(

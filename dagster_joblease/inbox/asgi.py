@@ -45,7 +45,7 @@ import anyio
 import anyio.to_thread
 from anyio.lowlevel import RunVar
 
-from dagster_joblease import errors, tracing, wire
+from dagster_joblease import checks, errors, tracing, wire
 from dagster_joblease.inbox import core
 from dagster_joblease.inbox.aio import AsyncInbox, AsyncInboxTransaction
 from dagster_joblease.inbox.core import Answer, InboxResult
@@ -150,29 +150,17 @@ def _stored_headers(names: Iterable[str]) -> frozenset[bytes]:
 
 
 def _check_max_body(value: object) -> int:
-    if isinstance(value, bool) or not isinstance(value, int) or not 0 < value <= core.MAX_BODY_BYTES:
-        raise errors.ConfigurationError(
-            f"max_body_bytes={value!r} must be an int from 1 to {core.MAX_BODY_BYTES}"
-        )
-    return value
+    return checks.integer("max_body_bytes", value, minimum=1, maximum=core.MAX_BODY_BYTES)
 
 
 def _check_wait_in_flight(value: object) -> int:
-    if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value <= 60_000:
-        raise errors.ConfigurationError(
-            f"wait_in_flight_ms={value!r} must be an int from 0 (answer 409 at once) to 60000 milliseconds"
-        )
-    return value
+    return checks.milliseconds("wait_in_flight_ms", value, maximum=60_000, why="0 answers 409 at once")
 
 
 def _check_body_timeout(value: object) -> float:
     if value is None:
         return math.inf
-    if isinstance(value, bool) or not isinstance(value, int | float) or not 0 < value <= 3600:
-        raise errors.ConfigurationError(
-            f"body_timeout_s={value!r} must be None or a number of seconds above 0, at most 3600"
-        )
-    return float(value)
+    return checks.number("body_timeout_s", value, above=0, maximum=3600, none="no timeout")
 
 
 class _Refusal(Exception):

@@ -16,9 +16,8 @@ import re
 from collections.abc import Generator, Iterable, Mapping
 from typing import Any, NamedTuple
 
-from dagster_joblease import errors, outbox
+from dagster_joblease import checks, errors, outbox
 from dagster_joblease.errors import InvalidInboxInputError
-from dagster_joblease.options import MAX_DURATION_MS
 from dagster_joblease.outbox import MAX_KEY_LENGTH
 from dagster_joblease.storage import inbox as store
 from dagster_joblease.storage.driver import Query
@@ -280,11 +279,15 @@ def check_fence(fence: object) -> int | None:
     """``fence`` if it is None or a fencing number (an int from 0 to 10**15 - 1)."""
     if fence is None:
         return None
-    if isinstance(fence, bool) or not isinstance(fence, int) or not 0 <= fence < 10**15:
-        raise InvalidInboxInputError(
-            "fence", f"{fence!r} must be None or an int from 0 to 999999999999999 (a lease's attempt)"
-        )
-    return fence
+    return checks.integer(
+        "fence",
+        fence,
+        minimum=0,
+        maximum=10**15 - 1,
+        none="no fence",
+        why="a lease's attempt",
+        error=checks.inbox_input,
+    )
 
 
 def _reject_constant(name: str) -> Any:
@@ -313,23 +316,18 @@ def request_fingerprint(payload: Any) -> str:
 
 
 def check_lock_ms(value: object) -> int:
-    if isinstance(value, bool) or not isinstance(value, int) or not MIN_LOCK_MS <= value <= MAX_LOCK_MS:
-        raise InvalidInboxInputError(
-            "lock_ms",
-            f"{value!r} must be an int between {MIN_LOCK_MS} and {MAX_LOCK_MS} (milliseconds); make it "
-            "longer than the slowest effect, since a claim older than that is taken over",
-        )
-    return value
+    return checks.milliseconds(
+        "lock_ms",
+        value,
+        minimum=MIN_LOCK_MS,
+        maximum=MAX_LOCK_MS,
+        why="make it longer than the slowest effect, since a claim older than that is taken over",
+        error=checks.inbox_input,
+    )
 
 
 def check_older_than_ms(value: object) -> int:
-    if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value <= MAX_DURATION_MS:
-        raise InvalidInboxInputError(
-            "older_than_ms",
-            f"{value!r} must be an int from 0 to {MAX_DURATION_MS} (100 years; milliseconds since "
-            "completion)",
-        )
-    return value
+    return checks.milliseconds("older_than_ms", value, why="time since completion", error=checks.inbox_input)
 
 
 def _check_headers(key: str, headers: object) -> Headers:

@@ -31,7 +31,7 @@ import uvicorn
 from psycopg_pool import AsyncConnectionPool
 from starlette.applications import Starlette
 
-from dagster_joblease import errors
+from dagster_joblease import checks, errors
 from dagster_joblease.inbox.aio import AsyncInbox
 from dagster_joblease.inbox.core import DEFAULT_LOCK_MS
 from dagster_joblease.inbox.sync import Inbox
@@ -78,34 +78,15 @@ class ReceiverOptions:
     effect_delay_ms: int = 0
 
     def __post_init__(self) -> None:
-        if not _int_at_least(self.max_connections, 1):
-            raise errors.ConfigurationError(
-                f"receiver max_connections={self.max_connections!r} must be an int >= 1"
-            )
+        checks.integer("receiver max_connections", self.max_connections, minimum=1)
         for name in ("idle_timeout_s", "read_timeout_s"):
-            value = getattr(self, name)
-            if not _seconds_up_to(value, 3600):
-                raise errors.ConfigurationError(
-                    f"receiver {name}={value!r} must be a number of seconds above 0 and at most 3600"
-                )
-        if self.retention_s is not None and not 0 < self.retention_s:
-            raise errors.ConfigurationError(f"receiver retention_s={self.retention_s!r} must be above 0")
+            checks.number(f"receiver {name}", getattr(self, name), above=0, maximum=3600)
+        checks.optional_number("receiver retention_s", self.retention_s, none="no purge", above=0)
         if self.http not in HTTP_IMPLEMENTATIONS:
             raise errors.ConfigurationError(
                 f"receiver http={self.http!r} is not one of {', '.join(HTTP_IMPLEMENTATIONS)}"
             )
-        if not _int_at_least(self.effect_delay_ms, 0):
-            raise errors.ConfigurationError(f"effect_delay_ms={self.effect_delay_ms!r} must be an int >= 0")
-
-
-def _int_at_least(value: object, minimum: int) -> bool:
-    """An int (not a bool) of at least ``minimum``."""
-    return isinstance(value, int) and not isinstance(value, bool) and value >= minimum
-
-
-def _seconds_up_to(value: object, most: float) -> bool:
-    """A number of seconds (not a bool) above 0 and at most ``most``."""
-    return isinstance(value, int | float) and not isinstance(value, bool) and 0 < value <= most
+        checks.milliseconds("effect_delay_ms", self.effect_delay_ms)
 
 
 def listening_socket(host: str, port: int) -> socket.socket:

@@ -20,7 +20,7 @@ from typing import Any
 
 import sqlalchemy as sa
 
-from dagster_joblease import admin, errors, identity
+from dagster_joblease import admin, checks, errors, identity
 from dagster_joblease.lease import Lease, LeaseService
 from dagster_joblease.storage import outbox
 from dagster_joblease.storage.engine import create_engine, translate_errors
@@ -211,8 +211,7 @@ def _check_crash(service: object, job: object, fn: object, at: CrashPoint, timeo
         raise errors.ConfigurationError(
             f"at={at!r} is not a crash point; use one of {', '.join(p.value for p in CrashPoint)}"
         ) from None
-    if isinstance(timeout_s, bool) or not isinstance(timeout_s, int | float) or timeout_s <= 0:
-        raise errors.ConfigurationError(f"timeout_s={timeout_s!r} must be a number of seconds > 0")
+    checks.number("timeout_s", timeout_s, above=0)
     _check_callable(fn)
     return point
 

@@ -6,7 +6,7 @@ import time
 
 import sqlalchemy as sa
 
-from dagster_joblease import errors
+from dagster_joblease import checks, errors
 from dagster_joblease.dispatch.dispatcher import Dispatcher, DispatchReport
 from dagster_joblease.storage import outbox as store
 from dagster_joblease.storage.engine import translate_errors
@@ -31,8 +31,7 @@ def drain_outbox(dispatcher: Dispatcher, *, timeout_s: float = 30.0, limit: int 
     """
     if not isinstance(dispatcher, Dispatcher):
         raise errors.ConfigurationError(f"dispatcher must be a Dispatcher, got {type(dispatcher).__name__}")
-    if isinstance(timeout_s, bool) or not isinstance(timeout_s, int | float) or timeout_s <= 0:
-        raise errors.ConfigurationError(f"timeout_s={timeout_s!r} must be a number of seconds > 0")
+    checks.number("timeout_s", timeout_s, above=0)
     deadline = time.monotonic() + timeout_s
     total = DispatchReport()
     while True:

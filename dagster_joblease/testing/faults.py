@@ -17,14 +17,13 @@ import asyncio
 import collections
 import dataclasses
 import logging
-import math
 import threading
 from collections.abc import Mapping
 from typing import Any
 
 import anyio
 
-from dagster_joblease import errors
+from dagster_joblease import checks, errors
 from dagster_joblease.inbox.asgi import ASGIApp, Message, Receive, Scope, Send
 
 __all__ = ["DROPPED", "FAULT_KINDS", "DropProxy", "FaultMiddleware", "Faults"]
@@ -60,13 +59,9 @@ class Faults:
     def __post_init__(self) -> None:
         for name in ("fail_first", "hang_first", "hang_ms", "drop_first", "delay_after_apply_ms"):
             value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int) or value < 0:
-                raise errors.ConfigurationError(f"receiver fault {name}={value!r} must be an int >= 0")
+            checks.integer(f"receiver fault {name}", value, minimum=0)
         for topic, status in {"": self.fail_status, **self.always_status}.items():
-            if isinstance(status, bool) or not isinstance(status, int) or not 100 <= status <= 599:
-                raise errors.ConfigurationError(
-                    f"receiver fault status {status!r} (topic {topic!r}) must be an HTTP status 100-599"
-                )
+            checks.integer(f"receiver fault status (topic {topic!r})", status, minimum=100, maximum=599)
 
     def fault_for(self, ordinal: int) -> str | None:
         """Which "first N" fault applies to the ``ordinal``-th POST (1-based): drop, hang, fail or none."""
@@ -90,22 +85,14 @@ class _Injected:
 
 
 def _check_injection(n: object, fault: object, status: object, seconds: object) -> _Injected:
-    if isinstance(n, bool) or not isinstance(n, int) or n < 1:
-        raise errors.InvalidFaultError(f"inject_next n={n!r} must be an int >= 1 (how many POSTs to fault)")
+    count = checks.integer("inject_next n", n, minimum=1, why="how many POSTs to fault", error=checks.fault)
     if not isinstance(fault, str) or fault not in FAULT_KINDS:
         raise errors.InvalidFaultError(
             f"inject_next fault={fault!r} is not a known fault; use one of {', '.join(FAULT_KINDS)}"
         )
-    if isinstance(status, bool) or not isinstance(status, int) or not 100 <= status <= 599:
-        raise errors.InvalidFaultError(f"inject_next status={status!r} must be an int HTTP status 100-599")
-    if (
-        isinstance(seconds, bool)
-        or not isinstance(seconds, int | float)
-        or not math.isfinite(seconds)
-        or seconds < 0
-    ):
-        raise errors.InvalidFaultError(f"inject_next seconds={seconds!r} must be a finite number >= 0")
-    return _Injected(kind=fault, remaining=n, status=status, seconds=float(seconds))
+    code = checks.integer("inject_next status", status, minimum=100, maximum=599, error=checks.fault)
+    delay = checks.number("inject_next seconds", seconds, minimum=0, error=checks.fault)
+    return _Injected(kind=fault, remaining=count, status=code, seconds=delay)
 
 
 def _problem(status: int, title: str, detail: str) -> tuple[list[tuple[bytes, bytes]], bytes]:

@@ -317,7 +317,7 @@ def test_the_sensor_reports_the_outbox_checks_on_its_own(
 
 def test_bad_arguments_are_refused_before_anything_runs(case: tuple[str, dg.JobDefinition]) -> None:
     code, job = case
-    with pytest.raises(errors.ConfigurationError, match="max_relaunches=0 must be an int >= 1"):
+    with pytest.raises(errors.ConfigurationError, match="max_relaunches must be an int >= 1, got 0"):
         build_reconciliation_sensor(job, code=code, max_relaunches=0)
     with pytest.raises(errors.ConfigurationError, match="no partitions_def"):
         build_reconciliation_sensor(dg.GraphDefinition("g").to_job(), code=code)

@@ -18,7 +18,7 @@ from typing import Any
 
 import dagster as dg
 
-from dagster_joblease import errors, identity, lease
+from dagster_joblease import checks, errors, identity, lease
 from dagster_joblease.dagster import metadata, run_status
 from dagster_joblease.dagster.jobs import OutboxHealth
 from dagster_joblease.dagster.reconcile import facts, judge
@@ -463,14 +463,6 @@ def _message(
 # ---- the builder -----------------------------------------------------------------------------------------
 
 
-def _positive(name: str, value: object, minimum: int = 1) -> int:
-    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
-        raise errors.ConfigurationError(
-            f"build_reconciliation_sensor {name}={value!r} must be an int >= {minimum}"
-        )
-    return value
-
-
 def _check_target(target: object, code: str) -> facts.Target:
     if not isinstance(target, dg.AssetsDefinition | dg.JobDefinition):
         raise errors.ConfigurationError(
@@ -588,8 +580,9 @@ def build_reconciliation_sensor(
     durations = _durations(
         lookback=lookback, backoff=backoff, max_backoff=max_backoff, zombie_margin=zombie_margin
     )
-    if holder_stale_ms is not None:
-        _positive("holder_stale_ms", holder_stale_ms)
+    checks.optional_integer(
+        "holder_stale_ms", holder_stale_ms, none="the resource's", minimum=1, unit="milliseconds"
+    )
     _check_catch_up(checked, catch_up_from)
     settings = _Settings(
         target=checked,
@@ -597,15 +590,17 @@ def build_reconciliation_sensor(
         sensor_name=sensor_name,
         lookback=lookback,
         catch_up_from=catch_up_from,
-        max_requests=_positive("max_requests_per_tick", max_requests_per_tick),
-        cap=_positive("max_relaunches", max_relaunches),
+        max_requests=checks.integer("max_requests_per_tick", max_requests_per_tick, minimum=1),
+        cap=checks.integer("max_relaunches", max_relaunches, minimum=1),
         backoff_ms=durations["backoff"],
         max_backoff_ms=durations["max_backoff"],
         relaunch_canceled=relaunch_canceled,
         holder_stale_ms=holder_stale_ms,
         margin_ms=durations["zombie_margin"],
         health=health,
-        checks_every=_positive("checks_interval_seconds", checks_interval_seconds),
+        checks_every=checks.integer(
+            "checks_interval_seconds", checks_interval_seconds, minimum=1, unit="seconds"
+        ),
         resource_key=resource_key,
     )
 

@@ -10,7 +10,7 @@ import dagster as dg
 from dagster.components import Component, ComponentLoadContext, Resolvable
 from dagster.components import scaffold_with as _scaffold_with
 
-from dagster_joblease import errors
+from dagster_joblease import checks
 from dagster_joblease.dagster.components.reconciliation.scaffolder import _ReconcileScaffolder
 from dagster_joblease.dagster.components.shared import Status, TargetSpec, _resource_key, _sensor_status
 from dagster_joblease.dagster.reconcile import build_reconciliation_sensor
@@ -68,8 +68,7 @@ class ReconciliationSensorComponent(Component, Resolvable):
             ("backoff_seconds", self.backoff_seconds),
             ("max_backoff_seconds", self.max_backoff_seconds),
         ):
-            if isinstance(value, bool) or not isinstance(value, int) or value < 0:
-                raise errors.ConfigurationError(f"{where}: {label}={value!r} must be an int >= 0 (seconds)")
+            checks.integer(f"{where}: {label}", value, minimum=0, unit="seconds")
         sensor = build_reconciliation_sensor(
             target,
             code=self.code,
