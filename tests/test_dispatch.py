@@ -99,6 +99,9 @@ def recorder() -> Iterator[Recorder]:
 # -- configuration -----------------------------------------------------------------------------------
 
 
+_NATS = {"url": "nats://h:4222", "subject": "a.b", "stream": "S", "dedupe_window": "2m"}
+
+
 @pytest.mark.parametrize(
     ("kwargs", "fragment"),
     [
@@ -108,17 +111,41 @@ def recorder() -> Iterator[Recorder]:
         ({"url": "https://h/x", "headers": {"Idempotency-Key": "k"}}, "set by the dispatcher"),
         ({"url": "https://h/x", "headers": {"Bad Name": "v"}}, "not a valid HTTP header name"),
         ({"url": "https://h/x", "headers": {"X-A": "line\nbreak"}}, "printable ASCII"),
+        # Each row's own trace context travels in these: a route's would name one fixed trace for every row.
+        (
+            {"url": "https://h/x", "headers": {"TraceParent": "00-" + "1" * 32 + "-" + "2" * 16 + "-01"}},
+            "set by",
+        ),
+        ({"url": "amqp://h/", "exchange": "x", "headers": {"tracestate": "a=b"}}, "set by the dispatcher"),
+        ({"url": "https://h/x", "secret_headers": {"traceparent": "TRACE"}}, "set by the dispatcher"),
+        # JetStream's control headers would apply to every message of the route.
+        ({**_NATS, "headers": {"Nats-Msg-Id": "fixed"}}, "JetStream control header"),
+        ({**_NATS, "headers": {"nats-rollup": "all"}}, "JetStream control header"),
+        # What every transport carries: an AMQP field-table key is at most 255 bytes; values of 8 KiB.
+        ({"url": "amqp://h/", "exchange": "x", "headers": {"X" * 256: "v"}}, "at most 255 characters"),
+        ({"url": "https://h/x", "headers": {"X-A": "v" * 8_193}}, "at most 8192 characters; got 8193"),
+        ({"url": "https://h/x", "headers": {"X-A": 5}}, "printable ASCII string (no CR, LF"),
+        ({"url": "https://h/x", "headers": {"X-A": "caf\u00e9"}}, "printable ASCII"),
         ({"url": "https://h/x", "secret_headers": {"Authorization": "not-a-var!"}}, "environment variable"),
         ({"url": "https://h/x", "timeout_s": 0}, "timeout_s"),
         ({"url": "https://h/x", "headers": {"X-A": "1"}, "secret_headers": {"x-a": "A"}}, "both static"),
     ],
 )
 def test_route_validation(kwargs: dict[str, Any], fragment: str) -> None:
+    kwargs = dict(kwargs)
     url = kwargs.pop("url")
     with pytest.raises(errors.ConfigurationError) as info:
         Route(url, **kwargs)
     assert fragment in str(info.value)
     assert "pw" not in str(info.value)
+
+
+def test_route_headers_the_transports_carry_are_kept() -> None:
+    longest = {"X" * 255: "v" * 8_192}
+    assert dict(Route("amqp://h/", exchange="x", headers=longest).headers) == longest
+    # Nats-… is JetStream's own only on a JetStream route; elsewhere it is an ordinary header.
+    assert dict(Route("https://h/x", headers={"Nats-Note": "1"}).headers) == {"Nats-Note": "1"}
+    assert dict(Route(**{**_NATS, "headers": {"X-Source": "joblease"}}).headers) == {"X-Source": "joblease"}
 
 
 def test_load_routes_from_toml_and_json(tmp_path: Path) -> None:

@@ -103,6 +103,27 @@ def test_an_enqueue_inside_a_span_stores_its_create_spans_context(engine: sa.Eng
     assert _row_trace(engine, "k1") == (_traceparent_of(create), None)
 
 
+def test_a_tracestate_no_header_can_carry_is_not_stored_and_the_row_is(engine: sa.Engine) -> None:
+    """A row's only headers are its trace context, checked where it is captured: a tracestate past the
+    column's 512 characters (W3C lets a hop drop it) is left out, the row and its traceparent are kept."""
+    from opentelemetry.trace import NonRecordingSpan, SpanContext, TraceFlags, TraceState
+
+    long_state = TraceState([(f"v{i}", "x" * 200) for i in range(8)])  # valid, 1,638 characters as a header
+    remote = SpanContext(0x1F, 0x2F, is_remote=True, trace_flags=TraceFlags(1), trace_state=long_state)
+    short_state = TraceState([("vendor", "a")])
+    remote_short = SpanContext(0x1F, 0x3F, is_remote=True, trace_flags=TraceFlags(1), trace_state=short_state)
+    with trace.use_span(NonRecordingSpan(remote)), engine.begin() as conn:
+        assert enqueue_once(conn, idempotency_key="long", topic="mail", payload={})
+        assert enqueue_many(conn, [OutboxItem("long-set", "mail", {})]) == (True,)
+    with trace.use_span(NonRecordingSpan(remote_short)), engine.begin() as conn:
+        assert enqueue_once(conn, idempotency_key="short", topic="mail", payload={})
+    by_key = {(s.attributes or {})["messaging.message.id"]: s for s in _spans("create mail")}
+    for key in ("long", "long-set"):
+        assert by_key[key].context.trace_state.to_header() == long_state.to_header()  # the span keeps it
+        assert _row_trace(engine, key) == (_traceparent_of(by_key[key]), None)
+    assert _row_trace(engine, "short") == (_traceparent_of(by_key["short"]), "vendor=a")
+
+
 def test_an_enqueue_outside_any_span_stores_none_and_starts_no_trace(engine: sa.Engine) -> None:
     with engine.begin() as conn:
         assert enqueue_once(conn, idempotency_key="k2", topic="mail", payload={"v": 1}, ordering_key="c-1")

@@ -38,7 +38,7 @@ from typing import Any
 
 import httpx
 
-from dagster_joblease import checks, errors
+from dagster_joblease import checks, errors, tracing
 
 __all__ = [
     "DEFAULT_MAX_PAUSE_S",
@@ -50,9 +50,31 @@ __all__ = [
     "origin_of",
 ]
 
-#: Headers the dispatcher sets itself; a route may not override them.
+#: Headers the dispatcher sets itself (lowercase); a route may not set them. ``traceparent`` and
+#: ``tracestate`` carry each row's own creation context (:mod:`dagster_joblease.tracing`): a route's would be
+#: sent beside or instead of it, naming one fixed trace for every row.
 RESERVED_HEADERS = frozenset(
-    {"idempotency-key", "content-type", "content-length", "host", "transfer-encoding"}
+    {
+        "idempotency-key",
+        "content-type",
+        "content-length",
+        "host",
+        "transfer-encoding",
+        tracing.TRACEPARENT_HEADER,
+        tracing.TRACESTATE_HEADER,
+    }
+)
+#: JetStream's control headers (``Nats-Msg-Id``, ``Nats-Expected-Stream``, ``Nats-Rollup``, ``Nats-TTL``,
+#: ``Nats-Expected-Last-Sequence``, …) all start so: on a route they would apply to every message.
+_NATS_CONTROL_PREFIX = "nats-"
+#: The longest header name a route may set: AMQP carries headers in a field table whose keys are short
+#: strings (at most 255 bytes; a name is ASCII, so 255 characters).
+MAX_HEADER_NAME = 255
+#: The longest header value a route may set: what HTTP servers commonly accept in one header line (8 KiB).
+MAX_HEADER_VALUE = 8_192
+_HEADER_NAME_RULE = (
+    f"a header name is an HTTP token (letters, digits and !#$%&'*+-.^_`|~) of at most {MAX_HEADER_NAME} "
+    "characters"
 )
 _TOKEN = re.compile(r"^[!#$%&'*+\-.^_`|~0-9A-Za-z]+$")
 _ENV_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
@@ -106,24 +128,40 @@ def origin_of(url: str) -> str:
     return f"{parsed.scheme}://{parsed.host}:{port}"
 
 
-def _check_header_name(name: object, where: str) -> str:
-    if not isinstance(name, str) or not _TOKEN.match(name):
-        raise errors.ConfigurationError(f"{where}: header name {name!r} is not a valid HTTP header name")
+def _check_header_name(name: object, where: str, transport: str) -> str:
+    """A route's header name: one every transport carries (an HTTP token that fits an AMQP field-table
+    key), not one the dispatcher sets itself, and on a JetStream route not a JetStream control header."""
+    if not isinstance(name, str) or not _TOKEN.match(name) or len(name) > MAX_HEADER_NAME:
+        raise errors.ConfigurationError(
+            f"{where}: header name {name!r:.80} is not a valid HTTP header name; {_HEADER_NAME_RULE}"
+        )
     if name.lower() in RESERVED_HEADERS:
         raise errors.ConfigurationError(
-            f"{where}: header {name!r} is set by the dispatcher itself; remove it from the route"
+            f"{where}: header {name!r} is set by the dispatcher itself; remove it from the route (the "
+            f"dispatcher sets {', '.join(sorted(RESERVED_HEADERS))})"
+        )
+    if transport == "jetstream" and name.lower().startswith(_NATS_CONTROL_PREFIX):
+        raise errors.ConfigurationError(
+            f"{where}: header {name!r} is a JetStream control header (Nats-…), which would apply to every "
+            "message of the route; remove it (the dispatcher sets Nats-Msg-Id to the row's idempotency key "
+            "and Nats-Expected-Stream to the route's stream itself)"
         )
     return name
 
 
 def _check_header_value(name: str, value: object, where: str) -> str:
+    """A route's header value: printable ASCII (no CR, LF or other control character), at most
+    :data:`MAX_HEADER_VALUE` characters: what HTTP, NATS and AMQP headers all carry as they are."""
     if (
         not isinstance(value, str)
         or not value.isascii()
         or any(ord(c) < 0x20 or ord(c) == 0x7F for c in value)
+        or len(value) > MAX_HEADER_VALUE
     ):
+        got = f"a {type(value).__name__}" if not isinstance(value, str) else f"{len(value)} characters"
         raise errors.ConfigurationError(
-            f"{where}: the value of header {name!r} must be a printable ASCII string"
+            f"{where}: the value of header {name!r} must be a printable ASCII string (no CR, LF or other "
+            f"control character) of at most {MAX_HEADER_VALUE} characters; got {got}"
         )
     return value
 
@@ -218,15 +256,16 @@ def _check_destination(route: Route, where: str) -> None:
 
 
 def _check_headers(
-    headers: Mapping[str, str], secret_headers: Mapping[str, str], where: str
+    headers: Mapping[str, str], secret_headers: Mapping[str, str], where: str, transport: str
 ) -> tuple[dict[str, str], dict[str, str]]:
     """Static headers (name → value) and secret ones (name → environment variable), neither twice."""
     static = {
-        _check_header_name(k, where): _check_header_value(k, v, where) for k, v in dict(headers).items()
+        _check_header_name(k, where, transport): _check_header_value(k, v, where)
+        for k, v in dict(headers).items()
     }
     secrets_ = {}
     for name, env in dict(secret_headers).items():
-        _check_header_name(name, where)
+        _check_header_name(name, where, transport)
         if not isinstance(env, str) or not _ENV_NAME.match(env):
             raise errors.ConfigurationError(
                 f"{where}: secret header {name!r} must name an environment variable "
@@ -341,7 +380,7 @@ class Route:
     def __post_init__(self) -> None:
         where = _check_url(self.url)
         _check_destination(self, where)
-        headers, secrets_ = _check_headers(self.headers, self.secret_headers, where)
+        headers, secrets_ = _check_headers(self.headers, self.secret_headers, where, self.transport)
         timeout = checks.number(f"{where}: timeout_s", self.timeout_s, above=0, maximum=_MAX_TIMEOUT_S)
         checked: dict[str, object] = {
             "headers": MappingProxyType(headers),
