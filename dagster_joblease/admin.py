@@ -684,7 +684,7 @@ def skip(engine: sa.Engine, row_id: int) -> str | None:
         refusal = skip_refusal(row_id, status)
         if refusal is not None:
             raise AdminRefusedError(refusal)
-        note = skip_note(route_groups.database_now(conn), ordering_key, last_error)
+        note = skipped_row_note(route_groups.database_now(conn), ordering_key, last_error)
         if outbox.skip_dead(conn, row_id, note) != 1:
             raise AdminRefusedError(
                 f"outbox row {row_id} changed while it was being skipped; nothing was changed"
@@ -705,7 +705,7 @@ def skip_refusal(row_id: int, status: str) -> str | None:
     return f"outbox row {row_id} is {status}; only a DEAD row is skipped ({why})"
 
 
-def skip_note(now: datetime, ordering_key: str | None, last_error: str | None) -> str:
+def skipped_row_note(now: datetime, ordering_key: str | None, last_error: str | None) -> str:
     """The ``last_error`` a skipped row keeps: who skipped it, when (``now``, the database clock), its
     ordering key, and the error it had."""
     key = "" if ordering_key is None else f"; its ordering key {ordering_key!r} flows on"

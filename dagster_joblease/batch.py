@@ -503,14 +503,10 @@ def complete_many(service: LeaseService, leases: Iterable[Lease], data: Any = No
     return _write(service, leases, "complete", {"w_result": data})
 
 
-def _error_text(error: str | BaseException) -> str:
-    return _lease.bound_error(error if isinstance(error, str) else f"{type(error).__name__}: {error}")
-
-
 def fail_many(service: LeaseService, leases: Iterable[Lease], error: str | BaseException) -> BatchWrite:
     """Mark every lease of the set ``FAIL`` with the bounded error text, in one statement; the next
     claim retries each with the same key. Fenced per key like :meth:`LeaseService.fail`."""
-    return _write(service, leases, "fail", {"w_error": _error_text(error)})
+    return _write(service, leases, "fail", {"w_error": _lease.bound_error(_lease.error_text(error))})
 
 
 def release_many(

@@ -18,7 +18,6 @@ import os
 import secrets
 import socket
 import threading
-import traceback
 import unicodedata
 from collections.abc import Callable, Iterator
 from datetime import datetime
@@ -293,9 +292,9 @@ class _Heartbeat(threading.Thread):
             self.join()
 
 
-def _error_text(exc: BaseException) -> str:
-    lines = traceback.format_exception_only(type(exc), exc)
-    return "".join(lines).strip()
+def error_text(error: str | BaseException) -> str:
+    """A failure as stored and reported: a str as given, an exception as ``TypeName: message``."""
+    return error if isinstance(error, str) else f"{type(error).__name__}: {error}"
 
 
 class LeaseService:
@@ -566,7 +565,7 @@ class LeaseService:
             if heartbeat is not None:
                 heartbeat.stop()
             try:
-                self.fail(lease, _error_text(exc))
+                self.fail(lease, error_text(exc))
             except errors.LostLeaseError as lost:
                 raise lost from exc
             except errors.StorageError as storage:

@@ -44,7 +44,7 @@ from typing import Any, Protocol
 import sqlalchemy as sa
 
 from dagster_joblease import batch, errors, identity, options, staleness
-from dagster_joblease.lease import Lease, LeaseService, LeaseStatus, NotAcquiredReason
+from dagster_joblease.lease import Lease, LeaseService, LeaseStatus, NotAcquiredReason, error_text
 from dagster_joblease.storage import leases as leases_store
 from dagster_joblease.storage.engine import translate_errors
 
@@ -323,13 +323,9 @@ def _did(wait: Wait, held: Lease, result: Any = None) -> KeyOutcome:
     return KeyOutcome(held.identity, outcome, held.attempt, wait.holder, result=result, lease=held)
 
 
-def _error_text(exc: BaseException) -> str:
-    return f"{type(exc).__name__}: {exc}"
-
-
 def _stopped_text(exc: BaseException, *, held: bool) -> str:
     if isinstance(exc, Exception):
-        return _error_text(exc)
+        return error_text(exc)
     name = type(exc).__name__
     return (
         f"interrupted by {name}; the lease was released"
@@ -417,7 +413,7 @@ class _EachKey:
     def stopped(self, exc: BaseException) -> KeyOutcome:
         held = self.lease
         if held is not None and isinstance(exc, errors.LostLeaseError):
-            return KeyOutcome(self.job, WaitOutcome.LOST, held.attempt, self.wait.holder, _error_text(exc))
+            return KeyOutcome(self.job, WaitOutcome.LOST, held.attempt, self.wait.holder, error_text(exc))
         outcome = cut_short(held=held is not None, completed=held is not None and _completed(self.wait, held))
         if outcome is None and held is not None:
             return _did(self.wait, held)
@@ -503,9 +499,9 @@ class _WaitBatch:
         lost_keys = exc.lost_keys if isinstance(exc, errors.LostBatchLeaseError) else None
         for x in won:
             if lost_keys is None or x.idempotency_key in lost_keys:
-                self.record(x, WaitOutcome.LOST, _error_text(exc))
+                self.record(x, WaitOutcome.LOST, error_text(exc))
             else:
-                why = f"failed by this run with its set: another key of the set was lost ({_error_text(exc)})"
+                why = f"failed by this run with its set: another key of the set was lost ({error_text(exc)})"
                 self.record(x, WaitOutcome.FAILED, why)
 
     def failed_set(self, won: Sequence[Lease], exc: Exception) -> None:
@@ -519,7 +515,7 @@ class _WaitBatch:
             lost = set()
         for x in won:
             self.record(
-                x, WaitOutcome.LOST if x.idempotency_key in lost else WaitOutcome.FAILED, _error_text(exc)
+                x, WaitOutcome.LOST if x.idempotency_key in lost else WaitOutcome.FAILED, error_text(exc)
             )
 
     def call(self, won: Sequence[Lease]) -> bool:

@@ -176,11 +176,11 @@ def test_skip_refuses_every_row_that_is_not_dead(status: str, refusal: str | Non
         ),
     ],
 )
-def test_skip_note_says_who_when_and_keeps_the_error(
+def test_skipped_row_note_says_who_when_and_keeps_the_error(
     key: str | None, last_error: str | None, note: str
 ) -> None:
     now = datetime(2026, 12, 4, 22, 0, 1, 250_000, tzinfo=UTC)
-    assert admin.skip_note(now, key, last_error) == note
+    assert admin.skipped_row_note(now, key, last_error) == note
 
 
 def test_admin_fail_refuses_a_live_lease_then_force_fences_the_old_holder(engine: sa.Engine) -> None:
