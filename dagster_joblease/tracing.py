@@ -44,6 +44,7 @@ except ImportError:  # the optional dependency is absent: every function below i
     TraceContextTextMapPropagator = None  # type: ignore[assignment,misc]
 
 __all__ = [
+    "MESSAGING_SYSTEMS",
     "TIME_IN_OUTBOX",
     "TRACEPARENT_HEADER",
     "TRACESTATE_HEADER",
@@ -64,6 +65,9 @@ TRACESTATE_HEADER = "tracestate"
 TIME_IN_OUTBOX = "joblease.outbox.time_in_outbox"
 #: ``messaging.system`` of every span here (no registered value names a database outbox).
 _SYSTEM = "joblease"
+#: ``messaging.system`` of a transport's send spans and its consumer's process spans: OpenTelemetry's
+#: value for the broker (NATS's conventions: ``nats``, JetStream included; RabbitMQ's: ``rabbitmq``).
+MESSAGING_SYSTEMS = {"http": "http", "jetstream": "nats", "rabbitmq": "rabbitmq"}
 _SCOPE = "dagster_joblease"
 #: W3C Trace Context's traceparent: version, trace id, parent id, flags (lowercase hex; version ff invalid).
 _TRACEPARENT = re.compile(r"(?!ff)[0-9a-f]{2}-[0-9a-f]{32}-[0-9a-f]{16}-[0-9a-f]{2}(-[!-~]*)?")
@@ -230,12 +234,13 @@ def sending(
     topic: str, idempotency_key: str, traced: TraceContext, *, system: str = _SYSTEM
 ) -> Iterator[_Sending]:
     """Around one delivery attempt: the ``send {topic}`` span, linked to the row's creation context (when
-    it has one). ``system``: ``messaging.system`` of the transport that sends."""
+    it has one). ``system``: the transport that sends (its ``messaging.system`` is
+    :data:`MESSAGING_SYSTEMS`'s; any other text is taken as it is)."""
     if trace is None:
         yield _Sending(None)
         return
     creation = _span_context_of(traced)
-    attributes = _attributes("send", topic, system, idempotency_key)
+    attributes = _attributes("send", topic, MESSAGING_SYSTEMS.get(system, system), idempotency_key)
     tracer = _tracer()
     with tracer.start_as_current_span(
         f"send {topic}",

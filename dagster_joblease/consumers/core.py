@@ -128,8 +128,8 @@ class BrokerConsumer(abc.ABC, Generic[M]):
 
     #: The broker's name in the log.
     broker: ClassVar[str]
-    #: ``messaging.system`` of the process span: the dispatcher's send span names the same (the route's
-    #: transport), so both ends of a message agree.
+    #: ``messaging.system`` of the process span: the broker's OpenTelemetry value, which the dispatcher's
+    #: send span of the same message names too (:data:`dagster_joblease.tracing.MESSAGING_SYSTEMS`).
     system: ClassVar[str]
 
     def __init__(

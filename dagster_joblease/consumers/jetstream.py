@@ -23,6 +23,7 @@ and the inbox replays it without running the handler.
 
 from __future__ import annotations
 
+from dagster_joblease import tracing
 from dagster_joblease.consumers.core import BrokerConsumer, Delivery
 
 try:
@@ -43,7 +44,7 @@ class JetStreamConsumer(BrokerConsumer[Msg]):
     :class:`~dagster_joblease.consumers.core.BrokerConsumer` for the arguments)."""
 
     broker = "JetStream"
-    system = "jetstream"
+    system = tracing.MESSAGING_SYSTEMS["jetstream"]
 
     def delivery(self, message: Msg) -> Delivery | None:
         headers = dict(message.headers or {})

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import asyncio
 
+from dagster_joblease import tracing
 from dagster_joblease.consumers.core import BrokerConsumer, Delivery
 
 try:
@@ -42,7 +43,7 @@ class RabbitMQConsumer(BrokerConsumer[aio_pika.abc.AbstractIncomingMessage]):
     requeued message at once, so a failed one waits ``retry_delay_s`` before it is requeued)."""
 
     broker = "RabbitMQ"
-    system = "rabbitmq"
+    system = tracing.MESSAGING_SYSTEMS["rabbitmq"]
 
     def delivery(self, message: aio_pika.abc.AbstractIncomingMessage) -> Delivery | None:
         if not message.message_id:
