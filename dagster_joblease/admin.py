@@ -22,7 +22,7 @@ import difflib
 import os
 import re
 import secrets
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from datetime import UTC, datetime
 from typing import Any
 
@@ -33,7 +33,7 @@ from dagster_joblease.errors import AdminArgumentError, AdminRefusedError
 from dagster_joblease.lease import LeaseStatus, bound_error
 from dagster_joblease.options import MAX_DURATION_MS, default_heartbeat_ms
 from dagster_joblease.outbox import OutboxStatus
-from dagster_joblease.storage import leases, outbox, outbox_events, route_groups
+from dagster_joblease.storage import leases, outbox, outbox_events, purge, route_groups
 from dagster_joblease.storage.engine import translate_errors
 
 __all__ = [
@@ -265,6 +265,29 @@ class OutboxStats:
             "oldest_due_age_ms": self.oldest_due_age_ms,
             "total": self.total,
         }
+
+
+# -- purges: one transaction per batch -------------------------------------------------------------
+
+
+def _in_batches(
+    engine: sa.Engine, action: str, one_batch: Callable[[sa.Connection, int], int], *, dry_run: bool
+) -> int:
+    """Run a storage purge (``one_batch(conn, limit)``: at most ``limit`` rows on ``conn``) one transaction
+    per batch of :data:`~dagster_joblease.storage.purge.PURGE_BATCH` until a batch comes back short, so a
+    large purge never holds long locks; the total. ``dry_run``: the one count it returns."""
+    limit = purge.PURGE_BATCH
+    with translate_errors(action):
+        if dry_run:
+            with engine.connect() as conn:
+                return one_batch(conn, limit)
+        total = 0
+        while True:
+            with engine.begin() as conn:
+                deleted = one_batch(conn, limit)
+            total += deleted
+            if deleted < limit:
+                return total
 
 
 # -- validation ------------------------------------------------------------------------------------
@@ -550,7 +573,14 @@ def purge_leases(
             "long as such a replay is possible, or lower the configured minimum deliberately. Nothing was "
             "deleted."
         )
-    return leases.purge_finished_schedules(engine, finished_before_ms=window, dry_run=dry_run)
+    return _in_batches(
+        engine,
+        "purge leases",
+        lambda conn, limit: leases.purge_finished_schedules(
+            conn, finished_before_ms=window, dry_run=dry_run, limit=limit
+        ),
+        dry_run=dry_run,
+    )
 
 
 # -- outbox ----------------------------------------------------------------------------------------
@@ -738,7 +768,12 @@ def purge_sent(engine: sa.Engine, *, older_than_ms: int, min_retention_ms: int, 
     purged.
     """
     window = _retention_window(older_than_ms, min_retention_ms, "outbox rows sent")
-    return outbox.purge_sent(engine, sent_before_ms=window, dry_run=dry_run)
+    return _in_batches(
+        engine,
+        "purge sent and skipped outbox rows",
+        lambda conn, limit: outbox.purge_sent(conn, sent_before_ms=window, dry_run=dry_run, limit=limit),
+        dry_run=dry_run,
+    )
 
 
 def purge_events(
@@ -755,7 +790,14 @@ def purge_events(
     :func:`purge_sent`, or :class:`RetentionWindowError` is raised and nothing is deleted.
     """
     window = _retention_window(older_than_ms, min_retention_ms, "CDC events written")
-    return outbox_events.purge_older_than(engine, older_than_ms=window, dry_run=dry_run)
+    return _in_batches(
+        engine,
+        "purge CDC outbox events",
+        lambda conn, limit: outbox_events.purge_older_than(
+            conn, older_than_ms=window, dry_run=dry_run, limit=limit
+        ),
+        dry_run=dry_run,
+    )
 
 
 def _retention_window(older_than_ms: int, min_retention_ms: int, rows: str) -> int:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import multiprocessing
 import secrets
 from datetime import UTC, datetime
+from typing import Any
 
 import pytest
 import sqlalchemy as sa
@@ -14,6 +15,8 @@ from dagster_joblease.identity import JobIdentity
 from dagster_joblease.lease import LeaseService, NotAcquiredReason
 from dagster_joblease.storage import create_engine
 from dagster_joblease.storage import leases as store
+from dagster_joblease.storage import outbox as outbox_store
+from dagster_joblease.storage.clock import db_now_plus_ms
 from dagster_joblease.storage.schema import lease_table, outbox_table
 from tests.admin_helpers import (
     DAY_MS,
@@ -395,6 +398,38 @@ def test_outbox_purge_never_deletes_a_row_that_left_sent_while_it_runs(pg_url: s
     assert deleted == 0
     assert [r.status for r in admin.list_outbox(engine)] == ["PENDING"]  # PENDING rows are never purged
     engine.dispose()
+
+
+def test_a_purge_runs_one_transaction_per_batch_until_a_short_one(
+    engine: sa.Engine, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """admin runs the storage purge batch by batch (each its own transaction) until one comes back short;
+    sent rows first, then skipped ones, at most one batch's worth per transaction."""
+    from dagster_joblease.storage import purge
+
+    for i in range(3):
+        add_outbox_row(engine, f"k-sent-{i}", "billing", status="SENT", attempts=1, sent_ago_ms=2 * DAY_MS)
+    skipped = [add_outbox_row(engine, f"k-skip-{i}", "billing", status="SKIPPED") for i in range(2)]
+    o = outbox_table
+    with engine.begin() as conn:
+        conn.execute(
+            sa.update(o)
+            .where(o.c.id.in_(skipped))
+            .values(updated_at=db_now_plus_ms(sa.literal(-2 * DAY_MS, sa.BigInteger())))
+        )
+    batches: list[int] = []
+    one_batch = outbox_store.purge_sent
+
+    def counted(conn: sa.Connection, **kwargs: Any) -> int:
+        batches.append(n := one_batch(conn, **kwargs))
+        return n
+
+    monkeypatch.setattr(purge, "PURGE_BATCH", 2)
+    monkeypatch.setattr(outbox_store, "purge_sent", counted)
+    assert admin.purge_sent(engine, older_than_ms=DAY_MS, min_retention_ms=DAY_MS, dry_run=True) == 5
+    assert admin.purge_sent(engine, older_than_ms=DAY_MS, min_retention_ms=DAY_MS) == 5
+    assert batches == [5, 2, 2, 1]  # the dry run's count, then 2 sent, 1 sent + 1 skipped, 1 skipped
+    assert admin.list_outbox(engine) == []
 
 
 def test_windows_are_bounded_so_what_is_accepted_works_on_both_backends(engine: sa.Engine) -> None:

@@ -21,7 +21,7 @@ import sqlalchemy as sa
 from sqlalchemy.dialects import postgresql, sqlite
 from sqlalchemy.sql import visitors
 
-from dagster_joblease.storage import driver, rowset
+from dagster_joblease.storage import driver, purge, rowset
 from dagster_joblease.storage.clock import db_now, db_now_plus_ms, ms_until, readable_ts
 from dagster_joblease.storage.driver import Query, Statements
 from dagster_joblease.storage.schema import any_status, lease_table
@@ -766,17 +766,18 @@ def recent_names(conn: sa.Connection, limit: int) -> list[tuple[str, str | None]
     return [(str(c), k) for c, k in conn.execute(stmt)]
 
 
-def purge_finished_schedules(engine: sa.Engine, *, finished_before_ms: int, dry_run: bool) -> int:
-    """Delete (or count, ``dry_run``) SUCCESS and FAIL rows of SCHEDULE runs that finished more than
-    ``finished_before_ms`` ago on the database clock, in short batches."""
-    from dagster_joblease.storage import purge
-
+def purge_finished_schedules(
+    conn: sa.Connection, *, finished_before_ms: int, dry_run: bool, limit: int
+) -> int:
+    """Delete at most ``limit`` (or count all, ``dry_run``) SUCCESS and FAIL rows of SCHEDULE runs that
+    finished more than ``finished_before_ms`` ago on the database clock: one batch (see
+    :func:`dagster_joblease.storage.purge.batch`)."""
     where = sa.and_(
         _t.c.job_type == "SCHEDULE",
         _t.c.status.in_([SUCCESS, FAIL]),
         _t.c.finished_at < purge.cutoff(finished_before_ms),
     )
-    return purge.in_batches(engine, _t, where, "purge leases", dry_run=dry_run)
+    return purge.batch(conn, _t, where, dry_run=dry_run, limit=limit)
 
 
 # -- reconciliation's reads ---------------------------------------------------------------------------

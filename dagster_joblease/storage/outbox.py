@@ -21,7 +21,7 @@ from typing import Any
 import sqlalchemy as sa
 from sqlalchemy.dialects import postgresql, sqlite
 
-from dagster_joblease.storage import driver, route_groups, rowset
+from dagster_joblease.storage import driver, purge, route_groups, rowset
 from dagster_joblease.storage.clock import claim_now, db_now, db_now_plus_ms, ms_until, readable_ts
 from dagster_joblease.storage.driver import Statements
 from dagster_joblease.storage.schema import outbox_table, route_group_table
@@ -50,7 +50,6 @@ __all__ = [
     "insert_many_keyed",
     "lock_ordering_keys",
     "in_flight_by_group",
-    "in_flight_query",
     "insert_many",
     "insert_pending",
     "blocked_keys",
@@ -691,17 +690,16 @@ def requeue_dead(conn: sa.Connection, topic: str | None) -> int:
     return int(conn.execute(sa.update(_t).where(where).values(**_requeued())).rowcount)
 
 
-def purge_sent(engine: sa.Engine, *, sent_before_ms: int, dry_run: bool) -> int:
-    """Delete (or count, ``dry_run``) SENT rows delivered more than ``sent_before_ms`` ago on the
-    database clock, and SKIPPED rows skipped that long ago (their ``updated_at``, which the skip set to the
-    database clock and nothing changes after), in short batches."""
-    from dagster_joblease.storage import purge
-
+def purge_sent(conn: sa.Connection, *, sent_before_ms: int, dry_run: bool, limit: int) -> int:
+    """Delete at most ``limit`` (or count all, ``dry_run``) SENT rows delivered more than
+    ``sent_before_ms`` ago on the database clock, then SKIPPED rows skipped that long ago (their
+    ``updated_at``, which the skip set to the database clock and nothing changes after): one batch (see
+    :func:`dagster_joblease.storage.purge.batch`)."""
     cutoff = purge.cutoff(sent_before_ms)
     sent = sa.and_(_t.c.status == _SENT_TEXT, _t.c.sent_at < cutoff)
-    count = purge.in_batches(engine, _t, sent, "purge sent outbox rows", dry_run=dry_run)
+    count = purge.batch(conn, _t, sent, dry_run=dry_run, limit=limit)
     skipped = sa.and_(_SKIPPED, _t.c.updated_at < cutoff)
-    return count + purge.in_batches(engine, _t, skipped, "purge skipped outbox rows", dry_run=dry_run)
+    return count + purge.batch(conn, _t, skipped, dry_run=dry_run, limit=limit - count)
 
 
 def delivery_counts_by_topic(conn: sa.Connection) -> dict[str, list[int]]:
@@ -735,7 +733,7 @@ def in_flight_by_group(conn: sa.Connection) -> dict[str, int]:
     return {str(group): int(n) for group, n in conn.execute(stmt)}
 
 
-def in_flight_query(group: str) -> sa.Select[Any]:
+def _in_flight_query(group: str) -> sa.Select[Any]:
     """``SELECT count(*)`` of the claims holding ``group``'s capacity now (see :func:`count_in_flight`);
     a limited claim counts it as a subquery in its own LIMIT (:func:`slots_left`)."""
     return sa.select(sa.func.count()).select_from(_t).where(_t.c.claim_group == group, live_claim(), _PENDING)
@@ -749,7 +747,7 @@ def slots_left(
     release committed before)."""
     if isinstance(want, int):
         want = sa.literal(want, sa.Integer())
-    left = sa.literal(max_in_flight, sa.Integer()) - in_flight_query(group).scalar_subquery()
+    left = sa.literal(max_in_flight, sa.Integer()) - _in_flight_query(group).scalar_subquery()
     if dialect_name == "postgresql":
         return sa.func.greatest(0, sa.func.least(want, left), type_=sa.Integer())
     return sa.func.max(0, sa.func.min(want, left), type_=sa.Integer())
@@ -757,7 +755,7 @@ def slots_left(
 
 def count_in_flight(conn: sa.Connection, group: str) -> int:
     """Requests of ``group`` in flight now: unexpired claims holding its capacity (any dispatcher)."""
-    return int(conn.execute(in_flight_query(group)).scalar_one())
+    return int(conn.execute(_in_flight_query(group)).scalar_one())
 
 
 def delete_all(conn: sa.Connection) -> None:
@@ -1014,9 +1012,9 @@ def due_in(topics: Collection[str]) -> sa.Select[Any]:
 
 
 def slot_look(group: str, topics: Collection[str]) -> sa.Select[Any]:
-    """A lock-free look at a limit group: its requests in flight (:func:`in_flight_query`) and whether a
+    """A lock-free look at a limit group: its requests in flight (:func:`_in_flight_query`) and whether a
     row of its ``topics`` is due."""
-    return sa.select(in_flight_query(group).scalar_subquery(), due_in(topics).exists())
+    return sa.select(_in_flight_query(group).scalar_subquery(), due_in(topics).exists())
 
 
 def swap(

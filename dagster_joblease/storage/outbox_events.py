@@ -13,7 +13,7 @@ from typing import Any
 import sqlalchemy as sa
 from sqlalchemy.dialects import postgresql, sqlite
 
-from dagster_joblease.storage import driver
+from dagster_joblease.storage import driver, purge
 from dagster_joblease.storage.clock import db_now
 from dagster_joblease.storage.driver import Statements
 from dagster_joblease.storage.outbox import payload_param
@@ -78,10 +78,8 @@ def existing(db: Statements, key: str) -> tuple[str, str, str] | None:
     return None if row is None else (str(row[0]), str(row[1]), str(row[2]))
 
 
-def purge_older_than(engine: sa.Engine, *, older_than_ms: int, dry_run: bool) -> int:
-    """Delete (or count, ``dry_run``) events inserted more than ``older_than_ms`` ago on the database
-    clock, in short batches."""
-    from dagster_joblease.storage import purge
-
+def purge_older_than(conn: sa.Connection, *, older_than_ms: int, dry_run: bool, limit: int) -> int:
+    """Delete at most ``limit`` (or count all, ``dry_run``) events inserted more than ``older_than_ms`` ago
+    on the database clock: one batch (see :func:`dagster_joblease.storage.purge.batch`)."""
     old = _t.c.created_at < purge.cutoff(older_than_ms)
-    return purge.in_batches(engine, _t, old, "purge CDC outbox events", dry_run=dry_run)
+    return purge.batch(conn, _t, old, dry_run=dry_run, limit=limit)

@@ -1,5 +1,6 @@
 """Deleting old rows in short batches: the mechanism behind ``leases purge`` and ``outbox purge`` (the
-store modules say which rows; :mod:`dagster_joblease.admin` says whether the window is allowed)."""
+store modules say which rows; :mod:`dagster_joblease.admin` says whether the window is allowed and runs
+one transaction per batch)."""
 
 from __future__ import annotations
 
@@ -8,9 +9,8 @@ from typing import Any
 import sqlalchemy as sa
 
 from dagster_joblease.storage.clock import db_now_plus_ms
-from dagster_joblease.storage.engine import translate_errors
 
-__all__ = ["PURGE_BATCH", "cutoff", "in_batches"]
+__all__ = ["PURGE_BATCH", "batch", "cutoff"]
 
 PURGE_BATCH = 5_000
 
@@ -22,27 +22,23 @@ def cutoff(window_ms: int) -> sa.ScalarSelect[Any]:
     return sa.select(db_now_plus_ms(sa.literal(-window_ms, sa.BigInteger()))).scalar_subquery()
 
 
-def in_batches(
-    engine: sa.Engine, table: sa.Table, where: sa.ColumnElement[bool], action: str, *, dry_run: bool
+def batch(
+    conn: sa.Connection, table: sa.Table, where: sa.ColumnElement[bool], *, dry_run: bool, limit: int
 ) -> int:
-    """Delete the rows of ``table`` matching ``where`` in batches of :data:`PURGE_BATCH`, each its own
-    transaction, so a large purge never holds long locks; how many (or, ``dry_run``, how many would be).
+    """Delete at most ``limit`` rows of ``table`` matching ``where`` on ``conn``; how many. ``dry_run``:
+    count every matching row instead and delete nothing. The caller commits each batch (a purge runs one
+    transaction per batch of :data:`PURGE_BATCH`, so it never holds long locks) and stops after a batch
+    short of its limit.
 
     The DELETE repeats ``where`` on the rows it deletes, not just their ids: under READ COMMITTED a row
     that changed after the batch was selected (a FAIL lease reclaimed to RUNNING) is re-checked against
     its new version, and skipped. Matching on ``id`` alone would delete a live lease (two holders).
     """
     ids = sa.select(table.c.id).where(where)
-    with translate_errors(action):
-        if dry_run:
-            with engine.connect() as conn:
-                return int(conn.execute(sa.select(sa.func.count()).select_from(ids.subquery())).scalar_one())
-        total = 0
-        while True:
-            with engine.begin() as conn:
-                # correlate(None): the subquery reads the same table the DELETE targets.
-                batch = ids.limit(PURGE_BATCH).correlate(None).scalar_subquery()
-                deleted = conn.execute(sa.delete(table).where(table.c.id.in_(batch), where)).rowcount
-            total += deleted
-            if deleted < PURGE_BATCH:
-                return total
+    if dry_run:
+        return int(conn.execute(sa.select(sa.func.count()).select_from(ids.subquery())).scalar_one())
+    if limit <= 0:
+        return 0
+    # correlate(None): the subquery reads the same table the DELETE targets.
+    chosen = ids.limit(limit).correlate(None).scalar_subquery()
+    return int(conn.execute(sa.delete(table).where(table.c.id.in_(chosen), where)).rowcount)

@@ -4,7 +4,7 @@ is judged by (a pause in force, a registered limit in force, a registration fres
 SQL (:func:`paused`, :func:`in_force`, :func:`fresh_for`) and used by the row's read (the locked claim's
 too) and by the swap (:func:`dagster_joblease.storage.outbox.swap`). The decisions themselves are in
 :mod:`dagster_joblease.limits`; the count of a group's claims in flight is a statement on the outbox, so
-it is :func:`dagster_joblease.storage.outbox.in_flight_query`.
+it is :func:`dagster_joblease.storage.outbox.count_in_flight`.
 
 Only row locks inside short transactions (``SELECT … FOR UPDATE`` on PostgreSQL; SQLite's ``BEGIN
 IMMEDIATE`` serializes writers anyway): no advisory locks, no LISTEN/NOTIFY, no SQL-level PREPARE, so it
