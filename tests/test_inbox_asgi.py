@@ -21,8 +21,9 @@ from psycopg.rows import dict_row
 from sqlalchemy.ext.asyncio import create_async_engine
 
 from dagster_joblease import errors
-from dagster_joblease.inbox import AsyncInbox, Inbox, InboxMiddleware, inbox_connection
+from dagster_joblease.inbox import AsyncInbox, Inbox, InboxMiddleware, core, inbox_connection
 from dagster_joblease.storage import create_engine
+from dagster_joblease.storage import inbox as store
 from tests.inbox_app import build_app, orders, shop_metadata
 
 pytestmark = pytest.mark.anyio
@@ -325,3 +326,50 @@ async def test_the_async_inbox_takes_psycopg_connections_of_any_shape(pg_url: st
     finally:
         await pool.close()
         engine.dispose()
+
+
+@pytest.mark.parametrize("kind", ["async-psycopg", "async-sqlalchemy"])
+async def test_a_key_recorded_first_by_another_transaction_rolls_this_effect_back(
+    pg_url: str, kind: str
+) -> None:
+    """The answer's row and the COMMIT go in one round trip on psycopg: a key another transaction recorded
+    meanwhile (here, written without the in-flight lock) must still fail the record, keep the COMMIT
+    from applying this effect, and answer the first transaction's answer as a replay."""
+    async for shop in _shop(kind, pg_url):
+        inbox = shop.inbox
+        assert isinstance(inbox, AsyncInbox)
+        tx = inbox.transaction("raced", "fp-1")
+        assert await tx.begin() is None
+        if kind == "async-psycopg":
+            await tx.connection.execute("INSERT INTO shop_order (order_id, amount) VALUES (7, 1)")
+        else:
+            await tx.connection.execute(sa.text("INSERT INTO shop_order (order_id, amount) VALUES (7, 1)"))
+        other = inbox.transaction("raced", "fp-1")
+        with shop.engine.begin() as conn:  # the other writer's DONE record, committed first
+            theirs = core.Answer(201, "theirs", (("content-type", "x/y"),))
+            conn.execute(store.RECORD_DONE.postgresql, core.record_params("raced", "fp-1", None, theirs))
+        result = await tx.commit(core.Answer(200, "mine", ()))
+        assert (result.status_code, result.body, result.replayed) == (201, "theirs", True)
+        assert result.headers == (("content-type", "x/y"),)
+        assert shop.applied(7) == 0
+        assert (await other.begin()) == result  # the key still replays the first answer
+
+
+async def test_an_effects_own_unique_violation_at_commit_is_an_error_not_a_replay(pg_url: str) -> None:
+    """A deferred constraint of the effect's table fails at COMMIT, in the record's round trip: that is
+    the effect's error (503, nothing stored), never read as another transaction's record."""
+    async for shop in _shop("async-psycopg", pg_url):
+        with shop.engine.begin() as conn:
+            conn.exec_driver_sql("CREATE TABLE deferred_effect (n int UNIQUE DEFERRABLE INITIALLY DEFERRED)")
+        inbox = shop.inbox
+        assert isinstance(inbox, AsyncInbox)
+
+        async def twice(conn: Any) -> tuple[int, str]:
+            await conn.execute("INSERT INTO deferred_effect VALUES (1), (1)")
+            return 201, "made"
+
+        with pytest.raises(errors.StorageError, match="record an inbox result"):
+            await inbox.process("deferred", {"v": 1}, twice)
+        with shop.engine.connect() as conn:
+            assert conn.exec_driver_sql("SELECT count(*) FROM deferred_effect").scalar_one() == 0
+            assert conn.exec_driver_sql("SELECT count(*) FROM joblease_inbox").scalar_one() == 0

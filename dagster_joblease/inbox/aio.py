@@ -22,6 +22,7 @@ from contextlib import AbstractAsyncContextManager
 from typing import TYPE_CHECKING, Any, Generic, TypeVar, cast, overload
 
 import psycopg
+import psycopg.errors
 import psycopg.rows
 
 from dagster_joblease import errors
@@ -30,6 +31,7 @@ from dagster_joblease.inbox.core import Answer, InboxResult, VerdictKind
 from dagster_joblease.storage import inbox as store
 from dagster_joblease.storage.driver import Query
 from dagster_joblease.storage.engine import translate_errors
+from dagster_joblease.storage.schema import inbox_table
 
 if TYPE_CHECKING:
     from sqlalchemy.ext.asyncio import AsyncEngine
@@ -64,6 +66,15 @@ class _Session(abc.ABC):
     @abc.abstractmethod
     async def end(self, commit: bool) -> None:
         """Commit (``commit``) or roll back, and give the connection back."""
+
+    async def record(self, params: dict[str, Any]) -> bool:
+        """Store the key's answer (:data:`~dagster_joblease.storage.inbox.RECORD_DONE`) and commit it
+        with the effect: True. False when another transaction recorded the key first: nothing committed,
+        the caller rolls back. The connection stays checked out until :meth:`end`."""
+        if await self.first(store.RECORD_DONE, params) is None:
+            return False
+        await self.connection.commit()
+        return True
 
     async def run(self, batch: core.Batch) -> tuple[Any, ...]:
         """Each statement of ``batch`` in order: its first row (returning rows) or rowcount."""
@@ -157,6 +168,23 @@ class _PsycopgSession(_Session):
         await self._cursor.execute(query.sql, query.args(params))
         return int(self._cursor.rowcount)
 
+    async def record(self, params: dict[str, Any]) -> bool:
+        """The answer's row and the COMMIT in one pipeline round trip. The row is
+        :data:`~dagster_joblease.storage.inbox.RECORD_NEW` (no ``ON CONFLICT``): a key recorded first fails
+        it with a unique violation on the inbox table, the server skips the COMMIT queued behind it, and
+        this returns False with the transaction failed (the caller rolls back). Any other error raises."""
+        conn = self.connection
+        query = store.RECORD_NEW
+        try:
+            async with conn.pipeline():
+                await self._cursor.execute(query.sql, query.args(params))
+                await conn.commit()
+        except psycopg.errors.UniqueViolation as exc:
+            if exc.diag.table_name != inbox_table.name:
+                raise  # the effect's own constraint (a deferred one fails at COMMIT): not the key's record
+            return False
+        return True
+
     async def end(self, commit: bool) -> None:
         try:
             await (self.connection.commit() if commit else self.connection.rollback())
@@ -224,14 +252,14 @@ class AsyncInboxTransaction(Generic[C]):
         params = core.record_params(self.record_key, self.fingerprint, self.fence, answer)
         try:
             with translate_errors("record an inbox result"):
-                recorded = await session.first(store.RECORD_DONE, params)
-                if recorded is not None:
+                recorded = await session.record(params)
+                if recorded:
                     self._session = None
-                    await session.end(commit=True)
+                    await session.end(commit=True)  # committed: gives the connection back
         except BaseException:
             await self.rollback()
             raise
-        if recorded is None:
+        if not recorded:
             await self.rollback()
             return await self._look_again()
         logger.debug("inbox key %r processed (status %d)", self.key, answer.status_code)

@@ -14,6 +14,9 @@ Each is a :class:`~dagster_joblease.storage.driver.Query`, built once at import.
    finished transaction already recorded, even when the effect writes outside the inbox's transaction.
 3. The effect runs on the same connection; :data:`RECORD_DONE` stores the answer (``ON CONFLICT DO
    NOTHING``: no row back means another transaction recorded the key first, and this one rolls back).
+   :data:`RECORD_NEW` is the same row without ``ON CONFLICT``, for a caller that sends the COMMIT in the
+   same round trip: a key recorded first fails it with a unique violation on this table, the server
+   skips the COMMIT behind it, and the transaction rolls back.
 
 :data:`EXPIRE_CLAIM` removes a claim left by an older version's crashed two-step consumer;
 :data:`RAISE_FENCE` keeps the highest fencing number accepted under a key; :data:`PURGE_DONE` is retention.
@@ -39,6 +42,7 @@ __all__ = [
     "RAISE_FENCE",
     "READ_KEY",
     "RECORD_DONE",
+    "RECORD_NEW",
     "InboxStatus",
     "KeyRow",
     "delete_all",
@@ -108,25 +112,25 @@ def _read_key() -> Any:
     ).where(_t.c.idempotency_key == _key)
 
 
-def _record_done(dialect_name: str) -> Any:
-    """Store the key as DONE with its answer and fencing number; returns a row only if this inserted it."""
+def _record_done(dialect_name: str, *, on_conflict: bool = True) -> Any:
+    """Store the key as DONE with its answer and fencing number; returns a row only if this inserted it
+    (without ``on_conflict``: a key already recorded fails the statement)."""
     insert = (postgresql.insert if dialect_name == "postgresql" else sqlite.insert)(_t)
-    return (
-        insert.values(
-            idempotency_key=_key,
-            payload_sha256=sa.bindparam("sha256", type_=sa.String()),
-            status=InboxStatus.DONE.value,
-            response_status=sa.bindparam("response_status", type_=sa.Integer()),
-            response_body=sa.bindparam("response_body", type_=sa.Text()),
-            response_content=sa.bindparam("response_content", type_=sa.LargeBinary()),
-            response_headers=sa.bindparam("response_headers", type_=sa.Text()),
-            fence=sa.bindparam("fence", type_=sa.BigInteger()),
-            created_at=db_now(),
-            completed_at=db_now(),
-        )
-        .on_conflict_do_nothing(index_elements=[_t.c.idempotency_key])
-        .returning(_t.c.idempotency_key)
+    stored = insert.values(
+        idempotency_key=_key,
+        payload_sha256=sa.bindparam("sha256", type_=sa.String()),
+        status=InboxStatus.DONE.value,
+        response_status=sa.bindparam("response_status", type_=sa.Integer()),
+        response_body=sa.bindparam("response_body", type_=sa.Text()),
+        response_content=sa.bindparam("response_content", type_=sa.LargeBinary()),
+        response_headers=sa.bindparam("response_headers", type_=sa.Text()),
+        fence=sa.bindparam("fence", type_=sa.BigInteger()),
+        created_at=db_now(),
+        completed_at=db_now(),
     )
+    if on_conflict:
+        stored = stored.on_conflict_do_nothing(index_elements=[_t.c.idempotency_key])
+    return stored.returning(_t.c.idempotency_key)
 
 
 def _expire_claim() -> Any:
@@ -159,6 +163,7 @@ def _purge_done() -> Any:
 LOCK_KEY = driver.query(_lock_key())
 READ_KEY = driver.query(_read_key())
 RECORD_DONE = driver.query(_record_done("postgresql"), _record_done("sqlite"))
+RECORD_NEW = driver.query(_record_done("postgresql", on_conflict=False))
 EXPIRE_CLAIM = driver.query(_expire_claim())
 RAISE_FENCE = driver.query(_raise_fence())
 PURGE_DONE = driver.query(_purge_done())
