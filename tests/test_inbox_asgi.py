@@ -373,3 +373,36 @@ async def test_an_effects_own_unique_violation_at_commit_is_an_error_not_a_repla
         with shop.engine.connect() as conn:
             assert conn.exec_driver_sql("SELECT count(*) FROM deferred_effect").scalar_one() == 0
             assert conn.exec_driver_sql("SELECT count(*) FROM joblease_inbox").scalar_one() == 0
+
+
+async def test_keys_and_answers_of_any_characters_round_trip_on_psycopg(pg_url: str) -> None:
+    """The psycopg session binds its statements client-side (one query string per round trip): quotes,
+    backslashes, percent signs, semicolons and non-ASCII in keys, bodies and headers are data, never SQL,
+    and a bytes answer keeps its bytes."""
+    pool = psycopg_pool.AsyncConnectionPool(_conninfo(pg_url), min_size=1, max_size=2, open=False)
+    await pool.open()
+    try:
+        inbox = AsyncInbox(pool.connection)
+        keys = ["it's", "a\\b", "50%s %(x)s", "k'; DROP TABLE joblease_inbox; --", "ключ ☃", '"q"']
+        for n, key in enumerate(keys):
+            body: str | bytes = f"body {key}" if n % 2 else bytes(range(256)) + key.encode()
+
+            async def effect(conn: Any, body: str | bytes = body, key: str = key) -> tuple[Any, ...]:
+                return 201, body, (("x-key", key.encode().hex()),)
+
+            first = await inbox.process(key, {"key": key}, effect)
+            again = await inbox.process(key, {"key": key}, effect)
+            assert (first.replayed, again.replayed) == (False, True)
+            assert (again.status_code, again.body, again.headers) == (
+                201,
+                body,
+                (("x-key", key.encode().hex()),),
+            )
+            with pytest.raises(errors.InboxConflictError):
+                await inbox.process(key, {"key": key, "other": 1}, effect)
+        async with pool.connection() as conn:
+            assert conn.autocommit is False  # the pool's connections get their own mode back
+            count = await (await conn.execute("SELECT count(*) FROM joblease_inbox")).fetchone()
+            assert count == (len(keys),)
+    finally:
+        await pool.close()

@@ -119,12 +119,17 @@ def test_enqueue_on_psycopg_connections_without_the_setting_fails_as_configurati
         _check(_failures(enqueue))
 
 
-def test_async_inbox_without_the_setting_fails_as_configuration_errors(bounced: BouncedDatabase) -> None:
-    """The AsyncInbox on psycopg pools (what the reference receiver runs): psycopg prepares a statement
-    after its fifth use, so the rounds soon meet another pool's statements on a shared server session."""
+def test_async_inbox_without_the_setting_fails_only_in_its_effects_statements(
+    bounced: BouncedDatabase,
+) -> None:
+    """The AsyncInbox on psycopg pools (what the reference receiver runs) binds its own statements
+    client-side and never prepares them, so with an empty effect no round fails without the setting. An
+    effect's statement on the inbox's connection keeps psycopg's threshold (prepared after its fifth use),
+    so those rounds soon meet another pool's statements on a shared server session: a ConfigurationError
+    when the effect runs under ``translate_errors``, as the reference receiver's does."""
     conninfo = make_url(bounced.bare_url).set(drivername="postgresql").render_as_string(hide_password=False)
 
-    async def rounds() -> list[errors.ConfigurationError]:
+    async def rounds(writes: bool) -> list[errors.ConfigurationError]:
         failures: list[errors.ConfigurationError] = []
         pools = [AsyncConnectionPool(conninfo, min_size=1, max_size=1, open=False) for _ in range(2)]
         for pool in pools:
@@ -133,11 +138,14 @@ def test_async_inbox_without_the_setting_fails_as_configuration_errors(bounced: 
             inboxes = [AsyncInbox(pool.connection) for pool in pools]
 
             async def effect(conn: Any) -> tuple[int, str]:
+                if writes:
+                    with translate_errors("run a test effect"):
+                        await conn.execute("SELECT %s::int", (1,))
                 return 200, "{}"
 
             for i in range(ROUNDS):
                 try:
-                    await inboxes[i % 2].process(f"key-{i:03d}", {"i": i}, effect)
+                    await inboxes[i % 2].process(f"key-{writes}-{i:03d}", {"i": i}, effect)
                 except errors.ConfigurationError as exc:
                     failures.append(exc)
         finally:
@@ -145,7 +153,8 @@ def test_async_inbox_without_the_setting_fails_as_configuration_errors(bounced: 
                 await pool.close()
         return failures
 
-    _check(anyio.run(rounds))
+    assert anyio.run(rounds, False) == []
+    _check(anyio.run(rounds, True))
 
 
 def test_translate_errors_maps_only_prepared_statement_errors(pg_url: str) -> None:

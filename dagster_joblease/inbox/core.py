@@ -153,7 +153,7 @@ class Step(NamedTuple):
 
 
 #: Statements a transaction runs in order, each its own statement, which a runner may send in one round
-#: trip (psycopg's pipeline); it sends back their first rows, in order.
+#: trip (on psycopg, one query string); it sends back their first rows, in order.
 Batch = tuple[Step, ...]
 
 

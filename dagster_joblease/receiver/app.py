@@ -354,7 +354,8 @@ def _async_endpoint(effect_delay_ms: int) -> Callable[[Request], Awaitable[Respo
             return parts
         key, topic, payload = parts
         conn: psycopg.AsyncConnection[Any] = inbox_connection(request)
-        await conn.execute(_EFFECT_SQL, (key, topic, payload))
+        with translate_errors("apply the receiver's effect"):
+            await conn.execute(_EFFECT_SQL, (key, topic, payload))
         if effect_delay_ms:
             await anyio.sleep(effect_delay_ms / 1000)
         return _applied(key, topic)
