@@ -173,6 +173,10 @@ class _Refusal(Exception):
         self.headers = [(b"content-type", b"application/problem+json"), *headers]
 
 
+def _too_large(limit: int) -> _Refusal:
+    return _Refusal(413, "Content Too Large", f"the body may be at most {limit} bytes", _CLOSE)
+
+
 def _refusal_for(exc: errors.JobLeaseError) -> _Refusal:
     if isinstance(exc, errors.InboxStaleFenceError):
         return _Refusal(
@@ -378,12 +382,13 @@ class InboxMiddleware:
         """The whole body, read before any database work (a slow client holds no connection), or None
         when the client went away first. Too large: 413; slower than ``body_timeout_s``: 408."""
         limit = self.max_body_bytes
-        too_large = _Refusal(413, "Content Too Large", f"the body may be at most {limit} bytes", _CLOSE)
         for name, value in scope["headers"]:
+            if name != b"content-length":
+                continue
             # Compare the digits before converting: a 5,000-digit value is a 413, not a ValueError.
             digits = value.strip().lstrip(b"0")
-            if name == b"content-length" and digits.isdigit() and (len(digits) > 18 or int(digits) > limit):
-                raise too_large
+            if digits.isdigit() and (len(digits) > 18 or int(digits) > limit):
+                raise _too_large(limit)
         chunks: list[bytes] = []
         size = 0
         with anyio.move_on_after(self.body_timeout_s) as deadline:
@@ -394,7 +399,7 @@ class InboxMiddleware:
                 chunk = message.get("body", b"")
                 size += len(chunk)
                 if size > limit:
-                    raise too_large
+                    raise _too_large(limit)
                 chunks.append(chunk)
                 if not message.get("more_body", False):
                     return b"".join(chunks)
