@@ -257,56 +257,75 @@ class HttpTransport:
         key = route.key_header(message.idempotency_key)
         hooks = self.client.event_hooks
         if self.transport is None or hooks["request"] or hooks["response"]:
-            # A client of the caller's (its own auth, hooks and cookies apply), or event hooks added to
-            # the dispatcher's own client: the full httpx.Client path.
-            headers = {**self._headers[message.topic], **message.headers, "Idempotency-Key": key}
-            request = self.client.build_request(
-                "POST",
-                route.url,
-                content=message.payload,
-                headers=headers,
-                timeout=self._timeouts[message.topic],
-            )
-            _cap_at_deadline(request, deadline)
-            if send_by is not None and time.monotonic() > send_by:
-                raise TooLate
-            response = self.client.send(request, stream=True, follow_redirects=False)
-            _cap_at_deadline(request, deadline)  # the body's reads get only what is left
+            request, response = self._through_client(message, route, key, deadline, send_by)
         else:
-            # The dispatcher's own client has no auth and never follows a redirect, so (without event
-            # hooks) the request goes straight to its transport (the deadline-bounded pool): httpx.Client's
-            # per-request URL and header merging, auth and redirect flows and cookie jar cost about a
-            # third of a delivery's client CPU. Headers on the wire are the ones the client would send
-            # (its defaults, then the route's, then the message's own), minus cookies: a Set-Cookie from
-            # one row's answer is never carried into another row's request.
-            target = self._targets[message.topic]
-            raw = target.headers
-            if message.headers:
-                raw = raw + [(k.encode("ascii"), v.encode("ascii")) for k, v in message.headers.items()]
-            request = httpx.Request(
-                "POST",
-                target.url,
-                content=message.payload,
-                headers=[*raw, (b"Idempotency-Key", key.encode("ascii"))],
-                extensions=target.extensions,
-            )
-            if send_by is not None and time.monotonic() > send_by:
-                raise TooLate
-            response = self.transport.handle_request(request)
-            response.request = request
-        try:
-            body = bytearray()
-            for chunk in response.iter_bytes():
-                body += chunk
-                if len(body) >= MAX_BODY_READ:
-                    break
-                if time.monotonic() >= deadline:
-                    raise httpx.ReadTimeout("the request's total deadline passed", request=request)
-        finally:
-            response.close()
+            request, response = self._direct(message, key, send_by)
+        body = _read_body(request, response, deadline)
         return policy.classify_response(response, body[:MAX_BODY_READ].decode("utf-8", "replace"))
+
+    def _through_client(
+        self, message: Message, route: Route, key: str, deadline: float, send_by: float | None
+    ) -> tuple[httpx.Request, httpx.Response]:
+        """A client of the caller's (its own auth, hooks and cookies apply), or event hooks added to the
+        dispatcher's own client: the full httpx.Client path."""
+        headers = {**self._headers[message.topic], **message.headers, "Idempotency-Key": key}
+        request = self.client.build_request(
+            "POST",
+            route.url,
+            content=message.payload,
+            headers=headers,
+            timeout=self._timeouts[message.topic],
+        )
+        _cap_at_deadline(request, deadline)
+        if send_by is not None and time.monotonic() > send_by:
+            raise TooLate
+        response = self.client.send(request, stream=True, follow_redirects=False)
+        _cap_at_deadline(request, deadline)  # the body's reads get only what is left
+        return request, response
+
+    def _direct(
+        self, message: Message, key: str, send_by: float | None
+    ) -> tuple[httpx.Request, httpx.Response]:
+        """The dispatcher's own client has no auth and never follows a redirect, so (without event hooks)
+        the request goes straight to its transport (the deadline-bounded pool): httpx.Client's per-request
+        URL and header merging, auth and redirect flows and cookie jar cost about a third of a delivery's
+        client CPU. Headers on the wire are the ones the client would send (its defaults, then the
+        route's, then the message's own), minus cookies: a Set-Cookie from one row's answer is never
+        carried into another row's request."""
+        assert self.transport is not None
+        target = self._targets[message.topic]
+        raw = target.headers
+        if message.headers:
+            raw = raw + [(k.encode("ascii"), v.encode("ascii")) for k, v in message.headers.items()]
+        request = httpx.Request(
+            "POST",
+            target.url,
+            content=message.payload,
+            headers=[*raw, (b"Idempotency-Key", key.encode("ascii"))],
+            extensions=target.extensions,
+        )
+        if send_by is not None and time.monotonic() > send_by:
+            raise TooLate
+        response = self.transport.handle_request(request)
+        response.request = request
+        return request, response
 
     def close(self) -> None:
         """Close the client if it is the dispatcher's own."""
         if self.owns_client:
             self.client.close()
+
+
+def _read_body(request: httpx.Request, response: httpx.Response, deadline: float) -> bytearray:
+    """The answer's body, up to MAX_BODY_READ bytes, read only until ``deadline``; the response closed."""
+    try:
+        body = bytearray()
+        for chunk in response.iter_bytes():
+            body += chunk
+            if len(body) >= MAX_BODY_READ:
+                break
+            if time.monotonic() >= deadline:
+                raise httpx.ReadTimeout("the request's total deadline passed", request=request)
+    finally:
+        response.close()
+    return body
