@@ -19,8 +19,11 @@ import sqlalchemy as sa
 
 from dagster_joblease import errors
 from dagster_joblease.dispatch import Dispatcher, Route, policy
-from dagster_joblease.dispatch import dispatcher as dispatcher_module
 from dagster_joblease.dispatch.dispatcher import DispatchReport
+from dagster_joblease.dispatch.groups import locked as locked_module
+from dagster_joblease.dispatch.groups.kinds import Refill, Room
+from dagster_joblease.dispatch.groups.locked import LockedGroup
+from dagster_joblease.dispatch.groups.swapping import SwappingGroup
 from dagster_joblease.storage import create_engine, route_groups
 from dagster_joblease.storage import outbox as outbox_store
 from dagster_joblease.storage.clock import db_now_plus_ms
@@ -46,18 +49,22 @@ def swap_drain(
         locks += 1
         return original_lock(conn, group)
 
-    dispatcher_module.route_groups.lock_group = counting_lock  # type: ignore[attr-defined]
+    locked_module.route_groups.lock_group = counting_lock  # type: ignore[attr-defined]
     handed = {"alone": 0, "merged": 0}
+    original_alone = SwappingGroup._swap_alone
+    original_merged = SwappingGroup._swap_with_outcomes
 
-    class Counting(Dispatcher):
-        def _swap_alone(self, token: str, finished: Any, *args: Any) -> Any:
-            result = super()._swap_alone(token, finished, *args)
-            handed["alone"] += int(result is not None)
-            return result
+    def counting_alone(self: SwappingGroup, *args: Any) -> Any:
+        result = original_alone(self, *args)
+        handed["alone"] += int(result is not None)
+        return result
 
-        def _swap_statement(self, group: str) -> sa.Executable:
-            handed["merged"] += 1
-            return super()._swap_statement(group)
+    def counting_merged(self: SwappingGroup, *args: Any) -> Any:
+        handed["merged"] += 1
+        return original_merged(self, *args)
+
+    SwappingGroup._swap_alone = counting_alone  # type: ignore[method-assign]
+    SwappingGroup._swap_with_outcomes = counting_merged  # type: ignore[method-assign]
 
     retries: list[str] = []
 
@@ -71,7 +78,7 @@ def swap_drain(
     engine = create_engine(url)
     totals = DispatchReport()
     ends = time.monotonic() + 150
-    with Counting(engine, _routes(routes), concurrency=8, **FAST, **(options or {})) as dispatcher:
+    with Dispatcher(engine, _routes(routes), concurrency=8, **FAST, **(options or {})) as dispatcher:
         while time.monotonic() < ends:
             report = dispatcher.dispatch(50)
             totals = totals.merge(report)
@@ -131,6 +138,13 @@ def test_swaps_across_processes_never_exceed_max_in_flight(
     engine.dispose()
 
 
+def _swapping(dispatcher: Dispatcher) -> SwappingGroup:
+    """The dispatcher's implementation of the one group (swapping: max_in_flight alone, PostgreSQL)."""
+    group = dispatcher._groups.kinds[GROUP]
+    assert isinstance(group, SwappingGroup)
+    return group
+
+
 def _set_claim(engine: sa.Engine, row_id: int, **values: Any) -> None:
     t = outbox_table
     with engine.begin() as conn:
@@ -151,7 +165,7 @@ def test_a_lost_expired_or_expiring_claim_hands_on_no_slot(
     route = Route("http://127.0.0.1:9/work", limit_group=GROUP, max_in_flight=1)
     with Dispatcher(engine, {"work": route}, concurrency=4) as dispatcher:
         token = "a" * 32
-        (row,), _ = dispatcher._claim(token, 10, 4, DispatchReport(), limited_only=False)
+        (row,) = dispatcher._groups.claim(token, Room(10, 4), DispatchReport(), limited_only=False).rows
         if case == "fenced":
             _set_claim(engine, row.id, claim_token="b" * 32)
         elif case == "expired":
@@ -159,19 +173,17 @@ def test_a_lost_expired_or_expiring_claim_hands_on_no_slot(
         elif case == "expiring":
             _set_claim(engine, row.id, claim_expires_at=db_now_plus_ms(sa.literal(5000, sa.BigInteger())))
         # Only what the swap itself claims: the locked claim after it (growth) is switched off.
-        monkeypatch.setattr(dispatcher, "_claim_limited", lambda *args, **kwargs: ([], None))
+        monkeypatch.setattr(LockedGroup, "claim_alone", lambda *args, **kwargs: Refill())
+        group = _swapping(dispatcher)
         report = DispatchReport()
         if path == "alone":
             finished = [(row, policy.Decision(policy.Outcome.SENT, 200, "HTTP 200"))]
-            result = dispatcher._swap_alone(token, finished, 10, 4, report, set())
+            result = group._swap_alone(token, finished, [row.id], (200,), Room(10, 4), report, set())
             assert result is not None
-            taken = result[0]
+            taken = result.rows
         else:
             finished = [(row, policy.Decision(policy.Outcome.RETRY, 500, "HTTP 500", delay_ms=60_000))]
-            refill = dispatcher._refill_claim(token, 10, 4, set(), dispatcher._handoffs(finished))
-            merged = dispatcher._record(token, finished, report, then=refill)
-            assert merged is not None
-            taken = merged[0]
+            taken = group._swap_with_outcomes(token, finished, [row.id], Room(10, 4), report, set()).rows
     with engine.connect() as conn:
         in_flight = outbox_store.count_in_flight(conn, GROUP)
     if case == "live":
@@ -193,16 +205,23 @@ def test_a_swap_never_raises_the_count_above_a_lowered_limit(pg_url: str) -> Non
     route = Route("http://127.0.0.1:9/work", limit_group=GROUP, max_in_flight=2)
     with Dispatcher(engine, {"work": route}, concurrency=4) as dispatcher:
         token = "a" * 32
-        first, second = dispatcher._claim(token, 10, 4, DispatchReport(), limited_only=False)[0]
+        first, second = dispatcher._groups.claim(
+            token, Room(10, 4), DispatchReport(), limited_only=False
+        ).rows
         g = route_group_table
         with engine.begin() as conn:
             conn.execute(sa.update(g).where(g.c.limit_group == GROUP).values(max_in_flight=1))
         sent = policy.Decision(policy.Outcome.SENT, 200, "HTTP 200")
-        dispatcher._claim_limited = lambda *args, **kwargs: ([], None)  # type: ignore[method-assign]
-        result = dispatcher._swap_alone(token, [(first, sent)], 10, 4, DispatchReport(), set())
-        assert result is not None and result[0] == []  # 1 other in flight: the lower limit is reached
-        result = dispatcher._swap_alone(token, [(second, sent)], 10, 4, DispatchReport(), set())
-        assert result is not None and len(result[0]) == 1
+        group = _swapping(dispatcher)
+        group.locked.claim_alone = lambda *args, **kwargs: Refill()  # type: ignore[method-assign]
+        result = group._swap_alone(
+            token, [(first, sent)], [first.id], (200,), Room(10, 4), DispatchReport(), set()
+        )
+        assert result is not None and result.rows == []  # 1 other in flight: the lower limit is reached
+        result = group._swap_alone(
+            token, [(second, sent)], [second.id], (200,), Room(10, 4), DispatchReport(), set()
+        )
+        assert result is not None and len(result.rows) == 1
     with engine.connect() as conn:
         assert outbox_store.count_in_flight(conn, GROUP) == 1
     engine.dispose()
@@ -220,11 +239,14 @@ def test_async_swap_commit_is_a_bool_and_stays_in_the_swaps_own_transaction(pg_u
     engine = create_engine(pg_url, pool_size=1, max_overflow=0)
     with Dispatcher(engine, {"work": route}, concurrency=4, async_swap_commit=True) as dispatcher:
         token = "a" * 32
-        (row,), _ = dispatcher._claim(token, 10, 4, DispatchReport(), limited_only=False)
-        dispatcher._claim_limited = lambda *args, **kwargs: ([], None)  # type: ignore[method-assign]
+        (row,) = dispatcher._groups.claim(token, Room(10, 4), DispatchReport(), limited_only=False).rows
+        group = _swapping(dispatcher)
+        group.locked.claim_alone = lambda *args, **kwargs: Refill()  # type: ignore[method-assign]
         sent = policy.Decision(policy.Outcome.SENT, 200, "HTTP 200")
-        result = dispatcher._swap_alone(token, [(row, sent)], 10, 4, DispatchReport(), set())
-        assert result is not None and len(result[0]) == 1
+        result = group._swap_alone(
+            token, [(row, sent)], [row.id], (200,), Room(10, 4), DispatchReport(), set()
+        )
+        assert result is not None and len(result.rows) == 1
         with engine.connect() as conn:  # the one pooled connection, the swap's
             assert conn.exec_driver_sql("SHOW synchronous_commit").scalar_one() == "on"
             assert outbox_store.count_in_flight(conn, GROUP) == 1

@@ -351,9 +351,7 @@ def test_a_pause_another_dispatcher_opens_stops_rows_waiting_to_start(
                 wait_until(lambda: server.in_flight == 2, timeout=30)  # both workers busy, 8 waiting
                 with engine.begin() as conn:  # as another dispatcher's 429 would write it
                     route_groups.record_pause(conn, server.url, 3_600_000, "429 elsewhere")
-                wait_until(
-                    lambda: dispatcher._local_pause.get(server.url, 0.0) > time.monotonic(), timeout=30
-                )
+                wait_until(lambda: dispatcher._shared.pauses.holds(server.url, time.monotonic()), timeout=30)
             finally:
                 server.released.set()
                 worker.join(60)

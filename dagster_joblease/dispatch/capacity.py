@@ -17,7 +17,6 @@ from dagster_joblease.dispatch.routes import Route
 __all__ = [
     "ANY_ROW_POLL_S",
     "APPLIED_TRUST_S",
-    "GROW_NOW",
     "LIMIT_WAIT_S",
     "SLOT_POLL_S",
     "Layout",
@@ -42,8 +41,6 @@ ANY_ROW_POLL_S = 0.25
 LIMIT_WAIT_S = 1.0
 #: Pause between two looks at a full in-flight limit held by other dispatchers.
 SLOT_POLL_S = 0.02
-#: A wait hint: a slot is free but was not claimed in this transaction (it holds the group row FOR SHARE).
-GROW_NOW = 0.0
 #: How long a group's applied limits, read under its lock, are trusted for a lock-free look at its slots.
 APPLIED_TRUST_S = 1.0
 

@@ -37,53 +37,46 @@ growth of the count is claimed under the lock. A ``429``/``503`` with ``Retry-Af
 group in the database for every dispatcher (and at once for this one's other threads).
 A row whose route has a ``dedupe_window`` and whose first attempt is older is not sent but dead-lettered.
 
-**Where things are.** This module: :class:`Dispatcher` (options, the delivery of one row, pauses,
-``run()``) and the batch loop (``_BatchLoop``, one method per phase). Its parts, in ``dispatch/``:
-``claimer`` (the claims: the plain claim, a limited group's locked claim, the swap), ``capacity`` (pure:
-how much to claim, rate windows, wait hints, the loop's choices), ``decisions`` (pure: may this row start
-now?), ``policy`` (pure: what does this answer mean?), ``transports`` (one message per row, and how each
-kind of route sends it: HTTP's deadline-bounded POST) and
-``recorder`` (outcome writes fenced by claim, their retry, the tallies). Every statement is a store
-module's: :mod:`dagster_joblease.storage.outbox` (its delivery section) and
+**Where things are.** This module: :class:`Dispatcher` (options, ``run()``) and the batch loop
+(``_BatchLoop``, one method per phase). Its parts, in ``dispatch/``: ``groups`` (the limit groups, one
+implementation per kind picked when the dispatcher is built: ``UnlimitedGroups``, ``locked.LockedGroup``,
+``swapping.SwappingGroup``, behind ``kinds.GroupKind``'s ``claim`` and ``complete``), ``delivery`` (one
+row's send and its verdict, the workers), ``pauses`` (the local pauses, the claims' timer), ``capacity``
+(pure: how much to claim, rate windows, wait hints, the loop's choices), ``decisions`` (pure: may this row
+start now?), ``policy`` (pure: what does this answer mean?), ``transports`` (one message per row, and how
+each kind of route sends it: HTTP's deadline-bounded POST) and ``recorder`` (outcome writes fenced by
+claim, their retry, the tallies). Every statement is a store module's:
+:mod:`dagster_joblease.storage.outbox` (its delivery section) and
 :mod:`dagster_joblease.storage.route_groups`.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import logging
-import math
 import queue as queue_mod
-import random
 import secrets
 import signal
 import threading
 import time
 from collections.abc import Callable, Mapping
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future
 from types import FrameType, TracebackType
 from typing import Any
 
 import httpx
 import sqlalchemy as sa
 
-from dagster_joblease import checks, errors, tracing
-from dagster_joblease.dispatch import capacity, decisions, policy
-from dagster_joblease.dispatch.capacity import (
-    ANY_ROW_POLL_S,
-)
-from dagster_joblease.dispatch.claimer import Claimer
+from dagster_joblease import checks, errors
+from dagster_joblease.dispatch import capacity, policy
+from dagster_joblease.dispatch.capacity import ANY_ROW_POLL_S
 from dagster_joblease.dispatch.claims import Claimed, Finished
-from dagster_joblease.dispatch.recorder import (
-    MAX_REPORT_ROWS,
-    DispatchReport,
-    Recorder,
-    RowOutcome,
-    pause_reason,
-)
+from dagster_joblease.dispatch.delivery import Delivery, Retrying
+from dagster_joblease.dispatch.groups import LimitGroups
+from dagster_joblease.dispatch.groups.kinds import Refill, Room, Shared
+from dagster_joblease.dispatch.pauses import ClaimTimer, Pauses
+from dagster_joblease.dispatch.recorder import MAX_REPORT_ROWS, DispatchReport, Recorder, RowOutcome
 from dagster_joblease.dispatch.routes import Route
-from dagster_joblease.dispatch.transports import TooLate, Transport, message_of, open_transports
-from dagster_joblease.dispatch.transports.http import HttpTransport
-from dagster_joblease.storage import route_groups
 from dagster_joblease.storage.engine import translate_errors
 
 __all__ = ["DispatchReport", "Dispatcher", "RowOutcome"]
@@ -138,7 +131,7 @@ def _check_claim_ms(claim_ms: int, routes: Mapping[str, Route]) -> None:
         )
 
 
-class Dispatcher(Claimer):
+class Dispatcher:
     """Deliver due outbox rows of the routed topics over HTTP, fenced by claim tokens; safe to run in
     several processes, and beside dispatchers that route other topics on the same database.
 
@@ -192,64 +185,79 @@ class Dispatcher(Claimer):
         async_swap_commit: bool = False,
     ) -> None:
         self.engine = engine
-        self.max_attempts = checks.integer("max_attempts", max_attempts, minimum=1)
+        max_attempts = checks.integer("max_attempts", max_attempts, minimum=1)
         self.claim_ms = checks.milliseconds("claim_ms", claim_ms, minimum=100)
         self.concurrency = checks.integer("concurrency", concurrency, minimum=1)
-        self.backoff_base_ms = checks.milliseconds("backoff_base_ms", backoff_base_ms, minimum=1)
-        self.backoff_max_ms = checks.milliseconds(
-            "backoff_max_ms", backoff_max_ms, minimum=self.backoff_base_ms
+        backoff_base_ms = checks.milliseconds("backoff_base_ms", backoff_base_ms, minimum=1)
+        retrying = Retrying(
+            max_attempts=max_attempts,
+            backoff_base_ms=backoff_base_ms,
+            backoff_max_ms=checks.milliseconds("backoff_max_ms", backoff_max_ms, minimum=backoff_base_ms),
+            max_deferrals=checks.integer("max_deferrals", max_deferrals, minimum=1),
         )
-        self.max_deferrals = checks.integer("max_deferrals", max_deferrals, minimum=1)
         if not isinstance(async_swap_commit, bool):
             raise errors.ConfigurationError(
                 f"dispatcher option async_swap_commit={async_swap_commit!r} must be a bool"
             )
-        self.async_swap_commit = async_swap_commit
         self.routes: dict[str, Route] = _checked_routes(routes)
-        self._headers = {topic: route.resolve_headers() for topic, route in self.routes.items()}
-        self.topics: frozenset[str] = frozenset(self.routes)
+        _check_claim_ms(self.claim_ms, self.routes)
         # Limit groups: topic → group, group → its topics, and this dispatcher's own limits per group
         # (the smallest of its routes' when two routes of one group disagree).
         layout = capacity.layout(self.routes)
         _warn_disagreements(layout)
-        self._group_of = layout.group_of
-        self._group_topics = layout.group_topics
-        self._group_limits = layout.group_limits
-        self.groups: frozenset[str] = frozenset(self._group_topics)
-        self._group_list = sorted(self.groups)  # the pause refresh's parameter, built once
-        self._windows = layout.windows
-        self._recorder = Recorder(engine, self.routes, layout, lambda: self._stop.is_set())
-        self._mismatch_logged: set[tuple[str, str, int | None]] = set()
-        self._local_pause: dict[str, float] = {}
-        #: group → when this dispatcher's own write of a pause finished (inf while it is being written): a
-        #: database read that began later and finds no pause may end the local one (``outbox resume``).
-        self._pause_settled: dict[str, float] = {}
-        #: group → (max_in_flight, rate) applied at this dispatcher's last locked claim, trusted until.
-        self._applied: dict[str, tuple[int | None, int | None, float]] = {}
-        self._warm = False
-        self._statements_cache: dict[tuple[str, str, int | None], sa.Executable] = {}
-        self._claim_s = 0.005
-        self._claim_started = 0.0
-        self._limited_seen: frozenset[str] = frozenset(
-            g for g, (mif, rate) in self._group_limits.items() if mif is not None or rate is not None
+        pauses = Pauses()
+        self._delivery = Delivery(
+            engine,
+            self.routes,
+            retrying,
+            (self.claim_ms - _safety_ms(self.claim_ms)) / 1000,
+            self.concurrency,
+            client,
+            pauses,
         )
-        _check_claim_ms(self.claim_ms, self.routes)
-        self._transports: dict[str, Transport] = open_transports(
-            self.routes, self._headers, self.concurrency, client
+        recorder = Recorder(engine, self.routes, layout, lambda: self._delivery.stop.is_set())
+        self._shared = Shared(
+            engine, self.routes, layout, self.claim_ms, recorder, pauses, ClaimTimer(), async_swap_commit
         )
-        #: The HTTP transport's client (None: no HTTP route).
-        self._client = next(
-            (t.client for t in self._transports.values() if isinstance(t, HttpTransport)), None
-        )
-        self._pool = (
-            ThreadPoolExecutor(max_workers=self.concurrency, thread_name_prefix="joblease-dispatch")
-            if self.concurrency > 1
-            else None
-        )
+        self._groups = LimitGroups(self._shared)
         self._record_delay_s = min(MAX_RECORD_DELAY_S, _safety_ms(self.claim_ms) / 2000)
-        self._stop = threading.Event()
-        self._rng = random.Random()
+        self._warm = False
         self._closed = False
+
+    @property
+    def topics(self) -> frozenset[str]:
+        """The routed topics."""
+        return frozenset(self.routes)
+
+    @property
+    def groups(self) -> frozenset[str]:
+        """The routes' limit groups."""
+        return frozenset(self._shared.layout.group_topics)
+
+    @property
+    def max_attempts(self) -> int:
+        return self._delivery.retrying.max_attempts
+
+    @property
+    def backoff_base_ms(self) -> int:
+        return self._delivery.retrying.backoff_base_ms
+
+    @property
+    def backoff_max_ms(self) -> int:
+        return self._delivery.retrying.backoff_max_ms
+
+    @property
+    def max_deferrals(self) -> int:
+        return self._delivery.retrying.max_deferrals
+
+    @property
+    def async_swap_commit(self) -> bool:
+        return self._shared.async_swap_commit
+
+    @property
+    def _client(self) -> httpx.Client | None:
+        """The HTTP transport's client (None: no HTTP route)."""
+        return self._delivery.client
 
     # -- lifecycle ---------------------------------------------------------------------------------
 
@@ -258,10 +266,7 @@ class Dispatcher(Claimer):
         if self._closed:
             return
         self._closed = True
-        if self._pool is not None:
-            self._pool.shutdown(wait=True)
-        for transport in set(self._transports.values()):
-            transport.close()
+        self._delivery.close()
 
     def __enter__(self) -> Dispatcher:
         return self
@@ -287,16 +292,17 @@ class Dispatcher(Claimer):
         if not self.routes:
             return report
         token = secrets.token_hex(16)
-        if self._pool is not None and self._limited_seen and not self._warm:
+        if self._delivery.pool is not None and self._groups.limited_seen and not self._warm:
             self._warm_pause_connection()
-        rows, blocked = self._claim(token, limit, self.concurrency, report, limited_only=False)
-        report.claimed += len(rows)
-        if not rows and not blocked:
+        room = Room(limit, self.concurrency)
+        claimed = self._groups.claim(token, room, report, limited_only=False)
+        report.claimed += len(claimed.rows)
+        if not claimed.rows and not claimed.waits:
             return report
-        batch = _BatchLoop(self, token, limit - len(rows), blocked, report)
+        batch = _BatchLoop(self, token, limit - len(claimed.rows), claimed.waits, report)
         try:
             # Rows of limited groups first: they were claimed for idle workers and hold capacity.
-            batch.run(sorted(rows, key=lambda r: (r.group is None, r.id)))
+            batch.run(sorted(claimed.rows, key=lambda r: (r.group is None, r.id)))
         except BaseException:
             batch.settle()  # whatever failed, the answers already given are recorded
             raise
@@ -313,43 +319,6 @@ class Dispatcher(Claimer):
         )
         return report
 
-    @staticmethod
-    def _take_done(
-        inflight: dict[Future[policy.Decision | None], Claimed],
-        done_q: queue_mod.SimpleQueue[Future[policy.Decision | None]],
-        wake_at: float | None,
-    ) -> list[Finished]:
-        """The deliveries done by now: waits for the first until ``wake_at`` (local monotonic time; None:
-        until one is done), then takes every other one already done."""
-        timeout = None if wake_at is None else max(0.0, wake_at - time.monotonic())
-        done: list[Future[policy.Decision | None]] = []
-        try:
-            done.append(done_q.get(timeout=timeout))
-            while True:
-                done.append(done_q.get_nowait())
-        except queue_mod.Empty:
-            pass  # the timeout passed with nothing done, or every done delivery is taken
-        return [(inflight.pop(f), f.result()) for f in done]  # each future comes once
-
-    def _unstarted(self, inflight: Mapping[Future[Any], Claimed]) -> bool:
-        """Whether some submitted row has not started yet (queued behind busy workers, or waiting for its
-        rate admission): only those can still be stopped by a pause read from the database."""
-        if len(inflight) > self.concurrency:
-            return True
-        now = time.monotonic()
-        return any(r.not_before is not None and r.not_before > now for r in inflight.values())
-
-    def _mergeable(self, finished: list[Finished]) -> bool:
-        """Whether ``finished``'s outcomes can share a transaction with a refill claim: not when they
-        write a group's row too (a pause, a failure streak), which would lock groups in another order
-        than the claim does."""
-        for row, decision in finished:
-            if decision is not None and decision.pause_ms:
-                return False
-            if self.routes[row.topic].pause_after_failures is not None:
-                return False
-        return True
-
     def _warm_pause_connection(self) -> None:
         """Keep a second connection in the pool, once: a delivery thread writing a downstream's pause need
         not open one then (tens of ms on a busy machine, while other dispatchers keep claiming)."""
@@ -362,104 +331,6 @@ class Dispatcher(Claimer):
                 pass
         except errors.StorageError:
             pass  # the pause write opens its own when it needs one
-
-    def _refresh_pauses(self) -> None:
-        """Re-read the groups' pauses (a cheap read, no transaction) so unstarted rows of a group another
-        dispatcher paused are given back rather than sent."""
-        try:
-            paused = self._read_pauses()
-        except errors.StorageError:
-            return
-        local = time.monotonic()
-        for name, remaining_ms in paused.items():
-            self._local_pause[name] = local + remaining_ms / 1000
-
-    def _read_pauses(self) -> dict[str, int]:
-        """The groups paused now and each pause's remaining ms (this runs every :data:`PAUSE_REFRESH_S`
-        while rows wait to start)."""
-        return route_groups.paused_now(self.engine, self._group_list)
-
-    def _deliver(self, row: Claimed) -> policy.Decision | None:
-        """POST one row and judge the answer (no database work here); None: give the claim back."""
-        route = self.routes.get(row.topic)
-        if route is None:
-            return None
-        group = self._group_of[row.topic]
-        if not self._waited_for_admission(row):
-            return None
-        now = time.monotonic()
-        start = decisions.may_start(
-            now=now,
-            stopping=self._stop.is_set(),
-            claim_ends_at=row.claimed_at + (self.claim_ms - _safety_ms(self.claim_ms)) / 1000,
-            timeout_s=route.timeout_s,
-            paused_until=self._local_pause.get(group, 0.0),
-            age_at_claim_ms=row.age_at_claim_ms,
-            claimed_at=row.claimed_at,
-            window_s=route.dedupe_window_s,
-        )
-        if start is decisions.Start.GIVE_BACK:
-            return None
-        if start is decisions.Start.EXPIRED:
-            # Checked here, at the moment of sending, not only at claim: a row may wait for a worker.
-            reason = decisions.dedupe_window_reason(route.dedupe_window_s or 0.0)
-            return policy.Decision(policy.Outcome.DEAD, None, reason, unsent=True)
-        transport = self._transports[row.topic]
-        traced = tracing.TraceContext(row.traceparent, row.tracestate)
-        with tracing.sending(row.topic, row.idempotency_key, traced, system=route.transport) as span:
-            try:
-                classification = transport.send(message_of(row), route, now + route.timeout_s, row.send_by)
-            except TooLate:
-                span.outcome("given back", "started too late for its rate admission")
-                return None  # started too late for its rate admission: sending now could burst
-            except Exception as exc:  # any failure to get an acknowledgement is judged, never stops the batch
-                classification = transport.classify_exception(exc)
-            decision = self._decide(row, route, classification)
-            span.outcome(decision.outcome.value, decision.reason)
-        if decision.outcome is policy.Outcome.SENT:
-            waited = row.time_in_outbox_s(time.monotonic())
-            if waited is not None:
-                tracing.record_time_in_outbox(waited, row.topic)
-        return decision
-
-    def _decide(self, row: Claimed, route: Route, classification: policy.Classification) -> policy.Decision:
-        """Judge one attempt's classification; a pause it asks for is written at once."""
-        group = self._group_of[row.topic]
-        decision = policy.decide(
-            classification,
-            attempts=row.attempts,
-            max_attempts=self.max_attempts,
-            base_ms=self.backoff_base_ms,
-            max_ms=self.backoff_max_ms,
-            rng=self._rng,
-            max_pause_ms=int(route.max_pause_s * 1000),
-            deferrals=row.deferrals,
-            max_deferrals=self.max_deferrals,
-        )
-        if decision.pause_ms:
-            # This dispatcher's other threads hold off at once, and the pause is written now (not with the
-            # batch's outcomes) so other dispatchers' next claims see it as soon as possible.
-            until = time.monotonic() + decision.pause_ms / 1000
-            self._pause_settled[group] = math.inf
-            self._local_pause[group] = max(self._local_pause.get(group, 0.0), until)
-            self._write_pause_now(group, row, decision)
-            self._pause_settled[group] = time.monotonic()
-        return decision
-
-    def _waited_for_admission(self, row: Claimed) -> bool:
-        """Wait until a rate-admitted row may start; False: the dispatcher was stopped meanwhile."""
-        delay = 0.0 if row.not_before is None else row.not_before - time.monotonic()
-        return not (delay > 0 and self._stop.wait(delay))
-
-    def _write_pause_now(self, group: str, row: Claimed, decision: policy.Decision) -> None:
-        """The one database write a delivery thread makes: a pause, in its own short transaction (the
-        outcome's transaction writes it again; a failure here only delays the pause until then)."""
-        assert decision.pause_ms is not None
-        try:
-            with translate_errors("record a route pause"), self.engine.begin() as conn:
-                route_groups.record_pause(conn, group, decision.pause_ms, pause_reason(row, decision))
-        except errors.StorageError as exc:
-            logger.info("could not record a pause at once: %s", exc, extra={"action": "pause_deferred"})
 
     # -- the loop ----------------------------------------------------------------------------------
 
@@ -482,12 +353,12 @@ class Dispatcher(Claimer):
         checks.number("poll_interval_s", poll_interval_s, minimum=0)
         checks.optional_integer("max_batches", max_batches, none="no bound", minimum=1)
         limit = checks.integer("limit", limit, minimum=1)
-        self._stop = stop if stop is not None else threading.Event()
+        self._delivery.stop = stop if stop is not None else threading.Event()
         previous = self._install_signal_handlers()
         totals = DispatchReport()
         batches = 0
         try:
-            while not self._stop.is_set() and (max_batches is None or batches < max_batches):
+            while not self._delivery.stop.is_set() and (max_batches is None or batches < max_batches):
                 batches += 1
                 try:
                     report = self.dispatch(limit)
@@ -498,18 +369,18 @@ class Dispatcher(Claimer):
                         exc,
                         extra={"action": "dispatch_storage_error"},
                     )
-                    self._stop.wait(max(poll_interval_s, 0.05))
+                    self._delivery.stop.wait(max(poll_interval_s, 0.05))
                     continue
                 totals = totals.merge(report)
                 del totals.rows[:-MAX_REPORT_ROWS]
                 if on_report is not None and report.claimed:
                     on_report(report)
                 if report.claimed < limit:
-                    self._stop.wait(poll_interval_s)
+                    self._delivery.stop.wait(poll_interval_s)
         finally:
             self._restore_signal_handlers(previous)
             # A later dispatch() must not inherit this run's stop request.
-            self._stop = threading.Event()
+            self._delivery.stop = threading.Event()
         logger.info(
             "dispatcher stopped after %d batches: %d claimed, %d sent, %d retry, %d dead, %d lost claims",
             batches,
@@ -525,7 +396,7 @@ class Dispatcher(Claimer):
     def _install_signal_handlers(self) -> dict[int, Any]:
         if threading.current_thread() is not threading.main_thread():
             return {}
-        stop = self._stop
+        stop = self._delivery.stop
 
         def _on_signal(signum: int, _frame: FrameType | None) -> None:
             logger.info(
@@ -546,12 +417,58 @@ class Dispatcher(Claimer):
             signal.signal(signum, handler)
 
 
+@dataclasses.dataclass
+class _Pace:
+    """When a batch's loop does its periodic things (local monotonic times): its last record of outcomes,
+    its next re-read of pauses, its next look for any due row (``mixed``: the routes have limited and
+    unlimited groups), and how long it waited for capacity in all."""
+
+    record_delay_s: float
+    mixed: bool
+    flushed_at: float = dataclasses.field(default_factory=time.monotonic)
+    refresh_at: float = 0.0
+    any_at: float = 0.0
+    waited: float = 0.0
+
+    def __post_init__(self) -> None:
+        self.refresh_at = self.flushed_at + PAUSE_REFRESH_S
+        self.any_at = self.flushed_at + ANY_ROW_POLL_S
+
+
+def _take_done(
+    inflight: dict[Future[policy.Decision | None], Claimed],
+    done_q: queue_mod.SimpleQueue[Future[policy.Decision | None]],
+    wake_at: float | None,
+) -> list[Finished]:
+    """The deliveries done by now: waits for the first until ``wake_at`` (local monotonic time; None:
+    until one is done), then takes every other one already done."""
+    timeout = None if wake_at is None else max(0.0, wake_at - time.monotonic())
+    done: list[Future[policy.Decision | None]] = []
+    try:
+        done.append(done_q.get(timeout=timeout))
+        while True:
+            done.append(done_q.get_nowait())
+    except queue_mod.Empty:
+        pass  # the timeout passed with nothing done, or every done delivery is taken
+    return [(inflight.pop(f), f.result()) for f in done]  # each future comes once
+
+
+def _unstarted(inflight: Mapping[Future[Any], Claimed], concurrency: int) -> bool:
+    """Whether some submitted row has not started yet (queued behind busy workers, or waiting for its
+    rate admission): only those can still be stopped by a pause read from the database."""
+    if len(inflight) > concurrency:
+        return True
+    now = time.monotonic()
+    return any(r.not_before is not None and r.not_before > now for r in inflight.values())
+
+
 class _BatchLoop:
     """One batch's loop (:meth:`Dispatcher.dispatch`): rows are submitted to the workers (or queued,
-    inline), finished deliveries collected and recorded (a group at a time), and the batch claims again
-    while it has ``budget`` and idle workers: at once when a limited group's slot was freed, now and
-    then for any due row, or after a wait for capacity other dispatchers hold. Each turn's choices are
-    :mod:`capacity`'s pure decisions; this class holds the state they are taken on."""
+    inline), finished deliveries collected and completed by their limit groups (which refill what they
+    freed), and the batch claims again while it has ``budget`` and idle workers: now and then for any
+    due row, or after a wait for capacity other dispatchers hold. It talks to the groups only through
+    :class:`LimitGroups`' ``claim`` and ``complete``. Each turn's choices are :mod:`capacity`'s pure
+    decisions; this class holds the state they are taken on."""
 
     def __init__(
         self,
@@ -561,7 +478,8 @@ class _BatchLoop:
         blocked: dict[str, float],
         report: DispatchReport,
     ) -> None:
-        self.d = dispatcher
+        self.delivery = dispatcher._delivery
+        self.groups = dispatcher._groups
         self.token = token
         self.budget = budget
         #: Limit groups whose due rows wait for capacity → seconds worth waiting before looking again.
@@ -573,19 +491,18 @@ class _BatchLoop:
         self.done_q: queue_mod.SimpleQueue[Future[policy.Decision | None]] = queue_mod.SimpleQueue()
         self.queue: list[Claimed] = []  # inline (concurrency 1): rows not delivered yet
         self.finished: list[Finished] = []
-        self.waited = 0.0
-        self.flushed_at = time.monotonic()
-        self.refresh_at = self.flushed_at + PAUSE_REFRESH_S
         # Refills claim only limited groups; with topics outside them too, idle workers also look for any
         # due row now and then (see ANY_ROW_POLL_S).
-        limited = dispatcher._limited_seen
-        self.mixed = bool(limited) and any(g not in limited for g in dispatcher.groups)
-        self.any_at = self.flushed_at + ANY_ROW_POLL_S
+        self.pace = _Pace(dispatcher._record_delay_s, self.groups.mixed)
+
+    @property
+    def concurrency(self) -> int:
+        return self.delivery.concurrency
 
     def run(self, pending: list[Claimed]) -> None:
         """Deliver ``pending`` and whatever the batch claims meanwhile; returns when nothing is in flight,
         everything is recorded, and no group is worth waiting for."""
-        stop = self.d._stop
+        stop = self.delivery.stop
         while True:
             self._submit(pending)
             self._collect()
@@ -593,11 +510,11 @@ class _BatchLoop:
             pending = self._take(self._turn(busy))
             if pending or busy or self.finished:
                 continue
-            pause = capacity.limit_wait(self.blocked, self.budget, self.waited, stop.is_set())
+            pause = capacity.limit_wait(self.blocked, self.budget, self.pace.waited, stop.is_set())
             if pause is None:
                 return
             stop.wait(pause)
-            self.waited += pause
+            self.pace.waited += pause
 
     def settle(self) -> None:
         """After the loop failed: every delivery in flight ends and every known outcome is recorded (the
@@ -611,122 +528,124 @@ class _BatchLoop:
         self.finished.extend((row, None) for row in self.queue)
         self.queue.clear()
         if self.finished:
-            self.d._record(self.token, self.finished, self.report)
+            self.groups.complete(self.token, self.finished, Room(0, 0), self.report, ())
             self.finished = []
 
     def _submit(self, pending: list[Claimed]) -> None:
-        pool = self.d._pool
+        pool = self.delivery.pool
         for row in pending:
             if pool is None:
                 self.queue.append(row)
                 continue
-            future = pool.submit(self.d._deliver, row)
+            future = pool.submit(self.delivery.deliver, row)
             self.inflight[future] = row
             future.add_done_callback(self.done_q.put)
 
     def _collect(self) -> None:
         """Deliver the next queued row (inline), or take the deliveries done by the next moment the loop
         has something else to do (a record delay, a pause refresh, the poll for any due row)."""
-        d = self.d
-        if d._pool is None:
+        if self.delivery.pool is None:
             if self.queue:
                 row = self.queue.pop(0)
-                self.finished.append((row, d._deliver(row)))
+                self.finished.append((row, self.delivery.deliver(row)))
             return
         if not self.inflight:
             return
-        wake_at = [self.flushed_at + d._record_delay_s] if self.finished else []
-        if d._unstarted(self.inflight):
+        pace = self.pace
+        wake_at = [pace.flushed_at + pace.record_delay_s] if self.finished else []
+        if _unstarted(self.inflight, self.concurrency):
             wake_at.append(time.monotonic() + PAUSE_REFRESH_S)
-        if self.mixed and len(self.inflight) < d.concurrency and self.budget > 0:
-            wake_at.append(self.any_at)
-        self.finished.extend(d._take_done(self.inflight, self.done_q, min(wake_at, default=None)))
+        if pace.mixed and len(self.inflight) < self.concurrency and self.budget > 0:
+            wake_at.append(pace.any_at)
+        self.finished.extend(_take_done(self.inflight, self.done_q, min(wake_at, default=None)))
 
-    def _turn(self, busy: bool) -> tuple[list[Claimed], dict[str, float]] | None:
-        """Record what finished (with the refill it calls for), re-read pauses, claim again: the claim's
-        rows and groups waited for, or None when nothing was claimed."""
-        d = self.d
-        freed = {row.group for row, _ in self.finished if row.group is not None}
-        urgent = bool(freed) or any(dec is not None and dec.pause_ms for _, dec in self.finished)
+    def _turn(self, busy: bool) -> tuple[Refill, frozenset[str]] | None:
+        """Complete what finished (with the refill it calls for), re-read pauses, claim again: the claim's
+        rows and waits, and the groups it covered (empty: all of them), or None when nothing was claimed."""
+        freed = self._freed()
+        urgent = bool(freed) or self._pause_asked()
         free = self._idle_workers()
-        can_refill = self.budget > 0 and free > 0 and not d._stop.is_set()
-        refill = self._flush(busy, urgent, bool(freed) and can_refill, free)
+        can_refill = self.budget > 0 and free > 0 and not self.delivery.stop.is_set()
+        refill = self._flush(busy, urgent, Room(self.budget, free) if can_refill and freed else Room(0, 0))
         self._refresh(busy)
         if refill is not None:
-            return refill
-        return self._claim_more(can_refill, bool(freed), busy, free)
+            return refill, freed
+        more = self._claim_more(can_refill, bool(freed), busy, free)
+        return None if more is None else (more, frozenset())
+
+    def _freed(self) -> frozenset[str]:
+        """The limit groups whose capacity the finished rows free."""
+        return frozenset(row.group for row, _ in self.finished if row.group is not None)
+
+    def _pause_asked(self) -> bool:
+        """Whether a finished row's downstream asked for a pause (recorded at once: it calls for it)."""
+        return any(decision is not None and decision.pause_ms for _, decision in self.finished)
 
     def _idle_workers(self) -> int:
         """Workers free for another row now (inline: one, once the queue is empty)."""
-        if self.d._pool is not None:
-            return self.d.concurrency - len(self.inflight)
+        if self.delivery.pool is not None:
+            return self.concurrency - len(self.inflight)
         return 0 if self.queue else 1
 
-    def _flush(
-        self, busy: bool, urgent: bool, merge: bool, free: int
-    ) -> tuple[list[Claimed], dict[str, float]] | None:
-        """Record the finished rows when :func:`capacity.record_now` says so; ``merge``: freed slots may be
-        refilled in the same transaction (see :meth:`Dispatcher._record_and_refill`)."""
-        d = self.d
-        since = time.monotonic() - self.flushed_at
+    def _busy_groups(self) -> set[str]:
+        return {r.group for r in self.inflight.values() if r.group is not None}
+
+    def _flush(self, busy: bool, urgent: bool, room: Room) -> Refill | None:
+        """Complete the finished rows when :func:`capacity.record_now` says so, refilling within ``room``
+        (the refill is returned when there was room, else None: the loop decides its next claim)."""
+        pace = self.pace
         if not capacity.record_now(
             finished=bool(self.finished),
             urgent=urgent,
             busy=busy,
-            since_flush_s=since,
-            delay_s=d._record_delay_s,
+            since_flush_s=time.monotonic() - pace.flushed_at,
+            delay_s=pace.record_delay_s,
         ):
             return None
-        refill = None
-        if merge and d._mergeable(self.finished):
-            refill = d._record_and_refill(
-                self.token, self.finished, self.budget, free, self.report, self.inflight
-            )
-        else:
-            d._record(self.token, self.finished, self.report)
-        self.finished, self.flushed_at = [], time.monotonic()
-        return refill
+        refill = self.groups.complete(self.token, self.finished, room, self.report, self._busy_groups())
+        self.finished, pace.flushed_at = [], time.monotonic()
+        return refill if room.want > 0 else None
 
     def _refresh(self, busy: bool) -> None:
         """Rows still waiting to start: learn of pauses other dispatchers opened meanwhile."""
-        if not busy or time.monotonic() < self.refresh_at:
+        if not busy or time.monotonic() < self.pace.refresh_at:
             return
-        if self.d._unstarted(self.inflight) or self.queue:
-            self.d._refresh_pauses()
-        self.refresh_at = time.monotonic() + PAUSE_REFRESH_S
+        if _unstarted(self.inflight, self.concurrency) or self.queue:
+            self.groups.refresh_pauses()
+        self.pace.refresh_at = time.monotonic() + PAUSE_REFRESH_S
 
-    def _claim_more(
-        self, can_refill: bool, freed: bool, busy: bool, free: int
-    ) -> tuple[list[Claimed], dict[str, float]] | None:
-        d = self.d
+    def _claim_more(self, can_refill: bool, freed: bool, busy: bool, free: int) -> Refill | None:
         kind = capacity.next_refill(
             can_refill=can_refill,
             freed=freed,
             blocked=bool(self.blocked),
             busy=busy,
-            mixed=self.mixed,
-            any_due=time.monotonic() >= self.any_at,
+            mixed=self.pace.mixed,
+            any_due=time.monotonic() >= self.pace.any_at,
         )
-        if kind == capacity.NextClaim.LIMITED:
-            busy_groups = d._busy_groups(self.inflight)
-            return d._claim_during_batch(
-                self.token, self.budget, free, self.report, limited_only=True, busy=busy_groups
-            )
-        if kind == capacity.NextClaim.ANY:
-            # Idle workers take any due row, not only the limited groups' (no more than are idle).
-            busy_groups = d._busy_groups(self.inflight)
-            more = d._claim_during_batch(
-                self.token, min(self.budget, free), free, self.report, limited_only=False, busy=busy_groups
-            )
-            self.any_at = time.monotonic() + ANY_ROW_POLL_S
-            return more
-        return None
+        if kind == capacity.NextClaim.NONE:
+            return None
+        limited_only = kind == capacity.NextClaim.LIMITED
+        # Idle workers take any due row, not only the limited groups' (no more than are idle).
+        room = Room(self.budget, free) if limited_only else Room(min(self.budget, free), free)
+        more = self.groups.claim_during_batch(
+            self.token, room, self.report, limited_only=limited_only, busy=self._busy_groups()
+        )
+        if not limited_only:
+            self.pace.any_at = time.monotonic() + ANY_ROW_POLL_S
+        return more
 
-    def _take(self, refill: tuple[list[Claimed], dict[str, float]] | None) -> list[Claimed]:
-        """Count a claim's rows into the batch; they are submitted next."""
-        if refill is None:
+    def _take(self, claimed: tuple[Refill, frozenset[str]] | None) -> list[Claimed]:
+        """Count a claim's rows into the batch (they are submitted next) and its waits: a claim of every
+        limited group replaces them, a refill of some groups (``covered``) replaces theirs."""
+        if claimed is None:
             return []
-        more, self.blocked = refill
-        self.report.claimed += len(more)
-        self.budget -= len(more)
-        return sorted(more, key=lambda r: r.id)
+        refill, covered = claimed
+        if covered:
+            self.blocked = {g: w for g, w in self.blocked.items() if g not in covered}
+            self.blocked.update(refill.waits)
+        else:
+            self.blocked = dict(refill.waits)
+        self.report.claimed += len(refill.rows)
+        self.budget -= len(refill.rows)
+        return sorted(refill.rows, key=lambda r: r.id)

@@ -2,9 +2,10 @@
 matches nothing is a lost claim), a database error retried a few times on a fresh connection, the limit
 groups' pauses and failure streaks the outcomes call for, and the tallies of a :class:`DispatchReport`.
 
-The dispatcher (:mod:`dagster_joblease.dispatch.dispatcher`) hands a batch's finished rows to
-:meth:`Recorder.record`, optionally with a refill claim to run in the same transaction (one commit for
-both: a freed ``max_in_flight`` slot never waits for another dispatcher's poll). The statements are
+The limit groups (:mod:`dagster_joblease.dispatch.groups`) hand finished rows to :meth:`Recorder.record`
+(a transaction of its own, retried), or write them with :meth:`Recorder.write` in a transaction of theirs
+that also claims the refill (one commit for both: a freed ``max_in_flight`` slot never waits for another
+dispatcher's poll) and count them with :meth:`Recorder.tally` once it committed. The statements are
 :mod:`dagster_joblease.storage.outbox`'s and :mod:`dagster_joblease.storage.route_groups`'.
 """
 
@@ -32,7 +33,6 @@ __all__ = [
     "MAX_REPORT_ROWS",
     "DispatchReport",
     "Recorder",
-    "MergedRefill",
     "RowOutcome",
     "count",
     "pause_reason",
@@ -104,15 +104,6 @@ class DispatchReport:
         )
 
 
-@dataclasses.dataclass(frozen=True)
-class MergedRefill:
-    """A refill claim inside an outcomes' transaction: ``swap`` runs before the outcomes are written,
-    ``claim`` after them (with the ids the outcomes matched)."""
-
-    swap: Callable[[sa.Connection], None]
-    claim: Callable[[sa.Connection, set[int]], tuple[list[Claimed], dict[str, float], DispatchReport]]
-
-
 class Recorder:
     """Writes finished rows' outcomes (see the module's docstring) for one dispatcher: its ``engine``,
     its ``routes`` and their limit groups (``layout``); ``stopping`` says whether the dispatcher is
@@ -127,21 +118,12 @@ class Recorder:
         self._group_topics = layout.group_topics
         self._stopping = stopping
 
-    def record(
-        self,
-        token: str,
-        finished: list[Finished],
-        report: DispatchReport,
-        then: MergedRefill | None = None,
-    ) -> tuple[list[Claimed], dict[str, float], DispatchReport] | None:
-        """Store the outcomes of ``finished`` rows in one transaction and count them into ``report``.
-
-        ``then`` runs in the same transaction (a refill claim: one commit for both), its swaps before the
-        writes and its claim after them; the claim's result is returned, or None when it did not commit
-        (the outcomes are then retried without it)."""
-        extra: list[tuple[list[Claimed], dict[str, float], DispatchReport]] = []
+    def record(self, token: str, finished: list[Finished], report: DispatchReport) -> None:
+        """Store the outcomes of ``finished`` rows in one transaction of their own and count them into
+        ``report``; a database error is retried on a fresh connection (:data:`RECORD_RETRY_PAUSES_S`),
+        then the outcomes are counted ``unrecorded`` (their claims expire, the rows go again)."""
         try:
-            matched = self._write_with_retry(token, finished, then, extra)
+            matched = self._write_with_retry(token, finished)
         except errors.StorageError as exc:
             for row, decision in finished:
                 if decision is None:
@@ -157,9 +139,21 @@ class Recorder:
                     exc,
                     extra={"action": "outbox_unrecorded"},
                 )
-            return None
+            return
         self.tally(finished, matched, report)
-        return extra[0] if extra else None
+
+    def write(self, conn: sa.Connection, token: str, finished: list[Finished]) -> set[int]:
+        """Write ``finished`` rows' outcomes (fenced by claim) and the group rows' writes they call for in
+        ``conn``'s transaction; returns the ids the fenced writes matched (count them with :meth:`tally`
+        once the transaction committed)."""
+        matched: set[int] = set()
+        for stmt, params, returns_ids in self.statements(token, finished):
+            result = conn.execute(stmt, params)
+            if returns_ids:
+                matched.update(result.scalars())
+        for write in self._group_writes(finished):
+            write(conn)
+        return matched
 
     def tally(self, finished: list[Finished], matched: set[int], report: DispatchReport) -> None:
         """Count recorded outcomes into ``report`` (a fenced write that matched nothing: a lost claim)."""
@@ -293,36 +287,12 @@ class Recorder:
             reason=last,
         )
 
-    def _write_once(
-        self,
-        statements: list[tuple[sa.Executable, dict[str, Any] | None, bool]],
-        group_writes: list[Callable[[sa.Connection], object]],
-        then: MergedRefill | None,
-        extra: list[tuple[list[Claimed], dict[str, float], DispatchReport]] | None,
-    ) -> set[int]:
-        """One transaction: ``then``'s swaps, the fenced outcome writes (the ids they matched are
-        returned), the group rows' writes, then ``then``'s claim (its result put in ``extra``)."""
-        matched: set[int] = set()
+    def _write_once(self, token: str, finished: list[Finished]) -> set[int]:
+        """One transaction of :meth:`write`."""
         with translate_errors("record delivery outcomes"), self.engine.begin() as conn:
-            if then is not None:
-                then.swap(conn)
-            for stmt, params, returns_ids in statements:
-                result = conn.execute(stmt, params)
-                if returns_ids:
-                    matched.update(result.scalars())
-            for write in group_writes:
-                write(conn)
-            if then is not None and extra is not None:
-                extra.append(then.claim(conn, matched))
-        return matched
+            return self.write(conn, token, finished)
 
-    def _write_with_retry(
-        self,
-        token: str,
-        finished: list[Finished],
-        then: MergedRefill | None = None,
-        extra: list[tuple[list[Claimed], dict[str, float], DispatchReport]] | None = None,
-    ) -> set[int]:
+    def _write_with_retry(self, token: str, finished: list[Finished]) -> set[int]:
         """Run the fenced UPDATEs in one transaction; returns the ids they matched. A dropped connection
         gets a few quick retries on a fresh one.
 
@@ -330,16 +300,11 @@ class Recorder:
         hiccup would mean needless re-deliveries once the claims expire. Retrying is safe: every write is
         fenced by the claim token.
         """
-        statements = self.statements(token, finished)
-        group_writes = self._group_writes(finished)
         retries = 0
         while True:
             try:
-                return self._write_once(statements, group_writes, then, extra)
+                return self._write_once(token, finished)
             except errors.StorageError as exc:
-                if extra:
-                    extra.clear()
-                then = None  # the outcomes are retried alone; the batch claims again on its own
                 if retries == len(RECORD_RETRY_PAUSES_S) or self._stopping():
                     raise
                 logger.info(

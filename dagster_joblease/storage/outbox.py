@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-from collections.abc import Callable, Collection, Sequence
+from collections.abc import Collection, Sequence
 from typing import Any
 
 import sqlalchemy as sa
@@ -29,6 +29,7 @@ from dagster_joblease.storage.schema import outbox_table, route_group_table
 __all__ = [
     "ENQUEUE_COLUMNS",
     "SwapResult",
+    "SwapShape",
     "claim_due",
     "claim_for_group",
     "count_in_flight",
@@ -41,6 +42,7 @@ __all__ = [
     "due_by_topic",
     "due_clause",
     "due_counts",
+    "any_due",
     "due_in",
     "expire_past_window",
     "give_back",
@@ -70,7 +72,7 @@ __all__ = [
     "skip_dead",
     "skipped_count",
     "slots_left",
-    "slot_look",
+    "look_at_slots",
     "swap",
     "swap_result",
     "take_back",
@@ -865,27 +867,38 @@ def claim_due(
     return _claim_template(dialect_name, limit, claim_ms, key, claim_group).values(claim_token=token)
 
 
-def claim_for_group(
-    dialect_name: str,
-    *,
-    group: str,
-    topics: Collection[str],
-    claim_ms: int,
-    slots: Callable[[sa.ColumnElement[int]], sa.ColumnElement[int]] | None = None,
+@functools.lru_cache(maxsize=256)
+def _group_claim(
+    dialect_name: str, group: str, topics: tuple[str, ...], claim_ms: int, max_in_flight: int | None
 ) -> sa.Update:
-    """Which due rows of a limit group does this claim take? :func:`claim_due` for the group's ``topics``,
-    the claims holding ``group``'s capacity; bound per call with ``token`` and ``want`` (rows at most).
-    ``slots``: ``want`` → the claim's LIMIT as an SQL expression (the slots the group has left, counted
-    by the statement itself)."""
     want: sa.ColumnElement[int] = sa.bindparam("want", type_=sa.Integer())
     return claim_due(
         dialect_name,
         token=sa.bindparam("token", type_=sa.String()),
-        limit=want if slots is None else slots(want),
+        limit=want if max_in_flight is None else slots_left(dialect_name, group, max_in_flight, want),
         claim_ms=claim_ms,
         topics=topics,
         claim_group=group,
     )
+
+
+def claim_for_group(
+    conn: sa.Connection,
+    *,
+    group: str,
+    topics: Collection[str],
+    claim_ms: int,
+    token: str,
+    want: int,
+    max_in_flight: int | None = None,
+) -> list[sa.Row[Any]]:
+    """Which due rows of a limit group does this claim take? :func:`claim_due` for the group's ``topics``
+    under ``token``, up to ``want`` rows, the claims holding ``group``'s capacity, run in ``conn``'s
+    transaction (the caller holds the group's row lock); the rows sorted by id. ``max_in_flight``: and
+    no more than the slots that limit leaves, counted by the statement itself (:func:`slots_left`). The
+    statement is built once per group and shape, bound per call."""
+    stmt = _group_claim(conn.dialect.name, group, tuple(sorted(topics)), claim_ms, max_in_flight)
+    return sorted(conn.execute(stmt, {"token": token, "want": want}), key=lambda r: r[0])
 
 
 @functools.cache
@@ -988,12 +1001,14 @@ def give_back(ids: Sequence[int], token: str, *, stamped: bool) -> sa.Update:
     return sa.update(_t).where(_t.c.id.in_(ids), *_fenced(token)).values(**values)
 
 
-def expire_past_window(*, topics: Collection[str], window_ms: int, margin_ms: int, reason: str) -> sa.Update:
+def expire_past_window(
+    conn: sa.Connection, *, topics: Collection[str], window_ms: int, margin_ms: int, reason: str
+) -> list[sa.Row[Any]]:
     """Which due, unclaimed rows of ``topics`` are past their dedupe window? Those whose first attempt is
     ``window_ms - margin_ms`` or more ago are dead-lettered with ``reason`` (the downstream may have
-    forgotten the key, so a resend could be a second effect); returns ``(id, idempotency_key, topic,
-    last_status)``."""
-    return (
+    forgotten the key, so a resend could be a second effect), in ``conn``'s transaction; returns their
+    ``(id, idempotency_key, topic, last_status)``."""
+    stmt = (
         sa.update(_t)
         .where(
             due_clause(),
@@ -1004,6 +1019,7 @@ def expire_past_window(*, topics: Collection[str], window_ms: int, margin_ms: in
         .values(status=_DEAD_TEXT, last_error=reason, **_unclaimed())
         .returning(_t.c.id, _t.c.idempotency_key, _t.c.topic, _t.c.last_status)
     )
+    return list(conn.execute(stmt))
 
 
 def due_in(topics: Collection[str]) -> sa.Select[Any]:
@@ -1011,22 +1027,59 @@ def due_in(topics: Collection[str]) -> sa.Select[Any]:
     return sa.select(_t.c.id).where(due_clause(), _t.c.topic.in_(sorted(topics))).limit(1)
 
 
-def slot_look(group: str, topics: Collection[str]) -> sa.Select[Any]:
-    """A lock-free look at a limit group: its requests in flight (:func:`_in_flight_query`) and whether a
-    row of its ``topics`` is due."""
+def any_due(conn: sa.Connection, topics: Collection[str]) -> bool:
+    """Whether a row of ``topics`` is due now."""
+    return conn.execute(due_in(topics)).first() is not None
+
+
+@functools.lru_cache(maxsize=256)
+def _slot_look(group: str, topics: tuple[str, ...]) -> sa.Select[Any]:
     return sa.select(_in_flight_query(group).scalar_subquery(), due_in(topics).exists())
 
 
+def look_at_slots(conn: sa.Connection, group: str, topics: Collection[str]) -> tuple[int, bool]:
+    """A lock-free look at a limit group: its requests in flight (:func:`_in_flight_query`) and whether a
+    row of its ``topics`` is due (the statement built once per group)."""
+    in_flight, due = conn.execute(_slot_look(group, tuple(sorted(topics)))).one()
+    return int(in_flight), bool(due)
+
+
+@dataclasses.dataclass(frozen=True)
+class SwapShape:
+    """What a :func:`swap` statement is built for (one statement per shape, bound per call): the limit
+    ``group`` and its ``topics``, this dispatcher's ``max_in_flight`` for it, the claim length, how fresh
+    a registration must be, whether it records the finished rows SENT itself and commits asynchronously."""
+
+    group: str
+    topics: tuple[str, ...]
+    max_in_flight: int
+    claim_ms: int
+    fresh_ms: int
+    record_sent: bool
+    async_commit: bool = False
+
+
 def swap(
+    conn: sa.Connection,
+    shape: SwapShape,
     *,
-    group: str,
-    topics: Collection[str],
-    max_in_flight: int,
-    claim_ms: int,
-    fresh_ms: int,
-    record_sent: bool,
-    async_commit: bool = False,
-) -> sa.Select[Any]:
+    ids: Sequence[int],
+    token: str,
+    want: int,
+    status_code: int | None = None,
+) -> SwapResult:
+    """Run a swap (:func:`_swap_statement`) on ``conn`` (in its transaction, or alone on an autocommit
+    connection) for the finished rows ``ids`` of claim ``token``: up to ``want`` due rows claimed in
+    their slots (with ``shape.record_sent``: ``ids`` marked SENT with ``status_code`` by the same
+    statement)."""
+    params: dict[str, Any] = {"ids": list(ids), "token": token, "want": want}
+    if shape.record_sent:
+        params["status_code"] = status_code
+    return swap_result(conn.execute(_swap_statement(shape), params).all())
+
+
+@functools.lru_cache(maxsize=256)
+def _swap_statement(shape: SwapShape) -> sa.Select[Any]:
     """A swap (PostgreSQL): how many due rows of ``group`` may take the slots of finished rows ``ids``?
     Claims up to ``want`` due rows of ``topics`` under claim ``token``, never more than the rows of
     ``ids`` that still hold the group's capacity under this claim with at least half a claim left on the
@@ -1053,6 +1106,7 @@ def swap(
     (``synchronous_commit = off`` for it alone). Bound per call: ``ids``, ``token``, ``want`` (and
     ``status_code`` with ``record_sent``). Returns rows ``(kind, claim columns..., mif, others)``; read
     them with :func:`swap_result`."""
+    group, topics, max_in_flight, claim_ms = shape.group, shape.topics, shape.max_in_flight, shape.claim_ms
     ids = sa.bindparam("ids", type_=postgresql.ARRAY(sa.BigInteger()))
     token = sa.bindparam("token", type_=sa.String())
     want = sa.bindparam("want", type_=sa.Integer())
@@ -1083,13 +1137,13 @@ def swap(
             sa.not_(sa.and_(g.c.rate.is_not(None), route_groups.in_force(g.c.rate_until))),
             g.c.max_in_flight.is_not(None),
             g.c.max_in_flight <= max_in_flight,
-            route_groups.fresh_for(g.c.max_in_flight_until, fresh_ms),
+            route_groups.fresh_for(g.c.max_in_flight_until, shape.fresh_ms),
         )
         .with_for_update(read=True)
         .cte("grp")
     )
     done = None
-    if record_sent:
+    if shape.record_sent:
         done = (
             sa.update(_t)
             .where(mine_ids, _t.c.claim_token == token, _PENDING)
@@ -1127,7 +1181,7 @@ def swap(
             )
         )
     summary = sa.select(sa.literal_column("'group'", sa.String()), *nulls, mif, n_others)
-    if async_commit:
+    if shape.async_commit:
         # Set for the statement's own (implicit) transaction, in force at its commit.
         summary = summary.where(
             sa.func.set_config(
