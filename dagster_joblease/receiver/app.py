@@ -26,6 +26,7 @@ from typing import Any
 import anyio
 import anyio.to_thread
 import psycopg
+import psycopg.rows
 import sqlalchemy as sa
 from starlette.applications import Starlette
 from starlette.middleware import Middleware
@@ -171,6 +172,15 @@ class _LogEntry:
 
 
 _LOG_INSERT = request_table.insert().values(received_at=db_now())
+#: PostgreSQL: a batch of log rows as one statement of three arrays, in arrival order (the ORDER BY is the
+#: order the rows are inserted, so their ids, sorted, follow it). Far cheaper per row than SQLAlchemy's
+#: executemany with RETURNING sorted by parameter order, which the SQLite path keeps.
+_LOG_INSERT_PG = (
+    "INSERT INTO joblease_receiver_request (idempotency_key, topic, received_at, status_code)"
+    " SELECT u.key, u.topic, clock_timestamp(), u.status"
+    " FROM unnest(%s::text[], %s::text[], %s::int[]) WITH ORDINALITY AS u(key, topic, status, n)"
+    " ORDER BY u.n RETURNING id"
+)
 _LOG_UPDATE = (
     sa.update(request_table)
     .where(request_table.c.id == sa.bindparam("row_id"))
@@ -258,10 +268,21 @@ class RequestLog:
         with translate_errors("write the receiver's request log"), self._engine.begin() as conn:
             if updates:
                 conn.execute(_LOG_UPDATE, [{"row_id": e.row_id, "new_status": e.status} for e in updates])
-            if new:
+            if new and conn.dialect.name == "postgresql":
+                driver: psycopg.Connection[Any] | None = conn.connection.driver_connection
+                assert driver is not None
+                with driver.cursor(row_factory=psycopg.rows.tuple_row) as cursor:
+                    cursor.execute(
+                        _LOG_INSERT_PG,
+                        ([e.key for e in new], [e.topic for e in new], [e.status for e in new]),
+                    )
+                    ids = sorted(row[0] for row in cursor.fetchall())
+                for entry, row_id in zip(new, ids, strict=True):
+                    entry.row_id = row_id
+            elif new:
                 rows = [{"idempotency_key": e.key, "topic": e.topic, "status_code": e.status} for e in new]
-                ids = conn.execute(_LOG_INSERT.returning(t.c.id, sort_by_parameter_order=True), rows)
-                for entry, row_id in zip(new, ids.scalars(), strict=True):
+                returned = conn.execute(_LOG_INSERT.returning(t.c.id, sort_by_parameter_order=True), rows)
+                for entry, row_id in zip(new, returned.scalars(), strict=True):
                     entry.row_id = row_id
 
     def _run(self) -> None:
