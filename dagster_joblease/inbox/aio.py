@@ -138,27 +138,29 @@ class _PsycopgSession(_Session):
             self._begin = True  # BEGIN goes with the first batch
             # psycopg's cursor classes themselves, not conn.cursor(): the connection's cursor factory may
             # bind differently (RawCursor's $1), its row factory may be dicts.
-            self._cursor = psycopg.AsyncCursor(conn, row_factory=psycopg.rows.tuple_row)
             self._client = psycopg.AsyncClientCursor(conn, row_factory=psycopg.rows.tuple_row)
         except BaseException as exc:
             await self._manager.__aexit__(type(exc), exc, exc.__traceback__)
             raise
 
-    async def _started(self) -> None:
+    async def _started(self) -> psycopg.AsyncCursor[Any]:
+        """A cursor binding server-side (for statements outside the key's batches: purge), after BEGIN."""
+        cursor = psycopg.AsyncCursor(self.connection, row_factory=psycopg.rows.tuple_row)
         if self._begin:
             self._begin = False
-            await self._cursor.execute("BEGIN")
+            await cursor.execute("BEGIN")
+        return cursor
 
     async def first(self, query: Query, params: dict[str, Any]) -> Any:
-        await self._started()
-        await self._cursor.execute(query.sql, query.args(params))
-        rows = await self._cursor.fetchall()
+        cursor = await self._started()
+        await cursor.execute(query.sql, query.args(params))
+        rows = await cursor.fetchall()
         return rows[0] if rows else None
 
     async def count(self, query: Query, params: dict[str, Any]) -> int:
-        await self._started()
-        await self._cursor.execute(query.sql, query.args(params))
-        return int(self._cursor.rowcount)
+        cursor = await self._started()
+        await cursor.execute(query.sql, query.args(params))
+        return int(cursor.rowcount)
 
     async def run(self, batch: core.Batch) -> tuple[Any, ...]:
         """BEGIN (if due) and every statement of the batch in one query string: one round trip, each

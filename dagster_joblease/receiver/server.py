@@ -145,7 +145,9 @@ class _Runtime:
             conninfo, kwargs = _conninfo(engine)
             self.pool = AsyncConnectionPool(
                 conninfo,
-                kwargs=kwargs,
+                # autocommit: the inbox's transaction is its own BEGIN ... COMMIT, and it need not switch
+                # each connection's mode for every request and back.
+                kwargs={**kwargs, "autocommit": True},
                 min_size=1,
                 max_size=options.max_connections,
                 timeout=POOL_TIMEOUT_S,

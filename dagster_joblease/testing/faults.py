@@ -294,6 +294,9 @@ class FaultMiddleware:
             detail = f"topic {topic!r} always answers {status} (--always-status-for-topic)"
             await _answer(send, status, "Rejected by configuration", detail)
             return
+        if injected is None and not faults.delay_after_apply_ms:
+            await self.app(scope, receive, send)  # nothing to do at the answer: no wrapper per message
+            return
         await self.app(scope, receive, self._late_send(scope, send, injected))
 
     def _drop(self, scope: Scope) -> None:
