@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import functools
 import os
 import re
 import secrets
@@ -270,21 +271,20 @@ class OutboxStats:
 # -- purges: one transaction per batch -------------------------------------------------------------
 
 
-def _in_batches(
-    engine: sa.Engine, action: str, one_batch: Callable[[sa.Connection, int], int], *, dry_run: bool
-) -> int:
-    """Run a storage purge (``one_batch(conn, limit)``: at most ``limit`` rows on ``conn``) one transaction
-    per batch of :data:`~dagster_joblease.storage.purge.PURGE_BATCH` until a batch comes back short, so a
-    large purge never holds long locks; the total. ``dry_run``: the one count it returns."""
+def _in_batches(engine: sa.Engine, action: str, one_batch: Callable[..., int], *, dry_run: bool) -> int:
+    """Run a storage purge (``one_batch(conn, dry_run=..., limit=...)``: at most ``limit`` rows on
+    ``conn``) one transaction per batch of :data:`~dagster_joblease.storage.purge.PURGE_BATCH` until a
+    batch comes back short, so a large purge never holds long locks; the total. ``dry_run``: the one
+    count it returns."""
     limit = purge.PURGE_BATCH
     with translate_errors(action):
         if dry_run:
             with engine.connect() as conn:
-                return one_batch(conn, limit)
+                return int(one_batch(conn, dry_run=True, limit=limit))
         total = 0
         while True:
             with engine.begin() as conn:
-                deleted = one_batch(conn, limit)
+                deleted = int(one_batch(conn, dry_run=False, limit=limit))
             total += deleted
             if deleted < limit:
                 return total
@@ -573,14 +573,8 @@ def purge_leases(
             "long as such a replay is possible, or lower the configured minimum deliberately. Nothing was "
             "deleted."
         )
-    return _in_batches(
-        engine,
-        "purge leases",
-        lambda conn, limit: leases.purge_finished_schedules(
-            conn, finished_before_ms=window, dry_run=dry_run, limit=limit
-        ),
-        dry_run=dry_run,
-    )
+    purge_one = functools.partial(leases.purge_finished_schedules, finished_before_ms=window)
+    return _in_batches(engine, "purge leases", purge_one, dry_run=dry_run)
 
 
 # -- outbox ----------------------------------------------------------------------------------------
@@ -768,12 +762,8 @@ def purge_sent(engine: sa.Engine, *, older_than_ms: int, min_retention_ms: int, 
     purged.
     """
     window = _retention_window(older_than_ms, min_retention_ms, "outbox rows sent")
-    return _in_batches(
-        engine,
-        "purge sent and skipped outbox rows",
-        lambda conn, limit: outbox.purge_sent(conn, sent_before_ms=window, dry_run=dry_run, limit=limit),
-        dry_run=dry_run,
-    )
+    purge_one = functools.partial(outbox.purge_sent, sent_before_ms=window)
+    return _in_batches(engine, "purge sent and skipped outbox rows", purge_one, dry_run=dry_run)
 
 
 def purge_events(
@@ -790,14 +780,8 @@ def purge_events(
     :func:`purge_sent`, or :class:`RetentionWindowError` is raised and nothing is deleted.
     """
     window = _retention_window(older_than_ms, min_retention_ms, "CDC events written")
-    return _in_batches(
-        engine,
-        "purge CDC outbox events",
-        lambda conn, limit: outbox_events.purge_older_than(
-            conn, older_than_ms=window, dry_run=dry_run, limit=limit
-        ),
-        dry_run=dry_run,
-    )
+    purge_one = functools.partial(outbox_events.purge_older_than, older_than_ms=window)
+    return _in_batches(engine, "purge CDC outbox events", purge_one, dry_run=dry_run)
 
 
 def _retention_window(older_than_ms: int, min_retention_ms: int, rows: str) -> int:

@@ -35,8 +35,6 @@ __all__ = [
     "lease_option",
     "milliseconds",
     "number",
-    "optional_integer",
-    "optional_number",
     "payload",
     "shown",
     "text",
@@ -127,31 +125,14 @@ def integer(
     none: str | None = None,
 ) -> int:
     """``value`` when it is an int (not a bool) in ``[minimum, maximum]`` (each bound optional); else
-    ``error``. ``unit`` names what it counts (``"milliseconds"``); ``none``, when the caller accepts
-    None, says what None means (the message lists it)."""
+    ``error``. ``unit`` names what it counts (``"milliseconds"``); ``none``, when the caller accepts None
+    (and handles it before calling), says what None means, for the message."""
     if isinstance(value, int) and not isinstance(value, bool):
         if (minimum is None or value >= minimum) and (maximum is None or value <= maximum):
             return value
     kind = f"an int number of {unit}" if unit else "an int"
     bounds = _range(minimum, maximum, None)
     raise _refuse(name, value, f"{kind} {bounds}".rstrip(), why, none, error)
-
-
-def optional_integer(
-    name: str,
-    value: object,
-    *,
-    none: str,
-    minimum: int | None = None,
-    maximum: int | None = None,
-    unit: str = "",
-    why: str = "",
-    error: Refusal = configuration,
-) -> int | None:
-    """None, or :func:`integer`; ``none`` says what None means."""
-    if value is None:
-        return None
-    return integer(name, value, minimum=minimum, maximum=maximum, unit=unit, why=why, error=error, none=none)
 
 
 def milliseconds(
@@ -190,26 +171,6 @@ def number(
     kind = f"a finite number of {unit}" if unit else "a finite number"
     bounds = _range(minimum, maximum, above)
     raise _refuse(name, value, f"{kind} {bounds}".rstrip(), why, none, error)
-
-
-def optional_number(
-    name: str,
-    value: object,
-    *,
-    none: str,
-    minimum: float | None = None,
-    above: float | None = None,
-    maximum: float | None = None,
-    unit: str = "seconds",
-    why: str = "",
-    error: Refusal = configuration,
-) -> float | None:
-    """None, or :func:`number`; ``none`` says what None means."""
-    if value is None:
-        return None
-    return number(
-        name, value, minimum=minimum, above=above, maximum=maximum, unit=unit, why=why, error=error, none=none
-    )
 
 
 def text(name: str, value: object, *, why: str = "", error: Refusal = configuration) -> str:

@@ -18,13 +18,11 @@ ACCEPTED: list[tuple[Callable[[object], object], object, object]] = [
     (lambda v: checks.integer("n", v), -5, -5),
     (lambda v: checks.integer("n", v, minimum=1), 1, 1),
     (lambda v: checks.integer("n", v, minimum=1, maximum=3), 3, 3),
-    (lambda v: checks.optional_integer("n", v, none="no limit", minimum=1), None, None),
     (lambda v: checks.milliseconds("ms", v), 0, 0),
     (lambda v: checks.milliseconds("ms", v), MAX, MAX),
     (lambda v: checks.number("s", v, above=0), 0.001, 0.001),
     (lambda v: checks.number("s", v, minimum=0), 0, 0.0),
     (lambda v: checks.number("s", v, above=0, maximum=600), 600, 600.0),
-    (lambda v: checks.optional_number("s", v, none="the route's", minimum=0), None, None),
     (lambda v: checks.text("reason", v), "  why ", "why"),
 ]
 
@@ -50,7 +48,7 @@ REFUSED: list[tuple[Callable[[object], object], object, type[Exception], str]] =
         "limit must be an int from 1 to 10, got 11",
     ),
     (
-        lambda v: checks.optional_integer("rate", v, none="no limit", minimum=1),
+        lambda v: checks.integer("rate", v, minimum=1, none="no limit"),
         0,
         errors.ConfigurationError,
         "rate must be None (no limit) or an int >= 1, got 0",

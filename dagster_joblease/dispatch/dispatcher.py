@@ -351,7 +351,8 @@ class Dispatcher:
         and the totals are returned.
         """
         checks.number("poll_interval_s", poll_interval_s, minimum=0)
-        checks.optional_integer("max_batches", max_batches, none="no bound", minimum=1)
+        if max_batches is not None:
+            checks.integer("max_batches", max_batches, minimum=1, none="no bound")
         limit = checks.integer("limit", limit, minimum=1)
         self._delivery.stop = stop if stop is not None else threading.Event()
         previous = self._install_signal_handlers()

@@ -387,19 +387,12 @@ class Route:
             "secret_headers": MappingProxyType(secrets_),
             "timeout_s": timeout,
             "limit_group": _check_group(self.limit_group, self.url, where),
-            "max_in_flight": checks.optional_integer(
-                f"{where}: max_in_flight", self.max_in_flight, none="no limit", minimum=1, maximum=_MAX_LIMIT
-            ),
-            "rate": checks.optional_integer(
-                f"{where}: rate", self.rate, none="no limit", minimum=1, maximum=_MAX_LIMIT
-            ),
-            "pause_after_failures": checks.optional_integer(
-                f"{where}: pause_after_failures",
-                self.pause_after_failures,
-                none="no limit",
-                minimum=1,
-                maximum=_MAX_LIMIT,
-            ),
+            **{
+                name: None
+                if (value := getattr(self, name)) is None
+                else checks.integer(f"{where}: {name}", value, minimum=1, maximum=_MAX_LIMIT, none="no limit")
+                for name in ("max_in_flight", "rate", "pause_after_failures")
+            },
             "max_pause_s": checks.number(
                 f"{where}: max_pause_s", self.max_pause_s, minimum=0, maximum=_MAX_PAUSE_S
             ),
@@ -407,12 +400,14 @@ class Route:
                 f"{where}: failure_pause_s", self.failure_pause_s, minimum=0, maximum=_MAX_PAUSE_S
             ),
             "dedupe_window": _check_window(self.dedupe_window, timeout, where),
-            "timeout_grace_s": checks.optional_number(
+            "timeout_grace_s": None
+            if self.timeout_grace_s is None
+            else checks.number(
                 f"{where}: timeout_grace_s",
                 self.timeout_grace_s,
-                none="the route's timeout_s",
                 minimum=0,
                 maximum=_MAX_TIMEOUT_S,
+                none="the route's timeout_s",
             ),
         }
         if self.key_format not in KEY_FORMATS:

@@ -81,7 +81,8 @@ class ReceiverOptions:
         checks.integer("receiver max_connections", self.max_connections, minimum=1)
         for name in ("idle_timeout_s", "read_timeout_s"):
             checks.number(f"receiver {name}", getattr(self, name), above=0, maximum=3600)
-        checks.optional_number("receiver retention_s", self.retention_s, none="no purge", above=0)
+        if self.retention_s is not None:
+            checks.number("receiver retention_s", self.retention_s, above=0, none="no purge")
         if self.http not in HTTP_IMPLEMENTATIONS:
             raise errors.ConfigurationError(
                 f"receiver http={self.http!r} is not one of {', '.join(HTTP_IMPLEMENTATIONS)}"

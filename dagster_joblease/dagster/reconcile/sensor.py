@@ -580,9 +580,8 @@ def build_reconciliation_sensor(
     durations = _durations(
         lookback=lookback, backoff=backoff, max_backoff=max_backoff, zombie_margin=zombie_margin
     )
-    checks.optional_integer(
-        "holder_stale_ms", holder_stale_ms, none="the resource's", minimum=1, unit="milliseconds"
-    )
+    if holder_stale_ms is not None:
+        checks.milliseconds("holder_stale_ms", holder_stale_ms, minimum=1)
     _check_catch_up(checked, catch_up_from)
     settings = _Settings(
         target=checked,
