@@ -510,13 +510,13 @@ def reset_lease(
             return ResetOutcome(lease=before, changed=False, was_live=False)
         if before.status == LeaseStatus.SUCCESS.value:
             raise AdminRefusedError(
-                f"lease {before.id} ({_describe(before)}) already succeeded; SUCCESS is final and is never "
+                f"lease {before.id} ({_label(before)}) already succeeded; SUCCESS is final and is never "
                 "retried. To let a SCHEDULE run happen again, purge it after its replay window "
                 "(`joblease leases purge`)."
             )
         if before.live and not force:
             raise AdminRefusedError(
-                f"lease {before.id} ({_describe(before)}) is held by a live lease: holder {before.holder}, "
+                f"lease {before.id} ({_label(before)}) is held by a live lease: holder {before.holder}, "
                 f"{human_ms(before.remaining_ms)} left on the database clock. Wait for it to finish or "
                 f"expire; force it (`--force`) only if that holder is truly gone — {_TWO_HOLDERS_RISK}."
             )
@@ -544,7 +544,7 @@ def reset_lease(
     return ResetOutcome(lease=after, changed=True, was_live=before.live)
 
 
-def _describe(row: LeaseRow) -> str:
+def _label(row: LeaseRow) -> str:
     return row.code if row.run_key is None else f"{row.code} / {row.run_key}"
 
 

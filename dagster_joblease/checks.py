@@ -106,7 +106,7 @@ def _range(minimum: float | None, maximum: float | None, above: float | None) ->
     return "" if maximum is None else f"<= {_num(maximum)}"
 
 
-def _refuse(name: str, value: object, allowed: str, why: str, none: str | None, error: Refusal) -> Exception:
+def _refusal(name: str, value: object, allowed: str, why: str, none: str | None, error: Refusal) -> Exception:
     if none is not None:
         allowed = f"None ({none}) or {allowed}"
     rule = f"must be {allowed}, got {shown(value)}" + (f"; {why}" if why else "")
@@ -132,7 +132,7 @@ def integer(
             return value
     kind = f"an int number of {unit}" if unit else "an int"
     bounds = _range(minimum, maximum, None)
-    raise _refuse(name, value, f"{kind} {bounds}".rstrip(), why, none, error)
+    raise _refusal(name, value, f"{kind} {bounds}".rstrip(), why, none, error)
 
 
 def milliseconds(
@@ -170,11 +170,11 @@ def number(
             return float(value)
     kind = f"a finite number of {unit}" if unit else "a finite number"
     bounds = _range(minimum, maximum, above)
-    raise _refuse(name, value, f"{kind} {bounds}".rstrip(), why, none, error)
+    raise _refusal(name, value, f"{kind} {bounds}".rstrip(), why, none, error)
 
 
 def text(name: str, value: object, *, why: str = "", error: Refusal = configuration) -> str:
     """``value`` stripped, when it is a str that is not blank; else ``error``."""
     if isinstance(value, str) and value.strip():
         return value.strip()
-    raise _refuse(name, value, "a non-blank str", why, None, error)
+    raise _refusal(name, value, "a non-blank str", why, None, error)

@@ -300,7 +300,7 @@ def _held_error(wait: Wait, job: identity.JobIdentity, row: Row | None) -> str:
     )
 
 
-def _held(wait: Wait, job: identity.JobIdentity, row: Row | None) -> KeyOutcome:
+def _held_outcome(wait: Wait, job: identity.JobIdentity, row: Row | None) -> KeyOutcome:
     running = row is not None and row.status == LeaseStatus.RUNNING.value
     return KeyOutcome(
         job,
@@ -315,7 +315,7 @@ def _held_now(wait: Wait, job: identity.JobIdentity) -> KeyOutcome:
     row = None
     with contextlib.suppress(errors.StorageError):
         row = read_row(wait.service.engine, job.idempotency_key)
-    return _held(wait, job, row)
+    return _held_outcome(wait, job, row)
 
 
 def _did(wait: Wait, held: Lease, result: Any = None) -> KeyOutcome:
@@ -334,7 +334,7 @@ def _stopped_text(exc: BaseException, *, held: bool) -> str:
     )
 
 
-def _completed(wait: Wait, held: Lease) -> bool:
+def _was_completed(wait: Wait, held: Lease) -> bool:
     """Was ``held`` completed (SUCCESS with this run's token)? False when the row cannot be read."""
     try:
         row = read_row(wait.service.engine, held.idempotency_key)
@@ -386,7 +386,7 @@ class _EachKey:
         if decided is Next.SKIP and row is not None:
             return KeyOutcome(job, WaitOutcome.SKIPPED_SUCCEEDED, row.attempt, row.holder)
         if decided is Next.HELD:
-            return _held(wait, job, row)
+            return _held_outcome(wait, job, row)
         if decided is Next.WAIT and row is not None and row.status == LeaseStatus.RUNNING.value:
             self.waiting_for = (
                 f"joblease {job}: held by {row.holder} (attempt {row.attempt}); waiting up to "
@@ -414,7 +414,9 @@ class _EachKey:
         held = self.lease
         if held is not None and isinstance(exc, errors.LostLeaseError):
             return KeyOutcome(self.job, WaitOutcome.LOST, held.attempt, self.wait.holder, error_text(exc))
-        outcome = cut_short(held=held is not None, completed=held is not None and _completed(self.wait, held))
+        outcome = cut_short(
+            held=held is not None, completed=held is not None and _was_completed(self.wait, held)
+        )
         if outcome is None and held is not None:
             return _did(self.wait, held)
         if held is None:
@@ -555,7 +557,7 @@ class _WaitBatch:
             return {x.idempotency_key for x in batch.complete_many(self.wait.service, won).lost}
         except BaseException as exc:
             for x in won:
-                if cut_short(held=True, completed=_completed(self.wait, x)) is None:
+                if cut_short(held=True, completed=_was_completed(self.wait, x)) is None:
                     self.record(x, WaitOutcome.RECLAIMED if x.reclaimed else WaitOutcome.WON)
                 else:
                     self.record(x, WaitOutcome.FAILED, _stopped_text(exc, held=True))

@@ -68,7 +68,7 @@ class DispatchConfig(dg.Config):
     batch_size: int = 100
 
 
-def _cell(value: object) -> str:
+def _md_cell(value: object) -> str:
     return str(value if value is not None else "").replace("|", "\\|").replace("\n", " ")[:200]
 
 
@@ -107,8 +107,8 @@ def dead_rows_evaluation(
         "|---|---|---|---|---|---|",
     ]
     lines += [
-        f"| {r.id} | `{r.idempotency_key}` | {_cell(r.topic)} | {r.attempts} | {_cell(r.last_status)} | "
-        f"{_cell(r.last_error)} |"
+        f"| {r.id} | `{r.idempotency_key}` | {_md_cell(r.topic)} | {r.attempts} | "
+        f"{_md_cell(r.last_status)} | {_md_cell(r.last_error)} |"
         for r in rows
     ]
     # SKIPPED rows (a person decided they are never sent) are not dead: counted apart, they never fail it.
@@ -124,13 +124,15 @@ def dead_rows_evaluation(
     meta["blocked_ordering_keys"] = dg.MetadataValue.int(blocked_count)
     if blocked:
         table = ["| ordering key | blocking row | topic | later rows held |", "|---|---|---|---|"]
-        table += [f"| `{b.ordering_key}` | {b.blocking_id} | {_cell(b.topic)} | {b.held} |" for b in blocked]
+        table += [
+            f"| `{b.ordering_key}` | {b.blocking_id} | {_md_cell(b.topic)} | {b.held} |" for b in blocked
+        ]
         meta["blocked"] = dg.MetadataValue.md("\n".join(table))
     description = (
         "no dead outbox rows"
         if count == 0
         else f"{count} dead outbox row(s); the first: id {rows[0].id}, topic {rows[0].topic}, "
-        f"last status {rows[0].last_status}, error {_cell(rows[0].last_error)}. Fix the cause, then "
+        f"last status {rows[0].last_status}, error {_md_cell(rows[0].last_error)}. Fix the cause, then "
         "requeue them (`joblease outbox requeue --all-dead`), or mark one you decided never to send "
         "SKIPPED (`joblease outbox skip ID`)."
     )

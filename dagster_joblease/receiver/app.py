@@ -364,7 +364,7 @@ async def _request_parts(request: Request) -> tuple[str, str, str] | Response:
     return key, topic, payload
 
 
-def _applied(key: str, topic: str) -> Response:
+def _applied_response(key: str, topic: str) -> Response:
     return JSONResponse({"applied": True, "key": key, "topic": topic})
 
 
@@ -379,7 +379,7 @@ def _async_endpoint(effect_delay_ms: int) -> Callable[[Request], Awaitable[Respo
             await conn.execute(_EFFECT_SQL, (key, topic, payload))
         if effect_delay_ms:
             await anyio.sleep(effect_delay_ms / 1000)
-        return _applied(key, topic)
+        return _applied_response(key, topic)
 
     return apply
 
@@ -398,7 +398,7 @@ def _sync_endpoint(effect_delay_ms: int) -> Callable[[Request], Awaitable[Respon
                 time.sleep(effect_delay_ms / 1000)
 
         await anyio.to_thread.run_sync(write)
-        return _applied(key, topic)
+        return _applied_response(key, topic)
 
     return apply
 

@@ -36,7 +36,7 @@ from sqlalchemy.dialects.postgresql import psycopg as psycopg_dialect
 
 from dagster_joblease import errors
 from dagster_joblease.storage.autocommit import AutocommitConnections, autocommit_connections
-from dagster_joblease.storage.engine import is_psycopg, translate_errors, translated
+from dagster_joblease.storage.engine import first_line, is_psycopg, translate_errors, translated
 from dagster_joblease.storage.transaction import CallersTransaction
 
 __all__ = ["Query", "Statements", "in_transaction", "query", "statements"]
@@ -233,7 +233,7 @@ class _Driver:
             if not self.own:
                 if isinstance(exc, psycopg.errors.InvalidSqlStatementName):
                     raise  # in one transaction: a pooler in transaction mode (translate_errors says so)
-                raise errors.StorageError(REPLAN_IN_TRANSACTION.format(error=_first_line(exc))) from exc
+                raise errors.StorageError(REPLAN_IN_TRANSACTION.format(error=first_line(exc))) from exc
         # Our own autocommit connection: the failed statement was its own transaction and wrote nothing.
         forget_prepared(self.connection)
         cursor.execute(query.sql, args, prepare=self.prepare)
@@ -249,10 +249,6 @@ class _Driver:
 
     def rowcount(self, query: Query, params: Mapping[str, Any]) -> int:
         return int(self._run(query, params, False))
-
-
-def _first_line(exc: BaseException) -> str:
-    return (str(exc).strip().splitlines() or [type(exc).__name__])[0]
 
 
 def statements(engine: sa.Engine, action: str) -> contextlib.AbstractContextManager[Statements]:

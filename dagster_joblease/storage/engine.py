@@ -25,6 +25,7 @@ __all__ = [
     "create_engine",
     "default_sqlite_url",
     "describe_database",
+    "first_line",
     "fork_safe",
     "is_psycopg",
     "normalize_url",
@@ -491,7 +492,8 @@ def _after_fork_in_child() -> None:
 os.register_at_fork(after_in_child=_after_fork_in_child)
 
 
-def _first_line(exc: BaseException) -> str:
+def first_line(exc: BaseException) -> str:
+    """A driver error's first line (its type's name when it has no text): what a StorageError quotes."""
     return (str(exc).strip().splitlines() or [type(exc).__name__])[0]
 
 
@@ -554,16 +556,16 @@ def translated(exc: BaseException, action: str) -> Exception | None:
         driver_error = exc.orig or exc
         if _is_prepared_statement_error(driver_error):
             return errors.ConfigurationError(
-                f"database error while trying to {action}: {_first_line(driver_error)}; "
+                f"database error while trying to {action}: {first_line(driver_error)}; "
                 f"{_PREPARED_STATEMENT_HINT}"
             )
-        return errors.StorageError(f"database error while trying to {action}: {_first_line(driver_error)}")
+        return errors.StorageError(f"database error while trying to {action}: {first_line(driver_error)}")
     if isinstance(exc, psycopg.Error):
         if _is_prepared_statement_error(exc):
             return errors.ConfigurationError(
-                f"database error while trying to {action}: {_first_line(exc)}; {_PREPARED_STATEMENT_HINT}"
+                f"database error while trying to {action}: {first_line(exc)}; {_PREPARED_STATEMENT_HINT}"
             )
-        return errors.StorageError(f"database error while trying to {action}: {_first_line(exc)}")
+        return errors.StorageError(f"database error while trying to {action}: {first_line(exc)}")
     if isinstance(exc, sa.exc.SQLAlchemyError):
         return errors.StorageError(f"database error while trying to {action}: {type(exc).__name__}")
     return None

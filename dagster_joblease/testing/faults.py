@@ -111,7 +111,7 @@ async def _answer(send: Send, status: int, title: str, detail: str) -> None:
     await send({"type": "http.response.body", "body": body})
 
 
-def _applied(start: Message) -> bool:
+def _was_applied(start: Message) -> bool:
     """An answer's start says its effect was applied just now: a 2xx that is not a replay."""
     replayed = any(bytes(name).lower() == b"idempotent-replayed" for name, _ in start.get("headers", []))
     return 200 <= int(start["status"]) < 300 and not replayed
@@ -315,7 +315,7 @@ class FaultMiddleware:
             if message["type"] == "http.response.start":
                 if injected is not None and injected.kind == "drop_after_apply":
                     self._drop(scope)
-                elif delay_s and (injected is not None or _applied(message)):
+                elif delay_s and (injected is not None or _was_applied(message)):
                     await anyio.sleep(delay_s)
             await send(message)
 

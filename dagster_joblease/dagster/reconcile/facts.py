@@ -719,7 +719,7 @@ class Candidate:
     materialized: bool | None = None
 
 
-def _holder(
+def _holder_status(
     reader: Reader, policy: judge.Policy, lease: LeaseFacts | None, runs: Mapping[str, dg.DagsterRun]
 ) -> tuple[dg.DagsterRunStatus | None, bool]:
     """The status of the lease holder's run on this instance (None: not here), and whether it is a zombie."""
@@ -743,7 +743,7 @@ def key_facts(reader: Reader, policy: judge.Policy, candidates: Sequence[Candida
     materialized = reader.materialized(done)
     facts = []
     for candidate in candidates:
-        status, dead = _holder(reader, policy, by_key[candidate.key], holder_runs)
+        status, dead = _holder_status(reader, policy, by_key[candidate.key], holder_runs)
         facts.append(
             judge.KeyFacts(
                 key=candidate.key,
