@@ -330,7 +330,7 @@ def check_older_than_ms(value: object) -> int:
     return checks.milliseconds("older_than_ms", value, why="time since completion", error=checks.inbox_input)
 
 
-def _check_headers(key: str, headers: object) -> Headers:
+def _check_answer_headers(key: str, headers: object) -> Headers:
     pairs: Iterable[Any] = headers.items() if isinstance(headers, Mapping) else headers  # type: ignore[assignment]
     try:
         checked = tuple(pairs)
@@ -368,7 +368,7 @@ def check_answer(key: str, value: object) -> Answer:
         and isinstance(value[1], str | bytes)
         and len(value[1]) <= MAX_BODY_BYTES
     ):
-        headers = _check_headers(key, value[2]) if len(value) == 3 else ()
+        headers = _check_answer_headers(key, value[2]) if len(value) == 3 else ()
         return Answer(value[0], value[1], headers)
     raise InvalidInboxInputError(
         "effect result",

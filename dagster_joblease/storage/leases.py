@@ -37,7 +37,7 @@ __all__ = [
     "complete",
     "count_schedules",
     "delete_all",
-    "expire",
+    "expire_running",
     "fail",
     "fail_dead_holder",
     "held_many",
@@ -386,7 +386,7 @@ EXPIRE = driver.query(
 )
 
 
-def expire(db: Statements, lock_key: str, owner_token: str | None, *, ago_ms: int) -> int:
+def expire_running(db: Statements, lock_key: str, owner_token: str | None, *, ago_ms: int) -> int:
     """Let the ``RUNNING`` lease of ``lock_key`` (of ``owner_token``, when given) have expired ``ago_ms``
     ago on the database clock (testing helpers); how many leases changed."""
     return len(db.rows(EXPIRE, {"p_lock_key": lock_key, "p_any_token": owner_token, "p_by_ms": -ago_ms}))

@@ -105,7 +105,7 @@ def _problem(status: int, title: str, detail: str) -> tuple[list[tuple[bytes, by
     ], body
 
 
-async def _answer(send: Send, status: int, title: str, detail: str) -> None:
+async def _send_problem(send: Send, status: int, title: str, detail: str) -> None:
     headers, body = _problem(status, title, detail)
     await send({"type": "http.response.start", "status": status, "headers": headers})
     await send({"type": "http.response.body", "body": body})
@@ -263,18 +263,18 @@ class FaultMiddleware:
         faults = self.faults
         topic = scope["path"].lstrip("/")
         if injected is not None and injected.kind == "fail":
-            await _answer(
+            await _send_problem(
                 send, injected.status, "Simulated failure", f"POST #{ordinal} failed on purpose (inject_next)"
             )
             return
         fault = None if injected is not None else faults.fault_for(ordinal)
         if fault == "drop":
             self._drop(scope)
-            await _answer(send, 503, "Dropped", "never seen by the client")
+            await _send_problem(send, 503, "Dropped", "never seen by the client")
             return
         if fault == "hang":
             await anyio.sleep(faults.hang_ms / 1000)
-            await _answer(
+            await _send_problem(
                 send,
                 503,
                 "Service Unavailable",
@@ -282,7 +282,7 @@ class FaultMiddleware:
             )
             return
         if fault == "fail":
-            await _answer(
+            await _send_problem(
                 send,
                 faults.fail_status,
                 "Simulated failure",
@@ -292,7 +292,7 @@ class FaultMiddleware:
         if topic in faults.always_status:
             status = faults.always_status[topic]
             detail = f"topic {topic!r} always answers {status} (--always-status-for-topic)"
-            await _answer(send, status, "Rejected by configuration", detail)
+            await _send_problem(send, status, "Rejected by configuration", detail)
             return
         if injected is None and not faults.delay_after_apply_ms:
             await self.app(scope, receive, send)  # nothing to do at the answer: no wrapper per message

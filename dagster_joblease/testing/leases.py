@@ -24,7 +24,7 @@ def _check_service(service: object) -> LeaseService:
 
 def _expire(service: LeaseService, lock_key: str, owner_token: str | None) -> int:
     with driver.statements(service.engine, "expire a lease") as db:
-        return leases.expire(db, lock_key, owner_token, ago_ms=_EXPIRED_BY_MS)
+        return leases.expire_running(db, lock_key, owner_token, ago_ms=_EXPIRED_BY_MS)
 
 
 def expire_now(service: LeaseService, job: identity.JobIdentity) -> bool:

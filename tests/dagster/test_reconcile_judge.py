@@ -407,7 +407,7 @@ def test_left_undone(
     ("relaunches", "wait"), [(0, 0), (1, 60_000), (2, 120_000), (3, 240_000), (5, 600_000), (30, 600_000)]
 )
 def test_backoff_doubles_up_to_its_cap(relaunches: int, wait: int) -> None:
-    assert judge.backoff_ms(relaunches, 60_000, 600_000) == wait
+    assert judge.relaunch_backoff_ms(relaunches, 60_000, 600_000) == wait
 
 
 # -- facts' pure parts (dagster_joblease.dagster.reconcile.facts) --------------------------------------

@@ -46,7 +46,7 @@ __all__ = [
     "Need",
     "Policy",
     "Verdict",
-    "backoff_ms",
+    "relaunch_backoff_ms",
     "judge_keys",
     "left_undone",
     "life_of",
@@ -215,7 +215,7 @@ class Judgement:
         return [v for v in self.verdicts if v.action is action]
 
 
-def backoff_ms(relaunches: int, base_ms: int, max_ms: int) -> int:
+def relaunch_backoff_ms(relaunches: int, base_ms: int, max_ms: int) -> int:
     """How long relaunch ``relaunches + 1`` waits after the key's last activity (the first: not at all)."""
     return 0 if relaunches == 0 else min(max_ms, base_ms * 2 ** (relaunches - 1))
 
@@ -386,7 +386,7 @@ def verdict_for(need: Need, runs: KeyRuns, lives: Mapping[str, Life], policy: Po
         )
         return Verdict(key, Action.CAPPED, f"{counted} ({need.why}); last run {runs.last_relaunch}")
     idle = need.idle_ms if need.idle_ms is not None else runs.last_relaunch_end_age_ms
-    wait = backoff_ms(done, policy.backoff_ms, policy.max_backoff_ms)
+    wait = relaunch_backoff_ms(done, policy.backoff_ms, policy.max_backoff_ms)
     if idle is not None and idle < wait:
         return Verdict(key, Action.BACKING_OFF, f"relaunch {done + 1} in {(wait - idle) / 1000:.0f} s")
     return Verdict(key, Action.RELAUNCH, need.why, need.attempt, done + 1, need.upstream, need.free)
