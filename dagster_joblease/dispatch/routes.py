@@ -213,6 +213,16 @@ def check_subject(value: object, where: str) -> str:
 def _check_destination(route: Route, where: str) -> None:
     """The broker options fit the route's transport: JetStream needs ``subject`` and ``stream``, RabbitMQ
     an ``exchange``; HTTP takes none of them (and only HTTP has a ``key_format``)."""
+    _check_options_of_transport(route, where)
+    _check_credentials_env(route, where)
+    if route.transport == "jetstream":
+        _check_jetstream(route, where)
+    elif route.transport == "rabbitmq":
+        _check_rabbitmq(route, where)
+
+
+def _check_options_of_transport(route: Route, where: str) -> None:
+    """No option of another transport (a broker's on HTTP, ``key_format`` on a broker)."""
     transport = route.transport
     for name, owner in BROKER_OPTIONS.items():
         if getattr(route, name) is not None and owner != transport:
@@ -221,38 +231,49 @@ def _check_destination(route: Route, where: str) -> None:
             )
     if transport != "http" and route.key_format != "bare":
         raise errors.ConfigurationError(f"{where}: key_format is an option of HTTP routes; remove it")
-    if route.credentials_env is not None:
-        if transport == "http":
-            raise errors.ConfigurationError(
-                f"{where}: credentials_env is for broker routes; an HTTP route sends secret_headers"
-            )
-        if not isinstance(route.credentials_env, str) or not _ENV_NAME.match(route.credentials_env):
-            raise errors.ConfigurationError(
-                f"{where}: credentials_env must name an environment variable (letters, digits, underscore), "
-                f"got {route.credentials_env!r}"
-            )
-    if transport == "jetstream":
-        check_subject(route.subject, where)
-        if not isinstance(route.stream, str) or not _NAME.match(route.stream):
-            raise errors.ConfigurationError(
-                f"{where}: a JetStream route needs stream= the name of the stream its subject is stored in "
-                f"(letters, digits, - and _), got {route.stream!r}"
-            )
-        if route.dedupe_window is None:
-            raise errors.ConfigurationError(
-                f"{where}: set dedupe_window (at most the stream's duplicate_window): JetStream forgets a "
-                "Nats-Msg-Id after that window, so a resend later than it would be stored twice"
-            )
-    elif transport == "rabbitmq":
-        if not isinstance(route.exchange, str) or len(route.exchange) > 255:
-            raise errors.ConfigurationError(
-                f'{where}: a RabbitMQ route needs exchange= the exchange to publish to (a str, "" for the '
-                f"default exchange), got {route.exchange!r}"
-            )
-        if route.routing_key is not None:
-            _check_template(
-                route.routing_key, where, "routing_key", re.compile(r"^[\x21-\x7e]*$"), "printable ASCII"
-            )
+
+
+def _check_credentials_env(route: Route, where: str) -> None:
+    """``credentials_env``: a broker route's, naming an environment variable."""
+    if route.credentials_env is None:
+        return
+    if route.transport == "http":
+        raise errors.ConfigurationError(
+            f"{where}: credentials_env is for broker routes; an HTTP route sends secret_headers"
+        )
+    if not isinstance(route.credentials_env, str) or not _ENV_NAME.match(route.credentials_env):
+        raise errors.ConfigurationError(
+            f"{where}: credentials_env must name an environment variable (letters, digits, underscore), "
+            f"got {route.credentials_env!r}"
+        )
+
+
+def _check_jetstream(route: Route, where: str) -> None:
+    """A JetStream route: a subject, its stream, and a dedupe window."""
+    check_subject(route.subject, where)
+    if not isinstance(route.stream, str) or not _NAME.match(route.stream):
+        raise errors.ConfigurationError(
+            f"{where}: a JetStream route needs stream= the name of the stream its subject is stored in "
+            f"(letters, digits, - and _), got {route.stream!r}"
+        )
+    if route.dedupe_window is None:
+        raise errors.ConfigurationError(
+            f"{where}: set dedupe_window (at most the stream's duplicate_window): JetStream forgets a "
+            "Nats-Msg-Id after that window, so a resend later than it would be stored twice"
+        )
+
+
+def _check_rabbitmq(route: Route, where: str) -> None:
+    """A RabbitMQ route: an exchange, and a printable routing key template if any."""
+    if not isinstance(route.exchange, str) or len(route.exchange) > 255:
+        raise errors.ConfigurationError(
+            f'{where}: a RabbitMQ route needs exchange= the exchange to publish to (a str, "" for the '
+            f"default exchange), got {route.exchange!r}"
+        )
+    if route.routing_key is not None:
+        _check_template(
+            route.routing_key, where, "routing_key", re.compile(r"^[\x21-\x7e]*$"), "printable ASCII"
+        )
 
 
 def _check_headers(
@@ -505,59 +526,51 @@ _ROUTE_KEYS = ("url", "headers", "secret_headers", "timeout_s", *_LIMIT_KEYS, *_
 
 
 def _route_from(topic: str, spec: object, source: str) -> Route:
+    flat = _flat_spec(topic, spec, source)
+    kwargs: dict[str, Any] = {}
+    for key in ("headers", "secret_headers"):
+        if key in flat:
+            if not isinstance(flat[key], Mapping):
+                raise errors.ConfigurationError(f"{source}: topic {topic!r}: `{key}` must be a table")
+            kwargs[key] = flat[key]
+    kwargs.update({key: flat[key] for key in ("timeout_s", *_LIMIT_KEYS, *_BROKER_KEYS) if key in flat})
+    try:
+        return Route(flat["url"], **kwargs)
+    except errors.ConfigurationError as exc:
+        raise errors.ConfigurationError(f"{source}: topic {topic!r}: {exc}") from None
+
+
+def _flat_spec(topic: str, spec: object, source: str) -> dict[str, Any]:
+    """A topic's table with its ``limits`` table merged in: only known keys, and a ``url``."""
     if not isinstance(spec, Mapping):
         raise errors.ConfigurationError(f"{source}: topic {topic!r} must map to a table with at least `url`")
-    spec = dict(spec)
-    limits = spec.pop("limits", None)
+    flat = dict(spec)
+    limits = flat.pop("limits", None)
     if limits is not None:
         if not isinstance(limits, Mapping):
             raise errors.ConfigurationError(f"{source}: topic {topic!r}: `limits` must be a table")
-        clash = set(limits) & set(spec)
+        clash = set(limits) & set(flat)
         if clash:
             raise errors.ConfigurationError(
                 f"{source}: topic {topic!r} sets {sorted(clash)} both in `limits` and beside it; keep one"
             )
-        spec.update(limits)
-    unknown = set(spec) - set(_ROUTE_KEYS)
+        flat.update(limits)
+    unknown = set(flat) - set(_ROUTE_KEYS)
     if unknown:
         raise errors.ConfigurationError(
             f"{source}: topic {topic!r} has unknown keys {sorted(unknown)}; allowed: {', '.join(_ROUTE_KEYS)}"
             " (and a `limits` table)"
         )
-    if "url" not in spec:
+    if "url" not in flat:
         raise errors.ConfigurationError(f"{source}: topic {topic!r} has no `url`")
-    kwargs: dict[str, Any] = {}
-    for key in ("headers", "secret_headers"):
-        if key in spec:
-            if not isinstance(spec[key], Mapping):
-                raise errors.ConfigurationError(f"{source}: topic {topic!r}: `{key}` must be a table")
-            kwargs[key] = spec[key]
-    for key in ("timeout_s", *_LIMIT_KEYS, *_BROKER_KEYS):
-        if key in spec:
-            kwargs[key] = spec[key]
-    try:
-        return Route(spec["url"], **kwargs)
-    except errors.ConfigurationError as exc:
-        raise errors.ConfigurationError(f"{source}: topic {topic!r}: {exc}") from None
+    return flat
 
 
 def load_routes(path: str | os.PathLike[str]) -> dict[str, Route]:
     """Read ``{topic: {url, headers, secret_headers, timeout_s}}`` from a ``.toml`` or ``.json`` file."""
     file = Path(path)
     source = f"routes file {file}"
-    try:
-        raw = file.read_bytes()
-    except OSError as exc:
-        raise errors.ConfigurationError(f"{source} cannot be read: {exc.strerror}") from None
-    try:
-        if file.suffix.lower() == ".json":
-            data = json.loads(raw)
-        elif file.suffix.lower() == ".toml":
-            data = tomllib.loads(raw.decode("utf-8"))
-        else:
-            raise errors.ConfigurationError(f"{source}: use a .toml or .json file")
-    except (ValueError, UnicodeDecodeError) as exc:
-        raise errors.ConfigurationError(f"{source} is not valid {file.suffix[1:].upper()}: {exc}") from None
+    data = _read_routes_file(file, source)
     if not isinstance(data, dict) or not data:
         raise errors.ConfigurationError(f"{source} must map at least one topic to a route")
     routes: dict[str, Route] = {}
@@ -568,3 +581,19 @@ def load_routes(path: str | os.PathLike[str]) -> dict[str, Route]:
             )
         routes[topic] = _route_from(topic, spec, source)
     return routes
+
+
+def _read_routes_file(file: Path, source: str) -> object:
+    """A routes file's content, parsed as its suffix says (.toml or .json)."""
+    try:
+        raw = file.read_bytes()
+    except OSError as exc:
+        raise errors.ConfigurationError(f"{source} cannot be read: {exc.strerror}") from None
+    try:
+        if file.suffix.lower() == ".json":
+            return json.loads(raw)
+        if file.suffix.lower() == ".toml":
+            return tomllib.loads(raw.decode("utf-8"))
+    except (ValueError, UnicodeDecodeError) as exc:
+        raise errors.ConfigurationError(f"{source} is not valid {file.suffix[1:].upper()}: {exc}") from None
+    raise errors.ConfigurationError(f"{source}: use a .toml or .json file")
