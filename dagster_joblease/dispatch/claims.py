@@ -6,9 +6,33 @@ import dataclasses
 import datetime as dt
 from typing import Any
 
+from dagster_joblease import tracing
 from dagster_joblease.dispatch import policy
 
-__all__ = ["Claimed", "Finished", "from_row"]
+__all__ = ["AT_ONCE", "NO_TIMES", "ClaimTimes", "Claimed", "Finished", "StartWindow", "from_row"]
+
+
+@dataclasses.dataclass(frozen=True)
+class StartWindow:
+    """When a rate-admitted row may start: not before ``not_before``, not after ``send_by`` (local
+    monotonic times; None: at once, no limit)."""
+
+    not_before: float | None = None
+    send_by: float | None = None
+
+
+@dataclasses.dataclass(frozen=True)
+class ClaimTimes:
+    """A claimed row's database times: its first attempt as the claim left it (the claim stamps it when
+    there was none), the database clock's reading when the claim ran (same statement), and its INSERT."""
+
+    first_attempt_at: dt.datetime | None = None
+    claim_now: dt.datetime | None = None
+    created_at: dt.datetime | None = None
+
+
+AT_ONCE = StartWindow()
+NO_TIMES = ClaimTimes()
 
 
 @dataclasses.dataclass(frozen=True)
@@ -25,21 +49,40 @@ class Claimed:
     group: str | None = None
     #: Local monotonic time just before the claim statement ran: the claim lasts claim_ms from then.
     claimed_at: float = 0.0
-    #: A rate admission: do not start before this local monotonic time (None: at once).
-    not_before: float | None = None
-    #: A rate admission: do not start after this local monotonic time (given back instead).
-    send_by: float | None = None
-    #: The row's first attempt as the claim left it (the claim stamps it when there was none).
-    first_attempt_at: dt.datetime | None = None
-    #: The database clock's reading when the claim ran (same statement), to age the row at send time.
-    claim_now: dt.datetime | None = None
+    #: A rate admission's window (:data:`AT_ONCE`: none).
+    window: StartWindow = AT_ONCE
+    #: The row's database times (first attempt, the claim's clock, its INSERT).
+    times: ClaimTimes = NO_TIMES
     #: The row's ordering key (None: it has none).
     ordering_key: str | None = None
-    #: The row's creation trace context (W3C traceparent / tracestate; None: the row has none).
-    traceparent: str | None = None
-    tracestate: str | None = None
-    #: When the row was inserted, on the database clock.
-    created_at: dt.datetime | None = None
+    #: The row's creation trace context (W3C traceparent / tracestate; fields None: the row has none).
+    trace: tracing.TraceContext = tracing.NO_TRACE
+
+    @property
+    def not_before(self) -> float | None:
+        """A rate admission: do not start before this local monotonic time (None: at once)."""
+        return self.window.not_before
+
+    @property
+    def send_by(self) -> float | None:
+        """A rate admission: do not start after this local monotonic time (given back instead)."""
+        return self.window.send_by
+
+    @property
+    def first_attempt_at(self) -> dt.datetime | None:
+        return self.times.first_attempt_at
+
+    @property
+    def claim_now(self) -> dt.datetime | None:
+        return self.times.claim_now
+
+    @property
+    def traceparent(self) -> str | None:
+        return self.trace.traceparent
+
+    @property
+    def tracestate(self) -> str | None:
+        return self.trace.tracestate
 
     @property
     def stamped(self) -> bool:
@@ -57,9 +100,10 @@ class Claimed:
     def time_in_outbox_s(self, now: float) -> float | None:
         """Seconds from the row's INSERT to local monotonic time ``now``: its age at the claim on the
         database clock plus the time since the claim on this process's clock (None: unknown)."""
-        if self.created_at is None or self.claim_now is None:
+        created_at, claim_now = self.times.created_at, self.times.claim_now
+        if created_at is None or claim_now is None:
             return None
-        return (self.claim_now - self.created_at).total_seconds() + (now - self.claimed_at)
+        return (claim_now - created_at).total_seconds() + (now - self.claimed_at)
 
 
 def from_row(r: Any, **extra: Any) -> Claimed:
@@ -71,12 +115,9 @@ def from_row(r: Any, **extra: Any) -> Claimed:
         r[3],
         r[4],
         deferrals=int(r[5] or 0),
-        first_attempt_at=r[6],
-        claim_now=r[7],
+        times=ClaimTimes(first_attempt_at=r[6], claim_now=r[7], created_at=r[11]),
         ordering_key=r[8],
-        traceparent=r[9],
-        tracestate=r[10],
-        created_at=r[11],
+        trace=tracing.TraceContext(r[9], r[10]),
         **extra,
     )
 

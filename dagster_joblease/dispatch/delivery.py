@@ -25,7 +25,7 @@ from dagster_joblease.dispatch.transports.http import HttpTransport
 from dagster_joblease.storage import route_groups
 from dagster_joblease.storage.engine import translate_errors
 
-__all__ = ["Delivery", "Retrying"]
+__all__ = ["Retrying", "Sender"]
 
 logger = logging.getLogger(__name__)
 
@@ -42,7 +42,7 @@ class Retrying:
     max_deferrals: int
 
 
-class Delivery:
+class Sender:
     """Sends claimed rows for one dispatcher: its routes' transports, its workers (``pool``; None:
     inline), the retry policy, and the local pauses a downstream's ``Retry-After`` sets at once.
     ``send_s``: how long after its claim a row's request must have ended (the claim less a margin)."""
@@ -114,8 +114,7 @@ class Delivery:
     def _send(self, row: Claimed, route: Route, now: float) -> policy.Decision | None:
         """The transport's send in a span, judged; None: it started too late for its rate admission."""
         transport = self.transports[row.topic]
-        traced = tracing.TraceContext(row.traceparent, row.tracestate)
-        with tracing.sending(row.topic, row.idempotency_key, traced, system=route.transport) as span:
+        with tracing.sending(row.topic, row.idempotency_key, row.trace, system=route.transport) as span:
             try:
                 classification = transport.send(message_of(row), route, now + route.timeout_s, row.send_by)
             except TooLate:

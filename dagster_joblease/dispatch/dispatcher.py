@@ -71,7 +71,7 @@ from dagster_joblease import checks, errors
 from dagster_joblease.dispatch import capacity, policy
 from dagster_joblease.dispatch.capacity import ANY_ROW_POLL_S
 from dagster_joblease.dispatch.claims import Claimed, Finished
-from dagster_joblease.dispatch.delivery import Delivery, Retrying
+from dagster_joblease.dispatch.delivery import Retrying, Sender
 from dagster_joblease.dispatch.groups import LimitGroups
 from dagster_joblease.dispatch.groups.kinds import Refill, Room, Shared
 from dagster_joblease.dispatch.pauses import ClaimTimer, Pauses
@@ -206,7 +206,7 @@ class Dispatcher:
         layout = capacity.layout(self.routes)
         _warn_disagreements(layout)
         pauses = Pauses()
-        self._delivery = Delivery(
+        self._sender = Sender(
             engine,
             self.routes,
             retrying,
@@ -215,7 +215,7 @@ class Dispatcher:
             client,
             pauses,
         )
-        recorder = Recorder(engine, self.routes, layout, lambda: self._delivery.stop.is_set())
+        recorder = Recorder(engine, self.routes, layout, lambda: self._sender.stop.is_set())
         self._shared = Shared(
             engine, self.routes, layout, self.claim_ms, recorder, pauses, ClaimTimer(), async_swap_commit
         )
@@ -236,19 +236,19 @@ class Dispatcher:
 
     @property
     def max_attempts(self) -> int:
-        return self._delivery.retrying.max_attempts
+        return self._sender.retrying.max_attempts
 
     @property
     def backoff_base_ms(self) -> int:
-        return self._delivery.retrying.backoff_base_ms
+        return self._sender.retrying.backoff_base_ms
 
     @property
     def backoff_max_ms(self) -> int:
-        return self._delivery.retrying.backoff_max_ms
+        return self._sender.retrying.backoff_max_ms
 
     @property
     def max_deferrals(self) -> int:
-        return self._delivery.retrying.max_deferrals
+        return self._sender.retrying.max_deferrals
 
     @property
     def async_swap_commit(self) -> bool:
@@ -257,7 +257,7 @@ class Dispatcher:
     @property
     def _client(self) -> httpx.Client | None:
         """The HTTP transport's client (None: no HTTP route)."""
-        return self._delivery.client
+        return self._sender.client
 
     # -- lifecycle ---------------------------------------------------------------------------------
 
@@ -266,7 +266,7 @@ class Dispatcher:
         if self._closed:
             return
         self._closed = True
-        self._delivery.close()
+        self._sender.close()
 
     def __enter__(self) -> Dispatcher:
         return self
@@ -292,7 +292,7 @@ class Dispatcher:
         if not self.routes:
             return report
         token = secrets.token_hex(16)
-        if self._delivery.pool is not None and self._groups.limited_seen and not self._warm:
+        if self._sender.pool is not None and self._groups.limited_seen and not self._warm:
             self._warm_pause_connection()
         room = Room(limit, self.concurrency)
         claimed = self._groups.claim(token, room, report, limited_only=False)
@@ -354,12 +354,12 @@ class Dispatcher:
         if max_batches is not None:
             checks.integer("max_batches", max_batches, minimum=1, none="no bound")
         limit = checks.integer("limit", limit, minimum=1)
-        self._delivery.stop = stop if stop is not None else threading.Event()
+        self._sender.stop = stop if stop is not None else threading.Event()
         previous = self._install_signal_handlers()
         totals = DispatchReport()
         batches = 0
         try:
-            while not self._delivery.stop.is_set() and (max_batches is None or batches < max_batches):
+            while not self._sender.stop.is_set() and (max_batches is None or batches < max_batches):
                 batches += 1
                 try:
                     report = self.dispatch(limit)
@@ -370,18 +370,18 @@ class Dispatcher:
                         exc,
                         extra={"action": "dispatch_storage_error"},
                     )
-                    self._delivery.stop.wait(max(poll_interval_s, 0.05))
+                    self._sender.stop.wait(max(poll_interval_s, 0.05))
                     continue
                 totals = totals.merge(report)
                 del totals.rows[:-MAX_REPORT_ROWS]
                 if on_report is not None and report.claimed:
                     on_report(report)
                 if report.claimed < limit:
-                    self._delivery.stop.wait(poll_interval_s)
+                    self._sender.stop.wait(poll_interval_s)
         finally:
             self._restore_signal_handlers(previous)
             # A later dispatch() must not inherit this run's stop request.
-            self._delivery.stop = threading.Event()
+            self._sender.stop = threading.Event()
         logger.info(
             "dispatcher stopped after %d batches: %d claimed, %d sent, %d retry, %d dead, %d lost claims",
             batches,
@@ -397,7 +397,7 @@ class Dispatcher:
     def _install_signal_handlers(self) -> dict[int, Any]:
         if threading.current_thread() is not threading.main_thread():
             return {}
-        stop = self._delivery.stop
+        stop = self._sender.stop
 
         def _on_signal(signum: int, _frame: FrameType | None) -> None:
             logger.info(
@@ -479,7 +479,7 @@ class _BatchLoop:
         blocked: dict[str, float],
         report: DispatchReport,
     ) -> None:
-        self.delivery = dispatcher._delivery
+        self.sender = dispatcher._sender
         self.groups = dispatcher._groups
         self.token = token
         self.budget = budget
@@ -498,12 +498,12 @@ class _BatchLoop:
 
     @property
     def concurrency(self) -> int:
-        return self.delivery.concurrency
+        return self.sender.concurrency
 
     def run(self, pending: list[Claimed]) -> None:
         """Deliver ``pending`` and whatever the batch claims meanwhile; returns when nothing is in flight,
         everything is recorded, and no group is worth waiting for."""
-        stop = self.delivery.stop
+        stop = self.sender.stop
         while True:
             self._submit(pending)
             self._collect()
@@ -533,22 +533,22 @@ class _BatchLoop:
             self.finished = []
 
     def _submit(self, pending: list[Claimed]) -> None:
-        pool = self.delivery.pool
+        pool = self.sender.pool
         for row in pending:
             if pool is None:
                 self.queue.append(row)
                 continue
-            future = pool.submit(self.delivery.deliver, row)
+            future = pool.submit(self.sender.deliver, row)
             self.inflight[future] = row
             future.add_done_callback(self.done_q.put)
 
     def _collect(self) -> None:
         """Deliver the next queued row (inline), or take the deliveries done by the next moment the loop
         has something else to do (a record delay, a pause refresh, the poll for any due row)."""
-        if self.delivery.pool is None:
+        if self.sender.pool is None:
             if self.queue:
                 row = self.queue.pop(0)
-                self.finished.append((row, self.delivery.deliver(row)))
+                self.finished.append((row, self.sender.deliver(row)))
             return
         if not self.inflight:
             return
@@ -566,7 +566,7 @@ class _BatchLoop:
         freed = self._freed()
         urgent = bool(freed) or self._pause_asked()
         free = self._idle_workers()
-        can_refill = self.budget > 0 and free > 0 and not self.delivery.stop.is_set()
+        can_refill = self.budget > 0 and free > 0 and not self.sender.stop.is_set()
         refill = self._flush(busy, urgent, Room(self.budget, free) if can_refill and freed else Room(0, 0))
         self._refresh(busy)
         if refill is not None:
@@ -584,7 +584,7 @@ class _BatchLoop:
 
     def _idle_workers(self) -> int:
         """Workers free for another row now (inline: one, once the queue is empty)."""
-        if self.delivery.pool is not None:
+        if self.sender.pool is not None:
             return self.concurrency - len(self.inflight)
         return 0 if self.queue else 1
 

@@ -16,7 +16,7 @@ import sqlalchemy as sa
 from dagster_joblease import errors, limits
 from dagster_joblease.dispatch import capacity
 from dagster_joblease.dispatch.capacity import APPLIED_TRUST_S, SLOT_POLL_S
-from dagster_joblease.dispatch.claims import Claimed, Finished, from_row
+from dagster_joblease.dispatch.claims import Claimed, Finished, StartWindow, from_row
 from dagster_joblease.dispatch.groups.kinds import Refill, Room, Shared, absorb, expire
 from dagster_joblease.dispatch.recorder import DispatchReport
 from dagster_joblease.storage import outbox as store
@@ -145,8 +145,9 @@ class LockedGroup:
     def _claim(
         self, conn: sa.Connection, token: str, want: int, report: DispatchReport, busy: bool
     ) -> tuple[list[Claimed], float | None]:
-        if not self._worth_locking(conn):
-            return [], self._full_hint
+        worth, hint = self._worth_locking(conn)
+        if not worth:
+            return [], hint
         state = route_groups.lock_group(conn, self.group)
         local_now = time.monotonic()
         if state.paused:
@@ -164,25 +165,23 @@ class LockedGroup:
         route_groups.update_group(conn, self.group, values)
         return rows, self._hint(conn, (want, len(rows), size), admission, busy)
 
-    def _worth_locking(self, conn: sa.Connection) -> bool:
-        """What can be told without the row lock: False when the group is held off locally (a downstream's
-        pause, perhaps not committed yet) or known to be full (:attr:`_full_hint` then says whether due
-        rows wait); True: take the lock and claim."""
-        self._full_hint: float | None = None
+    def _worth_locking(self, conn: sa.Connection) -> tuple[bool, float | None]:
+        """What can be told without the row lock: ``(True, None)``, take the lock and claim; else
+        ``(False, the wait hint)``: the group is held off locally (a downstream's pause, perhaps not
+        committed yet: no hint) or known to be full (a short poll while due rows wait)."""
         local_now = time.monotonic()
         if self.shared.pauses.holds(self.group, local_now):
-            return False
+            return False, None
         trusted = capacity.trusted_max_in_flight(self.applied, local_now)
         if trusted is None:
-            return True
+            return True, None
         # Only max_in_flight, its value known a moment ago: a plain read tells whether a slot is free, so
         # a dispatcher waiting for one does not queue for the group's row lock (which the holders' refills
         # and a pause being written need) only to learn that the group is full.
         in_flight, due = store.look_at_slots(conn, self.group, self.topics)
         if in_flight < trusted:
-            return True
-        self._full_hint = SLOT_POLL_S if due else None
-        return False
+            return True, None
+        return False, (SLOT_POLL_S if due else None)
 
     def _hint(
         self,
@@ -247,8 +246,8 @@ class LockedGroup:
             )
         started = self.shared.timer.started
         return [
-            from_row(r, group=self.group, claimed_at=started, not_before=not_before, send_by=send_by)
-            for r, (not_before, send_by) in zip(claimed, windows, strict=True)
+            from_row(r, group=self.group, claimed_at=started, window=StartWindow(*window))
+            for r, window in zip(claimed, windows, strict=True)
         ]
 
     def _applied_limits(

@@ -51,7 +51,7 @@ class Message:
 def message_of(row: Claimed) -> Message:
     """The message a claimed row is sent as: the one place a row becomes a message."""
     # The row's creation trace context (dagster_joblease.tracing), read from its columns; none: no headers.
-    headers = tracing.message_headers(tracing.TraceContext(row.traceparent, row.tracestate)) or NO_HEADERS
+    headers = tracing.message_headers(row.trace) or NO_HEADERS
     return Message(row.idempotency_key, row.topic, row.ordering_key, row.payload.encode("utf-8"), headers)
 
 

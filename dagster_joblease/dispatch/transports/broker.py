@@ -17,7 +17,13 @@ from dagster_joblease.dispatch import policy
 from dagster_joblease.dispatch.routes import Route
 from dagster_joblease.dispatch.transports.loop import LoopThread
 
-__all__ = ["START_CONNECT_S", "BrokerTransport", "Endpoint", "Table", "classify"]
+__all__ = ["START_CONNECT_S", "BrokerTransport", "Endpoint", "Table", "Unsendable", "classify"]
+
+
+class Unsendable(Exception):
+    """This row cannot be published on its route, whatever is retried (e.g. its ordering key cannot be a
+    JetStream subject token, or makes a RabbitMQ routing key past AMQP's 255 bytes)."""
+
 
 logger = logging.getLogger(__name__)
 

@@ -41,6 +41,7 @@ from dagster_joblease.dispatch.transports.broker import (
     BrokerTransport,
     Endpoint,
     Table,
+    Unsendable,
     classify,
 )
 
@@ -74,11 +75,6 @@ _TOKEN = re.compile(r"^[^\s.*>]+$")
 
 class RouteNotReady(Exception):
     """A route's stream failed its check at a connection made after start: its rows are retried."""
-
-
-class Unsendable(Exception):
-    """This row cannot be published on its route, whatever is retried (e.g. its ordering key cannot be a
-    subject token)."""
 
 
 def subject_for(template: str, ordering_key: str | None) -> str:

@@ -46,6 +46,7 @@ from dagster_joblease.dispatch.transports.broker import (
     BrokerTransport,
     Endpoint,
     Table,
+    Unsendable,
     classify,
 )
 
@@ -61,10 +62,6 @@ except ImportError as exc:  # pragma: no cover - exercised by test_transports' n
 __all__ = ["TABLE", "RabbitMQTransport", "Unsendable", "classify_exception", "routing_key_for"]
 
 logger = logging.getLogger(__name__)
-
-
-class Unsendable(Exception):
-    """This row cannot be published on its route, whatever is retried."""
 
 
 def routing_key_for(route: Route, topic: str, ordering_key: str | None) -> str:
