@@ -31,7 +31,7 @@ import json
 import os
 import re
 import tomllib
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from types import MappingProxyType
 from typing import Any
@@ -100,6 +100,7 @@ BROKER_OPTIONS = {
 #: What ``{ordering_key}`` in a subject or routing key becomes for a row without an ordering key.
 NO_ORDERING_KEY = "_"
 _SUBJECT_TOKEN = re.compile(r"^[^\s.*>]+$")
+_ROUTING_KEY_TOKEN = re.compile(r"^[\x21-\x7e]*$")
 _NAME = re.compile(r"^[A-Za-z0-9_-]{1,255}$")
 _DURATION = re.compile(r"^(?:(\d+)d)?(?:(\d+)h)?(?:(\d+)m)?(?:(\d+)s)?$")
 
@@ -215,10 +216,9 @@ def _check_destination(route: Route, where: str) -> None:
     an ``exchange``; HTTP takes none of them (and only HTTP has a ``key_format``)."""
     _check_options_of_transport(route, where)
     _check_credentials_env(route, where)
-    if route.transport == "jetstream":
-        _check_jetstream(route, where)
-    elif route.transport == "rabbitmq":
-        _check_rabbitmq(route, where)
+    check_own_options = _OWN_OPTIONS_CHECKS.get(route.transport)
+    if check_own_options is not None:
+        check_own_options(route, where)
 
 
 def _check_options_of_transport(route: Route, where: str) -> None:
@@ -271,9 +271,14 @@ def _check_rabbitmq(route: Route, where: str) -> None:
             f"default exchange), got {route.exchange!r}"
         )
     if route.routing_key is not None:
-        _check_template(
-            route.routing_key, where, "routing_key", re.compile(r"^[\x21-\x7e]*$"), "printable ASCII"
-        )
+        _check_template(route.routing_key, where, "routing_key", _ROUTING_KEY_TOKEN, "printable ASCII")
+
+
+#: A transport's own options, checked once no option of another transport is set (HTTP has none to check).
+_OWN_OPTIONS_CHECKS: dict[str, Callable[[Route, str], None]] = {
+    "jetstream": _check_jetstream,
+    "rabbitmq": _check_rabbitmq,
+}
 
 
 def _check_headers(
