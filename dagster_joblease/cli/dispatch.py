@@ -29,7 +29,7 @@ if TYPE_CHECKING:
 
 
 class _LogToProgress(logging.Handler):
-    def __init__(self, progress: _Progress) -> None:
+    def __init__(self, progress: _BatchTotals) -> None:
         super().__init__()
         self.progress = progress
 
@@ -38,7 +38,7 @@ class _LogToProgress(logging.Handler):
 
 
 @contextlib.contextmanager
-def _library_logs(progress: _Progress, level: int) -> Iterator[None]:
+def _library_logs(progress: _BatchTotals, level: int) -> Iterator[None]:
     """Route the package's log records through the progress printer for the duration of a command."""
     logger = logging.getLogger("dagster_joblease")
     handler = _LogToProgress(progress)
@@ -54,7 +54,7 @@ def _library_logs(progress: _Progress, level: int) -> Iterator[None]:
         logger.propagate = saved[1]
 
 
-class _Progress:
+class _BatchTotals:
     """One rewritten line on a terminal, plain lines otherwise; totals for the final summary."""
 
     def __init__(self, *, tty: bool, quiet: bool) -> None:
@@ -173,7 +173,7 @@ def dispatch_command(
 
     routes = routes_from_options(routes_file, route_specs)
     engine = current_state().engine()
-    progress = _Progress(tty=sys.stdout.isatty() and not as_json, quiet=as_json)
+    progress = _BatchTotals(tty=sys.stdout.isatty() and not as_json, quiet=as_json)
     with (
         _library_logs(progress, logging.INFO if verbose else logging.WARNING),
         dispatch.Dispatcher(engine, routes, max_attempts=max_attempts, concurrency=concurrency) as dispatcher,
@@ -203,7 +203,7 @@ def _dispatch_mode(mode: str | None, routes_file: Path | None, route_specs: tupl
 
 
 def _dispatch_once(
-    dispatcher: Dispatcher, progress: _Progress, *, batch_size: int, max_batches: int | None
+    dispatcher: Dispatcher, progress: _BatchTotals, *, batch_size: int, max_batches: int | None
 ) -> None:
     """Claim and deliver batches until one claims nothing (or ``max_batches`` ran)."""
     while max_batches is None or progress.batches < max_batches:
@@ -215,7 +215,7 @@ def _dispatch_once(
 
 def _dispatch_loop(
     dispatcher: Dispatcher,
-    progress: _Progress,
+    progress: _BatchTotals,
     *,
     poll_interval: float,
     batch_size: int,
@@ -230,7 +230,7 @@ def _dispatch_loop(
 
 
 def _report_dispatch(
-    engine: sa.Engine, routes: Mapping[str, Route], progress: _Progress, *, as_json: bool
+    engine: sa.Engine, routes: Mapping[str, Route], progress: _BatchTotals, *, as_json: bool
 ) -> None:
     """The final summary (or the JSON totals) on stdout, then the notes on stderr: the pauses of these
     routes' groups and the due rows of topics they do not route, read after the pass."""

@@ -173,7 +173,7 @@ class DemoReport:
         return "\n".join([line, head, line, row, line])
 
 
-class _Progress:
+class _StatusLine:
     """One status line: rewritten in place on a terminal, printed on change otherwise."""
 
     def __init__(self, stream: IO[str]) -> None:
@@ -514,7 +514,7 @@ def run_demo(
     its waits together (default: :func:`default_timeout_s`, scaled to the machine's load)."""
     if partitions < 2:
         raise click.BadParameter("the demo needs at least 2 partitions (one is killed, one overlaps)")
-    progress = _Progress(stream or sys.stdout)
+    progress = _StatusLine(stream or sys.stdout)
     started = time.monotonic()
     work = workdir or Path(tempfile.mkdtemp(prefix="joblease-demo-"))
     plan = demo_plan(partitions, work, dt.datetime.now(dt.UTC))
@@ -628,7 +628,7 @@ def _start_processes(
     return daemon
 
 
-def _launch(plan: DemoPlan, instance: Any, progress: _Progress) -> str:
+def _launch(plan: DemoPlan, instance: Any, progress: _StatusLine) -> str:
     """Launch the backfill of the plan's days and the schedule's tick through GraphQL; the backfill's id."""
     days = plan.days
     with _stderr_to(plan.work / "graphql.log"), _graphql(instance) as execute:
@@ -639,7 +639,7 @@ def _launch(plan: DemoPlan, instance: Any, progress: _Progress) -> str:
     return backfill_id
 
 
-def _kill_in_body(plan: DemoPlan, deadline: _Deadline, progress: _Progress) -> None:
+def _kill_in_body(plan: DemoPlan, deadline: _Deadline, progress: _StatusLine) -> None:
     """Wait for the killed day's run to be inside its leased body, then SIGKILL its run worker."""
     killed_day = plan.killed_day
     pid_file = plan.kill_dir / f"{killed_day}.pid"
@@ -658,7 +658,7 @@ def _applied(receiver_engine: sa.Engine) -> dict[str, Any]:
 
 
 def _settled(
-    plan: DemoPlan, instance: Any, engine: sa.Engine, receiver_engine: sa.Engine, progress: _Progress
+    plan: DemoPlan, instance: Any, engine: sa.Engine, receiver_engine: sa.Engine, progress: _StatusLine
 ) -> bool:
     """Whether every partition is done and delivered with no run left unfinished; shows how far it is."""
     import dagster as dg
