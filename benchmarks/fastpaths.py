@@ -20,7 +20,7 @@ The fast paths, and how each is turned off here (the code it stands for is uncha
   ``engine.begin()``);
 * ``no-claim-memo``: the dispatcher's claim statement built per call instead of per shape
   (``storage.outbox._claim_template``), on an outbox with nothing due;
-* ``no-mark-memo``: ``storage.outbox.mark_sent`` built per call instead of per dialect.
+* ``no-mark-memo``: ``storage.outbox.mark_sent``'s statement built per call instead of per dialect.
 """
 
 from __future__ import annotations
@@ -69,7 +69,7 @@ _OFF: dict[str, tuple[Any, str, Any]] = {
     "no-autocommit": (driver, "is_psycopg", lambda dialect: False),
     "fresh-cursors": (driver, "in_transaction", _fresh_in_transaction),
     "no-claim-memo": (ostore, "_claim_template", ostore._claim_update),
-    "no-mark-memo": (ostore, "mark_sent", ostore.mark_sent.__wrapped__),
+    "no-mark-memo": (ostore, "_mark_sent_statement", ostore._mark_sent_statement.__wrapped__),
 }
 
 
@@ -111,8 +111,7 @@ def cases(url: str) -> list[tuple[str, str, Step]]:
 
     def mark(i: int) -> object:
         with engine.begin() as conn:
-            params = {"ids": [-1, -2], "token": "none", "status_code": 200}
-            return conn.execute(ostore.mark_sent("postgresql"), params).all()
+            return ostore.mark_sent(conn, [-1, -2], "none", 200)
 
     enqueue_pg = dispatch.enqueue_side("psycopg", url)()[0]
     enqueue_begin = dispatch.enqueue_side("library", url)()[0]

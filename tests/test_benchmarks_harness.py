@@ -214,12 +214,22 @@ def test_the_fast_paths_benchmark_runs_every_case_small_and_puts_each_fast_path_
     from dagster_joblease.storage import driver
     from dagster_joblease.storage import outbox as outbox_store
 
-    before = (driver.is_psycopg, driver.in_transaction, outbox_store._claim_template, outbox_store.mark_sent)
+    before = (
+        driver.is_psycopg,
+        driver.in_transaction,
+        outbox_store._claim_template,
+        outbox_store._mark_sent_statement,
+    )
     assert fastpaths.main(["--blocks", "1", "--calls", "2"]) == 0
     out = capsys.readouterr().out
     for mode in ("no-autocommit", "no-hint", "fresh-cursors", "no-claim-memo", "no-mark-memo"):
         assert f" {mode} " in out and "off - on: cpu" in out
-    after = (driver.is_psycopg, driver.in_transaction, outbox_store._claim_template, outbox_store.mark_sent)
+    after = (
+        driver.is_psycopg,
+        driver.in_transaction,
+        outbox_store._claim_template,
+        outbox_store._mark_sent_statement,
+    )
     assert after == before
 
 

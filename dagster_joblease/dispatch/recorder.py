@@ -16,7 +16,6 @@ import functools
 import logging
 import time
 from collections.abc import Callable, Mapping
-from typing import Any
 
 import sqlalchemy as sa
 
@@ -146,11 +145,7 @@ class Recorder:
         """Write ``finished`` rows' outcomes (fenced by claim) and the group rows' writes they call for in
         ``conn``'s transaction; returns the ids the fenced writes matched (count them with :meth:`tally`
         once the transaction committed)."""
-        matched: set[int] = set()
-        for stmt, params, returns_ids in self.statements(token, finished):
-            result = conn.execute(stmt, params)
-            if returns_ids:
-                matched.update(result.scalars())
+        matched = self._write_outcomes(conn, token, finished)
         for write in self._group_writes(finished):
             write(conn)
         return matched
@@ -173,39 +168,36 @@ class Recorder:
             else:
                 count(row, decision, report)
 
-    def statements(
-        self, token: str, finished: list[Finished]
-    ) -> list[tuple[sa.Executable, dict[str, Any] | None, bool]]:
-        """The fenced UPDATEs for ``finished``: ``(statement, parameters, returns ids)``. Sent rows with one
-        status code share one statement (the usual case: the whole group in one), built once per dialect
-        and bound per call; retries, dead rows and released claims carry their own values."""
+    def _write_outcomes(self, conn: sa.Connection, token: str, finished: list[Finished]) -> set[int]:
+        """The fenced writes of ``finished``; returns the ids they matched. Sent rows with one status code
+        share one statement (the usual case: the whole group in one); retries and dead rows are one
+        statement each; claims given back undelivered, one per kind (first attempt stamped or not)."""
         sent: dict[int | None, list[int]] = {}
-        statements: list[tuple[sa.Executable, dict[str, Any] | None, bool]] = []
+        matched: set[int] = set()
         released: list[Claimed] = []
         for row, decision in finished:
             if decision is None:
                 released.append(row)
             elif decision.outcome is policy.Outcome.SENT:
                 sent.setdefault(decision.status_code, []).append(row.id)
-            else:
-                statements.append((self._failed(token, row, decision), None, True))
-        if sent:
-            mark_sent = store.mark_sent(self.engine.dialect.name)
-            for status_code, ids in sent.items():
-                statements.append((mark_sent, {"ids": ids, "token": token, "status_code": status_code}, True))
+            elif self._write_failed(conn, token, row, decision):
+                matched.add(row.id)
+        for status_code, ids in sent.items():
+            matched.update(store.mark_sent(conn, ids, token, status_code))
         for stamped in (False, True):
             # Given back undelivered: the claim's attempt (and a first-attempt time it stamped) is undone.
             back = [r.id for r in released if r.stamped is stamped]
             if back:
-                statements.append((store.give_back(back, token, stamped=stamped), None, False))
-        return statements
+                store.give_back(conn, back, token, stamped=stamped)
+        return matched
 
-    def _failed(self, token: str, row: Claimed, decision: policy.Decision) -> sa.Executable:
+    def _write_failed(self, conn: sa.Connection, token: str, row: Claimed, decision: policy.Decision) -> bool:
         """The fenced write of a row that was not sent: a retry (a timed-out request stays in flight for
-        its grace: the downstream may still be working on it) or a dead row."""
+        its grace: the downstream may still be working on it) or a dead row; whether it matched."""
         if decision.outcome is policy.Outcome.RETRY:
             hold_ms = self.hold_ms(row, decision)
             return store.record_retry(
+                conn,
                 row.id,
                 token,
                 status_code=decision.status_code,
@@ -215,7 +207,12 @@ class Recorder:
                 hold=(row.group, hold_ms) if hold_ms else None,
             )
         return store.record_dead(
-            row.id, token, status_code=decision.status_code, reason=decision.reason, unsent=decision.unsent
+            conn,
+            row.id,
+            token,
+            status_code=decision.status_code,
+            reason=decision.reason,
+            unsent=decision.unsent,
         )
 
     def hold_ms(self, row: Claimed, decision: policy.Decision) -> int:

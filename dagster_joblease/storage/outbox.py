@@ -901,11 +901,18 @@ def claim_for_group(
     return sorted(conn.execute(stmt, {"token": token, "want": want}), key=lambda r: r[0])
 
 
+def mark_sent(conn: sa.Connection, ids: Sequence[int], token: str, status_code: int | None) -> list[int]:
+    """Which claimed rows did the downstream accept? ``ids`` marked ``SENT`` with ``status_code``, fenced
+    by claim ``token``, in one statement for a whole group of outcomes (:func:`_mark_sent_statement`);
+    returns the ids it matched (a row whose claim was lost matches nothing)."""
+    params = {"ids": list(ids), "token": token, "status_code": status_code}
+    return [int(i) for i in conn.execute(_mark_sent_statement(conn.dialect.name), params).scalars()]
+
+
 @functools.cache
-def mark_sent(dialect_name: str) -> sa.Update:
-    """Which claimed rows did the downstream accept? Mark them ``SENT``, fenced by claim token: one
-    statement for a whole group of outcomes, bound with ``ids`` (the rows), ``token`` (the claim token)
-    and ``status_code``; returns the ids it matched (a row whose claim was lost matches nothing).
+def _mark_sent_statement(dialect_name: str) -> sa.Update:
+    """:func:`mark_sent`'s statement, bound with ``ids`` (the rows), ``token`` (the claim token) and
+    ``status_code``; returns the ids it matched.
 
     Built once per dialect, so each group of outcomes costs only its parameters: on PostgreSQL the ids
     travel as one array (``id = ANY(:ids)``), so the SQL text is the same whatever their number (no
@@ -947,6 +954,7 @@ def _fenced(token: str) -> tuple[sa.ColumnElement[bool], ...]:
 
 
 def record_retry(
+    conn: sa.Connection,
     row_id: int,
     token: str,
     *,
@@ -955,9 +963,9 @@ def record_retry(
     delay_ms: int,
     deferred: bool,
     hold: tuple[str | None, int] | None = None,
-) -> sa.Update:
+) -> bool:
     """When may a failed row be tried again? In ``delay_ms`` (database clock), fenced by claim; returns
-    its id if it matched. ``deferred``: a ``Retry-After`` pause, not counted against max_attempts.
+    whether it matched. ``deferred``: a ``Retry-After`` pause, not counted against max_attempts.
     ``hold``: (group or None, ms) the row stays in flight, a :func:`live_claim` without a token (a
     timed-out request the downstream may still be working on): it is not claimed again, its ordering
     key's later rows wait (:func:`head_of_its_key`), and a limited group's slot stays taken."""
@@ -974,11 +982,14 @@ def record_retry(
         )
     if deferred:
         values.update(attempts=_t.c.attempts - 1, deferrals=_t.c.deferrals + 1)
-    return sa.update(_t).where(_t.c.id == row_id, *_fenced(token)).values(**values).returning(_t.c.id)
+    stmt = sa.update(_t).where(_t.c.id == row_id, *_fenced(token)).values(**values).returning(_t.c.id)
+    return conn.execute(stmt).first() is not None
 
 
-def record_dead(row_id: int, token: str, *, status_code: int | None, reason: str, unsent: bool) -> sa.Update:
-    """A row that will not be tried again: ``DEAD``, fenced by claim; returns its id if it matched.
+def record_dead(
+    conn: sa.Connection, row_id: int, token: str, *, status_code: int | None, reason: str, unsent: bool
+) -> bool:
+    """A row that will not be tried again: ``DEAD``, fenced by claim; returns whether it matched.
     ``unsent``: it never reached the downstream, so the attempt its claim counted is undone."""
     values: dict[str, Any] = {
         **_unclaimed(),
@@ -988,17 +999,18 @@ def record_dead(row_id: int, token: str, *, status_code: int | None, reason: str
     }
     if unsent:
         values.update(attempts=_t.c.attempts - 1)
-    return sa.update(_t).where(_t.c.id == row_id, *_fenced(token)).values(**values).returning(_t.c.id)
+    stmt = sa.update(_t).where(_t.c.id == row_id, *_fenced(token)).values(**values).returning(_t.c.id)
+    return conn.execute(stmt).first() is not None
 
 
-def give_back(ids: Sequence[int], token: str, *, stamped: bool) -> sa.Update:
+def give_back(conn: sa.Connection, ids: Sequence[int], token: str, *, stamped: bool) -> None:
     """Claims given back undelivered: the attempt the claim counted is taken back, and (``stamped``: the
     claim stamped it) so is the first attempt's time (the downstream never saw the row: its
     dedupe_window has not begun)."""
     values: dict[str, Any] = {**_unclaimed(), "attempts": _t.c.attempts - 1}
     if stamped:
         values["first_attempt_at"] = None
-    return sa.update(_t).where(_t.c.id.in_(ids), *_fenced(token)).values(**values)
+    conn.execute(sa.update(_t).where(_t.c.id.in_(ids), *_fenced(token)).values(**values))
 
 
 def expire_past_window(
