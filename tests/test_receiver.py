@@ -806,3 +806,19 @@ anyio.run(main)
     )
     assert done.returncode == 0, done.stderr
     assert done.stdout.strip() == "applied"
+
+
+def test_a_topic_with_a_nul_is_refused_and_the_request_log_goes_on(
+    db_url: str, engine: sa.Engine, server: ReceiverServer, client: httpx.Client
+) -> None:
+    """A hostile path (``%00`` decodes to a NUL, which PostgreSQL's text refuses) is answered 400 and
+    never reaches the effect; its request-log row is written with the NUL shown as U+FFFD, so the log's
+    batches keep being written for everyone else (a failing row used to be retried forever with the rest
+    of its batch, and no later POST reached the log)."""
+    bad = _post(client, f"{server.url}/a%00b", {"v": 1}, "nul-topic")
+    assert bad.status_code == 400, bad.text
+    assert "control character" in bad.json()["detail"]
+    assert _post(client, f"{server.url}/mail", {"v": 1}, "after-nul").status_code == 200
+    assert effect_count(engine) == 1
+    wait_until(lambda: len(request_log(engine)) == 2, timeout=10)
+    assert request_log(engine) == [("nul-topic", "a\ufffdb", 400), ("after-nul", "mail", 200)]

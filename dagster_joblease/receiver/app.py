@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import re
 import threading
 import time
 from collections.abc import Awaitable, Callable
@@ -311,6 +312,10 @@ class RequestLog:
             logger.warning("could not write the receiver's request log at shutdown: %s", exc)
 
 
+def _loggable(text: str) -> str:
+    return text.replace("\x00", "\ufffd")
+
+
 class RequestLogMiddleware:
     """Logs every POST on arrival (its raw key and topic) and its answer's status when sent."""
 
@@ -322,8 +327,11 @@ class RequestLogMiddleware:
         if scope["type"] != "http" or scope["method"] != "POST":
             await self.app(scope, receive, send)
             return
-        raw_key = next((v.decode("latin-1") for k, v in scope["headers"] if k == b"idempotency-key"), None)
-        entry = self.log.received(raw_key, scope["path"].lstrip("/"))
+        raw_key = next(
+            (_loggable(v.decode("latin-1")) for k, v in scope["headers"] if k == b"idempotency-key"), None
+        )
+        # As received, but with no NUL (PostgreSQL's text refuses it, and one such row would fail its batch).
+        entry = self.log.received(raw_key, _loggable(scope["path"].lstrip("/")))
         status: list[int] = []
 
         async def logged(message: Message) -> None:
@@ -351,6 +359,10 @@ _EFFECT_SQL = (
 )
 
 
+#: Characters no topic may hold: a path's %00 decodes to a NUL, which PostgreSQL's text refuses.
+_CONTROL = re.compile("[\x00-\x1f\x7f]")
+
+
 def _problem(status: int, title: str, detail: str, **headers: str) -> Response:
     body = {"type": "about:blank", "title": title, "status": status, "detail": detail}
     return JSONResponse(body, status, headers=headers, media_type="application/problem+json")
@@ -361,6 +373,8 @@ async def _request_parts(request: Request) -> tuple[str, str, str] | Response:
     topic = request.path_params["topic"]
     if len(topic) > MAX_TOPIC_LENGTH:
         return _problem(400, "Topic too long", f"the topic has more than {MAX_TOPIC_LENGTH} characters")
+    if _CONTROL.search(topic):
+        return _problem(400, "Bad topic", "the topic has a control character (U+0000-U+001F or U+007F)")
     key = wire.parse_key(request.headers[wire.IDEMPOTENCY_KEY])
     payload = (await request.body()).decode("utf-8", "replace").replace("\x00", "\ufffd")
     return key, topic, payload
