@@ -124,7 +124,9 @@ def inbox_connection(request: Any) -> Any:
     return tx.connection
 
 
-def _problem(status: int, title: str, detail: str, **extra: Any) -> bytes:
+def problem_json(status: int, title: str, detail: str, **extra: Any) -> bytes:
+    """An RFC 9457 problem document (``application/problem+json``) as bytes: the one spelling of every
+    problem answer the inbox, the reference receiver and the testing kit's fault injector send."""
     document = {"type": "about:blank", "title": title, "status": status, "detail": detail, **extra}
     return json.dumps(document).encode()
 
@@ -169,7 +171,7 @@ class _Refusal(Exception):
     def __init__(self, status: int, title: str, detail: str, *headers: tuple[bytes, bytes], **extra: Any):
         super().__init__(detail)
         self.status = status
-        self.body = _problem(status, title, detail, **extra)
+        self.body = problem_json(status, title, detail, **extra)
         self.headers = [(b"content-type", b"application/problem+json"), *headers]
 
 
@@ -514,7 +516,7 @@ class InboxMiddleware:
                 send,
                 500,
                 [(b"content-type", b"application/problem+json")],
-                _problem(500, "Answer too large", detail),
+                problem_json(500, "Answer too large", detail),
             )
             return
         if not self.store_status(captured.status):

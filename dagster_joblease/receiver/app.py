@@ -46,6 +46,7 @@ from dagster_joblease.inbox.asgi import (
     Scope,
     Send,
     inbox_connection,
+    problem_json,
 )
 from dagster_joblease.inbox.sync import Inbox
 from dagster_joblease.storage.clock import db_now
@@ -363,18 +364,22 @@ _EFFECT_SQL = (
 _CONTROL = re.compile("[\x00-\x1f\x7f]")
 
 
-def _problem(status: int, title: str, detail: str, **headers: str) -> Response:
-    body = {"type": "about:blank", "title": title, "status": status, "detail": detail}
-    return JSONResponse(body, status, headers=headers, media_type="application/problem+json")
+def _problem_response(status: int, title: str, detail: str, **headers: str) -> Response:
+    body = problem_json(status, title, detail)
+    return Response(body, status, headers=headers, media_type="application/problem+json")
 
 
 async def _request_parts(request: Request) -> tuple[str, str, str] | Response:
     """(key, topic, payload text) of a POST, or the 400 for a topic too long."""
     topic = request.path_params["topic"]
     if len(topic) > MAX_TOPIC_LENGTH:
-        return _problem(400, "Topic too long", f"the topic has more than {MAX_TOPIC_LENGTH} characters")
+        return _problem_response(
+            400, "Topic too long", f"the topic has more than {MAX_TOPIC_LENGTH} characters"
+        )
     if _CONTROL.search(topic):
-        return _problem(400, "Bad topic", "the topic has a control character (U+0000-U+001F or U+007F)")
+        return _problem_response(
+            400, "Bad topic", "the topic has a control character (U+0000-U+001F or U+007F)"
+        )
     key = wire.parse_key(request.headers[wire.IDEMPOTENCY_KEY])
     payload = (await request.body()).decode("utf-8", "replace").replace("\x00", "\ufffd")
     return key, topic, payload
@@ -426,7 +431,7 @@ async def _health(request: Request) -> Response:
 async def _storage_error(request: Request, exc: Exception) -> Response:
     # The driver's text can name hosts, ports and users: it goes to the log, never to clients.
     logger.warning("the receiver's database failed: %s", exc)
-    return _problem(
+    return _problem_response(
         503,
         "Service Unavailable",
         "the receiver cannot reach its database; retry later",

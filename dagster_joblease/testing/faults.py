@@ -24,7 +24,7 @@ from typing import Any
 import anyio
 
 from dagster_joblease import checks, errors
-from dagster_joblease.inbox.asgi import ASGIApp, Message, Receive, Scope, Send
+from dagster_joblease.inbox.asgi import ASGIApp, Message, Receive, Scope, Send, problem_json
 
 __all__ = ["DROPPED", "FAULT_KINDS", "DropProxy", "FaultMiddleware", "Faults"]
 
@@ -95,18 +95,9 @@ def _check_injection(n: object, fault: object, status: object, seconds: object) 
     return _Injected(kind=fault, remaining=count, status=code, seconds=delay)
 
 
-def _problem(status: int, title: str, detail: str) -> tuple[list[tuple[bytes, bytes]], bytes]:
-    import json
-
-    body = json.dumps({"type": "about:blank", "title": title, "status": status, "detail": detail}).encode()
-    return [
-        (b"content-type", b"application/problem+json"),
-        (b"content-length", str(len(body)).encode()),
-    ], body
-
-
 async def _send_problem(send: Send, status: int, title: str, detail: str) -> None:
-    headers, body = _problem(status, title, detail)
+    body = problem_json(status, title, detail)
+    headers = [(b"content-type", b"application/problem+json"), (b"content-length", str(len(body)).encode())]
     await send({"type": "http.response.start", "status": status, "headers": headers})
     await send({"type": "http.response.body", "body": body})
 
