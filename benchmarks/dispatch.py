@@ -489,13 +489,11 @@ def claim_ms(url: str, reps: int = 40) -> float:
     samples = []
     try:
         with engine.connect() as conn:
-            stmt = claim_due(
-                "postgresql", token=secrets.token_hex(16), limit=100, claim_ms=60_000, topics={"bench"}
-            )
+            token = secrets.token_hex(16)
             for _ in range(reps):
                 with conn.begin() as tx:
                     start = time.perf_counter()
-                    claimed = conn.execute(stmt).all()
+                    claimed = claim_due(conn, token=token, limit=100, claim_ms=60_000, topics={"bench"})
                     samples.append((time.perf_counter() - start) * 1000)
                     tx.rollback()
                 assert len(claimed) == 100

@@ -104,10 +104,8 @@ def cases(url: str) -> list[tuple[str, str, Step]]:
 
     def delivery_claim(i: int) -> object:
         with engine.begin() as conn:
-            stmt = ostore.claim_due(
-                "postgresql", token=secrets.token_hex(8), limit=100, claim_ms=30_000, topics=["nothing-due"]
-            )
-            return conn.execute(stmt).all()
+            token = secrets.token_hex(8)
+            return ostore.claim_due(conn, token=token, limit=100, claim_ms=30_000, topics=["nothing-due"])
 
     def mark(i: int) -> object:
         with engine.begin() as conn:

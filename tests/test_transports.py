@@ -36,7 +36,7 @@ def test_a_claimed_row_is_one_message_with_its_ordering_key(engine: sa.Engine) -
         outbox.enqueue_once(conn, idempotency_key="v2:k1", topic="t", payload={"a": 1}, ordering_key="acct-7")
         outbox.enqueue_once(conn, idempotency_key="v2:k2", topic="t", payload=[1, 2])
     with engine.begin() as conn:
-        rows = conn.execute(store.claim_due(engine.dialect.name, token="tok", limit=10, claim_ms=60_000))
+        rows = store.claim_due(conn, token="tok", limit=10, claim_ms=60_000)
         messages = sorted((message_of(from_row(r)) for r in rows), key=lambda m: m.idempotency_key)
     assert [(m.idempotency_key, m.topic, m.ordering_key, dict(m.headers)) for m in messages] == [
         ("v2:k1", "t", "acct-7", {}),

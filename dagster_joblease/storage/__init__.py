@@ -22,10 +22,11 @@ deletes one batch on the connection it is given; :mod:`dagster_joblease.admin` r
 batch. SQL fragments shared between statements (a predicate, the database clock) are expressions, not
 statements.
 
-The dispatcher's delivery statements (the claim, the recording of an outcome, the swap) are still built by
-:mod:`~dagster_joblease.storage.outbox` and run by :mod:`dagster_joblease.dispatch`, and
-:func:`~dagster_joblease.storage.route_groups.paused_now` still opens its own connection; both move to these
-conventions with the dispatcher's restructuring.
+One function takes an engine, and says why: :func:`~dagster_joblease.storage.route_groups.paused_now`, the
+dispatcher's frequent read of other dispatchers' pauses, runs outside any transaction of the caller's and
+picks its connection by driver (on psycopg one prepared statement on the library's own autocommit
+connections, which only :func:`~dagster_joblease.storage.driver.statements` hands out; elsewhere a plain
+read, since ``statements`` on SQLite would take the write lock for it).
 """
 
 from __future__ import annotations

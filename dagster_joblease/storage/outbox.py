@@ -43,7 +43,6 @@ __all__ = [
     "due_clause",
     "due_counts",
     "any_due",
-    "due_in",
     "expire_past_window",
     "give_back",
     "existing",
@@ -71,10 +70,8 @@ __all__ = [
     "requeue_one",
     "skip_dead",
     "skipped_count",
-    "slots_left",
     "look_at_slots",
     "swap",
-    "swap_result",
     "take_back",
     "unrouted_backlog",
     "unrouted_topics",
@@ -737,11 +734,11 @@ def in_flight_by_group(conn: sa.Connection) -> dict[str, int]:
 
 def _in_flight_query(group: str) -> sa.Select[Any]:
     """``SELECT count(*)`` of the claims holding ``group``'s capacity now (see :func:`count_in_flight`);
-    a limited claim counts it as a subquery in its own LIMIT (:func:`slots_left`)."""
+    a limited claim counts it as a subquery in its own LIMIT (:func:`_slots_left`)."""
     return sa.select(sa.func.count()).select_from(_t).where(_t.c.claim_group == group, live_claim(), _PENDING)
 
 
-def slots_left(
+def _slots_left(
     dialect_name: str, group: str, max_in_flight: int, want: int | sa.ColumnElement[int]
 ) -> sa.ColumnElement[int]:
     """``min(want, max_in_flight - in flight now)``, at least 0, as an SQL expression: a claim's LIMIT, so
@@ -841,7 +838,7 @@ def _claim_template(
     return _claim_update(dialect_name, limit, claim_ms, topics, claim_group)
 
 
-def claim_due(
+def _claim_statement(
     dialect_name: str,
     *,
     token: str | sa.BindParameter[str],
@@ -850,21 +847,32 @@ def claim_due(
     topics: Collection[str] | None = None,
     claim_group: str | None = None,
 ) -> sa.Update:
+    """The claim of :func:`claim_due`, its token bound (a value, or a parameter set per call). The
+    statement is built once per shape (dialect, limit, claim_ms, topics, group) and only the token is set
+    per call: building it afresh cost more client CPU (about 1.2 ms) than the claim's round trip."""
+    key = None if topics is None else tuple(sorted(topics))
+    return _claim_template(dialect_name, limit, claim_ms, key, claim_group).values(claim_token=token)
+
+
+def claim_due(
+    conn: sa.Connection,
+    *,
+    token: str,
+    limit: int,
+    claim_ms: int,
+    topics: Collection[str] | None = None,
+) -> list[sa.Row[Any]]:
     """Which due rows does this claim take? Lock up to ``limit`` due rows (of ``topics`` only, when
-    given), stamp ``token``, an expiry and ``claim_group`` (the limit group whose capacity the claim holds;
-    ``limit`` may then be an SQL expression, the slots it has left), record the first attempt's time if
-    this is it (a give-back undoes it), count the attempt, and return ``(id, idempotency_key, topic,
-    attempts, payload as text, deferrals, first_attempt_at, claim_now, ordering_key, traceparent,
-    tracestate, created_at)``.
+    given), stamp ``token`` and an expiry, record the first attempt's time if this is it (a give-back
+    undoes it), count the attempt, and return ``(id, idempotency_key, topic, attempts, payload as text,
+    deferrals, first_attempt_at, claim_now, ordering_key, traceparent, tracestate, created_at)``, run in
+    ``conn``'s transaction.
 
     The payload comes back as text (``jsonb::text`` on PostgreSQL) and is sent as-is: decoding it to
     Python only to encode it again would cost time and could change it.
-
-    The statement is built once per shape (dialect, limit, claim_ms, topics, group) and only the token
-    is set per call: building it afresh cost more client CPU (about 1.2 ms) than the claim's round trip.
     """
-    key = None if topics is None else tuple(sorted(topics))
-    return _claim_template(dialect_name, limit, claim_ms, key, claim_group).values(claim_token=token)
+    stmt = _claim_statement(conn.dialect.name, token=token, limit=limit, claim_ms=claim_ms, topics=topics)
+    return list(conn.execute(stmt))
 
 
 @functools.lru_cache(maxsize=256)
@@ -872,10 +880,10 @@ def _group_claim(
     dialect_name: str, group: str, topics: tuple[str, ...], claim_ms: int, max_in_flight: int | None
 ) -> sa.Update:
     want: sa.ColumnElement[int] = sa.bindparam("want", type_=sa.Integer())
-    return claim_due(
+    return _claim_statement(
         dialect_name,
         token=sa.bindparam("token", type_=sa.String()),
-        limit=want if max_in_flight is None else slots_left(dialect_name, group, max_in_flight, want),
+        limit=want if max_in_flight is None else _slots_left(dialect_name, group, max_in_flight, want),
         claim_ms=claim_ms,
         topics=topics,
         claim_group=group,
@@ -895,7 +903,7 @@ def claim_for_group(
     """Which due rows of a limit group does this claim take? :func:`claim_due` for the group's ``topics``
     under ``token``, up to ``want`` rows, the claims holding ``group``'s capacity, run in ``conn``'s
     transaction (the caller holds the group's row lock); the rows sorted by id. ``max_in_flight``: and
-    no more than the slots that limit leaves, counted by the statement itself (:func:`slots_left`). The
+    no more than the slots that limit leaves, counted by the statement itself (:func:`_slots_left`). The
     statement is built once per group and shape, bound per call."""
     stmt = _group_claim(conn.dialect.name, group, tuple(sorted(topics)), claim_ms, max_in_flight)
     return sorted(conn.execute(stmt, {"token": token, "want": want}), key=lambda r: r[0])
@@ -1034,19 +1042,19 @@ def expire_past_window(
     return list(conn.execute(stmt))
 
 
-def due_in(topics: Collection[str]) -> sa.Select[Any]:
+def _due_in(topics: Collection[str]) -> sa.Select[Any]:
     """Is a row of ``topics`` due now? (one id, or none)."""
     return sa.select(_t.c.id).where(due_clause(), _t.c.topic.in_(sorted(topics))).limit(1)
 
 
 def any_due(conn: sa.Connection, topics: Collection[str]) -> bool:
     """Whether a row of ``topics`` is due now."""
-    return conn.execute(due_in(topics)).first() is not None
+    return conn.execute(_due_in(topics)).first() is not None
 
 
 @functools.lru_cache(maxsize=256)
 def _slot_look(group: str, topics: tuple[str, ...]) -> sa.Select[Any]:
-    return sa.select(_in_flight_query(group).scalar_subquery(), due_in(topics).exists())
+    return sa.select(_in_flight_query(group).scalar_subquery(), _due_in(topics).exists())
 
 
 def look_at_slots(conn: sa.Connection, group: str, topics: Collection[str]) -> tuple[int, bool]:
@@ -1087,7 +1095,7 @@ def swap(
     params: dict[str, Any] = {"ids": list(ids), "token": token, "want": want}
     if shape.record_sent:
         params["status_code"] = status_code
-    return swap_result(conn.execute(_swap_statement(shape), params).all())
+    return _swap_result(conn.execute(_swap_statement(shape), params).all())
 
 
 @functools.lru_cache(maxsize=256)
@@ -1117,7 +1125,7 @@ def _swap_statement(shape: SwapShape) -> sa.Select[Any]:
     ``async_commit``: the statement's own transaction commits without waiting for the WAL flush
     (``synchronous_commit = off`` for it alone). Bound per call: ``ids``, ``token``, ``want`` (and
     ``status_code`` with ``record_sent``). Returns rows ``(kind, claim columns..., mif, others)``; read
-    them with :func:`swap_result`."""
+    them with :func:`_swap_result`."""
     group, topics, max_in_flight, claim_ms = shape.group, shape.topics, shape.max_in_flight, shape.claim_ms
     ids = sa.bindparam("ids", type_=postgresql.ARRAY(sa.BigInteger()))
     token = sa.bindparam("token", type_=sa.String())
@@ -1216,7 +1224,7 @@ class SwapResult:
     others: int
 
 
-def swap_result(rows: Sequence[Any]) -> SwapResult:
+def _swap_result(rows: Sequence[Any]) -> SwapResult:
     """A :func:`swap`'s rows, read."""
     claimed = [tuple(r[1:-2]) for r in rows if r[0] == "claim"]  # between kind and (mif, others)
     done = {int(r[1]) for r in rows if r[0] == "done"}

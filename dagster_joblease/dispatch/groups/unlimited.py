@@ -52,11 +52,11 @@ class UnlimitedGroups:
         """Claim up to ``room.budget`` due rows of the open topics (one statement)."""
         if not self.open or room.budget <= 0:
             return Refill()
-        stmt = store.claim_due(
-            conn.dialect.name, token=token, limit=room.budget, claim_ms=self.shared.claim_ms, topics=self.open
+        rows = store.claim_due(
+            conn, token=token, limit=room.budget, claim_ms=self.shared.claim_ms, topics=self.open
         )
         started = self.shared.timer.started
-        return Refill([from_row(r, claimed_at=started) for r in conn.execute(stmt)])
+        return Refill([from_row(r, claimed_at=started) for r in rows])
 
     def complete(
         self, token: str, finished: list[Finished], room: Room, report: DispatchReport, busy: Collection[str]
