@@ -59,7 +59,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from benchmarks.limits import DEFAULT_PG, PG_ENV, reset
 from dagster_joblease import outbox
 from dagster_joblease.dispatch import Dispatcher, Route
-from dagster_joblease.dispatch.transports import NO_HEADERS, Message, open_transports
+from dagster_joblease.dispatch.transports import NO_HEADERS, OutboxMessage, open_transports
 from dagster_joblease.storage import create_engine, migrate
 
 CTX = multiprocessing.get_context("fork")
@@ -245,7 +245,7 @@ def _threads_proc(
 ) -> None:
     route = target.route()
     transport = open_transports({TOPIC: route}, {TOPIC: {}}, concurrency, None)[TOPIC]
-    messages = [Message(key, TOPIC, None, payload, NO_HEADERS) for key, payload in share]
+    messages = [OutboxMessage(key, TOPIC, None, payload, NO_HEADERS) for key, payload in share]
     barrier.wait()
     with ThreadPoolExecutor(concurrency) as pool:
         list(pool.map(lambda m: transport.send(m, route, time.monotonic() + 5, None), messages))

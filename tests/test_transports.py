@@ -18,7 +18,7 @@ from dagster_joblease import outbox
 from dagster_joblease.dispatch import policy
 from dagster_joblease.dispatch.claims import from_row
 from dagster_joblease.dispatch.routes import Route
-from dagster_joblease.dispatch.transports import Message, TooLate, message_of, open_transports
+from dagster_joblease.dispatch.transports import OutboxMessage, TooLate, message_of, open_transports
 from dagster_joblease.dispatch.transports.http import HttpTransport
 from dagster_joblease.storage import outbox as store
 from tests.test_dispatch import Recorder
@@ -61,7 +61,7 @@ def test_http_carries_the_message_headers_after_the_routes(recorder: Recorder, o
     route = Route(recorder.url + "/hook", headers={"X-Source": "joblease"})
     client = None if own_client else httpx.Client()
     transport = HttpTransport({"t": route}, {"t": {"X-Source": "joblease"}}, 1, client)
-    message = Message(
+    message = OutboxMessage(
         "v2:h1",
         "t",
         "acct-1",

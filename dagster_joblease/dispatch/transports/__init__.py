@@ -9,9 +9,15 @@ from collections.abc import Callable, Mapping
 import httpx
 
 from dagster_joblease.dispatch.routes import Route
-from dagster_joblease.dispatch.transports.base import NO_HEADERS, Message, TooLate, Transport, message_of
+from dagster_joblease.dispatch.transports.base import (
+    NO_HEADERS,
+    OutboxMessage,
+    TooLate,
+    Transport,
+    message_of,
+)
 
-__all__ = ["NO_HEADERS", "Message", "TooLate", "Transport", "message_of", "open_transports"]
+__all__ = ["NO_HEADERS", "OutboxMessage", "TooLate", "Transport", "message_of", "open_transports"]
 
 _Opener = Callable[[Mapping[str, Route], Mapping[str, dict[str, str]], int, "httpx.Client | None"], Transport]
 

@@ -1,4 +1,4 @@
-"""The seam between the dispatcher and the wire: one :class:`Message` per row, built in one place
+"""The seam between the dispatcher and the wire: one :class:`OutboxMessage` per row, built in one place
 (:func:`message_of`), and one :class:`Transport` per kind of destination, which maps the message to its
 native form, sends it, and returns its acknowledgement as a :class:`~dagster_joblease.dispatch.policy.
 Classification`.
@@ -11,7 +11,7 @@ dispatcher's and the same for every transport. What a transport decides alone:
 * what is retryable and what is final: its own pure table (``classify_exception``, and for HTTP
   :func:`~dagster_joblease.dispatch.policy.classify_response`), table-tested beside it;
 * how the message's fields travel: the idempotency key as the downstream's dedupe key
-  (``Idempotency-Key``, ``Nats-Msg-Id``, AMQP ``message_id``), and :attr:`Message.headers` as native
+  (``Idempotency-Key``, ``Nats-Msg-Id``, AMQP ``message_id``), and :attr:`OutboxMessage.headers` as native
   headers, beside the route's own static and secret headers.
 """
 
@@ -27,14 +27,14 @@ from dagster_joblease.dispatch import policy
 from dagster_joblease.dispatch.claims import Claimed
 from dagster_joblease.dispatch.routes import Route
 
-__all__ = ["NO_HEADERS", "Message", "TooLate", "Transport", "message_of"]
+__all__ = ["NO_HEADERS", "OutboxMessage", "TooLate", "Transport", "message_of"]
 
 #: A row's headers when it carries none of its own.
 NO_HEADERS: Mapping[str, str] = MappingProxyType({})
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
-class Message:
+class OutboxMessage:
     """One row as every transport sends it.
 
     ``headers`` are the row's own (e.g. trace context), carried as the transport's native headers; the
@@ -48,11 +48,13 @@ class Message:
     headers: Mapping[str, str]
 
 
-def message_of(row: Claimed) -> Message:
+def message_of(row: Claimed) -> OutboxMessage:
     """The message a claimed row is sent as: the one place a row becomes a message."""
     # The row's creation trace context (dagster_joblease.tracing), read from its columns; none: no headers.
     headers = tracing.message_headers(row.trace) or NO_HEADERS
-    return Message(row.idempotency_key, row.topic, row.ordering_key, row.payload.encode("utf-8"), headers)
+    return OutboxMessage(
+        row.idempotency_key, row.topic, row.ordering_key, row.payload.encode("utf-8"), headers
+    )
 
 
 class TooLate(Exception):
@@ -65,7 +67,7 @@ class Transport(Protocol):
     :class:`~dagster_joblease.errors.ConfigurationError` naming the route when one cannot work."""
 
     def send(
-        self, message: Message, route: Route, deadline: float, send_by: float | None
+        self, message: OutboxMessage, route: Route, deadline: float, send_by: float | None
     ) -> policy.Classification:
         """Send ``message`` to ``route`` and classify the acknowledgement; nothing may outlive
         ``deadline`` (local monotonic time). Raises :class:`TooLate` when ``send_by`` (local monotonic

@@ -25,7 +25,7 @@ import httpx
 
 from dagster_joblease.dispatch import policy
 from dagster_joblease.dispatch.routes import Route
-from dagster_joblease.dispatch.transports.base import Message, TooLate
+from dagster_joblease.dispatch.transports.base import OutboxMessage, TooLate
 
 __all__ = ["MAX_BODY_READ", "HttpTransport"]
 
@@ -234,7 +234,7 @@ class HttpTransport:
             )
 
     def send(
-        self, message: Message, route: Route, deadline: float, send_by: float | None
+        self, message: OutboxMessage, route: Route, deadline: float, send_by: float | None
     ) -> policy.Classification:
         """POST ``message`` to ``route`` and classify the answer; every connect, read and write of the
         dispatcher's own client is bounded by ``deadline`` (local monotonic time), and the body is read
@@ -252,7 +252,7 @@ class HttpTransport:
         return policy.classify_exception(exc)
 
     def _post(
-        self, message: Message, route: Route, deadline: float, send_by: float | None
+        self, message: OutboxMessage, route: Route, deadline: float, send_by: float | None
     ) -> policy.Classification:
         key = route.key_header(message.idempotency_key)
         hooks = self.client.event_hooks
@@ -264,7 +264,7 @@ class HttpTransport:
         return policy.classify_response(response, body[:MAX_BODY_READ].decode("utf-8", "replace"))
 
     def _through_client(
-        self, message: Message, route: Route, key: str, deadline: float, send_by: float | None
+        self, message: OutboxMessage, route: Route, key: str, deadline: float, send_by: float | None
     ) -> tuple[httpx.Request, httpx.Response]:
         """A client of the caller's (its own auth, hooks and cookies apply), or event hooks added to the
         dispatcher's own client: the full httpx.Client path."""
@@ -284,7 +284,7 @@ class HttpTransport:
         return request, response
 
     def _direct(
-        self, message: Message, key: str, send_by: float | None
+        self, message: OutboxMessage, key: str, send_by: float | None
     ) -> tuple[httpx.Request, httpx.Response]:
         """The dispatcher's own client has no auth and never follows a redirect, so (without event hooks)
         the request goes straight to its transport (the deadline-bounded pool): httpx.Client's per-request

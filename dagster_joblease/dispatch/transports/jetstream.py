@@ -35,7 +35,7 @@ import httpx
 from dagster_joblease import errors
 from dagster_joblease.dispatch import policy
 from dagster_joblease.dispatch.routes import NO_ORDERING_KEY, Route
-from dagster_joblease.dispatch.transports.base import Message, TooLate
+from dagster_joblease.dispatch.transports.base import OutboxMessage, TooLate
 from dagster_joblease.dispatch.transports.broker import (
     START_CONNECT_S,
     BrokerTransport,
@@ -264,7 +264,7 @@ class JetStreamTransport(BrokerTransport[_Server]):
     # -- send --------------------------------------------------------------------------------------
 
     def send(
-        self, message: Message, route: Route, deadline: float, send_by: float | None
+        self, message: OutboxMessage, route: Route, deadline: float, send_by: float | None
     ) -> policy.Classification:
         """Publish ``message`` and wait for its ack until ``deadline``; see the module's docstring."""
         assert route.subject is not None
@@ -276,7 +276,7 @@ class JetStreamTransport(BrokerTransport[_Server]):
         return classify_ack(ack)
 
     async def _publish(
-        self, message: Message, route: Route, subject: str, headers: dict[str, str], deadline: float
+        self, message: OutboxMessage, route: Route, subject: str, headers: dict[str, str], deadline: float
     ) -> PubAck:
         server = self._endpoint_of[message.topic]
         client = await self._ready(server, message.topic)

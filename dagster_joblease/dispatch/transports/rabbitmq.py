@@ -40,7 +40,7 @@ import httpx
 from dagster_joblease import errors
 from dagster_joblease.dispatch import policy
 from dagster_joblease.dispatch.routes import NO_ORDERING_KEY, Route
-from dagster_joblease.dispatch.transports.base import Message, TooLate
+from dagster_joblease.dispatch.transports.base import OutboxMessage, TooLate
 from dagster_joblease.dispatch.transports.broker import (
     START_CONNECT_S,
     BrokerTransport,
@@ -203,7 +203,7 @@ class RabbitMQTransport(BrokerTransport[_Broker]):
     # -- send --------------------------------------------------------------------------------------
 
     def send(
-        self, message: Message, route: Route, deadline: float, send_by: float | None
+        self, message: OutboxMessage, route: Route, deadline: float, send_by: float | None
     ) -> policy.Classification:
         """Publish ``message`` and wait for the broker's confirm until ``deadline``."""
         amqp = aio_pika.Message(
