@@ -27,11 +27,13 @@ flags, the machine's load). Paths:
   of one core is printed for each side: a receiver near 100% is the bottleneck and the figure measures
   it, not the dispatcher.
 * ``no-op transport`` (issue 36: the dispatcher's own cost), in 1 and 4 processes: ``Dispatcher.dispatch(
-  limit=100)`` at concurrency 1 whose requests return at once (a caller's ``httpx.Client`` over
-  ``httpx.MockTransport`` answering 200: claim → send → record with no network), vs a bare psycopg loop
-  doing the same statements on the same table (claim 100 with ``FOR UPDATE SKIP LOCKED``, then mark the
-  100 SENT in one statement, both prepared, autocommit). Each call is one batch of 100 rows (both sides
-  check it), so batches/s x 100 is rows/s; 200,000 due rows are filled before each window.
+  limit=100)`` at concurrency 1 whose route's transport answers every send at once with a 2xx's
+  classification (:class:`NoopTransport`, put in place of the route's HTTP transport by
+  :func:`use_noop_transport`: no httpx, no network; claim → message → send → judge → record), vs a bare
+  psycopg loop doing the same statements on the same table (claim 100 with ``FOR UPDATE SKIP LOCKED``,
+  then mark the 100 SENT in one statement, both prepared, autocommit). Each call is one batch of 100 rows
+  (both sides check it), so batches/s x 100 is rows/s; 200,000 due rows are filled before each window.
+  ``benchmarks/noop.py`` runs this figure alone.
 * ``enqueue_many``, 1,000 rows in one caller transaction per call (``with engine.begin()`` and on a
   psycopg connection), vs a set-based floor: one ``INSERT … SELECT … FROM unnest(keys, payloads,
   sha256s) ON CONFLICT DO NOTHING RETURNING`` of the same rows (JSON text and SHA-256 computed the plain
@@ -80,7 +82,8 @@ from benchmarks.lease import add_arguments, databases, server_url
 from benchmarks.plain_receiver import start_plain_receiver_process
 from benchmarks.report import checkpoint, dsn
 from dagster_joblease import outbox
-from dagster_joblease.dispatch import Dispatcher, Route
+from dagster_joblease.dispatch import Dispatcher, Route, policy
+from dagster_joblease.dispatch.transports import OutboxMessage
 from dagster_joblease.storage import create_engine, migrate
 from dagster_joblease.storage.outbox import claim_due
 
@@ -350,6 +353,35 @@ BARE_SENT = (
 )
 
 
+class NoopTransport:
+    """A :class:`~dagster_joblease.dispatch.transports.Transport` whose every send returns at once with a
+    2xx's classification: what is left of a delivery is the dispatcher's own work."""
+
+    SENT = policy.Classification(policy.Outcome.SENT, 200, "HTTP 200")
+
+    def send(
+        self, message: OutboxMessage, route: Route, deadline: float, send_by: float | None
+    ) -> policy.Classification:
+        return self.SENT
+
+    def classify_exception(self, exc: BaseException) -> policy.Classification:
+        raise AssertionError("the no-op transport's send never raises") from exc
+
+    def close(self) -> None:
+        pass
+
+
+def use_noop_transport(dispatcher: Dispatcher) -> None:
+    """Benchmark-only: every route of ``dispatcher`` sends through one :class:`NoopTransport` instead of
+    the transport its URL chose (reaches into the dispatcher's private ``Sender``; the transport it
+    replaces is closed, unused)."""
+    sender = dispatcher._sender
+    for transport in set(sender.transports.values()):
+        transport.close()
+    noop = NoopTransport()
+    sender.transports = {topic: noop for topic in sender.transports}
+
+
 def noop_side(kind: str, url: str) -> Setup:
     """One batch of 100 rows per call: the dispatcher over a transport that answers at once, or the bare
     claim + mark-SENT loop."""
@@ -366,9 +398,8 @@ def noop_side(kind: str, url: str) -> Setup:
 
             return bare, conn.close
         engine = create_engine(url)
-        client = httpx.Client(transport=httpx.MockTransport(lambda _request: httpx.Response(200)))
-        route = Route("http://noop.invalid/bench")
-        dispatcher = Dispatcher(engine, {"bench": route}, concurrency=1, client=client)
+        dispatcher = Dispatcher(engine, {"bench": Route("http://noop.invalid/bench")}, concurrency=1)
+        use_noop_transport(dispatcher)
 
         def library(_i: int) -> None:
             report = dispatcher.dispatch(limit=100)
@@ -376,12 +407,43 @@ def noop_side(kind: str, url: str) -> Setup:
 
         def close() -> None:
             dispatcher.close()
-            client.close()
             engine.dispose()
 
         return library, close
 
     return setup
+
+
+def noop_figures(url: str, rounds: int, seconds: float, processes: list[int]) -> list[Figure]:
+    """The no-op transport figure for each process count (see the module's docstring)."""
+    out: list[Figure] = []
+    for procs in processes:
+
+        def noop(kind: str, p: int = procs) -> Sample:
+            _truncate(url)
+            _fill_pending(url, NOOP_FILL, f"v2:noop-{secrets.token_hex(3)}-")
+            sample = run_window(
+                noop_side(kind, url), p, seconds, warm=2, before_window=lambda: checkpoint(url)
+            )
+            return Sample(sample.rate * 100, sample.cpu_us / 100)  # rows/s, CPU us per row
+
+        got = rotate(rounds, {"bare": lambda: noop("bare"), "library": lambda: noop("library")})
+        out.append(
+            figure(
+                "no-op transport: claim -> send -> record, rows/s",
+                procs,
+                "bare claim+SENT loop",
+                got["bare"],
+                got["library"],
+                goal=0.8,
+                note=f"bare loop median {statistics.median(s.rate for s in got['bare']):,.0f} rows/s, "
+                f"dispatcher {statistics.median(s.rate for s in got['library']):,.0f}; CPU us/row "
+                f"{statistics.median(s.cpu_us for s in got['library']):.0f} / "
+                f"{statistics.median(s.cpu_us for s in got['bare']):.0f}",
+            )
+        )
+        _show(out[-1])
+    return out
 
 
 # -- enqueue_many: 1,000 rows in one transaction --------------------------------------------------------
@@ -455,30 +517,7 @@ def many_and_noop(url: str, rounds: int, seconds: float, processes: list[int]) -
         ):
             out.append(figure(label, procs, "unnest INSERT", got["unnest"], got[kind], goal=0.8))
             _show(out[-1])
-
-        def noop(kind: str, p: int = procs) -> Sample:
-            _truncate(url)
-            _fill_pending(url, NOOP_FILL, f"v2:noop-{secrets.token_hex(3)}-")
-            sample = run_window(
-                noop_side(kind, url), p, seconds, warm=2, before_window=lambda: checkpoint(url)
-            )
-            return Sample(sample.rate * 100, sample.cpu_us / 100)  # rows/s, CPU us per row
-
-        got = rotate(rounds, {"bare": lambda: noop("bare"), "library": lambda: noop("library")})
-        out.append(
-            figure(
-                "no-op transport: claim -> send -> record, rows/s",
-                procs,
-                "bare claim+SENT loop",
-                got["bare"],
-                got["library"],
-                goal=0.8,
-                note=f"bare loop median {statistics.median(s.rate for s in got['bare']):,.0f} rows/s, "
-                f"dispatcher {statistics.median(s.rate for s in got['library']):,.0f}",
-            )
-        )
-        _show(out[-1])
-    return out
+    return out + noop_figures(url, rounds, seconds, processes)
 
 
 # -- claim latency --------------------------------------------------------------------------------------
