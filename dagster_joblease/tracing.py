@@ -134,8 +134,15 @@ def _span_context_of(traced: TraceContext) -> Any:
     return span_context if span_context.is_valid else None
 
 
-def _attributes(operation: str, destination: str, system: str, message_id: str | None) -> dict[str, Any]:
-    """A span's messaging attributes (OpenTelemetry's messaging semantic conventions)."""
+def _attributes(
+    operation: str,
+    destination: str,
+    system: str,
+    message_id: str | None,
+    extra: Mapping[str, str] | None = None,
+) -> dict[str, Any]:
+    """A span's messaging attributes (OpenTelemetry's messaging semantic conventions); ``extra``: the
+    system's own (a RabbitMQ routing key, a templated subject's filled name), over the common ones."""
     attributes: dict[str, Any] = {
         "messaging.system": system,
         "messaging.operation.type": operation,
@@ -144,6 +151,8 @@ def _attributes(operation: str, destination: str, system: str, message_id: str |
     }
     if message_id is not None:
         attributes["messaging.message.id"] = message_id
+    if extra:
+        attributes.update(extra)
     return attributes
 
 
@@ -231,19 +240,26 @@ class _Sending:
 
 @contextlib.contextmanager
 def sending(
-    topic: str, idempotency_key: str, traced: TraceContext, *, system: str = _SYSTEM
+    topic: str,
+    idempotency_key: str,
+    traced: TraceContext,
+    *,
+    system: str = _SYSTEM,
+    destination: tuple[str, Mapping[str, str]] | None = None,
 ) -> Iterator[_Sending]:
-    """Around one delivery attempt: the ``send {topic}`` span, linked to the row's creation context (when
-    it has one). ``system``: the transport that sends (its ``messaging.system`` is
-    :data:`MESSAGING_SYSTEMS`'s; any other text is taken as it is)."""
+    """Around one delivery attempt: the ``send {destination}`` span, linked to the row's creation context
+    (when it has one). ``system``: the transport that sends (its ``messaging.system`` is
+    :data:`MESSAGING_SYSTEMS`'s; any other text is taken as it is). ``destination``: the broker's name
+    for where the row goes and its own attributes (``Route.span_destination``); None: the topic."""
     if trace is None:
         yield _Sending(None)
         return
     creation = _span_context_of(traced)
-    attributes = _attributes("send", topic, MESSAGING_SYSTEMS.get(system, system), idempotency_key)
+    name, extra = destination if destination is not None else (topic, None)
+    attributes = _attributes("send", name, MESSAGING_SYSTEMS.get(system, system), idempotency_key, extra)
     tracer = _tracer()
     with tracer.start_as_current_span(
-        f"send {topic}",
+        f"send {name}",
         kind=trace.SpanKind.PRODUCER,
         attributes=attributes,
         links=[trace.Link(creation)] if creation is not None else None,
@@ -269,6 +285,7 @@ def processing(
     *,
     idempotency_key: str | None = None,
     system: str = _SYSTEM,
+    attributes: Mapping[str, str] | None = None,
 ) -> Iterator[None]:
     """Around a consumer's effect: the ``process {destination}`` span, continuing the trace named by the
     message's ``traceparent`` / ``tracestate`` headers (its parent, and a link to it). A message without
@@ -281,14 +298,14 @@ def processing(
     if creation is None and not trace.get_current_span().get_span_context().is_valid:
         yield
         return
-    attributes = _attributes("process", destination, system, idempotency_key)
+    span_attributes = _attributes("process", destination, system, idempotency_key, attributes)
     parent = trace.set_span_in_context(trace.NonRecordingSpan(creation)) if creation is not None else None
     tracer = _tracer()
     with tracer.start_as_current_span(
         f"process {destination}",
         context=parent,
         kind=trace.SpanKind.CONSUMER,
-        attributes=attributes,
+        attributes=span_attributes,
         links=[trace.Link(creation)] if creation is not None else None,
     ):
         yield

@@ -456,9 +456,14 @@ def test_a_jetstream_consumer_continues_the_trace_of_the_enqueuing_span(engine: 
     finally:
         stream.delete()
     (create,) = _spans("create events")
-    (send,) = _spans("send events")
-    (process,) = [s for s in _SPANS.get_finished_spans() if s.name.startswith("process ")]
+    # NATS's conventions: the destination is the subject; a templated one names the span by its template
+    # and the filled subject is messaging.destination.name (the process span's, too).
+    (send,) = _spans(f"send {stream.prefix}.{{ordering_key}}")
+    (process,) = _spans(f"process {stream.prefix}.c-1")
     (effect,) = _spans("apply event")
+    assert (send.attributes or {})["messaging.destination.template"] == f"{stream.prefix}.{{ordering_key}}"
+    assert (send.attributes or {})["messaging.destination.name"] == f"{stream.prefix}.c-1"
+    assert (process.attributes or {})["messaging.destination.name"] == f"{stream.prefix}.c-1"
     # NATS's conventions: messaging.system is "nats" (JetStream included), on both ends of the message.
     assert (send.attributes or {})["messaging.system"] == "nats"
     assert (process.attributes or {})["messaging.system"] == "nats"
@@ -505,9 +510,14 @@ def test_a_rabbitmq_consumer_continues_the_trace_of_the_enqueuing_span(engine: s
     finally:
         exchange.delete()
     (create,) = _spans("create events")
-    (send,) = _spans("send events")
-    (process,) = [s for s in _SPANS.get_finished_spans() if s.name.startswith("process ")]
+    # RabbitMQ's conventions: the destination is the exchange, the routing key an attribute of its own,
+    # on both ends of the message.
+    (send,) = _spans(f"send {exchange.name}")
+    (process,) = _spans(f"process {exchange.name}")
     (effect,) = _spans("apply event")
+    for span in (send, process):
+        assert (span.attributes or {})["messaging.destination.name"] == exchange.name
+        assert (span.attributes or {})["messaging.rabbitmq.destination.routing_key"] == "events"
     # The row's creation context travels in the AMQP headers, as the row's columns hold it.
     assert headers == {"traceparent": _traceparent_of(create)}
     assert send.kind is trace.SpanKind.PRODUCER and (send.attributes or {})["messaging.system"] == "rabbitmq"

@@ -125,3 +125,52 @@ print(json.dumps(refusals))
         "a nats:// route needs nats-py: pip install 'dagster-joblease[nats]'",
         "an amqp:// route needs aio-pika: pip install 'dagster-joblease[rabbitmq]'",
     ]
+
+
+@pytest.mark.parametrize(
+    ("route", "ordering_key", "expected"),
+    [
+        (Route("http://127.0.0.1:1/x"), "k", ("events", {})),
+        (
+            Route("nats://127.0.0.1:4222", subject="orders.all", stream="S", dedupe_window=60),
+            "k",
+            ("orders.all", {}),
+        ),
+        (
+            Route("nats://127.0.0.1:4222", subject="orders.{ordering_key}", stream="S", dedupe_window=60),
+            "acct-7",
+            (
+                "orders.{ordering_key}",
+                {
+                    "messaging.destination.template": "orders.{ordering_key}",
+                    "messaging.destination.name": "orders.acct-7",
+                },
+            ),
+        ),
+        (
+            Route("nats://127.0.0.1:4222", subject="orders.{ordering_key}", stream="S", dedupe_window=60),
+            None,
+            (
+                "orders.{ordering_key}",
+                {
+                    "messaging.destination.template": "orders.{ordering_key}",
+                    "messaging.destination.name": "orders._",
+                },
+            ),
+        ),
+        (
+            Route("amqp://127.0.0.1:5672/", exchange="billing"),
+            None,
+            ("billing", {"messaging.rabbitmq.destination.routing_key": "events"}),
+        ),
+        (
+            Route("amqp://127.0.0.1:5672/", exchange="", routing_key="q.{ordering_key}"),
+            "k1",
+            ("", {"messaging.rabbitmq.destination.routing_key": "q.k1"}),
+        ),
+    ],
+)
+def test_a_routes_span_destination_is_what_its_systems_conventions_name(
+    route: Route, ordering_key: str | None, expected: tuple[str, dict[str, str]]
+) -> None:
+    assert route.span_destination("events", ordering_key) == expected

@@ -36,6 +36,9 @@ class Delivery:
     payload: bytes
     headers: Mapping[str, str]
     redelivered: bool
+    #: Where the broker says the message went, as OpenTelemetry's messaging conventions name it (the
+    #: process span's destination and its own attributes); None: ``source``.
+    destination: tuple[str, Mapping[str, str]] | None = None
 
 
 class Settle(enum.Enum):
@@ -104,8 +107,9 @@ async def handle(
         return Handled(Settle.REJECT, error=missing)
     try:
         # The effect continues the producer's trace (the message's traceparent/tracestate), if it has one.
+        name, attributes = delivery.destination or (delivery.source, None)
         with tracing.processing(
-            delivery.source, delivery.headers, idempotency_key=delivery.key, system=system
+            name, delivery.headers, idempotency_key=delivery.key, system=system, attributes=attributes
         ):
             result = await apply(inbox, delivery, handler)
     except Exception as exc:

@@ -49,8 +49,17 @@ class RabbitMQConsumer(BrokerConsumer[aio_pika.abc.AbstractIncomingMessage]):
         if not message.message_id:
             return None
         headers = {str(k): str(v) for k, v in (message.headers or {}).items()}
+        routing_key = message.routing_key or ""
+        # RabbitMQ's conventions: the destination is the exchange ("" for the default one), the routing
+        # key an attribute of its own.
+        where = {"messaging.rabbitmq.destination.routing_key": routing_key} if routing_key else {}
         return Delivery(
-            message.message_id, message.routing_key or "", message.body, headers, bool(message.redelivered)
+            message.message_id,
+            routing_key,
+            message.body,
+            headers,
+            bool(message.redelivered),
+            destination=(message.exchange or "", where),
         )
 
     async def ack(self, message: aio_pika.abc.AbstractIncomingMessage) -> None:

@@ -114,7 +114,10 @@ class Sender:
     def _send(self, row: Claimed, route: Route, now: float) -> policy.Decision | None:
         """The transport's send in a span, judged; None: it started too late for its rate admission."""
         transport = self.transports[row.topic]
-        with tracing.sending(row.topic, row.idempotency_key, row.trace, system=route.transport) as span:
+        where = route.span_destination(row.topic, row.ordering_key)
+        with tracing.sending(
+            row.topic, row.idempotency_key, row.trace, system=route.transport, destination=where
+        ) as span:
             try:
                 classification = transport.send(message_of(row), route, now + route.timeout_s, row.send_by)
             except TooLate:

@@ -100,6 +100,14 @@ BROKER_OPTIONS = {
 #: What ``{ordering_key}`` in a subject or routing key becomes for a row without an ordering key.
 NO_ORDERING_KEY = "_"
 _SUBJECT_TOKEN = re.compile(r"^[^\s.*>]+$")
+
+
+def fill_ordering_key(template: str, ordering_key: str | None) -> str:
+    """A subject or routing key template with ``{ordering_key}`` replaced by the row's key (``_``, or
+    :data:`NO_ORDERING_KEY`, for a row without one)."""
+    return template.replace("{ordering_key}", NO_ORDERING_KEY if ordering_key is None else ordering_key)
+
+
 _ROUTING_KEY_TOKEN = re.compile(r"^[\x21-\x7e]*$")
 _NAME = re.compile(r"^[A-Za-z0-9_-]{1,255}$")
 _DURATION = re.compile(r"^(?:(\d+)d)?(?:(\d+)h)?(?:(\d+)m)?(?:(\d+)s)?$")
@@ -448,6 +456,25 @@ class Route:
         """The transport that sends this route's rows, from its URL's scheme: ``http`` (http, https),
         ``jetstream`` (nats) or ``rabbitmq`` (amqp, amqps)."""
         return TRANSPORTS[self.url.split(":", 1)[0].lower()]
+
+    def span_destination(self, topic: str, ordering_key: str | None) -> tuple[str, dict[str, str]]:
+        """Where a row of ``topic`` goes, as OpenTelemetry's messaging conventions name it: the send span's
+        destination (its name is ``send <destination>``) and the attributes beside it. HTTP: the topic.
+        JetStream: the subject (a templated one names the span by its template, low in cardinality, and
+        the filled subject is ``messaging.destination.name``). RabbitMQ: the exchange (``""`` for the
+        default exchange), and the routing key as ``messaging.rabbitmq.destination.routing_key``."""
+        if self.transport == "jetstream" and self.subject is not None:
+            if "{ordering_key}" not in self.subject:
+                return self.subject, {}
+            filled = fill_ordering_key(self.subject, ordering_key)
+            return self.subject, {
+                "messaging.destination.template": self.subject,
+                "messaging.destination.name": filled,
+            }
+        if self.transport == "rabbitmq" and self.exchange is not None:
+            key = fill_ordering_key(topic if self.routing_key is None else self.routing_key, ordering_key)
+            return self.exchange, {"messaging.rabbitmq.destination.routing_key": key} if key else {}
+        return topic, {}
 
     def credentials(self, environ: Mapping[str, str] | None = None) -> str | None:
         """The broker credentials from ``credentials_env`` (None: not set); a missing variable is named."""

@@ -34,7 +34,7 @@ import httpx
 
 from dagster_joblease import errors
 from dagster_joblease.dispatch import policy
-from dagster_joblease.dispatch.routes import NO_ORDERING_KEY, Route
+from dagster_joblease.dispatch.routes import NO_ORDERING_KEY, Route, fill_ordering_key
 from dagster_joblease.dispatch.transports.base import OutboxMessage, TooLate
 from dagster_joblease.dispatch.transports.broker import (
     START_CONNECT_S,
@@ -82,14 +82,13 @@ def subject_for(template: str, ordering_key: str | None) -> str:
     (``_`` without one). Raises :class:`Unsendable` when the key cannot be a subject token."""
     if "{ordering_key}" not in template:
         return template
-    token = NO_ORDERING_KEY if ordering_key is None else ordering_key
-    if not _TOKEN.match(token):
+    if not _TOKEN.match(NO_ORDERING_KEY if ordering_key is None else ordering_key):
         raise Unsendable(
             f"ordering key {ordering_key!r} cannot be a NATS subject token (no whitespace, '.', '*' or '>'), "
             f"so it cannot fill the route's subject {template!r}; use a subject without {{ordering_key}} "
             "or keys without those characters"
         )
-    return template.replace("{ordering_key}", token)
+    return fill_ordering_key(template, ordering_key)
 
 
 def subject_matches(pattern: str, subject: str) -> bool:
@@ -113,7 +112,7 @@ def stream_refusal(
     if stream_subjects is None:
         return f"{where}: the stream {route.stream!r} does not exist on the server; create it or fix `stream`"
     assert route.subject is not None
-    probe = route.subject.replace("{ordering_key}", NO_ORDERING_KEY)
+    probe = fill_ordering_key(route.subject, None)
     if not any(subject_matches(p, probe) for p in stream_subjects):
         return (
             f"{where}: the stream stores {stream_subjects}, not the route's subject; add the subject to the "

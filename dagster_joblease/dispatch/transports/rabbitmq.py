@@ -39,7 +39,7 @@ import httpx
 
 from dagster_joblease import errors
 from dagster_joblease.dispatch import policy
-from dagster_joblease.dispatch.routes import NO_ORDERING_KEY, Route
+from dagster_joblease.dispatch.routes import Route, fill_ordering_key
 from dagster_joblease.dispatch.transports.base import OutboxMessage, TooLate
 from dagster_joblease.dispatch.transports.broker import (
     START_CONNECT_S,
@@ -68,7 +68,7 @@ def routing_key_for(route: Route, topic: str, ordering_key: str | None) -> str:
     """The routing key a row is published with: the route's (None: the topic), ``{ordering_key}`` replaced
     by the row's key (``_`` without one). Raises :class:`Unsendable` past AMQP's 255 bytes."""
     template = topic if route.routing_key is None else route.routing_key
-    key = template.replace("{ordering_key}", NO_ORDERING_KEY if ordering_key is None else ordering_key)
+    key = fill_ordering_key(template, ordering_key)
     if len(key.encode("utf-8")) > 255:
         raise Unsendable(f"routing key {key[:60]!r}... is longer than AMQP's 255 bytes")
     return key
