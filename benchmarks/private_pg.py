@@ -5,11 +5,15 @@ SIGKILL). As root, initdb and pg_ctl run as ``postgres`` through ``runuser``.
 
     with private_server(settings=("wal_level=logical",)) as url:
         ...  # postgresql+psycopg://postgres@127.0.0.1:<port>/postgres
+
+    with private_cluster() as cluster:  # tests/test_dispatch_chaos.py: a server it may restart
+        cluster.restart()
 """
 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import glob
 import os
 import pwd
@@ -21,7 +25,7 @@ import tempfile
 from collections.abc import Iterator, Sequence
 from pathlib import Path
 
-__all__ = ["private_server"]
+__all__ = ["PrivateCluster", "private_cluster", "private_server"]
 
 INITDB = ("-E", "UTF8", "--no-locale", "--no-sync")  # --no-sync: the cluster is thrown away
 
@@ -58,11 +62,30 @@ def _on_signal(signum: int, _frame: object) -> None:
     raise SystemExit(128 + signum)  # unwinds through the finally blocks: the cluster is stopped
 
 
+@dataclasses.dataclass(frozen=True)
+class PrivateCluster:
+    """A running private cluster: its URL, and a restart that keeps its data, port and settings."""
+
+    url: str
+    restart_argv: tuple[str, ...]
+
+    def restart(self) -> None:
+        """Restart the server (``pg_ctl restart``, waiting until it accepts connections again)."""
+        subprocess.run(list(self.restart_argv), check=True, timeout=120, capture_output=True)
+
+
 @contextlib.contextmanager
 def private_server(settings: Sequence[str] = ()) -> Iterator[str]:
+    """:func:`private_cluster`, yielding its URL."""
+    with private_cluster(settings) as cluster:
+        yield cluster.url
+
+
+@contextlib.contextmanager
+def private_cluster(settings: Sequence[str] = ()) -> Iterator[PrivateCluster]:
     """Start a cluster in a temporary directory with the server ``settings`` (``name=value``, each given
-    as ``-c``); yield its URL; stop it and remove the directory on the way out (an exception, Ctrl-C,
-    SIGTERM or SIGHUP included)."""
+    as ``-c``); yield it; stop it and remove the directory on the way out (an exception, Ctrl-C, SIGTERM or
+    SIGHUP included)."""
     bindir = _pg_bin()
     home = Path(tempfile.mkdtemp(prefix="joblease-bench-pg-"))
     if os.geteuid() == 0:
@@ -93,7 +116,22 @@ def private_server(settings: Sequence[str] = ()) -> Iterator[str]:
         if got.returncode:
             raise SystemExit(f"private server: pg_ctl start failed:\n{log.read_text(errors='replace')}")
         print(f"private server: PostgreSQL {bindir.parent.name} on 127.0.0.1:{port} in {home}", flush=True)
-        yield f"postgresql+psycopg://postgres@127.0.0.1:{port}/postgres"
+        restart = _as_cluster_user(
+            [
+                str(bindir / "pg_ctl"),
+                "-D",
+                str(data),
+                "-l",
+                str(log),
+                "-o",
+                options,
+                "-m",
+                "fast",
+                "-w",
+                "restart",
+            ]
+        )
+        yield PrivateCluster(f"postgresql+psycopg://postgres@127.0.0.1:{port}/postgres", tuple(restart))
     finally:
         if started:
             subprocess.run(

@@ -1,18 +1,20 @@
 """Dispatchers as real processes: several in parallel, SIGKILL after the effect, SIGTERM mid-batch, the
-database connection terminated and PostgreSQL restarted. The reference receiver runs in its own process.
+database connection terminated and PostgreSQL restarted (a private cluster of the test's own: see
+tests/pg_restart.py). The reference receiver runs in its own process.
 
 Each test prints a ``REPORT`` line (rows enqueued, POSTs received, effects applied, rows lost).
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import multiprocessing
 import os
 import signal
 import subprocess
 import uuid
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from multiprocessing.process import BaseProcess
 from pathlib import Path
 from typing import Any
@@ -20,8 +22,9 @@ from typing import Any
 import pytest
 import sqlalchemy as sa
 
+from benchmarks.private_pg import private_cluster
 from dagster_joblease.receiver import effect_count, effects, request_count
-from dagster_joblease.storage import create_engine
+from dagster_joblease.storage import create_engine, migrate
 from dagster_joblease.storage.schema import outbox_table
 from tests import dispatch_workers
 from tests.conftest import admin_url, wait_until
@@ -197,9 +200,35 @@ def _progress(worker: BaseProcess, predicate: Callable[[], bool]) -> Callable[[]
     return check
 
 
-def _pg_is_up() -> bool:
+@contextlib.contextmanager
+def _restartable_server(pg_url: str) -> Iterator[tuple[str, Callable[[], None]]]:
+    """(a database URL, a restart of its server): a private cluster of this test's own (its data, port and
+    settings kept across the restart), unless $JOBLEASE_TEST_PG_RESTART_CMD asks to restart the test
+    server itself (tests/pg_restart.py). The machine's PostgreSQL is never restarted uninvited."""
+    command, reason = restart_command()
+    if reason:
+        pytest.fail(reason)
+    if command is not None:
+
+        def restart_shared() -> None:
+            subprocess.run(command, check=True, timeout=60, capture_output=True)
+
+        try:
+            yield pg_url, restart_shared
+        finally:
+            if not _is_up(str(admin_url())):
+                restart_shared()
+        return
+    with private_cluster(settings=("synchronous_commit=off", "max_connections=100")) as cluster:
+        migrate_engine = create_engine(cluster.url)
+        migrate(migrate_engine)
+        migrate_engine.dispose()
+        yield cluster.url, cluster.restart
+
+
+def _is_up(url: str) -> bool:
     try:
-        probe = sa.create_engine(admin_url(), poolclass=sa.pool.NullPool)
+        probe = sa.create_engine(url, poolclass=sa.pool.NullPool)
         with probe.connect() as conn:
             conn.exec_driver_sql("SELECT 1")
         probe.dispose()
@@ -208,18 +237,17 @@ def _pg_is_up() -> bool:
         return False
 
 
-def _restart(command: list[str]) -> None:
-    """Restart (or, when it is down, start) the server: pg_ctlcluster and pg_ctl restart do both."""
-    subprocess.run(command, check=True, timeout=60, capture_output=True)
-
-
 def test_dispatcher_survives_terminated_connections_and_a_postgres_restart(
     fast_pg_url: str, tmp_path: Path, processes: Callable[..., BaseProcess]
 ) -> None:
-    command, reason = restart_command(admin_url())  # $JOBLEASE_TEST_PG_RESTART_CMD, else local cluster
-    if command is None:
-        pytest.skip(f"cannot restart the test PostgreSQL from here: {reason}")
-    engine = create_engine(fast_pg_url)
+    with _restartable_server(fast_pg_url) as (url, restart):
+        _survives_terminated_connections_and_a_restart(url, restart, tmp_path, processes)
+
+
+def _survives_terminated_connections_and_a_restart(
+    url: str, restart: Callable[[], None], tmp_path: Path, processes: Callable[..., BaseProcess]
+) -> None:
+    engine = create_engine(url)
     total = 1_000
     keys = enqueue_many(engine, total, topic="work", prefix="v2:restart")
     app_name = f"jl-dispatch-{uuid.uuid4().hex[:8]}"
@@ -229,39 +257,33 @@ def test_dispatcher_survives_terminated_connections_and_a_postgres_restart(
     # (backoff_max_ms above the Retry-After) and the lock is kept short.
     options = {"concurrency": 8, "claim_ms": 4_000, "backoff_base_ms": 10, "backoff_max_ms": 1_000}
     path = tmp_path / "loop.json"
-    try:
-        # Each effect takes 10 ms, so the restart surely lands while rows are still being delivered.
-        with start_receiver(fast_pg_url, "--lock-ms", "2000", "--effect-delay-ms", "10") as receiver:
-            routes = {"work": {"url": receiver.url + "/work", "timeout_s": 2.0}}
-            worker = processes(
-                dispatch_workers.run_loop, fast_pg_url, routes, options, str(path), 50, app_name
-            )
-            wait_until(_progress(worker, lambda: effect_count(engine) >= 100), timeout=60)
-            with engine.connect() as conn:
-                terminated = conn.execute(
-                    sa.text(
-                        "SELECT count(pg_terminate_backend(pid)) FROM pg_stat_activity "
-                        "WHERE application_name = :name"
-                    ),
-                    {"name": app_name},
-                ).scalar_one()
-            assert terminated >= 1
-            wait_until(_progress(worker, lambda: effect_count(engine) >= 300), timeout=60)
-            # Count what is still to do right before the restart (after it, a fast dispatcher may already
-            # have finished): the server goes down with work in flight.
-            pending_at_restart = status_counts(engine).get("PENDING", 0)
-            engine.dispose()
-            _restart(command)
-            assert pending_at_restart > 0
-            wait_until(
-                _progress(worker, lambda: status_counts(engine) == {"SENT": total}), timeout=90, interval=0.2
-            )
-            assert worker.pid is not None
-            os.kill(worker.pid, signal.SIGTERM)
-            _join(worker, 30)
-    finally:
-        if not _pg_is_up():
-            _restart(command)
+    # Each effect takes 10 ms, so the restart surely lands while rows are still being delivered.
+    with start_receiver(url, "--lock-ms", "2000", "--effect-delay-ms", "10") as receiver:
+        routes = {"work": {"url": receiver.url + "/work", "timeout_s": 2.0}}
+        worker = processes(dispatch_workers.run_loop, url, routes, options, str(path), 50, app_name)
+        wait_until(_progress(worker, lambda: effect_count(engine) >= 100), timeout=60)
+        with engine.connect() as conn:
+            terminated = conn.execute(
+                sa.text(
+                    "SELECT count(pg_terminate_backend(pid)) FROM pg_stat_activity "
+                    "WHERE application_name = :name"
+                ),
+                {"name": app_name},
+            ).scalar_one()
+        assert terminated >= 1
+        wait_until(_progress(worker, lambda: effect_count(engine) >= 300), timeout=60)
+        # Count what is still to do right before the restart (after it, a fast dispatcher may already
+        # have finished): the server goes down with work in flight.
+        pending_at_restart = status_counts(engine).get("PENDING", 0)
+        engine.dispose()
+        restart()
+        assert pending_at_restart > 0
+        wait_until(
+            _progress(worker, lambda: status_counts(engine) == {"SENT": total}), timeout=90, interval=0.2
+        )
+        assert worker.pid is not None
+        os.kill(worker.pid, signal.SIGTERM)
+        _join(worker, 30)
     result = _result(path)
     assert result["stopped_cleanly"] is True
     actions = result["actions"]
