@@ -2,6 +2,7 @@
 
     .venv/bin/python benchmarks/noop.py [--rounds 5] [--seconds 1] [--processes 1,4] [--long]
     .venv/bin/python benchmarks/noop.py --profile 50   # cProfile of 50 batches in this process, no figure
+    .venv/bin/python benchmarks/noop.py --cpu 200      # 200 batches timed in this process: rows/s, CPU us/row
 
 ``Dispatcher.dispatch(limit=100)`` at concurrency 1 over a transport that answers every send at once
 (``benchmarks.dispatch.NoopTransport``) vs the bare psycopg loop doing the same statements (claim 100 with
@@ -46,12 +47,31 @@ def profile(url: str, batches: int) -> None:
     pstats.Stats(profiler).sort_stats("cumulative").print_stats(40)
 
 
+def cpu(url: str, batches: int) -> None:
+    """Time ``batches`` batches of the dispatcher side in this process (after two warm ones): rows/s and
+    CPU µs per row (this process's, every thread), printed on one line (for a before/after comparison
+    that alternates two source trees)."""
+    _truncate(url)
+    _fill_pending(url, (batches + 2) * 100, "v2:cpu-")
+    step, close = noop_side("library", url)()
+    step(0)
+    step(1)
+    cpu0, wall0 = time.process_time(), time.perf_counter()
+    for i in range(batches):
+        step(i + 2)
+    wall, used = time.perf_counter() - wall0, time.process_time() - cpu0
+    close()
+    rows = batches * 100
+    print(f"rows/s {rows / wall:.0f} cpu_us/row {used / rows * 1e6:.1f}")
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     add_arguments(parser)
     parser.add_argument("--profile", type=int, default=0, help="profile this many batches instead")
+    parser.add_argument("--cpu", type=int, default=0, help="time this many batches in this process instead")
     args = parser.parse_args(argv)
     if args.long:
         args.seconds, args.rounds = max(args.seconds, 5.0), max(args.rounds, 7)
@@ -61,6 +81,9 @@ def main(argv: list[str] | None = None) -> int:
         prepare(urls[0])
         if args.profile:
             profile(urls[0], args.profile)
+            return 0
+        if args.cpu:
+            cpu(urls[0], args.cpu)
             return 0
         processes = [int(x) for x in args.processes.split(",")]
         figures = noop_figures(urls[0], args.rounds, args.seconds, processes)
