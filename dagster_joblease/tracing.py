@@ -238,7 +238,19 @@ class _Sending:
             self._span.set_status(trace.Status(trace.StatusCode.ERROR, reason))
 
 
-@contextlib.contextmanager
+#: The send "span" when spans go nowhere: entered once per attempt, it records nothing.
+_NOT_SENDING = contextlib.nullcontext(_Sending(None))
+
+
+def _spans_recorded() -> bool:
+    """Whether a span started now can be recorded: OpenTelemetry is installed and the process has set a
+    tracer provider. Until then the API's proxy hands out no-op spans, which record nothing yet cost a
+    few µs each (the dispatcher starts one per attempt)."""
+    return trace is not None and not isinstance(
+        trace.get_tracer_provider(), (trace.ProxyTracerProvider, trace.NoOpTracerProvider)
+    )
+
+
 def sending(
     topic: str,
     idempotency_key: str,
@@ -246,14 +258,25 @@ def sending(
     *,
     system: str = _SYSTEM,
     destination: tuple[str, Mapping[str, str]] | None = None,
-) -> Iterator[_Sending]:
+) -> contextlib.AbstractContextManager[_Sending]:
     """Around one delivery attempt: the ``send {destination}`` span, linked to the row's creation context
     (when it has one). ``system``: the transport that sends (its ``messaging.system`` is
     :data:`MESSAGING_SYSTEMS`'s; any other text is taken as it is). ``destination``: the broker's name
-    for where the row goes and its own attributes (``Route.span_destination``); None: the topic."""
-    if trace is None:
-        yield _Sending(None)
-        return
+    for where the row goes and its own attributes (``Route.span_destination``); None: the topic. Without
+    OpenTelemetry or a tracer provider, no span is started."""
+    if not _spans_recorded():
+        return _NOT_SENDING
+    return _send_span(topic, idempotency_key, traced, system, destination)
+
+
+@contextlib.contextmanager
+def _send_span(
+    topic: str,
+    idempotency_key: str,
+    traced: TraceContext,
+    system: str,
+    destination: tuple[str, Mapping[str, str]] | None,
+) -> Iterator[_Sending]:
     creation = _span_context_of(traced)
     name, extra = destination if destination is not None else (topic, None)
     attributes = _attributes("send", name, MESSAGING_SYSTEMS.get(system, system), idempotency_key, extra)
