@@ -569,16 +569,22 @@ class _BatchLoop:
             future.add_done_callback(self.done_q.put)
 
     def _collect(self) -> None:
-        """Deliver the next queued row (inline), or take the deliveries done by the next moment the loop
-        has something else to do (a record delay, a pause refresh, the poll for any due row)."""
+        """Deliver queued rows (inline), or take the deliveries done (workers), until the next moment the
+        loop has something else to do: a record delay, a pause refresh, the poll for any due row, and
+        inline also a row that freed a limit group's slot or asked for a pause (a turn between two inline
+        rows would do nothing else: no worker is idle while rows are queued)."""
+        pace = self.pace
         if self.sender.pool is None:
-            if self.queue:
+            turn_at = min(pace.flushed_at + pace.record_delay_s, pace.refresh_at)
+            finished = self.finished
+            while self.queue:
                 row = self.queue.pop(0)
-                self.finished.add([(row, self.sender.deliver(row))])
+                finished.add([(row, self.sender.deliver(row))])
+                if finished.freed or finished.pause_asked or time.monotonic() >= turn_at:
+                    break
             return
         if not self.inflight:
             return
-        pace = self.pace
         wake_at = [pace.flushed_at + pace.record_delay_s] if self.finished else []
         if _unstarted(self.inflight, self.concurrency):
             wake_at.append(time.monotonic() + PAUSE_REFRESH_S)
