@@ -871,8 +871,21 @@ def claim_due(
     The payload comes back as text (``jsonb::text`` on PostgreSQL) and is sent as-is: decoding it to
     Python only to encode it again would cost time and could change it.
     """
-    stmt = _claim_statement(conn.dialect.name, token=token, limit=limit, claim_ms=claim_ms, topics=topics)
-    return list(conn.execute(stmt))
+    key = None if topics is None else tuple(sorted(topics))
+    return list(conn.execute(_due_claim(conn.dialect.name, limit, claim_ms, key), {"token": token}))
+
+
+@functools.lru_cache(maxsize=256)
+def _due_claim(dialect_name: str, limit: int, claim_ms: int, topics: tuple[str, ...] | None) -> sa.Update:
+    """:func:`claim_due`'s statement, its token a parameter (``token``): one object per shape, so a claim
+    neither copies the template to set its token nor walks a fresh statement for its cache key."""
+    return _claim_statement(
+        dialect_name,
+        token=sa.bindparam("token", type_=sa.String()),
+        limit=limit,
+        claim_ms=claim_ms,
+        topics=topics,
+    )
 
 
 @functools.lru_cache(maxsize=256)
