@@ -29,7 +29,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import re
-from collections.abc import Iterable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from importlib import metadata
 from typing import Any, NamedTuple
 
@@ -257,13 +257,13 @@ def sending(
     traced: TraceContext,
     *,
     system: str = _SYSTEM,
-    destination: tuple[str, Mapping[str, str]] | None = None,
+    destination: Callable[[], tuple[str, Mapping[str, str]]] | None = None,
 ) -> contextlib.AbstractContextManager[_Sending]:
     """Around one delivery attempt: the ``send {destination}`` span, linked to the row's creation context
     (when it has one). ``system``: the transport that sends (its ``messaging.system`` is
-    :data:`MESSAGING_SYSTEMS`'s; any other text is taken as it is). ``destination``: the broker's name
-    for where the row goes and its own attributes (``Route.span_destination``); None: the topic. Without
-    OpenTelemetry or a tracer provider, no span is started."""
+    :data:`MESSAGING_SYSTEMS`'s; any other text is taken as it is). ``destination``: gives the broker's
+    name for where the row goes and its own attributes (``Route.span_destination``), called only when a
+    span is started; None: the topic. Without OpenTelemetry or a tracer provider, no span is started."""
     if not _spans_recorded():
         return _NOT_SENDING
     return _send_span(topic, idempotency_key, traced, system, destination)
@@ -275,10 +275,10 @@ def _send_span(
     idempotency_key: str,
     traced: TraceContext,
     system: str,
-    destination: tuple[str, Mapping[str, str]] | None,
+    destination: Callable[[], tuple[str, Mapping[str, str]]] | None,
 ) -> Iterator[_Sending]:
     creation = _span_context_of(traced)
-    name, extra = destination if destination is not None else (topic, None)
+    name, extra = destination() if destination is not None else (topic, None)
     attributes = _attributes("send", name, MESSAGING_SYSTEMS.get(system, system), idempotency_key, extra)
     tracer = _tracer()
     with tracer.start_as_current_span(

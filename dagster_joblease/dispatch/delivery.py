@@ -5,6 +5,7 @@ deliveries beside the batch loop."""
 from __future__ import annotations
 
 import dataclasses
+import functools
 import logging
 import random
 import threading
@@ -114,7 +115,8 @@ class Sender:
     def _send(self, row: Claimed, route: Route, now: float) -> policy.Decision | None:
         """The transport's send in a span, judged; None: it started too late for its rate admission."""
         transport = self.transports[row.topic]
-        where = route.span_destination(row.topic, row.ordering_key)
+        # Named only when a span is recorded (a callable: no per-row work while nothing is traced).
+        where = functools.partial(route.span_destination, row.topic, row.ordering_key)
         with tracing.sending(
             row.topic, row.idempotency_key, row.trace, system=route.transport, destination=where
         ) as span:
