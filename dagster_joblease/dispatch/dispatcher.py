@@ -570,21 +570,27 @@ class _BatchLoop:
 
     def _collect(self) -> None:
         """Deliver queued rows (inline), or take the deliveries done (workers), until the next moment the
-        loop has something else to do: a record delay, a pause refresh, the poll for any due row, and
-        inline also a row that freed a limit group's slot or asked for a pause (a turn between two inline
-        rows would do nothing else: no worker is idle while rows are queued)."""
-        pace = self.pace
+        loop has something else to do: a record delay, a pause refresh, the poll for any due row."""
         if self.sender.pool is None:
-            turn_at = min(pace.flushed_at + pace.record_delay_s, pace.refresh_at)
-            finished = self.finished
-            while self.queue:
-                row = self.queue.pop(0)
-                finished.add([(row, self.sender.deliver(row))])
-                if finished.freed or finished.pause_asked or time.monotonic() >= turn_at:
-                    break
-            return
-        if not self.inflight:
-            return
+            self._deliver_queued()
+        elif self.inflight:
+            self._take_finished()
+
+    def _deliver_queued(self) -> None:
+        """Inline: deliver queued rows one after another until a row frees a limit group's slot or asks
+        for a pause, or the record delay or pause refresh is due (a turn between two inline rows would do
+        nothing else: no worker is idle while rows are queued)."""
+        pace, finished = self.pace, self.finished
+        turn_at = min(pace.flushed_at + pace.record_delay_s, pace.refresh_at)
+        while self.queue:
+            row = self.queue.pop(0)
+            finished.add([(row, self.sender.deliver(row))])
+            if finished.freed or finished.pause_asked or time.monotonic() >= turn_at:
+                return
+
+    def _take_finished(self) -> None:
+        """Workers: take the deliveries done by the next moment the loop has something else to do."""
+        pace = self.pace
         wake_at = [pace.flushed_at + pace.record_delay_s] if self.finished else []
         if _unstarted(self.inflight, self.concurrency):
             wake_at.append(time.monotonic() + PAUSE_REFRESH_S)
