@@ -28,7 +28,7 @@ import sqlalchemy as sa
 from dagster_joblease import errors
 from dagster_joblease.dispatch import capacity
 from dagster_joblease.dispatch.claims import Finished
-from dagster_joblease.dispatch.groups.kinds import GroupKind, Refill, Room, Shared, expire
+from dagster_joblease.dispatch.groups.kinds import GroupKind, Refill, Room, Shared, claim_failed, expire
 from dagster_joblease.dispatch.groups.locked import LockedGroup
 from dagster_joblease.dispatch.groups.swapping import SwappingGroup
 from dagster_joblease.dispatch.groups.unlimited import UnlimitedGroups
@@ -116,12 +116,7 @@ class LimitGroups:
         try:
             return self.claim(token, room, report, limited_only=limited_only, busy=busy)
         except errors.StorageError as exc:
-            logger.warning(
-                "a claim during the batch failed; the rows in flight go on: %s",
-                exc,
-                extra={"action": "dispatch_claim_failed"},
-            )
-            return Refill()
+            return claim_failed(exc)
 
     def complete(
         self, token: str, finished: list[Finished], room: Room, report: DispatchReport, busy: Collection[str]

@@ -98,6 +98,17 @@ class GroupKind(Protocol):
         ...
 
 
+def claim_failed(exc: Exception) -> Refill:
+    """A claim made while a batch runs failed: logged, nothing claimed; the rows in flight go on and the
+    next turn looks again."""
+    logger.warning(
+        "a claim during the batch failed; the rows in flight go on: %s",
+        exc,
+        extra={"action": "dispatch_claim_failed"},
+    )
+    return Refill()
+
+
 def absorb(report: DispatchReport, sub: DispatchReport) -> None:
     """Count what a committed claim reported (pauses seen, rows dead-lettered) into the batch's report."""
     report.paused.update(sub.paused)

@@ -17,7 +17,7 @@ from dagster_joblease import errors, limits
 from dagster_joblease.dispatch import capacity
 from dagster_joblease.dispatch.capacity import APPLIED_TRUST_S, SLOT_POLL_S
 from dagster_joblease.dispatch.claims import Claimed, Finished, StartWindow, from_row
-from dagster_joblease.dispatch.groups.kinds import Refill, Room, Shared, absorb, expire
+from dagster_joblease.dispatch.groups.kinds import Refill, Room, Shared, absorb, claim_failed, expire
 from dagster_joblease.dispatch.recorder import DispatchReport
 from dagster_joblease.storage import outbox as store
 from dagster_joblease.storage import route_groups
@@ -120,12 +120,7 @@ class LockedGroup:
                 expire(self.shared, conn, self.topics, sub)
                 refill = self.claim(conn, token, room, sub, busy)
         except errors.StorageError as exc:
-            logger.warning(
-                "a claim during the batch failed; the rows in flight go on: %s",
-                exc,
-                extra={"action": "dispatch_claim_failed"},
-            )
-            return Refill()
+            return claim_failed(exc)
         self.shared.timer.took()
         absorb(report, sub)
         return refill
